@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Sets webchat up in ./.venv: PyTorch (the CPU build where no NVIDIA GPU is present), the package, and with --test
+# the test dependencies and Debian's Chromium for the browser tests. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+with_tests=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) with_tests=1 ;;
+    *) echo "setup.sh: unknown argument '$arg' (expected --test)" >&2; exit 2 ;;
+  esac
+done
+
+py=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
+
+has_cuda=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_cuda=1; fi
+
+# PyTorch first, so that the package's `torch` range is already satisfied and pip pulls nothing bigger.
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  if [ "$has_cuda" = 1 ]; then
+    "${pip[@]}" install "${WEBCHAT_TORCH:-torch}"
+  else
+    # The CPU build. Where PyPI serves only CUDA builds, point pip at a CPU index with PIP_EXTRA_INDEX_URL.
+    "${pip[@]}" install "${WEBCHAT_TORCH:-torch==2.13.0}"
+  fi
+fi
+
+extras=""
+[ "$with_tests" = 1 ] && extras="test"
+[ "$has_cuda" = 1 ] && extras="${extras:+$extras,}cuda"
+"${pip[@]}" install -e ".${extras:+[$extras]}"
+
+if [ "$with_tests" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+echo "webchat is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
