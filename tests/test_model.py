@@ -1,0 +1,144 @@
+"""The model runtime on tiny models: incremental decoding, the cache, architectures, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from webchat.config import ModelConfigError
+from webchat.loader import ModelLoadError, load_model
+from webchat.tiny import make_tiny_model, make_tiny_weights, tiny_config
+
+
+def variant(tmp_path: Path, tiny_model_dir: Path, arch: str, **cfg_changes: Any) -> Path:
+    """The tiny model's folder with a changed config, weights regenerated to fit (q/k/v biases for Qwen2)."""
+    out = tmp_path / arch
+    shutil.copytree(tiny_model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    model_type = {"MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}.get(arch, "llama")
+    cfg.update(architectures=[arch], model_type=model_type, **cfg_changes)
+    weights = make_tiny_weights(tiny_config(cfg["vocab_size"]), seed=1)
+    if arch == "Qwen2ForCausalLM":
+        g = torch.Generator().manual_seed(2)
+        for i in range(cfg["num_hidden_layers"]):
+            for proj, n in (("q", cfg["num_attention_heads"]), ("k", cfg["num_key_value_heads"]), ("v", 2)):
+                rows = n * cfg["head_dim"]
+                weights[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = torch.randn(rows, generator=g) * 0.5
+    if cfg.get("tie_word_embeddings"):
+        del weights["lm_head.weight"]
+    save_file(weights, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def reference_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return ref(ids.unsqueeze(0)).logits[0].float()  # type: ignore[no-any-return]
+
+
+IDS = torch.tensor([1, 17, 99, 250, 3, 44, 300, 12, 7, 480, 2, 64])
+
+
+def test_incremental_decoding_matches_one_full_forward(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    full = model(IDS, model.new_cache(64))
+    cache = model.new_cache(64)
+    parts = [model(IDS[:5], cache), model(IDS[5:8], cache)] + [model(IDS[i : i + 1], cache) for i in range(8, 12)]
+    assert cache.length == len(IDS)
+    torch.testing.assert_close(torch.cat(parts), full, atol=1e-4, rtol=1e-4)
+    assert model(IDS, model.new_cache(64), last_only=True).shape == (1, model.args.vocab_size)
+
+
+def test_cache_truncate_and_copy_rewind_exactly(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    cache = model.new_cache(32)
+    model(IDS[:6], cache)
+    snapshot = cache.copy()
+    a = model(IDS[6:9], cache)
+    cache.truncate(6)
+    b = model(IDS[6:9], cache)
+    c = model(IDS[6:9], snapshot)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    torch.testing.assert_close(a, c, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cannot truncate a cache of length 9 to 10"):
+        cache.truncate(10)
+    with pytest.raises(ValueError, match="overflow the cache of 32"):
+        model(torch.arange(30), cache)
+
+
+def test_truncated_model_shares_weights_and_runs(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    draft = model.truncated(1)
+    assert draft.args.n_layers == 1 and len(draft.layers) == 1 and len(model.layers) == 2
+    assert draft.output.weight.data_ptr() == model.output.weight.data_ptr()
+    assert draft(IDS, draft.new_cache(32)).shape == (len(IDS), model.args.vocab_size)
+    with pytest.raises(ValueError, match=r"n_layers must be in \[1, 2\], got 3"):
+        model.truncated(3)
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes"),
+    [
+        ("LlamaForCausalLM", {}),
+        ("LlamaForCausalLM", {"tie_word_embeddings": True}),
+        ("MistralForCausalLM", {}),
+        ("Qwen2ForCausalLM", {}),
+        (
+            "LlamaForCausalLM",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
+    ],
+    ids=["llama", "llama-tied", "mistral", "qwen2-bias", "llama3-rope"],
+)
+def test_architectures_match_transformers(tmp_path: Path, tiny_model_dir: Path, arch: str, changes: Any) -> None:
+    path = variant(tmp_path, tiny_model_dir, arch, **changes)
+    ids = torch.randint(3, 500, (200,), generator=torch.Generator().manual_seed(0))
+    ours = load_model(path)(ids, load_model(path).new_cache(256))
+    torch.testing.assert_close(ours, reference_logits(path, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_architecture_is_refused_by_name(tmp_path: Path, tiny_model_dir: Path) -> None:
+    path = variant(tmp_path, tiny_model_dir, "GPT2LMHeadModel")
+    with pytest.raises(ModelConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(path)
+
+
+def test_missing_and_misshapen_tensors_are_named(tmp_path: Path, tiny_model_dir: Path) -> None:
+    path = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, path)
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor\(s\) layers\.1\.feed_forward\.w3\.weight"):
+        load_model(path)
+    weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(7, 64)
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.up_proj.weight' has shape \(7, 64\), expected"):
+        load_model(path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_model(path)
+
+
+def test_missing_folder_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        load_model(tmp_path / "does-not-exist")
+
+
+def test_tiny_model_is_made_in_a_fresh_folder(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path / "t")
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
