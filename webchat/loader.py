@@ -98,6 +98,10 @@ def load_model(
         model.output.weight = model.tok_embeddings.weight
     model.eval()
     model.setup_rope(args.max_seq_len)
+    if device.type == "cuda":  # CudaOps kernels and CUDA graphs where CuPy is installed (webchat.cuda_backend)
+        from webchat.cuda_backend import enable_cuda_backend
+
+        enable_cuda_backend(model)
     return model
 
 

@@ -78,6 +78,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
+        # CUDA backend hook (webchat.cuda_backend.GraphRunner): replays captured CUDA graphs; None = always eager
+        self.runner: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -118,8 +120,24 @@ class Transformer(nn.Module):
             raise ValueError(f"{t} tokens at position {start} overflow the cache of {cache.capacity}")
         if len(cache.k) != len(self.layers):
             raise ValueError(f"cache has {len(cache.k)} layers, model has {len(self.layers)}")
-        ops, eps = self.ops, self.args.norm_eps
+        if self.runner is not None:
+            logits = self.runner(self, tokens, cache, last_only)  # None: not a graphed step, run eagerly
+            if logits is not None:
+                return logits  # type: ignore[no-any-return]
         rope = (self.rope_cos[start : start + t], self.rope_sin[start : start + t])
+        logits = self.layers_forward(tokens, cache, start, rope, last_only)
+        cache.length = start + t
+        return logits
+
+    def layers_forward(
+        self, tokens: torch.Tensor, cache: KVCache, start: int | torch.Tensor, rope: tuple[torch.Tensor, ...],
+        last_only: bool,
+    ) -> torch.Tensor:
+        """Blocks, final norm and head for tokens at positions start..; leaves cache.length alone.
+
+        start may be a one-element int32 CUDA tensor (with CudaOps), so a captured CUDA graph replays at any position.
+        """
+        ops, eps = self.ops, self.args.norm_eps
         residual = self.tok_embeddings(tokens)  # (T, dim)
         out: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -130,7 +148,6 @@ class Transformer(nn.Module):
             out = layer.attention(y, cache.k[i], cache.v[i], start, rope, ops)
             y, residual = ops.add_rms_norm(out, residual, layer.ffn_norm.weight, eps)
             out = layer.feed_forward(y, ops)
-        cache.length = start + t
         assert out is not None
         if last_only:
             out, residual = out[-1:], residual[-1:]

@@ -1,0 +1,116 @@
+// @ts-check
+/** The websocket to `/ws` (docs/protocol.md): JSON frames, connection state, automatic reconnect with backoff. */
+
+/**
+ * @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnState
+ * @typedef {{type: "hello", v: number, model: string, context_length: number, device: string, dtype: string,
+ *            speculative: string[], max_alternatives: number}} Hello
+ * @typedef {{id: number, text: string, p: number, rank: number, top: {id: number, text: string, p: number}[]}} WireToken
+ * @typedef {{type: "queued", id: string, position: number}
+ *         | {type: "start", id: string, prompt_tokens: number, reused_tokens: number}
+ *         | {type: "chunk", id: string, text: string, tokens?: WireToken[]}
+ *         | {type: "done", id: string, reason: string, trigger?: unknown, stats: import("./store.js").Stats}
+ *         | {type: "error", id: string | null, code: string, message: string}
+ *         | Hello} ServerMessage
+ * @typedef {{onState: (state: ConnState, detail: string) => void, onMessage: (msg: ServerMessage) => void,
+ *            onClose: () => void}} Handlers
+ */
+
+/** Protocol version this page speaks. */
+export const PROTOCOL_VERSION = 1;
+const BACKOFF_MS = [250, 500, 1000, 2000, 4000, 8000];
+
+/** One websocket, reopened after it closes (backoff 0.25 s → 8 s; at once when the tab becomes visible). */
+export class Connection {
+  /**
+   * @param {string} url
+   * @param {Handlers} handlers
+   */
+  constructor(url, handlers) {
+    this.url = url;
+    this.handlers = handlers;
+    /** @type {WebSocket | null} */
+    this.ws = null;
+    this.attempt = 0;
+    /** @type {number | undefined} */
+    this.timer = undefined;
+    /** @type {ConnState} */
+    this.state = "closed";
+    document.addEventListener("visibilitychange", () => {
+      if (document.visibilityState === "visible" && this.state === "reconnecting") this.reconnectNow();
+    });
+    window.addEventListener("online", () => this.reconnectNow());
+  }
+
+  /** @param {ConnState} state @param {string} detail */
+  setState(state, detail) {
+    this.state = state;
+    this.handlers.onState(state, detail);
+  }
+
+  open() {
+    window.clearTimeout(this.timer);
+    this.setState(this.attempt === 0 ? "connecting" : "reconnecting", "connecting…");
+    const ws = new WebSocket(this.url);
+    this.ws = ws;
+    ws.addEventListener("open", () => {
+      this.attempt = 0;
+      this.setState("open", "connected");
+    });
+    ws.addEventListener("message", (ev) => this.receive(ev.data));
+    ws.addEventListener("close", () => {
+      if (this.ws !== ws) return;
+      this.ws = null;
+      this.handlers.onClose();
+      this.scheduleReconnect();
+    });
+  }
+
+  /** @param {unknown} data */
+  receive(data) {
+    if (typeof data !== "string") return;
+    let msg;
+    try {
+      msg = JSON.parse(data);
+    } catch {
+      console.warn("webchat: a frame that is not JSON", data);
+      return;
+    }
+    if (msg && typeof msg === "object" && typeof msg.type === "string") this.handlers.onMessage(msg);
+  }
+
+  scheduleReconnect() {
+    const delay = BACKOFF_MS[Math.min(this.attempt, BACKOFF_MS.length - 1)];
+    this.attempt += 1;
+    this.setState("reconnecting", `reconnecting in ${(delay / 1000).toFixed(delay < 1000 ? 2 : 0)} s`);
+    this.timer = window.setTimeout(() => this.open(), delay);
+  }
+
+  reconnectNow() {
+    if (this.ws !== null) return;
+    window.clearTimeout(this.timer);
+    this.open();
+  }
+
+  /** @returns {boolean} */
+  get isOpen() {
+    return this.ws !== null && this.ws.readyState === WebSocket.OPEN;
+  }
+
+  /**
+   * Sends one message; false when the socket is not open (nothing is sent).
+   * @param {Record<string, unknown>} msg
+   * @returns {boolean}
+   */
+  send(msg) {
+    if (!this.isOpen || this.ws === null) return false;
+    this.ws.send(JSON.stringify(msg));
+    return true;
+  }
+}
+
+/** @returns {string} ws:// or wss:// URL of `/ws` on the page's own origin */
+export function socketUrl() {
+  const proto = location.protocol === "https:" ? "wss:" : "ws:";
+  return `${proto}//${location.host}/ws`;
+}

@@ -1,0 +1,229 @@
+// @ts-check
+/** Per-token heatmap: colour scales (pure functions), the legend and the alternatives popover. */
+
+/**
+ * @typedef {{id?: number, text: string, p: number}} Alt
+ * @typedef {{id?: number, text: string, p: number, rank: number, top: Alt[], parts?: number}} Tok
+ *   One displayed token. `parts` > 1 when a character split over several byte tokens was merged into this one span:
+ *   then `p` is the joint probability (product of the parts), `rank` the worst rank and `top` the first part's.
+ * @typedef {"prob" | "rank" | "entropy"} HeatMode
+ */
+
+/** Viridis (matplotlib), 10 stops at i/9: dark purple (0) → yellow (1). Colour-blind safe, monotone in lightness. */
+const VIRIDIS = [
+  [68, 1, 84], [72, 40, 120], [62, 73, 137], [49, 104, 142], [38, 130, 142],
+  [31, 158, 137], [53, 183, 121], [110, 206, 88], [181, 222, 43], [253, 231, 37],
+];
+
+/** Entropy (bits) at which the entropy scale saturates. */
+export const ENTROPY_MAX_BITS = 4;
+/** Rank at which the rank scale saturates (log scale: 1 → best, RANK_MAX → worst). */
+export const RANK_MAX = 1000;
+
+/**
+ * Viridis colour of t in [0, 1] (clamped), linear interpolation between the stops.
+ * @param {number} t
+ * @returns {number[]} [r, g, b]
+ */
+export function viridis(t) {
+  const x = Math.min(1, Math.max(0, Number.isFinite(t) ? t : 0)) * (VIRIDIS.length - 1);
+  const i = Math.min(VIRIDIS.length - 2, Math.floor(x));
+  const f = x - i;
+  return VIRIDIS[i].map((c, k) => Math.round(c + (VIRIDIS[i + 1][k] - c) * f));
+}
+
+/** @param {number[]} rgb @returns {string} */
+const css = (rgb) => `rgb(${rgb[0]}, ${rgb[1]}, ${rgb[2]})`;
+
+/**
+ * Background colour for a token of probability p: viridis(p), low = dark purple, high = yellow.
+ * @param {number} p
+ * @returns {string}
+ */
+export function probColor(p) {
+  return css(viridis(p));
+}
+
+/**
+ * Readable text colour on top of viridis(t): relative luminance Y = 0.2126 R + 0.7152 G + 0.0722 B (sRGB, linearised).
+ * @param {number} t
+ * @returns {string}
+ */
+export function textColorOn(t) {
+  const lin = viridis(t).map((c) => {
+    const s = c / 255;
+    return s <= 0.04045 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4;
+  });
+  const y = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2];
+  return y > 0.18 ? "#111" : "#fff";
+}
+
+/**
+ * Rank on the colour scale: t = 1 - log10(rank) / log10(RANK_MAX); rank 1 → 1 (yellow), ≥ RANK_MAX → 0.
+ * @param {number} rank
+ * @returns {number}
+ */
+export function rankScale(rank) {
+  if (!(rank >= 1)) return 0;
+  return Math.max(0, 1 - Math.log10(rank) / Math.log10(RANK_MAX));
+}
+
+/**
+ * A lower bound on the entropy H = -Σ p log2 p (bits) of the distribution, known only through its top alternatives.
+ * Every unseen token has p_j ≤ p_min (the smallest listed), so Σ_unseen -p_j log2 p_j ≥ r · -log2 p_min
+ * with r = 1 - Σ_listed p the unseen mass.
+ * @param {Alt[]} top
+ * @returns {number}
+ */
+export function entropyLowerBound(top) {
+  let h = 0;
+  let mass = 0;
+  let pMin = 1;
+  for (const a of top) {
+    if (a.p > 0) {
+      h -= a.p * Math.log2(a.p);
+      mass += a.p;
+      pMin = Math.min(pMin, a.p);
+    }
+  }
+  const rest = Math.max(0, 1 - mass);
+  if (rest > 1e-9 && pMin < 1) h += rest * -Math.log2(pMin);
+  return h;
+}
+
+/**
+ * Position on the colour scale of a token in a mode; 1 = confident (yellow), 0 = surprising (purple).
+ * @param {Tok} tok
+ * @param {HeatMode} mode
+ * @returns {number}
+ */
+export function heatValue(tok, mode) {
+  if (mode === "rank") return rankScale(tok.rank);
+  if (mode === "entropy") return 1 - Math.min(1, entropyLowerBound(tok.top) / ENTROPY_MAX_BITS);
+  return tok.p;
+}
+
+/**
+ * Sets a token span's colours for every mode as CSS custom properties; the stylesheet picks the active one.
+ * @param {HTMLElement} span
+ * @param {Tok} tok
+ */
+export function paintToken(span, tok) {
+  for (const mode of /** @type {HeatMode[]} */ (["prob", "rank", "entropy"])) {
+    const t = heatValue(tok, mode);
+    span.style.setProperty(`--bg-${mode}`, probColor(t));
+    span.style.setProperty(`--fg-${mode}`, textColorOn(t));
+  }
+}
+
+/** @type {Record<HeatMode, {label: string, low: string, high: string, note: string}>} */
+const LEGENDS = {
+  prob: { label: "Probability", low: "0%", high: "100%", note: "the model's probability of each token" },
+  rank: { label: "Rank", low: `≥ ${RANK_MAX}`, high: "1", note: "rank of each token among all candidates (log scale)" },
+  entropy: {
+    label: "Entropy", low: `≥ ${ENTROPY_MAX_BITS} bits`, high: "0 bits",
+    note: "entropy of the next-token distribution; a lower-bound estimate from the top alternatives",
+  },
+};
+
+/**
+ * Fills the legend element: a gradient bar with the scale's two ends.
+ * @param {HTMLElement} el
+ * @param {HeatMode} mode
+ */
+export function renderLegend(el, mode) {
+  const spec = LEGENDS[mode];
+  el.replaceChildren();
+  const name = document.createElement("span");
+  name.className = "legend-name";
+  name.textContent = spec.label;
+  const low = document.createElement("span");
+  low.textContent = spec.low;
+  const bar = document.createElement("span");
+  bar.className = "legend-bar";
+  const stops = [0, 0.25, 0.5, 0.75, 1].map((t) => probColor(t)).join(", ");
+  bar.style.backgroundImage = `linear-gradient(to right, ${stops})`;
+  const high = document.createElement("span");
+  high.textContent = spec.high;
+  el.append(name, low, bar, high);
+  el.title = `Colour: ${spec.note}. Hover, focus or tap a token for its alternatives.`;
+}
+
+/**
+ * Shows whitespace in a token: space → ␣, newline → ↵, tab → ⇥; the empty string → ∅.
+ * @param {string} text
+ * @returns {string}
+ */
+export function visibleToken(text) {
+  if (text === "") return "∅";
+  return text.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥");
+}
+
+/**
+ * Percentage with one decimal, or "<0.1" for tiny values.
+ * @param {number} p
+ * @returns {string}
+ */
+export function percent(p) {
+  const v = Math.max(0, Math.min(100, p * 100));
+  return v > 0 && v < 0.1 ? "<0.1%" : `${v.toFixed(1)}%`;
+}
+
+/**
+ * Fills the popover with one token's probability, rank, entropy bound and its alternatives sorted by p descending.
+ * @param {HTMLElement} pop
+ * @param {Tok} tok
+ */
+export function fillPopover(pop, tok) {
+  pop.replaceChildren();
+  const head = document.createElement("div");
+  head.className = "pop-head";
+  const code = document.createElement("code");
+  code.dataset.testid = "popover-token";
+  code.textContent = visibleToken(tok.text);
+  const prob = document.createElement("span");
+  prob.dataset.testid = "popover-p";
+  prob.textContent = percent(tok.p);
+  head.append(code, prob);
+  const meta = document.createElement("div");
+  meta.className = "pop-meta";
+  const bits = entropyLowerBound(tok.top).toFixed(2);
+  meta.textContent = `rank ${tok.rank} · entropy ≥ ${bits} bits` + (tok.parts && tok.parts > 1 ? ` · ${tok.parts} byte tokens` : "");
+  const list = document.createElement("ol");
+  list.className = "pop-alts";
+  const alts = [...tok.top].sort((a, b) => b.p - a.p);
+  for (const alt of alts) {
+    const li = document.createElement("li");
+    li.dataset.testid = "alt";
+    li.dataset.p = String(alt.p);
+    if (tok.id !== undefined ? alt.id === tok.id : alt.text === tok.text) li.className = "chosen";
+    const t = document.createElement("code");
+    t.textContent = visibleToken(alt.text);
+    const bar = document.createElement("span");
+    bar.className = "alt-bar";
+    bar.style.width = `${Math.max(1, alt.p * 100)}%`;
+    const pct = document.createElement("span");
+    pct.className = "alt-pct";
+    pct.dataset.testid = "alt-pct";
+    pct.textContent = percent(alt.p);
+    li.append(t, bar, pct);
+    list.append(li);
+  }
+  pop.append(head, meta, list);
+}
+
+/**
+ * Places the popover under (or, without room, above) the anchor, kept inside the viewport.
+ * @param {HTMLElement} pop
+ * @param {HTMLElement} anchor
+ */
+export function placePopover(pop, anchor) {
+  const r = anchor.getBoundingClientRect();
+  const w = pop.offsetWidth;
+  const h = pop.offsetHeight;
+  const left = Math.min(Math.max(8, r.left), window.innerWidth - w - 8);
+  const below = r.bottom + 6;
+  const top = below + h > window.innerHeight - 8 ? Math.max(8, r.top - h - 6) : below;
+  pop.style.left = `${left}px`;
+  pop.style.top = `${top}px`;
+}

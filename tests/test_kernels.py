@@ -1,0 +1,409 @@
+"""Each CUDA kernel against its PyTorch reference (webchat.ops.TorchOps) on fresh random inputs, outputs poisoned
+beforehand; and, on any machine, the wrappers' input checks and launch geometry."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from webchat.gpu import CudaOps, KernelInputError, KernelUnavailable, kernel_source
+from webchat.gpu import ops as gops
+from webchat.gpu.loader import GPU_DIR
+from webchat.gpu.sampler import CudaSampler, make_sampler, plan_adjust, plan_count, typical_mask
+from webchat.gpu.sampler import truncate as sampler_truncate
+
+from webchat.ops import TorchOps
+from webchat.sampling import Choice, Sampler, SamplingSettings, _truncate, _typical_mask
+
+HAS_CUDA = torch.cuda.is_available()
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (rtol, atol): about two units in the last place of each dtype
+TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float32: (1e-5, 1e-5)}
+ATTN_TOL = {torch.float16: (4e-3, 2e-3), torch.bfloat16: (3e-2, 1.6e-2), torch.float32: (1e-4, 2e-5)}
+
+
+def gpu_ops() -> CudaOps:
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    try:
+        return CudaOps("cuda")
+    except KernelUnavailable as e:
+        pytest.skip(f"CUDA device present but the kernels cannot run: {e}")
+
+
+@pytest.fixture(scope="module")
+def ops() -> CudaOps:
+    return gpu_ops()
+
+
+def rand(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float]) -> None:
+    assert not actual.isnan().any(), f"{int(actual.isnan().sum())} of {actual.numel()} outputs unwritten (NaN)"
+    torch.testing.assert_close(actual, expected, rtol=tol[0], atol=tol[1])
+
+
+# ---- on the GPU: kernel vs reference ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 4096), (2, 33), (5, 1000)])
+def test_rms_norm_and_add_rms_norm(ops: CudaOps, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.manual_seed(shape[0] * 10_000 + shape[1])
+    x, res, w = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype, scale=3.0), rand(shape[1], dtype=dtype)
+    close(ops.rms_norm(x, w, 1e-5, out=nan_like(x)), TorchOps.rms_norm(x, w, 1e-5), TOL[dtype])
+    y, r = ops.add_rms_norm(x, res, w, 1e-6, out=nan_like(x), residual_out=nan_like(x))
+    y_ref, r_ref = TorchOps.add_rms_norm(x, res, w, 1e-6)
+    close(r, r_ref, TOL[dtype])
+    close(y, y_ref, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", [(1, 9, 3, 64), (5, 4, 2, 16), (3, 32, 8, 128), (2, 6, 6, 80), (1, 3, 1, 2)])
+def test_rope_in_place(ops: CudaOps, dtype: torch.dtype, dims: tuple[int, int, int, int]) -> None:
+    t, n_heads, n_kv, hd = dims
+    torch.manual_seed(sum(dims))
+    q, k = rand(t, n_heads, hd, dtype=dtype), rand(t, n_kv, hd, dtype=dtype)
+    angles = torch.rand(t, hd // 2, device="cuda") * 100.0
+    cos, sin = angles.cos(), angles.sin()
+    q_ref, k_ref = TorchOps.rope(q.clone(), k.clone(), cos, sin)
+    q_out, k_out = ops.rope(q, k, cos, sin)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place
+    close(q, q_ref, TOL[dtype])
+    close(k, k_ref, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1536), (7, 128), (3, 14336), (1, 1), (5, 333)])
+def test_silu_mul(ops: CudaOps, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.manual_seed(shape[1])
+    gate, up = rand(*shape, dtype=dtype, scale=4.0), rand(*shape, dtype=dtype)
+    close(ops.silu_mul(gate, up, out=nan_like(gate)), TorchOps.silu_mul(gate, up), TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device_start", [False, True])
+@pytest.mark.parametrize("case", [(1, 3, 64, 0, 40), (4, 2, 16, 37, 41), (3, 8, 128, 500, 1024), (2, 5, 80, 7, 9)])
+def test_kv_append(ops: CudaOps, dtype: torch.dtype, device_start: bool, case: tuple[int, ...]) -> None:
+    t, n_kv, hd, start, capacity = case
+    torch.manual_seed(sum(case))
+    k, v = rand(t, n_kv, hd, dtype=dtype), rand(t, n_kv, hd, dtype=dtype)
+    cache_k = torch.full((n_kv, capacity, hd), float("nan"), device="cuda", dtype=dtype)
+    cache_v = cache_k.clone()
+    ref_k, ref_v = cache_k.clone(), cache_v.clone()
+    TorchOps.kv_append(ref_k, ref_v, k, v, start)
+    pos = torch.tensor([start], device="cuda", dtype=torch.int32) if device_start else start
+    ops.kv_append(cache_k, cache_v, k, v, pos)
+    torch.testing.assert_close(cache_k, ref_k, rtol=0, atol=0, equal_nan=True)  # untouched rows stay NaN
+    torch.testing.assert_close(cache_v, ref_v, rtol=0, atol=0, equal_nan=True)
+
+
+ATTN_CASES = [  # (T, n_heads, n_kv, head_dim, start, capacity)
+    (1, 9, 3, 64, 0, 40),
+    (1, 9, 3, 64, 37, 64),
+    (3, 4, 2, 16, 100, 128),
+    (5, 32, 8, 128, 1000, 1100),
+    (2, 6, 6, 80, 513, 600),
+    (1, 14, 2, 256, 3000, 3001),
+    (4, 8, 1, 96, 0, 17),
+]
+
+
+def attention_inputs(case: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, n_heads, n_kv, hd, start, capacity = case
+    torch.manual_seed(sum(case))
+    q = rand(t, n_heads, hd, dtype=dtype, scale=2.0)
+    cache_k = torch.full((n_kv, capacity, hd), float("nan"), device="cuda", dtype=dtype)  # unread beyond start+T
+    cache_v = cache_k.clone()
+    cache_k[:, : start + t] = rand(n_kv, start + t, hd, dtype=dtype, scale=2.0)
+    cache_v[:, : start + t] = rand(n_kv, start + t, hd, dtype=dtype)
+    return q, cache_k, cache_v
+
+
+def attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, start: int) -> torch.Tensor:
+    # float32 of the same inputs, rounded once to the dtype: the truth both implementations approximate
+    return TorchOps.attention(q.float(), cache_k.float(), cache_v.float(), start).to(q.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device_start", [False, True])
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_attention(ops: CudaOps, dtype: torch.dtype, device_start: bool, case: tuple[int, ...]) -> None:
+    q, cache_k, cache_v = attention_inputs(case, dtype)
+    start = case[4]
+    pos = torch.tensor([start], device="cuda", dtype=torch.int32) if device_start else start
+    out = ops.attention(q, cache_k, cache_v, pos, out=nan_like(q))
+    close(out, attention_reference(q, cache_k, cache_v, start), ATTN_TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_attention_graph_replays_at_any_position(ops: CudaOps) -> None:
+    # captured once with a device-side start; replayed at other positions it must follow the new length
+    q, cache_k, cache_v = attention_inputs((1, 8, 2, 64, 299, 300), torch.float16)
+    pos = torch.zeros(1, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.attention(q, cache_k, cache_v, pos, out=out)  # warm-up: compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.attention(q, cache_k, cache_v, pos, out=out)
+    for start in (0, 5, 150, 299):
+        pos.fill_(start)
+        out.fill_(float("nan"))
+        graph.replay()
+        close(out, attention_reference(q, cache_k, cache_v, start), ATTN_TOL[torch.float16])
+
+
+# ---- anywhere: input checks, launch geometry, sources ----
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.launches: list[tuple[gops.Launch, Sequence[np.generic]]] = []
+
+    def __call__(self, plan: gops.Launch, args: Sequence[np.generic]) -> None:
+        self.launches.append((plan, args))
+
+
+@pytest.fixture
+def cpu_ops() -> tuple[CudaOps, Recorder]:
+    rec = Recorder()
+    return CudaOps("cpu", launcher=rec, n_sm=132), rec
+
+
+def test_cuda_ops_without_a_device_or_cupy_says_why() -> None:
+    if HAS_CUDA:
+        pytest.skip("a CUDA device is present; this checks the refusal on machines without one")
+    with pytest.raises(KernelUnavailable, match="CuPy|CUDA device"):
+        CudaOps("cuda")
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda o: o.rms_norm(torch.zeros(2, 8), torch.ones(8, dtype=torch.float16), 1e-5),
+         r"w must have dtype torch.float32, got torch.float16"),
+        (lambda o: o.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-5), r"w must have shape \(8\), got \(7,\)"),
+        (lambda o: o.rms_norm(torch.zeros(8, 2).t(), torch.ones(8), 1e-5), r"x must be contiguous, got strides"),
+        (lambda o: o.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-5),
+         r"x must be float16, bfloat16 or float32, got torch.float64"),
+        (lambda o: o.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-5),
+         r"residual must have shape \(2, 8\), got \(3, 8\)"),
+        (lambda o: o.rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-5, out=torch.zeros(2, 8, dtype=torch.float16)),
+         r"out must have dtype torch.float32, got torch.float16"),
+        (lambda o: o.rope(torch.zeros(2, 4, 16), torch.zeros(3, 2, 16), torch.zeros(2, 8), torch.zeros(2, 8)),
+         r"k must have shape \(2, \*, 16\), got \(3, 2, 16\)"),
+        (lambda o: o.rope(torch.zeros(2, 4, 16), torch.zeros(2, 2, 16), torch.zeros(2, 16), torch.zeros(2, 8)),
+         r"cos must have shape \(2, 8\), got \(2, 16\)"),
+        (lambda o: o.rope(torch.zeros(2, 4, 15), torch.zeros(2, 2, 15), torch.zeros(2, 7), torch.zeros(2, 7)),
+         r"head_dim even, got \(2, 4, 15\)"),
+        (lambda o: o.rope(torch.zeros(2, 4, 16), torch.zeros(2, 2, 16), torch.zeros(2, 8).double(), torch.zeros(2, 8)),
+         r"cos must have dtype torch.float32, got torch.float64"),
+        (lambda o: o.silu_mul(torch.zeros(3, 5), torch.zeros(3, 6)), r"up must have shape \(3, 5\), got \(3, 6\)"),
+        (lambda o: o.silu_mul(torch.zeros(5, 3).t(), torch.zeros(3, 5)), r"gate must be contiguous"),
+        (lambda o: o.kv_append(torch.zeros(2, 10, 4), torch.zeros(2, 10, 4), torch.zeros(3, 2, 4),
+                               torch.zeros(3, 2, 4), 8), r"positions 8..10 must lie in the cache of 10"),
+        (lambda o: o.kv_append(torch.zeros(2, 10, 4), torch.zeros(2, 10, 4), torch.zeros(3, 2, 4),
+                               torch.zeros(3, 2, 4), -1), r"positions -1..1 must lie in the cache of 10"),
+        (lambda o: o.kv_append(torch.zeros(2, 10, 4), torch.zeros(2, 10, 4), torch.zeros(3, 1, 4),
+                               torch.zeros(3, 1, 4), 0), r"k must have shape \(\*, 2, 4\), got \(3, 1, 4\)"),
+        (lambda o: o.kv_append(torch.zeros(2, 10, 4), torch.zeros(2, 10, 4), torch.zeros(1, 2, 4),
+                               torch.zeros(1, 2, 4), torch.zeros(1, dtype=torch.int64)),
+         r"start tensor must be int32 with one element, got torch.int64"),
+        (lambda o: o.kv_append(torch.zeros(2, 10, 4), torch.zeros(2, 10, 4), torch.zeros(1, 2, 4),
+                               torch.zeros(1, 2, 4), 1.0), r"start must be an int or an int32 tensor, got float"),
+        (lambda o: o.attention(torch.zeros(1, 3, 4), torch.zeros(2, 10, 4), torch.zeros(2, 10, 4), 0),
+         r"n_heads a multiple of n_kv, got T=1, 3 and 2"),
+        (lambda o: o.attention(torch.zeros(1, 2, 512), torch.zeros(2, 10, 512), torch.zeros(2, 10, 512), 0),
+         r"head_dim must be at most 256, got 512"),
+        (lambda o: o.attention(torch.zeros(1, 2, 4), torch.zeros(2, 10, 4), torch.zeros(2, 9, 4), 0),
+         r"cache_v must have shape \(2, 10, 4\), got \(2, 9, 4\)"),
+        (lambda o: o.attention(torch.zeros(2, 2, 4), torch.zeros(2, 10, 4), torch.zeros(2, 10, 4), 9),
+         r"positions 9..10 must lie in the cache of 10"),
+    ],
+)  # fmt: skip
+def test_wrappers_reject_bad_inputs_naming_expected_and_actual(
+    cpu_ops: tuple[CudaOps, Recorder], call: object, message: str
+) -> None:
+    ops, rec = cpu_ops
+    with pytest.raises(KernelInputError, match=message):
+        call(ops)  # type: ignore[operator]
+    assert rec.launches == []  # nothing launched on a rejected input
+
+
+def test_wrappers_reject_tensors_on_another_device() -> None:
+    ops = CudaOps("meta", launcher=Recorder(), n_sm=1)  # CPU tensors are then "on the wrong device"
+    with pytest.raises(KernelInputError, match=r"x must be on meta, got cpu"):
+        ops.rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-5)
+
+
+def test_launch_geometry_covers_every_element(cpu_ops: tuple[CudaOps, Recorder]) -> None:
+    ops, rec = cpu_ops
+    x = torch.zeros(5, 333)
+    ops.rms_norm(x, torch.ones(333), 1e-5)
+    ops.silu_mul(x, x)
+    q, k = torch.zeros(3, 9, 64), torch.zeros(3, 3, 64)
+    ops.rope(q, k, torch.zeros(3, 32), torch.zeros(3, 32))
+    ops.kv_append(torch.zeros(3, 40, 64), torch.zeros(3, 40, 64), k, k, 37)
+    norm, silu, rope, append = (p for p, _ in rec.launches)
+    assert norm.grid[0] == 5 and norm.block[0] % 32 == 0 and norm.block[0] <= 1024
+    assert silu.grid[0] * silu.block[0] >= x.numel()
+    assert rope.grid[0] * rope.block[0] >= 3 * (9 + 3) * 32
+    assert append.grid[0] * append.block[0] >= k.numel()
+
+
+def test_attention_splits_fill_the_device_and_shrink_for_short_caches(cpu_ops: tuple[CudaOps, Recorder]) -> None:
+    ops, rec = cpu_ops
+    q = torch.zeros(1, 9, 64)
+    cache = torch.zeros(3, 4096, 64)
+    ops.attention(q, cache, cache, 3000)
+    ops.attention(q, cache, cache, 0)
+    ops.attention(q, cache, cache, torch.zeros(1, dtype=torch.int32))
+    long_, short, graph = (p for p, _ in rec.launches[::2])
+    assert long_.grid == (30, 9, 1)  # ceil(2 * 132 / 9) splits
+    assert short.grid == (1, 9, 1)  # a single key: one split
+    assert graph.grid == (30, 9, 1)  # device start: sized for the whole cache
+    assert all(1 <= gops.n_splits(n, r, 132) <= gops.MAX_SPLITS for n in (1, 17, 10**6) for r in (1, 9, 256))
+
+
+def test_rms_norm_on_zero_rows_launches_nothing(cpu_ops: tuple[CudaOps, Recorder]) -> None:
+    ops, rec = cpu_ops
+    assert ops.rms_norm(torch.zeros(0, 8), torch.ones(8), 1e-5).shape == (0, 8)
+    assert rec.launches == []
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in GPU_DIR.glob("*.cu")))
+def test_kernel_source_maps_lines_back_to_the_files(name: str) -> None:
+    src = kernel_source(name).splitlines()
+    assert src[0] == f'#line 1 "{GPU_DIR / name}.cu"'
+    assert "#include" not in "\n".join(src)
+    files = {p.name: p.read_text().splitlines() for p in GPU_DIR.glob("*.cu*")}
+    current, lineno = "", 0
+    for line in src:  # every line after a #line directive is that line of that file
+        if line.startswith("#line "):
+            num, path = line.split(" ", 2)[1:]
+            current, lineno = path.strip('"').rsplit("/", 1)[1], int(num)
+            continue
+        expected = files[current][lineno - 1]
+        assert line == ("" if expected.strip() == "#pragma once" else expected), f"{current}:{lineno}"
+        lineno += 1
+    first = (GPU_DIR / f"{name}.cu").read_text().splitlines()[0]
+    assert first.startswith("// ") and "=" in first, f"{name}.cu must open with a one-line formula, got {first!r}"
+
+
+# ---- sampling: gpu/sampling.cu + webchat.gpu.sampler against webchat.sampling ----
+
+SAMPLING_CASES = [
+    SamplingSettings(temperature=0.0),
+    SamplingSettings(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05),
+    SamplingSettings(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0),
+    SamplingSettings(temperature=1.3, top_k=0, top_p=1.0, min_p=0.1, typical_p=0.7),
+    SamplingSettings(
+        temperature=0.9,
+        top_k=5,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.4,
+        repetition_range=16,
+        token_bias={7: 5.0, 9: -100.0},
+    ),  # fmt: skip
+    SamplingSettings(temperature=0.0, repetition_penalty=2.0, token_bias={3: 3.0}),
+]
+
+
+def sampled(choices: list[Choice]) -> list[tuple[object, ...]]:
+    return [(c.token, c.prob, c.sampled_prob, c.rank, c.top) for c in choices]
+
+
+@pytest.mark.parametrize("case", range(len(SAMPLING_CASES)))
+def test_device_sampler_logic_equals_sampler_on_the_cpu(case: int) -> None:
+    # CudaSampler's draw and description (device-independent torch code) against Sampler, same seed, same draws
+    settings = dataclasses.replace(SAMPLING_CASES[case], seed=100 + case)
+    gen = torch.Generator().manual_seed(case)
+    ref, dev = Sampler(settings, 300), CudaSampler(settings, 300, launcher=None)
+    history = [int(t) for t in torch.randint(0, 300, (40,), generator=gen)]
+    got, want = [], []
+    for step in range(30):
+        logits = torch.randn(300, generator=gen) * 3.0
+        alts = step % 4
+        want.append(ref.sample(logits, history, top_alts=alts, want_probs=step % 2 == 0))
+        got.append(dev.sample(logits, history, top_alts=alts, want_probs=step % 2 == 0))
+        history.append(want[-1].token)
+    assert [c.token for c in got] == [c.token for c in want]
+    for g, w in zip(got, want, strict=True):
+        assert (g.rank, [t for t, _ in g.top]) == (w.rank, [t for t, _ in w.top])
+        assert g.prob == pytest.approx(w.prob, rel=1e-6) if w.prob is not None else g.prob is None
+        assert g.sampled_prob == pytest.approx(w.sampled_prob, rel=1e-6) if w.sampled_prob else g.sampled_prob is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sync_free_truncation_equals_sampling_truncate(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    vals = torch.softmax(torch.randn(500, generator=gen) * (1 + seed % 5), 0).sort(descending=True).values
+    for s in (SamplingSettings(top_p=0.9), SamplingSettings(min_p=0.2), SamplingSettings(top_p=1.0, typical_p=0.5),
+              SamplingSettings(top_p=0.3, min_p=0.01, typical_p=0.9)):  # fmt: skip
+        assert torch.equal(sampler_truncate(vals, s), _truncate(vals, s))
+        assert torch.equal(typical_mask(vals / vals.sum(), s.typical_p), _typical_mask(vals / vals.sum(), s.typical_p))
+
+
+def test_sampler_kernel_plans_check_their_inputs() -> None:
+    with pytest.raises(KernelInputError, match=r"logits must have dtype torch.float32, got torch.float16"):
+        plan_adjust(torch.zeros(10, dtype=torch.float16), None, None)
+    with pytest.raises(KernelInputError, match=r"counts must have shape \(10\), got \(9,\)"):
+        plan_adjust(torch.zeros(10), None, torch.zeros(9))
+    with pytest.raises(KernelInputError, match=r"ids must have dtype torch.int32, got torch.int64"):
+        plan_count(torch.zeros(4, dtype=torch.long), torch.zeros(10))
+    with pytest.raises(KernelInputError, match=r"logits must hold 10 values, got shape \(11,\)"):
+        CudaSampler(SamplingSettings(), 10).sample(torch.zeros(11), [])
+    assert type(make_sampler(SamplingSettings(), 10, "cpu")) is Sampler
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(SAMPLING_CASES)))
+def test_sampling_kernels_against_sampler(ops: CudaOps, case: int) -> None:
+    settings = dataclasses.replace(SAMPLING_CASES[case], seed=7 + case)
+    sampler = make_sampler(settings, 5000, "cuda")
+    assert isinstance(sampler, CudaSampler)
+    ref = Sampler(settings, 5000)
+    gen = torch.Generator().manual_seed(case)
+    history = [int(t) for t in torch.randint(0, 5000, (200,), generator=gen)]
+    logits = torch.randn(5000, generator=gen) * 4.0
+    torch.testing.assert_close(sampler._adjust_device(logits.cuda(), history).cpu(), ref._adjust(logits, history),
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    same = 0
+    for _ in range(40):
+        logits = torch.randn(5000, generator=gen) * 4.0
+        got = sampler.sample(logits.cuda(), history, top_alts=5, want_probs=True)
+        want = ref.sample(logits, history, top_alts=5, want_probs=True)
+        same += got.token == want.token
+        assert got.prob == pytest.approx(want.prob, rel=1e-4, abs=1e-7)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        history.append(want.token)
+    assert same >= 39  # the same uniforms; a float32 tie at a truncation boundary may flip one draw
+
+
+@pytest.mark.gpu
+def test_seeded_device_sampling_is_reproducible(ops: CudaOps) -> None:
+    settings = SamplingSettings(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=99)
+    logits = torch.randn(20, 32000, device="cuda") * 3
+    runs = [[make_sampler(settings, 32000, "cuda").sample(row, []).token for row in logits] for _ in range(2)]
+    assert runs[0] == runs[1]

@@ -1,0 +1,121 @@
+"""`webchat chat`: a terminal chat that streams each reply; Ctrl-C stops the reply, not the program."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from webchat.generator import GenerationRequest, Generator, Stats
+from webchat.sampling import SamplingSettings, SettingsError
+from webchat.speculative import MODES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled SmolLM2)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--context", type=int, default=None, help="KV cache size (default: the model's)")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--min-p", type=float, default=0.05)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--speculative", default="none", choices=[m for m in MODES if m != "draft"])
+    parser.add_argument("--stats", action="store_true", help="print tokens/s and timings after each reply")
+
+
+@contextmanager
+def ctrl_c_cancels(gen: Generator) -> Iterator[None]:
+    """While a reply streams, SIGINT asks the generator to stop at its next step instead of raising."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        gen.cancel()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def reply(gen: Generator, request: GenerationRequest, out: TextIO) -> tuple[str, str | None, Stats | None]:
+    """Stream one reply to `out`; returns its text, the end reason and the stats."""
+    text = ""
+    gen.begin_stream(request)
+    with ctrl_c_cancels(gen):
+        while True:
+            res = gen.stream()
+            if res.text:
+                out.write(res.text)
+                out.flush()
+                text += res.text
+            if res.eos:
+                return text, res.eos_reason, res.stats
+
+
+def main(args: argparse.Namespace) -> int:
+    from webchat.loader import load_model, resolve_device, resolve_dtype
+    from webchat.pull import ensure_default_model
+    from webchat.tokenizer import Tokenizer
+
+    try:
+        settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                    min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    except SettingsError as e:
+        print(f"webchat chat: {e}", file=sys.stderr)
+        return 2
+    path = args.model or ensure_default_model()
+    device = resolve_device(args.device)
+    model = load_model(path, device, resolve_dtype(None, device))
+    tok = Tokenizer.from_dir(path)
+    gen = Generator(model, tok, max_seq_len=args.context)
+    print(f"webchat chat — {path.name} on {device}. /reset starts over, /quit or Ctrl-D leaves, "
+          "Ctrl-C stops a reply.", file=sys.stderr)
+    return loop(gen, tok, settings, args, sys.stdin, sys.stdout)
+
+
+def loop(gen: Generator, tok: Any, settings: SamplingSettings, args: argparse.Namespace, inp: TextIO,
+         out: TextIO) -> int:
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict[str, str]] = list(system)
+    while True:
+        out.write("\n> ")
+        out.flush()
+        try:
+            line = inp.readline()
+        except KeyboardInterrupt:
+            out.write("\n")
+            return 0
+        if not line or line.strip() == "/quit":
+            return 0
+        if line.strip() == "/reset":
+            messages = list(system)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        room = gen.cache.capacity - len(ids)
+        if room < 1:
+            out.write(f"[the conversation is {len(ids)} tokens; the context holds {gen.cache.capacity}: /reset]\n")
+            messages.pop()
+            continue
+        request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=min(args.max_new_tokens, room),
+                                    speculative=args.speculative)
+        text, reason, stats = reply(gen, request, out)
+        messages.append({"role": "assistant", "content": text})
+        if reason != "stop_token":
+            out.write(f"\n[{reason}]")
+        if args.stats and stats is not None:
+            out.write(f"\n[{stats.new_tokens} tokens, {stats.decode_tps:.1f} tok/s, ttft {stats.ttft_ms:.0f} ms, "
+                      f"reused {stats.reused_tokens}/{stats.prompt_tokens} prompt tokens, "
+                      f"accepted {stats.accepted}/{stats.drafted} drafts]")
+        out.write("\n")

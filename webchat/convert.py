@@ -1,0 +1,292 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face-style model folder (float32 safetensors + tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+SUPPORTED_ARCHS = ("llama",)
+
+# llama.cpp's per-layer tensor names -> Hugging Face's (gpt-fast style: one explicit table)
+LAYER_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+# llama.cpp's `tokenizer.ggml.pre` -> the Hugging Face pre-tokenizer that splits text the same way
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class ConversionError(ValueError):
+    """The GGUF file holds something this converter does not handle (architecture, tokenizer, tensor)."""
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The hyperparameters read from the GGUF metadata (`<arch>.*` keys)."""
+
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    norm_eps: float
+    rope_theta: float
+    context_length: int
+
+
+class _Meta:
+    """Typed access to a GGUFReader's key/value fields."""
+
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        self.reader = reader
+
+    def has(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def need(self, key: str) -> Any:
+        if key not in self.reader.fields:
+            raise ConversionError(f"GGUF metadata key {key!r} is missing (expected for a llama-architecture file)")
+        return self.reader.fields[key].contents()
+
+
+def _f32(x: float) -> float:
+    """The shortest decimal that is the same float32 (9.999999747e-06 -> 1e-05), as Hugging Face configs write it."""
+    return float(str(np.float32(x)))
+
+
+def read_hyper(meta: _Meta, arch: str, n_tokens: int) -> Hyper:
+    dim = int(meta.need(f"{arch}.embedding_length"))
+    n_heads = int(meta.need(f"{arch}.attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", dim // n_heads)))
+    return Hyper(
+        n_layers=int(meta.need(f"{arch}.block_count")),
+        dim=dim,
+        ffn_dim=int(meta.need(f"{arch}.feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        vocab_size=int(meta.get(f"{arch}.vocab_size", n_tokens)),
+        norm_eps=_f32(meta.need(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        context_length=int(meta.get(f"{arch}.context_length", 2048)),
+    )
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf.py's `permute`: rows (n, hd/2, 2) interleaved -> HF's (n, 2, hd/2) halves."""
+    if w.shape[0] % (2 * n_heads) != 0:
+        raise ConversionError(f"cannot un-permute {w.shape[0]} rows into {n_heads} heads of even size")
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's `permute` (HF layout -> llama.cpp layout); used by tests and tiny GGUF writers."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensor_name(name: str) -> str:
+    if name in GLOBAL_MAP:
+        return GLOBAL_MAP[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m is not None and m.group(2) in LAYER_MAP:
+        return f"model.layers.{m.group(1)}.{LAYER_MAP[m.group(2)]}"
+    if name == "rope_freqs.weight":
+        raise ConversionError("GGUF tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported")
+    raise ConversionError(f"GGUF tensor {name!r} has no Hugging Face llama equivalent")
+
+
+def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
+    q, kv = h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim
+    table: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (h.vocab_size, h.dim),
+        "lm_head.weight": (h.vocab_size, h.dim),
+        "norm.weight": (h.dim,),
+        "input_layernorm.weight": (h.dim,),
+        "post_attention_layernorm.weight": (h.dim,),
+        "q_proj.weight": (q, h.dim),
+        "k_proj.weight": (kv, h.dim),
+        "v_proj.weight": (kv, h.dim),
+        "o_proj.weight": (h.dim, q),
+        "q_proj.bias": (q,),
+        "k_proj.bias": (kv,),
+        "v_proj.bias": (kv,),
+        "gate_proj.weight": (h.ffn_dim, h.dim),
+        "up_proj.weight": (h.ffn_dim, h.dim),
+        "down_proj.weight": (h.dim, h.ffn_dim),
+    }
+    return table[".".join(hf_name.split(".")[-2:])]
+
+
+def read_tensors(reader: gguf.GGUFReader, h: Hyper) -> dict[str, np.ndarray]:
+    """All tensors dequantized to float32, HF names, [out, in] shapes, q/k rows un-permuted."""
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        want = expected_shape(name, h)
+        if tuple(w.shape) != want:
+            raise ConversionError(f"tensor {t.name!r}: expected shape {want}, got {tuple(w.shape)}")
+        if ".q_proj." in name:
+            w = unpermute_rows(w, h.n_heads)
+        elif ".k_proj." in name:
+            w = unpermute_rows(w, h.n_kv_heads)
+        out[name] = np.ascontiguousarray(w)
+    for name in ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{v}" for i in range(h.n_layers) for v in LAYER_MAP.values() if v.endswith("weight")
+    ]:
+        if name not in out:
+            raise ConversionError(f"GGUF file lacks the tensor for {name!r}")
+    return out
+
+
+def pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # digits one by one, then GPT-2's regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt-2", "default"):
+        return byte_level
+    if pre in ("llama-bpe", "llama3"):
+        split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raise ConversionError(
+        f"tokenizer.ggml.pre {pre!r} is not supported; expected one of smollm, gpt-2, default, llama-bpe"
+    )
+
+
+def build_tokenizer(meta: _Meta) -> HFTokenizer:
+    """Byte-level BPE from `tokenizer.ggml.{tokens,merges,token_type}`; control tokens become special tokens."""
+    kind = meta.need("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ConversionError(f"tokenizer.ggml.model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)")
+    tokens: list[str] = meta.need("tokenizer.ggml.tokens")
+    types: list[int] = meta.get("tokenizer.ggml.token_type", [int(gguf.TokenType.NORMAL)] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.need("tokenizer.ggml.merges")]
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in ("llama-bpe", "llama3"))
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizer_for(pre)
+    tok.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(tokens[i], special=t == int(gguf.TokenType.CONTROL), normalized=False)
+        for i, t in enumerate(types)
+        if t in (int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED))
+    ]
+    tok.add_tokens(added)
+    return tok
+
+
+def special_tokens(meta: _Meta, tokens: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    keys = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
+    for name, key in keys.items():
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if idx is not None:
+            out[f"{name}_token"] = tokens[int(idx)]
+    return out
+
+
+def model_config(meta: _Meta, h: Hyper, tied: bool, bias: bool) -> dict[str, Any]:
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": h.vocab_size,
+        "hidden_size": h.dim,
+        "intermediate_size": h.ffn_dim,
+        "num_hidden_layers": h.n_layers,
+        "num_attention_heads": h.n_heads,
+        "num_key_value_heads": h.n_kv_heads,
+        "head_dim": h.head_dim,
+        "rms_norm_eps": h.norm_eps,
+        "rope_theta": h.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": h.context_length,
+        "tie_word_embeddings": tied,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "hidden_act": "silu",
+        "attention_bias": bias,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json."""
+    reader = gguf.GGUFReader(gguf_path)
+    meta = _Meta(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ConversionError(
+            f"{gguf_path.name}: architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHS}"
+        )
+    tokens: list[str] = meta.need("tokenizer.ggml.tokens")
+    h = read_hyper(meta, arch, len(tokens))
+    tokenizer = build_tokenizer(meta)  # before the tensors: refuse an unsupported tokenizer cheaply
+    tensors = read_tensors(reader, h)
+    tied = "lm_head.weight" not in tensors
+    bias = any(name.endswith("_proj.bias") for name in tensors)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = model_config(meta, h, tied, bias)
+    _write_json(out_dir / "config.json", config)
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": h.context_length,
+        **special_tokens(meta, tokens),
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        tok_config["chat_template"] = str(template)
+    _write_json(out_dir / "tokenizer_config.json", tok_config)
+    gen_keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    _write_json(out_dir / "generation_config.json", {k: config[k] for k in gen_keys if config[k] is not None})

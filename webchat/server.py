@@ -1,0 +1,427 @@
+"""`webchat serve`: the Starlette app (page, static files, info, websocket) over one model and one GPU worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import ipaddress
+import logging
+import re
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import jinja2
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+import webchat
+from webchat import protocol as p
+from webchat.worker import Job, StreamingGenerator, Worker
+
+log = logging.getLogger("webchat.server")
+
+REPO_ROOT = Path(webchat.__file__).resolve().parent.parent
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+SPECULATIVE_MODES = ("none", "self", "ngram", "draft")
+
+
+@dataclass
+class ServerConfig:
+    """Everything `webchat serve` is told; `create_app` reads only this."""
+
+    model_dir: Path
+    draft_dir: Path | None = None
+    speculative: str = "none"  # the mode for requests that name none
+    device: str = "auto"
+    dtype: str | None = None  # None: float32 on the CPU, float16 on CUDA
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_sessions: int = 4
+    max_queue: int = 16
+    allow_origins: tuple[str, ...] = ()
+    max_seq_len: int | None = None  # cap on the context (KV-cache memory per session)
+    max_message_bytes: int = 1 << 20
+    templates_dir: Path = REPO_ROOT / "templates"
+    static_dir: Path = REPO_ROOT / "static"
+
+
+@dataclass
+class Runtime:
+    """What the lifespan loads once: the model, its tokenizer, an optional draft model, and how to describe them."""
+
+    model: Any  # webchat.model.Transformer
+    tokenizer: Any  # webchat.tokenizer.Tokenizer
+    model_name: str
+    device: str
+    dtype: str
+    context_length: int
+    modes: list[str]
+    draft_model: Any = None
+    default_mode: str = "none"
+
+    def new_generator(self) -> StreamingGenerator:
+        from webchat.generator import Generator
+
+        gen: StreamingGenerator = Generator(self.model, self.tokenizer, max_seq_len=self.context_length,
+                                            draft_model=self.draft_model)
+        return gen
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return ids
+
+    def hello(self) -> p.Hello:
+        return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
+                       dtype=self.dtype, speculative=list(self.modes))
+
+
+def load_runtime(config: ServerConfig) -> Runtime:
+    """Load the model (and draft) once onto the configured device."""
+    from webchat.loader import load_model, resolve_device, resolve_dtype
+    from webchat.tokenizer import Tokenizer
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model = load_model(config.model_dir, device, dtype)
+    draft = load_model(config.draft_dir, device, dtype) if config.draft_dir is not None else None
+    context = min(model.args.max_seq_len, config.max_seq_len or model.args.max_seq_len)
+    modes = [m for m in SPECULATIVE_MODES if m != "draft" or draft is not None]
+    if config.speculative not in modes:
+        raise ValueError(f"--speculative {config.speculative} is not available; choose one of {modes}")
+    return Runtime(model=model, tokenizer=Tokenizer.from_dir(config.model_dir), model_name=config.model_dir.name,
+                   device=str(device), dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
+                   draft_model=draft, default_mode=config.speculative)
+
+
+# ---------------------------------------------------------------- security
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def origin_allowed(origin: str | None, host_header: str | None, config: ServerConfig) -> bool:
+    """Same origin as the page (scheme://Host), or listed in --allow-origin. No Origin: not a browser, allowed.
+
+    Bound to loopback, the Host must also name a loopback address, so a DNS-rebinding page cannot pass as same-origin.
+    """
+    if origin is None:
+        return True
+    if origin in config.allow_origins:
+        return True
+    if host_header is None or origin.lower() not in (f"http://{host_header}".lower(), f"https://{host_header}".lower()):
+        return False
+    return not is_loopback(config.host) or is_loopback(urlsplit(origin).hostname or "")
+
+
+_SAFE_HOST = re.compile(r"^[A-Za-z0-9.\-:\[\]]{1,255}$")
+
+
+def content_security_policy(host_header: str | None) -> str:
+    """No inline script anywhere; the websocket may go back to the page's own host."""
+    ws = f" ws://{host_header} wss://{host_header}" if host_header and _SAFE_HOST.match(host_header) else ""
+    return ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+            f"connect-src 'self'{ws}; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+
+
+def static_version(static_dir: Path) -> str:
+    """A short hash of the static files' names, sizes and mtimes, for cache-busting query strings."""
+    digest = hashlib.sha256()
+    if static_dir.is_dir():
+        for path in sorted(static_dir.rglob("*")):
+            if path.is_file():
+                st = path.stat()
+                digest.update(f"{path.relative_to(static_dir)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return digest.hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- one websocket
+class Outbox:
+    """Messages waiting for the socket; a chunk that follows a chunk of the same request merges into it."""
+
+    def __init__(self) -> None:
+        self._items: list[p.ServerMessage] = []
+        self._ready = asyncio.Event()
+        self.merged = 0  # how many chunks were coalesced (a slow reader)
+
+    def push(self, msg: p.ServerMessage) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(msg, p.Chunk) and isinstance(last, p.Chunk) and last.id == msg.id:
+            self._items[-1] = last.merged(msg)
+            self.merged += 1
+        else:
+            self._items.append(msg)
+        self._ready.set()
+
+    async def take(self) -> list[p.ServerMessage]:
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._items = self._items, []
+        return items
+
+
+class Connection:
+    """One browser tab: a receive task (generate, stop) beside a send loop (hello, worker messages, errors)."""
+
+    def __init__(self, websocket: WebSocket, runtime: Runtime, worker: Worker, max_bytes: int) -> None:
+        self.ws, self.runtime, self.worker, self.max_bytes = websocket, runtime, worker, max_bytes
+        self.key = object()  # the worker's handle for this connection's session
+        self.current: str | None = None  # the id of the request in flight
+        self.outbox = Outbox()
+
+    async def serve(self) -> None:
+        self.outbox.push(self.runtime.hello())
+        receiver = asyncio.create_task(self._receive_loop())
+        sender = asyncio.create_task(self._send_loop())
+        try:
+            await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # no await here: the handler returns at once, the tasks finish on their own
+            self.worker.close(self.key)  # drops a queued or running request, frees the KV cache
+            for task in (receiver, sender):
+                task.add_done_callback(_log_failure)
+                task.cancel()
+
+    def deliver(self, msg: p.ServerMessage) -> None:
+        """From the worker, on the event loop."""
+        if isinstance(msg, p.Done | p.Error) and msg.id == self.current:
+            self.current = None
+        self.outbox.push(msg)
+
+    async def _send_loop(self) -> None:
+        while True:
+            for msg in await self.outbox.take():
+                await self.ws.send_text(p.dump(msg))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self.ws.receive()
+            if frame["type"] == "websocket.disconnect":
+                return
+            raw = frame.get("text")
+            try:
+                msg = p.parse_client_message(raw if raw is not None else frame.get("bytes") or b"", self.max_bytes)
+                if isinstance(msg, p.Stop):
+                    self.worker.cancel(self.key, msg.id)
+                else:
+                    await self._generate(msg)
+            except p.ProtocolError as exc:
+                self.outbox.push(exc.to_message())
+            except Exception as exc:  # a bug: report it, keep the connection
+                log.exception("handling a frame failed")
+                self.outbox.push(p.Error(id=self.current, code="internal", message=f"{type(exc).__name__}: {exc}"))
+
+    async def _generate(self, msg: p.Generate) -> None:
+        if self.current is not None:
+            raise p.ProtocolError("busy_connection", f"request {self.current!r} is still running on this connection; "
+                                  "send stop or wait for its done", msg.id)
+        request, n_prompt = await self._prepare(msg)
+        self.current = msg.id
+        self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=self.deliver,
+                               prompt_tokens=n_prompt))
+
+    async def _prepare(self, msg: p.Generate) -> tuple[Any, int]:
+        """Validate what pydantic cannot (mode, vocabulary, context), template and encode: the generator request."""
+        from webchat.generator import GenerationRequest
+        from webchat.sampling import SamplingSettings, SettingsError
+
+        rt = self.runtime
+        mode = msg.speculative if msg.speculative is not None else rt.default_mode
+        if mode not in rt.modes:
+            raise p.ProtocolError("bad_settings", f"speculative = {mode!r} is not available: allowed {rt.modes}",
+                                  msg.id)
+        bias = msg.settings.token_bias_ids()
+        vocab = rt.tokenizer.vocab_size
+        for tid in bias:
+            if tid >= vocab:
+                raise p.ProtocolError("bad_settings", f"settings.token_bias key {tid} is out of range: allowed "
+                                      f"0 <= value <= {vocab - 1} (the vocabulary)", msg.id)
+        try:
+            settings = SamplingSettings(**msg.settings.model_dump(exclude={"token_bias"}), token_bias=bias)
+        except SettingsError as exc:
+            raise p.ProtocolError("bad_settings", f"settings.{exc}", msg.id) from None
+        try:
+            ids = await run_in_threadpool(rt.encode_chat, [m.model_dump() for m in msg.messages])
+        except jinja2.TemplateError as exc:
+            raise p.ProtocolError("bad_message", f"field 'messages': the chat template refused them: {exc}",
+                                  msg.id) from None
+        allowed = rt.context_length - msg.max_new_tokens
+        if len(ids) > allowed:
+            raise p.ProtocolError("prompt_too_long", f"prompt is {len(ids)} tokens; with max_new_tokens "
+                                  f"{msg.max_new_tokens} the context of {rt.context_length} allows at most "
+                                  f"{max(allowed, 0)}", msg.id)
+        request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=msg.max_new_tokens,
+                                    stop_strings=list(msg.stop), stop_token_ids=None,
+                                    return_probs=msg.alternatives > 0, top_alts=msg.alternatives,
+                                    return_logits=False, speculative=mode)
+        return request, len(ids)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, WebSocketDisconnect | OSError):
+        log.error("websocket handler failed", exc_info=exc)
+
+
+# ---------------------------------------------------------------- the app
+def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlette:
+    """The app; its lifespan loads the model (unless `runtime` is given) and starts the worker."""
+    templates = Jinja2Templates(directory=str(config.templates_dir))
+    version = static_version(config.static_dir)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        rt = runtime if runtime is not None else await asyncio.to_thread(load_runtime, config)
+        worker = Worker(rt.new_generator, rt.tokenizer.id_to_text, asyncio.get_running_loop(),
+                        config.max_sessions, config.max_queue)
+        worker.start()
+        if runtime is None:
+            print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}) ready at {display_url(config)}", flush=True)
+        try:
+            yield {"runtime": rt, "worker": worker, "config": config}
+        finally:
+            worker.stop()
+
+    async def index(request: Request) -> Response:
+        rt: Runtime = request.state.runtime
+        context = {"model_name": rt.model_name, "context_length": rt.context_length, "static_version": version}
+        response = templates.TemplateResponse(request, "index.html", context)
+        _secure_headers(response, request.headers.get("host"))
+        return response
+
+    async def info(request: Request) -> Response:
+        rt: Runtime = request.state.runtime
+        body = rt.hello().model_dump(exclude={"type"})
+        body.update(max_sessions=config.max_sessions, max_queue=config.max_queue, default_speculative=rt.default_mode)
+        return JSONResponse(body)
+
+    async def healthz(request: Request) -> Response:
+        snap = request.state.worker.snapshot()
+        return JSONResponse({"status": "ok", "active": len(snap.active), "queued": len(snap.pending),
+                             "sessions": snap.sessions})
+
+    async def ws_endpoint(websocket: WebSocket) -> None:
+        origin, host = websocket.headers.get("origin"), websocket.headers.get("host")
+        if not origin_allowed(origin, host, config):
+            log.warning("refused a websocket from origin %r (host %r)", origin, host)
+            await _refuse(websocket, f"origin {origin!r} is not allowed; serve the page from this server "
+                                     "or pass --allow-origin")
+            return
+        await websocket.accept()
+        conn = Connection(websocket, websocket.state.runtime, websocket.state.worker, config.max_message_bytes)
+        await conn.serve()
+
+    routes = [
+        Route("/", index),
+        Route("/api/info", info),
+        Route("/healthz", healthz),
+        WebSocketRoute("/ws", ws_endpoint),
+        Mount("/static", StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _secure_headers(response: Response, host: str | None) -> None:
+    response.headers["Content-Security-Policy"] = content_security_policy(host)
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Frame-Options"] = "DENY"
+
+
+async def _refuse(websocket: WebSocket, message: str) -> None:
+    """403 before the handshake completes (a close before accept is a 403 in uvicorn too)."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(PlainTextResponse(message, status_code=403))
+    else:
+        await websocket.close(code=1008)
+
+
+def display_url(config: ServerConfig) -> str:
+    host = config.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.port}/"
+
+
+# ---------------------------------------------------------------- `webchat serve`
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled SmolLM2)")
+    parser.add_argument("--draft", type=Path, default=None, help="draft model folder for speculative mode 'draft'")
+    parser.add_argument("--speculative", default="none", choices=list(SPECULATIVE_MODES),
+                        help="the speculative mode for requests that name none (default: none)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                        help="default: float32 on the CPU, float16 on CUDA")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-sessions", type=_positive, default=4, help="KV caches held at once (default 4)")
+    parser.add_argument("--max-queue", type=_non_negative, default=16, help="requests waiting past that (default 16)")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="another page origin allowed to open the websocket, e.g. http://localhost:3000")
+    parser.add_argument("--max-seq-len", type=_positive, default=None,
+                        help="cap the context (and the KV-cache memory of each session); default: the model's")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
+    return ServerConfig(model_dir=model_dir, draft_dir=args.draft, speculative=args.speculative, device=args.device,
+                        dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
+                        max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len)
+
+
+def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
+    """Load the model and serve until Ctrl-C."""
+    if args.speculative == "draft" and args.draft is None:
+        print("webchat serve: --speculative draft needs --draft DIR", file=sys.stderr)
+        return 2
+    if args.model is None:
+        from webchat.pull import ensure_default_model
+
+        model_dir = ensure_default_model()
+    else:
+        model_dir = args.model
+    config = config_from_args(args, model_dir)
+    if not is_loopback(config.host):
+        print(f"webchat serve: WARNING: bound to {config.host}, not loopback: anyone who can reach this machine "
+              "can use the model. There is no authentication.", file=sys.stderr)
+    print(f"webchat: loading {model_dir} …", flush=True)
+    try:
+        run(create_app(config), host=config.host, port=config.port, ws="websockets-sansio",
+            ws_max_size=4 * config.max_message_bytes, timeout_graceful_shutdown=3, log_level="info")
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after its clean shutdown
+        pass
+    print("webchat: stopped", flush=True)
+    return 0

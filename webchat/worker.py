@@ -1,0 +1,297 @@
+"""The one thread that owns the device: round-robin `stream()` steps over active requests, a FIFO queue behind them.
+
+State machine per request (all under one lock; only this thread touches a generator's model calls):
+    submit → pending (told `queued` positions) → active (holds one of `max_sessions` KV caches) → finished.
+A connection's generator (its KV cache) stays in `sessions` between turns for prefix reuse, and is evicted least
+recently used when a new request needs a slot and that session is idle. Messages go back to the event loop through
+`loop.call_soon_threadsafe(job.deliver, msg)`, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from webchat import protocol as p
+
+log = logging.getLogger("webchat.worker")
+
+Deliver = Callable[[p.ServerMessage], None]
+
+
+class StreamingGenerator(Protocol):
+    """The part of webchat.generator.Generator the worker uses (docs/design.md)."""
+
+    def begin_stream(self, request: Any) -> Any: ...
+    def stream(self) -> Any: ...
+    def cancel(self) -> None: ...
+
+
+@dataclass
+class Session:
+    """One connection's generator and KV cache; `gen` is built on the worker thread at first use."""
+
+    key: Hashable
+    gen: StreamingGenerator | None = None
+    in_use: bool = False
+    closed: bool = False
+
+
+@dataclass
+class Job:
+    """One `generate` request: the generator request, where its messages go, and its place in the schedule."""
+
+    key: Hashable  # the connection
+    request_id: str
+    request: Any  # webchat.generator.GenerationRequest
+    deliver: Deliver  # runs on the event loop
+    prompt_tokens: int = 0
+    position: int = 0  # last `queued` position sent; 0 = never queued
+    session: Session | None = None
+    started: bool = False
+    cancel_requested: bool = False
+    dropped: bool = False  # the client left: no more messages, no done
+
+
+@dataclass
+class Snapshot:
+    active: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    sessions: int = 0
+
+
+class Worker:
+    """Schedules requests from many connections onto one device thread."""
+
+    def __init__(
+        self,
+        new_generator: Callable[[], StreamingGenerator],
+        id_to_text: Callable[[int], str],
+        loop: asyncio.AbstractEventLoop,
+        max_sessions: int,
+        max_queue: int,
+    ) -> None:
+        if max_sessions < 1 or max_queue < 0:
+            raise ValueError(f"need max_sessions >= 1 and max_queue >= 0, got {max_sessions} and {max_queue}")
+        self._new_generator = new_generator
+        self._id_to_text = id_to_text  # a stop token's display text, for `done.trigger`
+        self._loop = loop
+        self.max_sessions, self.max_queue = max_sessions, max_queue
+        self._cond = threading.Condition()
+        self._pending: deque[Job] = deque()
+        self._active: deque[Job] = deque()  # round-robin: the head is stepped next, then rotated to the back
+        self._jobs: dict[Hashable, Job] = {}  # at most one request per connection
+        self._sessions: OrderedDict[Hashable, Session] = OrderedDict()  # LRU order: oldest first
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="webchat-worker", daemon=True)
+
+    # ------------------------------------------------------------ event-loop side (never blocks on the model)
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            for job in self._active:
+                job.dropped = True
+                if job.session is not None and job.session.gen is not None:
+                    job.session.gen.cancel()
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._cond:
+            self._sessions.clear()
+
+    def submit(self, job: Job) -> None:
+        """Queue a request; replies `busy_connection` or `busy` through job.deliver when it cannot be taken."""
+        with self._cond:
+            if job.key in self._jobs:
+                running = self._jobs[job.key].request_id
+                self._post(job, p.Error(id=job.request_id, code="busy_connection",
+                                        message=f"request {running!r} is still running on this connection"))
+                return
+            if len(self._active) >= self.max_sessions and len(self._pending) >= self.max_queue:
+                self._post(job, p.Error(id=job.request_id, code="busy", message=(
+                    f"the server is busy: {len(self._active)} requests running and {len(self._pending)} waiting "
+                    f"(max {self.max_queue}); try again shortly")))
+                return
+            self._jobs[job.key] = job
+            self._pending.append(job)
+            self._admit_locked()
+            self._cond.notify_all()
+
+    def cancel(self, key: Hashable, request_id: str) -> None:
+        """`stop`: a queued request ends now, a running one at its next step; both answer `done` cancelled."""
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is None or job.request_id != request_id:
+                return
+            if job in self._pending:
+                self._pending.remove(job)
+                del self._jobs[key]
+                self._post(job, p.Done(id=job.request_id, reason="cancelled",
+                                       stats=p.Stats(prompt_tokens=job.prompt_tokens)))
+                self._admit_locked()
+                return
+            job.cancel_requested = True
+            if job.started and job.session is not None and job.session.gen is not None:
+                job.session.gen.cancel()  # also interrupts a prefill in progress
+
+    def close(self, key: Hashable) -> None:
+        """The connection is gone: drop its request (queued or running) and free its KV cache."""
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is not None:
+                job.dropped = True
+                if job in self._pending:
+                    self._pending.remove(job)
+                    del self._jobs[key]
+                elif job.session is not None and job.session.gen is not None:
+                    job.session.gen.cancel()
+            session = self._sessions.get(key)
+            if session is not None:
+                session.closed = True
+                if not session.in_use:
+                    del self._sessions[key]
+            self._admit_locked()
+            self._cond.notify_all()
+
+    def snapshot(self) -> Snapshot:
+        with self._cond:
+            return Snapshot([j.request_id for j in self._active], [j.request_id for j in self._pending],
+                            len(self._sessions))
+
+    # ------------------------------------------------------------ scheduling (lock held)
+    def _post(self, job: Job, msg: p.ServerMessage) -> None:
+        if job.dropped:
+            return
+        try:
+            self._loop.call_soon_threadsafe(job.deliver, msg)
+        except RuntimeError:  # the loop has closed: shutting down
+            pass
+
+    def _admit_locked(self) -> None:
+        """Move pending jobs into free slots (FIFO), then tell the ones still waiting their new positions."""
+        while self._pending and len(self._active) < self.max_sessions:
+            job = self._pending.popleft()
+            job.session = self._claim_session(job.key)
+            self._active.append(job)
+        for index, job in enumerate(self._pending):
+            if job.position != index + 1:
+                job.position = index + 1
+                self._post(job, p.Queued(id=job.request_id, position=job.position))
+
+    def _claim_session(self, key: Hashable) -> Session:
+        session = self._sessions.get(key)
+        if session is None:
+            if len(self._sessions) >= self.max_sessions:
+                idle = next(k for k, s in self._sessions.items() if not s.in_use)  # exists: fewer active than slots
+                del self._sessions[idle]
+            session = self._sessions[key] = Session(key)
+        self._sessions.move_to_end(key)
+        session.in_use = True
+        return session
+
+    def _finish_locked(self, job: Job) -> None:
+        if job in self._active:
+            self._active.remove(job)
+        if self._jobs.get(job.key) is job:
+            del self._jobs[job.key]
+        session = job.session
+        if session is not None:
+            session.in_use = False
+            if self._sessions.get(job.key) is session:
+                self._sessions.move_to_end(job.key)  # LRU by last use
+            if session.closed and self._sessions.get(job.key) is session:
+                del self._sessions[job.key]
+        self._admit_locked()
+
+    # ------------------------------------------------------------ the device thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._active and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._active[0]
+                self._active.rotate(-1)
+            try:
+                self._step(job)
+            except Exception as exc:  # a bug or a device error: this request ends, the server keeps serving
+                log.exception("request %r failed", job.request_id)
+                with self._cond:
+                    if job.session is not None:
+                        job.session.gen = None  # its cache may be half-written
+                    self._finish_locked(job)
+                    self._post(job, p.Error(id=job.request_id, code="internal",
+                                            message=f"generation failed: {type(exc).__name__}: {exc}"))
+
+    def _step(self, job: Job) -> None:
+        """One unit of work for `job`: build its generator, or prefill (begin_stream), or one stream() step."""
+        session = job.session
+        assert session is not None
+        if job.dropped or (job.cancel_requested and not job.started):
+            with self._cond:
+                self._finish_locked(job)
+                self._post(job, p.Done(id=job.request_id, reason="cancelled",
+                                       stats=p.Stats(prompt_tokens=job.prompt_tokens)))
+            return
+        if session.gen is None:
+            session.gen = self._new_generator()
+        gen = session.gen
+        if not job.started:
+            with self._cond:
+                job.started = True
+            info = gen.begin_stream(job.request)
+            self._post_locked_free(job, p.Start(id=job.request_id, prompt_tokens=info.prompt_tokens,
+                                                reused_tokens=info.reused_tokens))
+            return
+        if job.cancel_requested:
+            gen.cancel()
+        result = gen.stream()
+        messages = result_messages(job, result, self._id_to_text)
+        if result.eos:
+            with self._cond:
+                self._finish_locked(job)  # the slot is free before the client sees `done`
+        for msg in messages:
+            self._post_locked_free(job, msg)
+
+    def _post_locked_free(self, job: Job, msg: p.ServerMessage) -> None:
+        with self._cond:
+            self._post(job, msg)
+
+
+# ---------------------------------------------------------------- generator results → wire messages
+def result_messages(job: Job, result: Any, id_to_text: Callable[[int], str]) -> list[p.ServerMessage]:
+    """One StreamResult as a `chunk` (when it carries text or tokens) and, at its end, a `done`."""
+    out: list[p.ServerMessage] = []
+    want_tokens = bool(job.request.return_probs)
+    if result.text or (want_tokens and result.tokens):
+        tokens = [token_out(t) for t in result.tokens] if want_tokens else None
+        out.append(p.Chunk(id=job.request_id, text=result.text, tokens=tokens))
+    if result.eos:
+        trigger = result.eos_trigger
+        out.append(p.Done(id=job.request_id, reason=result.eos_reason,
+                          trigger=id_to_text(trigger) if isinstance(trigger, int) else trigger,
+                          stats=stats_out(result.stats)))
+    return out
+
+
+def token_out(info: Any) -> p.TokenOut:
+    """webchat.generator.TokenInfo → the wire's token entry (`p`: softmax of the raw logits; rank 1-based)."""
+    top = [p.Alternative(id=int(tid), text=text, p=float(prob)) for tid, text, prob in info.top]
+    return p.TokenOut(id=int(info.id), text=info.piece, p=float(info.prob), rank=int(info.rank), top=top)
+
+
+def stats_out(stats: Any) -> p.Stats:
+    if stats is None:
+        return p.Stats()
+    return p.Stats(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens, new_tokens=stats.new_tokens,
+                   prefill_ms=float(stats.prefill_ms), ttft_ms=float(stats.ttft_ms),
+                   decode_tps=float(stats.decode_tps), drafted=stats.drafted, accepted=stats.accepted)
