@@ -141,13 +141,14 @@ def main() -> None:
             print(f"{engine}: failed\n{proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    head = f"{'engine':<14}{'prompt':>8}{'TTFT ms':>10}{'decode tok/s':>14}{'prompt':>8}{'TTFT ms':>10}{'decode tok/s':>14}"
-    print(f"greedy, {NEW_TOKENS} new tokens, best of 2, torch threads = cores\n{head}\n{'peak RSS MB':>98}")
+    cols = f"{'prompt':>8}{'TTFT ms':>10}{'decode tok/s':>14}"
+    print(f"greedy, {NEW_TOKENS} new tokens, best of 2, torch threads = cores")
+    print(f"{'engine':<14}{cols}{cols}{'peak RSS MB':>14}")
     for r in rows:
         s, lg = r["short"], r["long"]
         print(
             f"{r['engine']:<14}{s['prompt_tokens']:>8}{s['ttft_ms']:>10}{s['decode_tps']:>14}"
-            f"{lg['prompt_tokens']:>8}{lg['ttft_ms']:>10}{lg['decode_tps']:>14}{r['peak_rss_mb']:>12}"
+            f"{lg['prompt_tokens']:>8}{lg['ttft_ms']:>10}{lg['decode_tps']:>14}{r['peak_rss_mb']:>14}"
         )
 
 

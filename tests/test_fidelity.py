@@ -73,4 +73,5 @@ def test_greedy_64_tokens_match_transformers(ours: Transformer, reference: Any, 
             min_new_tokens=64, do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tok.eos_id,
         )
     want = out[0, len(ids) :].tolist()
-    assert got == want, f"first difference at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    assert got == want, f"first difference at token {first}"

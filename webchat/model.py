@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,8 @@ class Attention(nn.Module):
         q, k = ops.rope(q, k, *rope)
         ops.kv_append(cache_k, cache_v, k, v, start)
         o = ops.attention(q, cache_k, cache_v, start)  # (T, H, hd)
-        return self.wo(o.reshape(t, self.n_heads * self.head_dim))
+        out: torch.Tensor = self.wo(o.reshape(t, self.n_heads * self.head_dim))
+        return out
 
 
 class FeedForward(nn.Module):
@@ -47,7 +48,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
-        return self.w2(ops.silu_mul(self.w1(x), self.w3(x)))
+        out: torch.Tensor = self.w2(ops.silu_mul(self.w1(x), self.w3(x)))
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -140,7 +142,7 @@ class Transformer(nn.Module):
         ops, eps = self.ops, self.args.norm_eps
         residual = self.tok_embeddings(tokens)  # (T, dim)
         out: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(list[Block], list(self.layers))):
             if out is None:
                 y = ops.rms_norm(residual, layer.attention_norm.weight, eps)
             else:
@@ -152,7 +154,8 @@ class Transformer(nn.Module):
         if last_only:
             out, residual = out[-1:], residual[-1:]
         y, _ = ops.add_rms_norm(out, residual, self.norm.weight, eps)
-        return self.output(y).float()  # (T, vocab)
+        logits: torch.Tensor = self.output(y).float()  # (T, vocab)
+        return logits
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
