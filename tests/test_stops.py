@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from webchat.stops import StopHolder
@@ -17,12 +17,18 @@ def _split(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(points, points[1:], strict=False)]
 
 
-def _expected(text: str, stops: list[str]) -> tuple[str, str | None]:
-    hits = [(text.find(s), i, s) for i, s in enumerate(stops) if text.find(s) >= 0]
-    if not hits:
-        return text, None
-    pos, _, s = min(hits)
-    return text[:pos], s
+def _expected(pieces: list[str], stops: list[str]) -> tuple[str, str | None]:
+    """Generation ends with the first piece after which the text holds a stop string; the answer is that text cut at
+    the stop string that starts first in it (a longer stop string that started earlier but would only complete in a
+    later piece never gets the chance)."""
+    text = ""
+    for piece in pieces:
+        text += piece
+        hits = [(text.find(s), i, s) for i, s in enumerate(stops) if text.find(s) >= 0]
+        if hits:
+            pos, _, s = min(hits)
+            return text[:pos], s
+    return text, None
 
 
 @settings(max_examples=400, deadline=None)
@@ -31,13 +37,15 @@ def _expected(text: str, stops: list[str]) -> tuple[str, str | None]:
     stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=5), min_size=1, max_size=4),
     cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=20),
 )
+@example(text="<<\n<", stops=["\n", "<\n<"], cuts=[3])  # "\n" completes first, inside the piece "<<\n"
 def test_no_stop_prefix_leaks(text: str, stops: list[str], cuts: list[int]) -> None:
-    expected, expected_stop = _expected(text, stops)
+    pieces = _split(text, cuts)
+    expected, expected_stop = _expected(pieces, stops)
     holder: StopHolder[int] = StopHolder(stops)
     shown = ""
     tokens: list[tuple[int, str]] = []
     stop = None
-    for i, piece in enumerate(_split(text, cuts)):
+    for i, piece in enumerate(pieces):
         out = holder.push(i, piece)
         assert out.text == "".join(p for _, p in out.items)
         shown += out.text

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from webchat.detok import IncrementalDecoder
+from webchat.gpu.sampler import make_sampler
 from webchat.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings
 from webchat.speculative import MODES, Drafter, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
 from webchat.stops import StopHolder
@@ -136,7 +137,7 @@ class Generator:
         reused = min(_common_prefix(self.cache_ids, prompt), len(prompt) - 1)
         self._rewind(reused)
         settings = req.settings
-        sampler = Sampler(settings, self.model.args.vocab_size)
+        sampler = make_sampler(settings, self.model.args.vocab_size, self.model.device)
         stop_ids = self.tokenizer.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
         self._s = _Stream(
             req=req, sampler=sampler, decoder=IncrementalDecoder(self.tokenizer.token_bytes),
