@@ -142,3 +142,17 @@ def test_tiny_model_is_made_in_a_fresh_folder(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / "t")
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+
+
+def test_transformers5_rope_parameters_are_read() -> None:
+    from webchat.config import ModelArgs
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 128, "vocab_size": 512,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    }
+    args = ModelArgs.from_dict(cfg)
+    assert args.rope_theta == 500000.0
+    assert args.rope_scaling is not None and args.rope_scaling["rope_type"] == "llama3"

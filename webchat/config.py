@@ -57,6 +57,10 @@ class ModelArgs:
                 raise ModelConfigError(f"config.json has no {key!r}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; expected 'silu'")
+        # transformers 5 writes rope settings as one `rope_parameters` dict; older checkpoints use two keys
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
         return cls(
@@ -68,8 +72,8 @@ class ModelArgs:
             ffn_dim=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_seq_len=cfg.get("max_position_embeddings", 2048),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),

@@ -28,7 +28,7 @@ import torch
 from webchat.detok import IncrementalDecoder
 from webchat.gpu.sampler import make_sampler
 from webchat.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings
-from webchat.speculative import MODES, Drafter, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
+from webchat.speculative import MODES, Drafter, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab, common_prefix
 from webchat.stops import StopHolder
 
 PREFILL_CHUNK = 256
@@ -134,7 +134,7 @@ class Generator:
         self._check(req)
         self._cancel.clear()
         prompt = list(req.prompt_ids)
-        reused = min(_common_prefix(self.cache_ids, prompt), len(prompt) - 1)
+        reused = min(common_prefix(self.cache_ids, prompt), len(prompt) - 1)
         self._rewind(reused)
         settings = req.settings
         sampler = make_sampler(settings, self.model.args.vocab_size, self.model.device)
@@ -307,11 +307,3 @@ def _add(out: StreamResult, items: list[tuple[TokenInfo, str]]) -> None:
         out.text += piece
         out.token_ids.append(info.id)
         out.tokens.append(info)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -58,7 +58,7 @@ class ModelDrafter:
 
     def _sync(self, context: list[int]) -> None:
         """Rewind the cache to the prefix shared with context (rejected drafts go), feed all but its last token."""
-        n = _common_prefix(self.ids, context)
+        n = common_prefix(self.ids, context)
         n = min(n, len(context) - 1)
         self.cache.truncate(n)
         del self.ids[n:]
@@ -145,7 +145,8 @@ class NgramDrafter:
         return []
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading items a and b share."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
