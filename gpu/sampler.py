@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from webchat.gpu.ops import ELEMENTWISE_THREADS, KernelInputError, Launch, Launcher, blocks, check, i32, ptr
 
-from webchat.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings
+from webchat.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings, truncate
 
 
 def plan_count(ids: torch.Tensor, counts: torch.Tensor) -> Launch:
@@ -32,29 +32,6 @@ def plan_adjust(raw: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tens
     if counts is not None:
         check("counts", counts, (n,), torch.float32)
     return Launch("sampling", "sample_adjust_f32", (blocks(n, ELEMENTWISE_THREADS), 1, 1), (ELEMENTWISE_THREADS, 1, 1))
-
-
-def truncate(vals: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
-    """sampling._truncate without host syncs: vals sorted descending; zero what top-p, min-p and typical-p drop."""
-    keep = torch.ones_like(vals, dtype=torch.bool)
-    if s.top_p < 1.0:
-        before = torch.cumsum(vals, 0) - vals  # mass strictly above each candidate
-        keep &= before < s.top_p * vals.sum()
-    if s.min_p > 0.0:
-        keep &= vals >= s.min_p * vals[0]
-    if s.typical_p < 1.0:
-        keep &= typical_mask(vals / vals.sum(), s.typical_p)
-    keep[0] = keep[0] | ~keep.any()  # the filters disagree on everything: fall back to the most likely token
-    return torch.where(keep, vals, torch.zeros_like(vals))
-
-
-def typical_mask(p: torch.Tensor, mass: float) -> torch.Tensor:
-    """sampling._typical_mask without host syncs (a scatter instead of boolean indexing)."""
-    logp = torch.log(p.clamp_min(1e-30))
-    entropy = -(p * logp).sum()
-    order = torch.argsort((-logp - entropy).abs())
-    before = torch.cumsum(p[order], 0) - p[order]
-    return torch.zeros_like(p, dtype=torch.bool).scatter_(0, order, before < mass)
 
 
 def draw(x: torch.Tensor, s: SamplingSettings, u: float) -> tuple[torch.Tensor, torch.Tensor]:

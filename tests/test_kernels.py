@@ -12,11 +12,10 @@ import torch
 from webchat.gpu import CudaOps, KernelInputError, KernelUnavailable, kernel_source
 from webchat.gpu import ops as gops
 from webchat.gpu.loader import GPU_DIR
-from webchat.gpu.sampler import CudaSampler, make_sampler, plan_adjust, plan_count, typical_mask
-from webchat.gpu.sampler import truncate as sampler_truncate
+from webchat.gpu.sampler import CudaSampler, make_sampler, plan_adjust, plan_count
 
 from webchat.ops import TorchOps
-from webchat.sampling import Choice, Sampler, SamplingSettings, _truncate, _typical_mask
+from webchat.sampling import Choice, Sampler, SamplingSettings
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -353,16 +352,6 @@ def test_device_sampler_logic_equals_sampler_on_the_cpu(case: int) -> None:
         assert (g.rank, [t for t, _ in g.top]) == (w.rank, [t for t, _ in w.top])
         assert g.prob == pytest.approx(w.prob, rel=1e-6) if w.prob is not None else g.prob is None
         assert g.sampled_prob == pytest.approx(w.sampled_prob, rel=1e-6) if w.sampled_prob else g.sampled_prob is None
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_sync_free_truncation_equals_sampling_truncate(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    vals = torch.softmax(torch.randn(500, generator=gen) * (1 + seed % 5), 0).sort(descending=True).values
-    for s in (SamplingSettings(top_p=0.9), SamplingSettings(min_p=0.2), SamplingSettings(top_p=1.0, typical_p=0.5),
-              SamplingSettings(top_p=0.3, min_p=0.01, typical_p=0.9)):  # fmt: skip
-        assert torch.equal(sampler_truncate(vals, s), _truncate(vals, s))
-        assert torch.equal(typical_mask(vals / vals.sum(), s.typical_p), _typical_mask(vals / vals.sum(), s.typical_p))
 
 
 def test_sampler_kernel_plans_check_their_inputs() -> None:

@@ -171,7 +171,7 @@ class Sampler:
             vals, idx = torch.topk(probs, s.top_k)  # sorted descending
         else:
             vals, idx = torch.sort(probs, descending=True)
-        vals = _truncate(vals, s)
+        vals = truncate(vals, s)
         cdf = torch.cumsum(vals.double(), dim=0)  # inverse-CDF draw: one uniform per token, whatever the settings
         total = float(cdf[-1])
         u = float(torch.rand((), generator=self.rng, dtype=torch.float64)) * total
@@ -181,30 +181,30 @@ class Sampler:
         return int(idx[pos]), float(vals[pos]) / total
 
 
-def _truncate(vals: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
-    """vals: candidate probabilities sorted descending; zero out what top-p, min-p and typical-p drop."""
+def truncate(vals: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
+    """vals: candidate probabilities sorted descending; zero out what top-p, min-p and typical-p drop.
+
+    Written without host syncs, so the same code serves the CPU and the GPU sampler (webchat.gpu.sampler).
+    """
     keep = torch.ones_like(vals, dtype=torch.bool)
     if s.top_p < 1.0:
         before = torch.cumsum(vals, 0) - vals  # mass strictly above each candidate
-        keep &= before < s.top_p * float(vals.sum())
+        keep &= before < s.top_p * vals.sum()
     if s.min_p > 0.0:
-        keep &= vals >= s.min_p * float(vals[0])
+        keep &= vals >= s.min_p * vals[0]
     if s.typical_p < 1.0:
-        keep &= _typical_mask(vals / vals.sum(), s.typical_p)
-    if not bool(keep.any()):  # the filters disagree on everything: fall back to the most likely token
-        keep[0] = True
+        keep &= typical_mask(vals / vals.sum(), s.typical_p)
+    keep[0] = keep[0] | ~keep.any()  # the filters disagree on everything: fall back to the most likely token
     return torch.where(keep, vals, torch.zeros_like(vals))
 
 
-def _typical_mask(p: torch.Tensor, mass: float) -> torch.Tensor:
+def typical_mask(p: torch.Tensor, mass: float) -> torch.Tensor:
     """Locally typical sampling: keep the tokens with -log p closest to the entropy H until `mass` is covered."""
     logp = torch.log(p.clamp_min(1e-30))
     entropy = -(p * logp).sum()
     order = torch.argsort((-logp - entropy).abs())
     before = torch.cumsum(p[order], 0) - p[order]
-    keep = torch.zeros_like(p, dtype=torch.bool)
-    keep[order[before < mass]] = True
-    return keep
+    return torch.zeros_like(p, dtype=torch.bool).scatter_(0, order, before < mass)
 
 
 def _describe(choice: Choice, raw: torch.Tensor, top_alts: int) -> None:
