@@ -7,9 +7,13 @@ struct __align__(2) bf16_t { unsigned short bits; };  // bfloat16, torch.bfloat1
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(half_t x) {
+#ifdef WEBCHAT_EMULATOR  // compiled for the host by gpu/emulator.py
+    return webchat_emu_half_to_float(x.bits);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
     return f;
+#endif
 }
 __device__ __forceinline__ float to_float(bf16_t x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
 
@@ -17,14 +21,18 @@ template <typename T> __device__ __forceinline__ T from_float(float f);
 template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
 template <> __device__ __forceinline__ half_t from_float<half_t>(float f) {
     half_t h;
+#ifdef WEBCHAT_EMULATOR
+    h.bits = webchat_emu_float_to_half(f);
+#else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+#endif
     return h;
 }
 template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float f) {
     bf16_t h;
-#if __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
-#else  // round to nearest even by hand (no bf16 cvt before sm_80)
+#else  // round to nearest even by hand (no bf16 cvt before sm_80, nor on the host)
     const unsigned int u = __float_as_uint(f);
     h.bits = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)0x7fc0u
                                               : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);

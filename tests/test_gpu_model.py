@@ -1,5 +1,6 @@
 """The whole model on the CUDA backend (CudaOps kernels, CUDA graphs): golden output, agreement with the CPU float32
-path, reproducible seeded sampling. On machines without a GPU only the device-independent parts run."""
+path, reproducible seeded sampling. On machines without a GPU the same kernels run through the CPU emulator
+(gpu/emulator.py): the model's use of them, device-side positions included, is checked everywhere; graphs are not."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from test_golden import GOLDEN_GREEDY, GOLDEN_PROMPT, greedy  # tests/ is on sys.path under pytest
 
-from webchat.cuda_backend import enable_cuda_backend, graphable
+from webchat.cuda_backend import enable_cuda_backend, graphable, run_at
 from webchat.generator import GenerationRequest, Generator
 from webchat.loader import load_model
 from webchat.ops import TorchOps
@@ -62,8 +63,6 @@ class HostStartOps(TorchOps):
 
 def test_device_position_step_matches_forward(tiny_model_dir: Path) -> None:
     # what GraphRunner captures (rope rows gathered by a position tensor) computes what forward computes
-    from webchat.cuda_backend import run_at
-
     model = load_model(tiny_model_dir)
     ref_cache, cache = model.new_cache(64), model.new_cache(64)
     prompt = torch.tensor(GOLDEN_PROMPT)
@@ -84,6 +83,62 @@ def test_cpu_models_stay_on_torch_ops(tiny_model_dir: Path) -> None:
     assert enable_cuda_backend(model) is False
     assert model.ops is TorchOps and model.runner is None
     assert not graphable(model, torch.tensor([1]), model.new_cache(8))
+
+
+# ---- anywhere: the kernels in the CPU emulator, driven by the model ----
+
+
+def emulated_model(path: Path) -> Any:
+    from webchat.gpu import CudaOps
+    from webchat.gpu.emulator import EmulatorUnavailable, emulated_launcher
+
+    model = load_model(path)
+    try:
+        model.ops = CudaOps("cpu", launcher=emulated_launcher(), n_sm=132)
+    except EmulatorUnavailable as e:
+        pytest.skip(f"the kernel emulator cannot run here: {e}")
+    return model
+
+
+def test_tiny_golden_greedy_through_the_emulated_kernels(tiny_model_dir: Path) -> None:
+    model = emulated_model(tiny_model_dir)
+    assert greedy(model, GOLDEN_PROMPT, len(GOLDEN_GREEDY)) == GOLDEN_GREEDY
+
+
+def test_graph_step_through_the_emulated_kernels_matches_forward(tiny_model_dir: Path) -> None:
+    # the step a CUDA graph captures (position read on the device by every kernel) against the eager step
+    model = emulated_model(tiny_model_dir)
+    ref_cache, cache = model.new_cache(64), model.new_cache(64)
+    prompt = torch.tensor(GOLDEN_PROMPT)
+    ref = model(prompt, ref_cache)
+    got = run_at(model, prompt, torch.tensor([0], dtype=torch.int32), cache, last_only=False)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)  # splits are sized for the whole cache here
+    x = torch.tensor([int(ref[-1].argmax())])
+    for pos in range(len(GOLDEN_PROMPT), len(GOLDEN_PROMPT) + 4):
+        ref_step = model(x, ref_cache, last_only=True)
+        step = run_at(model, x, torch.tensor([pos], dtype=torch.int32), cache, last_only=True)
+        torch.testing.assert_close(step, ref_step, rtol=1e-5, atol=1e-5)
+        x = torch.tensor([int(ref_step[-1].argmax())])
+
+
+@pytest.mark.parametrize("mode", ["self", "ngram"])
+def test_speculative_verify_through_the_emulated_kernels_keeps_greedy_output(tiny_model_dir: Path, mode: str) -> None:
+    model = emulated_model(tiny_model_dir)
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    spec = run_ids(Generator(model, tok), prompt_ids=GOLDEN_PROMPT, settings=SamplingSettings(temperature=0.0),
+                   max_new_tokens=32, stop_token_ids=[], speculative=mode)  # fmt: skip
+    assert spec == GOLDEN_GREEDY
+
+
+@pytest.mark.real_model
+def test_default_model_greedy_through_the_emulated_kernels_matches_cpu_float32(real_model_dir: Path) -> None:
+    # the GPU acceptance check below, on two prompts and fewer tokens: the emulator runs ~0.1 s a token
+    tok = Tokenizer.from_dir(real_model_dir)
+    cpu, emulated = load_model(real_model_dir), emulated_model(real_model_dir)
+    for text in PROMPTS[:2]:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+        want, got = greedy_n(cpu, ids, 24), greedy_n(emulated, ids, 24)
+        assert got == want, f"{text!r}: emulated kernels and CPU float32 differ: {got} vs {want}"
 
 
 # ---- on the GPU ----

@@ -1,5 +1,6 @@
 """Each CUDA kernel against its PyTorch reference (webchat.ops.TorchOps) on fresh random inputs, outputs poisoned
-beforehand; and, on any machine, the wrappers' input checks and launch geometry."""
+beforehand (NaN, with NaN guards on either side), on the GPU and on any machine through the CPU emulator
+(gpu/emulator.py); and, on any machine, the wrappers' input checks and launch geometry."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from webchat.gpu import CudaOps, KernelInputError, KernelUnavailable, kernel_source
 from webchat.gpu import ops as gops
+from webchat.gpu.emulator import EmulatorUnavailable, emulated_launcher
 from webchat.gpu.loader import GPU_DIR
 from webchat.gpu.sampler import CudaSampler, make_sampler, plan_adjust, plan_count
 
@@ -22,9 +24,16 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (rtol, atol): about two units in the last place of each dtype
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float32: (1e-5, 1e-5)}
 ATTN_TOL = {torch.float16: (4e-3, 2e-3), torch.bfloat16: (3e-2, 1.6e-2), torch.float32: (1e-4, 2e-5)}
+# where the kernels run: on the GPU through CuPy, and everywhere through the CPU emulator (gpu/emulator.py)
+BACKENDS = [pytest.param("cuda", marks=pytest.mark.gpu), "emulated"]
 
 
-def gpu_ops() -> CudaOps:
+def backend_ops(backend: str) -> CudaOps:
+    if backend == "emulated":
+        try:
+            return CudaOps("cpu", launcher=emulated_launcher(), n_sm=132)  # H100's SM count: its split geometry
+        except EmulatorUnavailable as e:
+            pytest.skip(f"the kernel emulator cannot run here: {e}")
     if not HAS_CUDA:
         pytest.skip("no CUDA device")
     try:
@@ -33,48 +42,65 @@ def gpu_ops() -> CudaOps:
         pytest.skip(f"CUDA device present but the kernels cannot run: {e}")
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def ops(request: pytest.FixtureRequest) -> CudaOps:
+    return backend_ops(request.param)
+
+
 @pytest.fixture(scope="module")
-def ops() -> CudaOps:
-    return gpu_ops()
+def cuda_ops() -> CudaOps:
+    return backend_ops("cuda")
 
 
-def rand(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
+def rand(*shape: int, dtype: torch.dtype, device: torch.device, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)  # same draws anywhere
 
 
-def nan_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(t, float("nan"))
+GUARD = 64  # elements of NaN on either side of a poisoned() output
+
+
+def poisoned(t: torch.Tensor) -> torch.Tensor:
+    """A NaN tensor like t, viewed inside a larger NaN buffer: close() then also sees writes past either end."""
+    buf = torch.full((t.numel() + 2 * GUARD,), float("nan"), dtype=t.dtype, device=t.device)
+    return buf[GUARD : GUARD + t.numel()].view(t.shape)
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float]) -> None:
     assert not actual.isnan().any(), f"{int(actual.isnan().sum())} of {actual.numel()} outputs unwritten (NaN)"
+    base = actual.untyped_storage()
+    if base.nbytes() > actual.numel() * actual.element_size():  # a poisoned() view: its guards must still be NaN
+        whole = torch.empty(0, dtype=actual.dtype, device=actual.device).set_(base)
+        guards = torch.cat([whole[:GUARD], whole[-GUARD:]])
+        assert guards.isnan().all(), f"{int((~guards.isnan()).sum())} elements written outside the output"
     torch.testing.assert_close(actual, expected, rtol=tol[0], atol=tol[1])
 
 
-# ---- on the GPU: kernel vs reference ----
+# ---- on the GPU and in the emulator: kernel vs reference ----
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 4096), (2, 33), (5, 1000)])
 def test_rms_norm_and_add_rms_norm(ops: CudaOps, dtype: torch.dtype, shape: tuple[int, int]) -> None:
     torch.manual_seed(shape[0] * 10_000 + shape[1])
-    x, res, w = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype, scale=3.0), rand(shape[1], dtype=dtype)
-    close(ops.rms_norm(x, w, 1e-5, out=nan_like(x)), TorchOps.rms_norm(x, w, 1e-5), TOL[dtype])
-    y, r = ops.add_rms_norm(x, res, w, 1e-6, out=nan_like(x), residual_out=nan_like(x))
+    x, res, w = (
+        rand(*shape, dtype=dtype, device=ops.device),
+        rand(*shape, dtype=dtype, device=ops.device, scale=3.0),
+        rand(shape[1], dtype=dtype, device=ops.device),
+    )
+    close(ops.rms_norm(x, w, 1e-5, out=poisoned(x)), TorchOps.rms_norm(x, w, 1e-5), TOL[dtype])
+    y, r = ops.add_rms_norm(x, res, w, 1e-6, out=poisoned(x), residual_out=poisoned(x))
     y_ref, r_ref = TorchOps.add_rms_norm(x, res, w, 1e-6)
     close(r, r_ref, TOL[dtype])
     close(y, y_ref, TOL[dtype])
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dims", [(1, 9, 3, 64), (5, 4, 2, 16), (3, 32, 8, 128), (2, 6, 6, 80), (1, 3, 1, 2)])
 def test_rope_in_place(ops: CudaOps, dtype: torch.dtype, dims: tuple[int, int, int, int]) -> None:
     t, n_heads, n_kv, hd = dims
     torch.manual_seed(sum(dims))
-    q, k = rand(t, n_heads, hd, dtype=dtype), rand(t, n_kv, hd, dtype=dtype)
-    angles = torch.rand(t, hd // 2, device="cuda") * 100.0
+    q, k = rand(t, n_heads, hd, dtype=dtype, device=ops.device), rand(t, n_kv, hd, dtype=dtype, device=ops.device)
+    angles = (torch.rand(t, hd // 2) * 100.0).to(ops.device)
     cos, sin = angles.cos(), angles.sin()
     q_ref, k_ref = TorchOps.rope(q.clone(), k.clone(), cos, sin)
     q_out, k_out = ops.rope(q, k, cos, sin)
@@ -83,28 +109,26 @@ def test_rope_in_place(ops: CudaOps, dtype: torch.dtype, dims: tuple[int, int, i
     close(k, k_ref, TOL[dtype])
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1536), (7, 128), (3, 14336), (1, 1), (5, 333)])
 def test_silu_mul(ops: CudaOps, dtype: torch.dtype, shape: tuple[int, int]) -> None:
     torch.manual_seed(shape[1])
-    gate, up = rand(*shape, dtype=dtype, scale=4.0), rand(*shape, dtype=dtype)
-    close(ops.silu_mul(gate, up, out=nan_like(gate)), TorchOps.silu_mul(gate, up), TOL[dtype])
+    gate, up = rand(*shape, dtype=dtype, device=ops.device, scale=4.0), rand(*shape, dtype=dtype, device=ops.device)
+    close(ops.silu_mul(gate, up, out=poisoned(gate)), TorchOps.silu_mul(gate, up), TOL[dtype])
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device_start", [False, True])
 @pytest.mark.parametrize("case", [(1, 3, 64, 0, 40), (4, 2, 16, 37, 41), (3, 8, 128, 500, 1024), (2, 5, 80, 7, 9)])
 def test_kv_append(ops: CudaOps, dtype: torch.dtype, device_start: bool, case: tuple[int, ...]) -> None:
     t, n_kv, hd, start, capacity = case
     torch.manual_seed(sum(case))
-    k, v = rand(t, n_kv, hd, dtype=dtype), rand(t, n_kv, hd, dtype=dtype)
-    cache_k = torch.full((n_kv, capacity, hd), float("nan"), device="cuda", dtype=dtype)
+    k, v = rand(t, n_kv, hd, dtype=dtype, device=ops.device), rand(t, n_kv, hd, dtype=dtype, device=ops.device)
+    cache_k = torch.full((n_kv, capacity, hd), float("nan"), device=ops.device, dtype=dtype)
     cache_v = cache_k.clone()
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
     TorchOps.kv_append(ref_k, ref_v, k, v, start)
-    pos = torch.tensor([start], device="cuda", dtype=torch.int32) if device_start else start
+    pos = torch.tensor([start], device=ops.device, dtype=torch.int32) if device_start else start
     ops.kv_append(cache_k, cache_v, k, v, pos)
     torch.testing.assert_close(cache_k, ref_k, rtol=0, atol=0, equal_nan=True)  # untouched rows stay NaN
     torch.testing.assert_close(cache_v, ref_v, rtol=0, atol=0, equal_nan=True)
@@ -121,14 +145,16 @@ ATTN_CASES = [  # (T, n_heads, n_kv, head_dim, start, capacity)
 ]
 
 
-def attention_inputs(case: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_inputs(
+    case: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t, n_heads, n_kv, hd, start, capacity = case
     torch.manual_seed(sum(case))
-    q = rand(t, n_heads, hd, dtype=dtype, scale=2.0)
-    cache_k = torch.full((n_kv, capacity, hd), float("nan"), device="cuda", dtype=dtype)  # unread beyond start+T
+    q = rand(t, n_heads, hd, dtype=dtype, device=device, scale=2.0)
+    cache_k = torch.full((n_kv, capacity, hd), float("nan"), device=device, dtype=dtype)  # unread beyond start+T
     cache_v = cache_k.clone()
-    cache_k[:, : start + t] = rand(n_kv, start + t, hd, dtype=dtype, scale=2.0)
-    cache_v[:, : start + t] = rand(n_kv, start + t, hd, dtype=dtype)
+    cache_k[:, : start + t] = rand(n_kv, start + t, hd, dtype=dtype, device=device, scale=2.0)
+    cache_v[:, : start + t] = rand(n_kv, start + t, hd, dtype=dtype, device=device)
     return q, cache_k, cache_v
 
 
@@ -137,22 +163,22 @@ def attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.T
     return TorchOps.attention(q.float(), cache_k.float(), cache_v.float(), start).to(q.dtype)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device_start", [False, True])
 @pytest.mark.parametrize("case", ATTN_CASES)
 def test_attention(ops: CudaOps, dtype: torch.dtype, device_start: bool, case: tuple[int, ...]) -> None:
-    q, cache_k, cache_v = attention_inputs(case, dtype)
+    q, cache_k, cache_v = attention_inputs(case, dtype, ops.device)
     start = case[4]
-    pos = torch.tensor([start], device="cuda", dtype=torch.int32) if device_start else start
-    out = ops.attention(q, cache_k, cache_v, pos, out=nan_like(q))
+    pos = torch.tensor([start], device=ops.device, dtype=torch.int32) if device_start else start
+    out = ops.attention(q, cache_k, cache_v, pos, out=poisoned(q))
     close(out, attention_reference(q, cache_k, cache_v, start), ATTN_TOL[dtype])
 
 
 @pytest.mark.gpu
-def test_attention_graph_replays_at_any_position(ops: CudaOps) -> None:
+def test_attention_graph_replays_at_any_position(cuda_ops: CudaOps) -> None:
     # captured once with a device-side start; replayed at other positions it must follow the new length
-    q, cache_k, cache_v = attention_inputs((1, 8, 2, 64, 299, 300), torch.float16)
+    ops = cuda_ops
+    q, cache_k, cache_v = attention_inputs((1, 8, 2, 64, 299, 300), torch.float16, ops.device)
     pos = torch.zeros(1, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
     stream = torch.cuda.Stream()
@@ -366,22 +392,24 @@ def test_sampler_kernel_plans_check_their_inputs() -> None:
     assert type(make_sampler(SamplingSettings(), 10, "cpu")) is Sampler
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", range(len(SAMPLING_CASES)))
 def test_sampling_kernels_against_sampler(ops: CudaOps, case: int) -> None:
     settings = dataclasses.replace(SAMPLING_CASES[case], seed=7 + case)
-    sampler = make_sampler(settings, 5000, "cuda")
-    assert isinstance(sampler, CudaSampler)
+    if ops.device.type == "cuda":
+        sampler = make_sampler(settings, 5000, "cuda")
+        assert isinstance(sampler, CudaSampler)
+    else:
+        sampler = CudaSampler(settings, 5000, launcher=ops._launch)
     ref = Sampler(settings, 5000)
     gen = torch.Generator().manual_seed(case)
     history = [int(t) for t in torch.randint(0, 5000, (200,), generator=gen)]
     logits = torch.randn(5000, generator=gen) * 4.0
-    torch.testing.assert_close(sampler._adjust_device(logits.cuda(), history).cpu(), ref._adjust(logits, history),
-                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    adjusted = sampler._adjust_device(logits.to(ops.device), history).cpu()
+    torch.testing.assert_close(adjusted, ref._adjust(logits, history), rtol=1e-6, atol=1e-6)
     same = 0
     for _ in range(40):
         logits = torch.randn(5000, generator=gen) * 4.0
-        got = sampler.sample(logits.cuda(), history, top_alts=5, want_probs=True)
+        got = sampler.sample(logits.to(ops.device), history, top_alts=5, want_probs=True)
         want = ref.sample(logits, history, top_alts=5, want_probs=True)
         same += got.token == want.token
         assert got.prob == pytest.approx(want.prob, rel=1e-4, abs=1e-7)
@@ -391,7 +419,7 @@ def test_sampling_kernels_against_sampler(ops: CudaOps, case: int) -> None:
 
 
 @pytest.mark.gpu
-def test_seeded_device_sampling_is_reproducible(ops: CudaOps) -> None:
+def test_seeded_device_sampling_is_reproducible(cuda_ops: CudaOps) -> None:
     settings = SamplingSettings(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=99)
     logits = torch.randn(20, 32000, device="cuda") * 3
     runs = [[make_sampler(settings, 32000, "cuda").sample(row, []).token for row in logits] for _ in range(2)]
