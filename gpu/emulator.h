@@ -60,7 +60,7 @@ struct Scheduler {
     void* body_arg = nullptr;
     std::string error;
     std::mutex lock;  // one launch at a time in this module
-    uint32_t shfl[MAX_THREADS / 32][32][2];  // one 64-bit slot per lane
+    uint32_t shfl[2][MAX_THREADS / 32][32][2];  // two sets of one 64-bit slot per lane
 };
 
 inline Scheduler& sched() {
@@ -258,14 +258,15 @@ __attribute__((noinline)) T __shfl_xor_sync(unsigned mask, T v, int lane_mask, i
         webchat_emu::fail(webchat_emu::where() + ": full-mask __shfl_xor_sync in warp " + std::to_string(warp) +
                           " of only " + std::to_string(n - warp * 32) + " threads (blockDim not a multiple of 32)");
     if (lane_mask < 0 || lane_mask > 31) webchat_emu::fail(webchat_emu::where() + ": lane mask out of range");
-    std::memcpy(s.shfl[warp][lane], &v, sizeof(T));
+    // Two slot sets used in turn: a lane reaches the next shuffle on this set only after every lane has passed the
+    // barrier of the shuffle in between, and so has read this one; one barrier per shuffle is enough.
+    const unsigned set = s.fibers[tid].warp_syncs & 1u;
+    std::memcpy(s.shfl[set][warp][lane], &v, sizeof(T));
     s.fibers[tid].site = __builtin_return_address(0);
     ++s.fibers[tid].warp_syncs;
     webchat_emu::wait(webchat_emu::State::warp_wait);  // every lane has written
     T out;
-    std::memcpy(&out, s.shfl[warp][lane ^ (unsigned)lane_mask], sizeof(T));
-    ++s.fibers[tid].warp_syncs;
-    webchat_emu::wait(webchat_emu::State::warp_wait);  // every lane has read before the slots are reused
+    std::memcpy(&out, s.shfl[set][warp][lane ^ (unsigned)lane_mask], sizeof(T));
     return out;
 }
 

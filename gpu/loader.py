@@ -52,9 +52,19 @@ def cupy_module() -> Any:
         import cupy
     except ImportError as e:  # also the path on every machine without the `cuda` extra
         raise KernelUnavailable(
-            f"the CUDA kernels need CuPy (pip install 'webchat[cuda]'), and importing it failed: {e}"
+            f"the CUDA kernels need CuPy ({install_hint()}), and importing it failed: {e}"
         ) from e
     return cupy
+
+
+def install_hint() -> str:
+    """How to install the CuPy that matches the CUDA major version torch was built with."""
+    import torch
+
+    major = (torch.version.cuda or "").split(".")[0]
+    if major in ("12", "13"):
+        return f"torch is built for CUDA {torch.version.cuda}: pip install 'webchat[cuda{major}]'"
+    return f"pip install the cupy-cudaNNx wheel for your CUDA (torch reports CUDA {torch.version.cuda})"
 
 
 def module(name: str) -> Any:

@@ -31,7 +31,13 @@ fi
 
 extras=""
 [ "$with_tests" = 1 ] && extras="test"
-[ "$has_cuda" = 1 ] && extras="${extras:+$extras,}cuda"
+if [ "$has_cuda" = 1 ]; then  # CuPy for the CUDA major version torch was built with (extras cuda12, cuda13)
+  cuda_major=$(.venv/bin/python -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+  case "$cuda_major" in
+    12|13) extras="${extras:+$extras,}cuda$cuda_major" ;;
+    *) echo "setup.sh: torch reports CUDA '${cuda_major}'; no CuPy extra for it, the model will run on PyTorch ops" >&2 ;;
+  esac
+fi
 "${pip[@]}" install -e ".${extras:+[$extras]}"
 
 if [ "$with_tests" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
