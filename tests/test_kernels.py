@@ -53,25 +53,32 @@ def cuda_ops() -> CudaOps:
 
 
 def rand(*shape: int, dtype: torch.dtype, device: torch.device, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)  # same draws anywhere
+    """Random normal values (the same draws on any device), stored inside NaN guards: a read past either end
+    turns an output into NaN, and a write there shows in guards_intact()."""
+    t = poisoned(torch.empty(shape, dtype=dtype, device=device))
+    return t.copy_(torch.randn(*shape, dtype=torch.float32) * scale)
 
 
-GUARD = 64  # elements of NaN on either side of a poisoned() output
+GUARD = 64  # elements of NaN on either side of a poisoned() tensor
 
 
 def poisoned(t: torch.Tensor) -> torch.Tensor:
-    """A NaN tensor like t, viewed inside a larger NaN buffer: close() then also sees writes past either end."""
+    """A NaN tensor like t, viewed inside a larger NaN buffer."""
     buf = torch.full((t.numel() + 2 * GUARD,), float("nan"), dtype=t.dtype, device=t.device)
     return buf[GUARD : GUARD + t.numel()].view(t.shape)
 
 
+def guards_intact(t: torch.Tensor) -> None:
+    """t is a poisoned() view: nothing may have been written to the NaN on either side of it."""
+    whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+    assert whole.numel() == t.numel() + 2 * GUARD, "not a poisoned() tensor"
+    guards = torch.cat([whole[:GUARD], whole[-GUARD:]])
+    assert guards.isnan().all(), f"{int((~guards.isnan()).sum())} elements written outside the tensor"
+
+
 def close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float]) -> None:
     assert not actual.isnan().any(), f"{int(actual.isnan().sum())} of {actual.numel()} outputs unwritten (NaN)"
-    base = actual.untyped_storage()
-    if base.nbytes() > actual.numel() * actual.element_size():  # a poisoned() view: its guards must still be NaN
-        whole = torch.empty(0, dtype=actual.dtype, device=actual.device).set_(base)
-        guards = torch.cat([whole[:GUARD], whole[-GUARD:]])
-        assert guards.isnan().all(), f"{int((~guards.isnan()).sum())} elements written outside the output"
+    guards_intact(actual)
     torch.testing.assert_close(actual, expected, rtol=tol[0], atol=tol[1])
 
 
@@ -124,14 +131,15 @@ def test_kv_append(ops: CudaOps, dtype: torch.dtype, device_start: bool, case: t
     t, n_kv, hd, start, capacity = case
     torch.manual_seed(sum(case))
     k, v = rand(t, n_kv, hd, dtype=dtype, device=ops.device), rand(t, n_kv, hd, dtype=dtype, device=ops.device)
-    cache_k = torch.full((n_kv, capacity, hd), float("nan"), device=ops.device, dtype=dtype)
-    cache_v = cache_k.clone()
+    empty = torch.empty((n_kv, capacity, hd), device=ops.device, dtype=dtype)
+    cache_k, cache_v = poisoned(empty), poisoned(empty)
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
     TorchOps.kv_append(ref_k, ref_v, k, v, start)
     pos = torch.tensor([start], device=ops.device, dtype=torch.int32) if device_start else start
     ops.kv_append(cache_k, cache_v, k, v, pos)
-    torch.testing.assert_close(cache_k, ref_k, rtol=0, atol=0, equal_nan=True)  # untouched rows stay NaN
-    torch.testing.assert_close(cache_v, ref_v, rtol=0, atol=0, equal_nan=True)
+    for got, want in ((cache_k, ref_k), (cache_v, ref_v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # untouched rows stay NaN
+        guards_intact(got)
 
 
 ATTN_CASES = [  # (T, n_heads, n_kv, head_dim, start, capacity)
@@ -151,8 +159,8 @@ def attention_inputs(
     t, n_heads, n_kv, hd, start, capacity = case
     torch.manual_seed(sum(case))
     q = rand(t, n_heads, hd, dtype=dtype, device=device, scale=2.0)
-    cache_k = torch.full((n_kv, capacity, hd), float("nan"), device=device, dtype=dtype)  # unread beyond start+T
-    cache_v = cache_k.clone()
+    empty = torch.empty((n_kv, capacity, hd), device=device, dtype=dtype)
+    cache_k, cache_v = poisoned(empty), poisoned(empty)  # NaN beyond start+T, which must not be read
     cache_k[:, : start + t] = rand(n_kv, start + t, hd, dtype=dtype, device=device, scale=2.0)
     cache_v[:, : start + t] = rand(n_kv, start + t, hd, dtype=dtype, device=device)
     return q, cache_k, cache_v
@@ -180,7 +188,7 @@ def test_attention_graph_replays_at_any_position(cuda_ops: CudaOps) -> None:
     ops = cuda_ops
     q, cache_k, cache_v = attention_inputs((1, 8, 2, 64, 299, 300), torch.float16, ops.device)
     pos = torch.zeros(1, device="cuda", dtype=torch.int32)
-    out = torch.empty_like(q)
+    out = poisoned(q)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
