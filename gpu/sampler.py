@@ -46,8 +46,9 @@ def draw(x: torch.Tensor, s: SamplingSettings, u: float) -> tuple[torch.Tensor, 
     total = cdf[-1]
     pos = torch.searchsorted(cdf, (u * total).reshape(1), right=True).clamp_(max=vals.numel() - 1)  # (1,)
     at = torch.arange(vals.numel(), device=vals.device)
-    pos = torch.where((vals > 0) & (at <= pos), at, 0).max()  # u rounded up onto total: last kept candidate
-    return idx[pos], vals[pos].double() / total
+    pos = torch.where((vals > 0) & (at <= pos), at, 0).max().reshape(1)  # u rounded up onto total: last kept one
+    # index_select, not idx[pos]: indexing with a 0-d tensor reads it on the host (a sync per token)
+    return idx.index_select(0, pos)[0], vals.index_select(0, pos)[0].double() / total
 
 
 class CudaSampler(Sampler):
@@ -80,7 +81,7 @@ class CudaSampler(Sampler):
         k = min(top_alts, MAX_TOP_ALTS)
         if describe:
             logp = torch.log_softmax(raw, dim=-1)
-            chosen = logp[token]
+            chosen = logp.index_select(0, token.reshape(1))[0]
             vals, idx = torch.topk(logp, k) if k > 0 else (logp[:0], torch.zeros(0, dtype=torch.long, device=x.device))
             parts += [chosen.exp().double().reshape(1), ((logp > chosen).sum() + 1).double().reshape(1),
                       idx.double(), vals.exp().double()]  # fmt: skip

@@ -5,11 +5,14 @@ beforehand (NaN, with NaN guards on either side), on the GPU and on any machine 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from webchat.gpu import CudaOps, KernelInputError, KernelUnavailable, kernel_source
 from webchat.gpu import ops as gops
 from webchat.gpu.emulator import EmulatorUnavailable, emulated_launcher
@@ -424,6 +427,60 @@ def test_sampling_kernels_against_sampler(ops: CudaOps, case: int) -> None:
         assert [t for t, _ in got.top] == [t for t, _ in want.top]
         history.append(want.token)
     assert same >= 39  # the same uniforms; a float32 tie at a truncation boundary may flip one draw
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts tensor-to-Python-scalar reads (aten._local_scalar_dense: item(), float(t), indexing with a 0-d tensor),
+    each a host sync on a GPU; the seeded uniforms (aten.rand on the CPU generator) are left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uniforms: set[int] = set()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.rand:
+            self.uniforms.add(id(out))
+        elif func is torch.ops.aten._local_scalar_dense.default and id(args[0]) not in self.uniforms:
+            self.reads.append(f"{tuple(args[0].shape)} {args[0].dtype}")
+        return out
+
+
+@pytest.mark.parametrize("case", range(len(SAMPLING_CASES)))
+def test_device_sampler_reads_no_scalar_before_its_one_copy(case: int) -> None:
+    # the GPU path (kernels emulated here) must not sync mid-step: its only host read is the packed .tolist()
+    try:
+        launcher = emulated_launcher()
+    except EmulatorUnavailable as e:
+        pytest.skip(f"the kernel emulator cannot run here: {e}")
+    settings = dataclasses.replace(SAMPLING_CASES[case], seed=case)
+    sampler = CudaSampler(settings, 300, launcher=launcher)
+    gen = torch.Generator().manual_seed(case)
+    logits = torch.randn(4, 300, generator=gen) * 3.0
+    with ScalarReads() as mode:
+        for row in logits:
+            sampler.sample(row, [5, 6, 7, 5], top_alts=3, want_probs=True)
+    assert mode.reads == []
+
+
+@pytest.mark.gpu
+def test_device_sampling_syncs_once_per_token(cuda_ops: CudaOps) -> None:
+    settings = dataclasses.replace(SAMPLING_CASES[4], seed=3)
+    sampler = make_sampler(settings, 32000, "cuda")
+    logits = torch.randn(6, 32000, device="cuda") * 3
+    sampler.sample(logits[0], [1, 2, 3], top_alts=5, want_probs=True)  # warm-up: compiles, allocates
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for row in logits[1:]:
+                sampler.sample(row, [1, 2, 3], top_alts=5, want_probs=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == 5, syncs  # the .tolist() of each token's packed result
 
 
 @pytest.mark.gpu
