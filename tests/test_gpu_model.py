@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from test_golden import GOLDEN_GREEDY, GOLDEN_PROMPT, greedy  # tests/ is on sys.path under pytest
+from test_kernels import ScalarReads
 
 from webchat.cuda_backend import enable_cuda_backend, graphable, run_at
 from webchat.generator import GenerationRequest, Generator
@@ -119,6 +120,18 @@ def test_graph_step_through_the_emulated_kernels_matches_forward(tiny_model_dir:
         step = run_at(model, x, torch.tensor([pos], dtype=torch.int32), cache, last_only=True)
         torch.testing.assert_close(step, ref_step, rtol=1e-5, atol=1e-5)
         x = torch.tensor([int(ref_step[-1].argmax())])
+
+
+@pytest.mark.parametrize(("n_tokens", "last_only"), [(1, True), (4, True), (4, False)])
+def test_graph_step_reads_no_scalar_on_the_host(tiny_model_dir: Path, n_tokens: int, last_only: bool) -> None:
+    # a read (item(), indexing with a 0-d tensor) inside the captured step would fail the CUDA graph capture
+    model = emulated_model(tiny_model_dir)
+    cache = model.new_cache(64)
+    model(torch.tensor(GOLDEN_PROMPT), cache)
+    pos = torch.tensor([len(GOLDEN_PROMPT)], dtype=torch.int32)
+    with ScalarReads() as mode:
+        run_at(model, torch.tensor([5] * n_tokens), pos, cache, last_only=last_only)
+    assert mode.reads == []
 
 
 @pytest.mark.parametrize("mode", ["self", "ngram"])
