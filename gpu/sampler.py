@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from webchat.gpu.ops import ELEMENTWISE_THREADS, KernelInputError, Launch, Launcher, blocks, check, i32, ptr
 
-from webchat.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings, truncate
+from webchat.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings, draw
 
 
 def plan_count(ids: torch.Tensor, counts: torch.Tensor) -> Launch:
@@ -32,23 +32,6 @@ def plan_adjust(raw: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tens
     if counts is not None:
         check("counts", counts, (n,), torch.float32)
     return Launch("sampling", "sample_adjust_f32", (blocks(n, ELEMENTWISE_THREADS), 1, 1), (ELEMENTWISE_THREADS, 1, 1))
-
-
-def draw(x: torch.Tensor, s: SamplingSettings, u: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampler._draw on the device for a uniform u in [0, 1): (token, sampled_prob) as 0-d tensors, no host sync."""
-    probs = torch.softmax(x / s.temperature, dim=-1)
-    if s.top_k and s.top_k < probs.numel():
-        vals, idx = torch.topk(probs, s.top_k)  # sorted descending
-    else:
-        vals, idx = torch.sort(probs, descending=True)
-    vals = truncate(vals, s)
-    cdf = torch.cumsum(vals.double(), dim=0)
-    total = cdf[-1]
-    pos = torch.searchsorted(cdf, (u * total).reshape(1), right=True).clamp_(max=vals.numel() - 1)  # (1,)
-    at = torch.arange(vals.numel(), device=vals.device)
-    pos = torch.where((vals > 0) & (at <= pos), at, 0).max().reshape(1)  # u rounded up onto total: last kept one
-    # index_select, not idx[pos]: indexing with a 0-d tensor reads it on the host (a sync per token)
-    return idx.index_select(0, pos)[0], vals.index_select(0, pos)[0].double() / total
 
 
 class CudaSampler(Sampler):

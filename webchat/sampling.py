@@ -163,22 +163,29 @@ class Sampler:
         return x - s.frequency_penalty * counts - s.presence_penalty * seen.to(x.dtype)
 
     def _draw(self, x: torch.Tensor) -> tuple[int, float]:
-        s = self.settings
-        if s.greedy:
+        if self.settings.greedy:
             return int(torch.argmax(x)), 1.0
-        probs = torch.softmax(x / s.temperature, dim=-1)
-        if s.top_k and s.top_k < probs.numel():
-            vals, idx = torch.topk(probs, s.top_k)  # sorted descending
-        else:
-            vals, idx = torch.sort(probs, descending=True)
-        vals = truncate(vals, s)
-        cdf = torch.cumsum(vals.double(), dim=0)  # inverse-CDF draw: one uniform per token, whatever the settings
-        total = float(cdf[-1])
-        u = float(torch.rand((), generator=self.rng, dtype=torch.float64)) * total
-        pos = min(int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True)), vals.numel() - 1)
-        while pos > 0 and float(vals[pos]) == 0.0:  # u rounded up onto total: last kept candidate
-            pos -= 1
-        return int(idx[pos]), float(vals[pos]) / total
+        u = float(torch.rand((), generator=self.rng, dtype=torch.float64))  # one uniform per sampled token
+        token, sampled_prob = draw(x, self.settings, u)
+        return int(token), float(sampled_prob)
+
+
+def draw(x: torch.Tensor, s: SamplingSettings, u: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw for a uniform u in [0, 1) over the candidates the settings keep: (token, sampled_prob) as 0-d
+    tensors on x's device, without host syncs, so the same code serves the CPU and the GPU sampler."""
+    probs = torch.softmax(x / s.temperature, dim=-1)
+    if s.top_k and s.top_k < probs.numel():
+        vals, idx = torch.topk(probs, s.top_k)  # sorted descending
+    else:
+        vals, idx = torch.sort(probs, descending=True)
+    vals = truncate(vals, s)
+    cdf = torch.cumsum(vals.double(), dim=0)
+    total = cdf[-1]
+    pos = torch.searchsorted(cdf, (u * total).reshape(1), right=True).clamp_(max=vals.numel() - 1)  # (1,)
+    at = torch.arange(vals.numel(), device=vals.device)
+    pos = torch.where((vals > 0) & (at <= pos), at, 0).max().reshape(1)  # u rounded up onto total: last kept one
+    # index_select, not idx[pos]: indexing with a 0-d tensor reads it on the host (a sync per token on a GPU)
+    return idx.index_select(0, pos)[0], vals.index_select(0, pos)[0].double() / total
 
 
 def truncate(vals: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
