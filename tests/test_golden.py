@@ -17,7 +17,7 @@ GOLDEN_GREEDY = [
 
 
 def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    cache = model.new_cache(128)  # type: ignore[operator]
+    cache = model.new_cache(len(prompt) + n)  # type: ignore[operator]
     x = torch.tensor(prompt, device=model.device)  # type: ignore[arg-type]
     out: list[int] = []
     for _ in range(n):
