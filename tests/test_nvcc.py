@@ -59,13 +59,19 @@ def test_kernel_compiles(name: str, arch: str, tmp_path: Path) -> None:
     assert (tmp_path / "k.cubin").stat().st_size > 0
 
 
+def broken_silu_mul() -> tuple[str, int]:
+    """silu_mul's inlined source with an undefined name `nope` put in, and the line of silu_mul.cu it is on."""
+    text = loader.kernel_source("silu_mul").replace("const float g = to_float(gate[i]);", "const float g = nope;")
+    line = next(i for i, s in enumerate((loader.GPU_DIR / "silu_mul.cu").read_text().splitlines(), 1) if "gate[i]" in s)
+    return text, line
+
+
 def test_compile_errors_point_at_the_source_file(tmp_path: Path) -> None:
     src = tmp_path / "broken.cu"
-    text = loader.kernel_source("silu_mul").replace("const float g = to_float(gate[i]);", "const float g = nope;")
+    text, line = broken_silu_mul()
     src.write_text(text)
     res = nvcc(["-std=c++17", "-arch=sm_80", "--ptx", "-o", str(tmp_path / "b.ptx"), str(src)])
     assert res.returncode != 0
-    line = next(i for i, s in enumerate((loader.GPU_DIR / "silu_mul.cu").read_text().splitlines(), 1) if "gate[i]" in s)
     assert f"silu_mul.cu({line})" in res.stderr, res.stderr
 
 

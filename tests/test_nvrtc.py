@@ -10,9 +10,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from test_nvcc import SOURCES, broken_silu_mul  # tests/ is on sys.path under pytest
 from webchat.gpu import loader
-
-SOURCES = sorted(p.stem for p in loader.GPU_DIR.glob("*.cu"))
 
 
 def find_nvrtc() -> ctypes.CDLL | None:
@@ -60,8 +59,7 @@ def test_kernel_compiles_with_nvrtc(name: str, arch: str) -> None:
 
 
 def test_nvrtc_errors_point_at_the_source_file() -> None:
-    text = loader.kernel_source("silu_mul").replace("const float g = to_float(gate[i]);", "const float g = nope;")
+    text, line = broken_silu_mul()
     rc, log = nvrtc_compile(text, "silu_mul", "compute_80")
-    line = next(i for i, s in enumerate((loader.GPU_DIR / "silu_mul.cu").read_text().splitlines(), 1) if "gate[i]" in s)
     assert rc != 0
     assert f"silu_mul.cu({line}): error" in log and "nope" in log, log
