@@ -11,6 +11,7 @@ kernel whose result depends on the order (a missing barrier) gives different ans
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -79,6 +80,12 @@ def _run(cmd: list[str], what: str) -> str:
     return res.stdout
 
 
+@functools.cache
+def _version(cxx: str) -> str:
+    """The compiler's --version text (part of the library cache key), asked once per process."""
+    return _run([cxx, "--version"], "asking the C++ compiler its version")
+
+
 def entries(source: str, cxx: str) -> dict[str, list[Param]]:
     """The extern "C" __global__ entry points of a kernel source and their parameters, read from the preprocessed
     text (the entries are written through macros)."""
@@ -127,8 +134,7 @@ class EmulatedModule:
         if not self.kernels:
             raise EmulatorUnavailable(f'gpu/{name}.cu declares no extern "C" __global__ kernels')
         full = source + "\n" + _trampolines(self.kernels)
-        version = _run([cxx, "--version"], "asking the C++ compiler its version")
-        key = hashlib.sha256("\0".join([full, HEADER.read_text(), " ".join(FLAGS), version]).encode()).hexdigest()
+        key = hashlib.sha256("\0".join([full, HEADER.read_text(), " ".join(FLAGS), _version(cxx)]).encode()).hexdigest()
         lib = cache_dir() / f"{name}-{key[:16]}.so"
         if not lib.is_file():
             lib.parent.mkdir(parents=True, exist_ok=True)
