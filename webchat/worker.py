@@ -134,8 +134,7 @@ class Worker:
             if job in self._pending:
                 self._pending.remove(job)
                 del self._jobs[key]
-                self._post(job, p.Done(id=job.request_id, reason="cancelled",
-                                       stats=p.Stats(prompt_tokens=job.prompt_tokens)))
+                self._post(job, cancelled(job))
                 self._admit_locked()
                 return
             job.cancel_requested = True
@@ -206,9 +205,10 @@ class Worker:
         if session is not None:
             session.in_use = False
             if self._sessions.get(job.key) is session:
-                self._sessions.move_to_end(job.key)  # LRU by last use
-            if session.closed and self._sessions.get(job.key) is session:
-                del self._sessions[job.key]
+                if session.closed:
+                    del self._sessions[job.key]
+                else:
+                    self._sessions.move_to_end(job.key)  # LRU by last use
         self._admit_locked()
 
     # ------------------------------------------------------------ the device thread
@@ -239,8 +239,7 @@ class Worker:
         if job.dropped or (job.cancel_requested and not job.started):
             with self._cond:
                 self._finish_locked(job)
-                self._post(job, p.Done(id=job.request_id, reason="cancelled",
-                                       stats=p.Stats(prompt_tokens=job.prompt_tokens)))
+                self._post(job, cancelled(job))
             return
         if session.gen is None:
             session.gen = self._new_generator()
@@ -281,6 +280,11 @@ def result_messages(job: Job, result: Any, id_to_text: Callable[[int], str]) -> 
                           trigger=id_to_text(trigger) if isinstance(trigger, int) else trigger,
                           stats=stats_out(result.stats)))
     return out
+
+
+def cancelled(job: Job) -> p.Done:
+    """`done` for a request stopped before it produced anything."""
+    return p.Done(id=job.request_id, reason="cancelled", stats=p.Stats(prompt_tokens=job.prompt_tokens))
 
 
 def token_out(info: Any) -> p.TokenOut:
