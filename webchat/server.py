@@ -29,13 +29,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 import webchat
 from webchat import protocol as p
+from webchat.speculative import MODES
 from webchat.worker import Job, StreamingGenerator, Worker
 
 log = logging.getLogger("webchat.server")
 
 REPO_ROOT = Path(webchat.__file__).resolve().parent.parent
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
-SPECULATIVE_MODES = ("none", "self", "ngram", "draft")
 
 
 @dataclass
@@ -98,7 +98,7 @@ def load_runtime(config: ServerConfig) -> Runtime:
     model = load_model(config.model_dir, device, dtype)
     draft = load_model(config.draft_dir, device, dtype) if config.draft_dir is not None else None
     context = min(model.args.max_seq_len, config.max_seq_len or model.args.max_seq_len)
-    modes = [m for m in SPECULATIVE_MODES if m != "draft" or draft is not None]
+    modes = [m for m in MODES if m != "draft" or draft is not None]
     if config.speculative not in modes:
         raise ValueError(f"--speculative {config.speculative} is not available; choose one of {modes}")
     return Runtime(model=model, tokenizer=Tokenizer.from_dir(config.model_dir), model_name=config.model_dir.name,
@@ -367,7 +367,7 @@ def display_url(config: ServerConfig) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled SmolLM2)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder for speculative mode 'draft'")
-    parser.add_argument("--speculative", default="none", choices=list(SPECULATIVE_MODES),
+    parser.add_argument("--speculative", default="none", choices=list(MODES),
                         help="the speculative mode for requests that name none (default: none)")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],

@@ -13,7 +13,7 @@ import torch
 
 from webchat.cache import KVCache
 
-MODES = ("none", "draft", "self", "ngram")
+MODES = ("none", "self", "ngram", "draft")  # in the order the page and the CLIs list them
 
 
 class DraftVocabError(ValueError):
