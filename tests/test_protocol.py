@@ -513,3 +513,29 @@ def test_serve_command_warns_off_loopback_and_prints_the_url(
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-sessions", "0"])
     assert main(parser.parse_args(["--speculative", "draft"]), run=fake_run) == 2
+
+
+def test_wire_settings_mirror_sampling_settings() -> None:
+    # the two are kept apart on purpose (wire vs internal); their names, defaults and ranges must not drift
+    import dataclasses
+
+    from annotated_types import Ge, Gt, Le
+
+    from webchat.sampling import SamplingSettings, SettingsError
+
+    internal = {f.name: f for f in dataclasses.fields(SamplingSettings)}
+    assert list(p.WireSettings.model_fields) == list(internal)
+    defaults = SamplingSettings()
+    for name, info in p.WireSettings.model_fields.items():
+        assert info.get_default(call_default_factory=True) == getattr(defaults, name), name
+        bounds = {type(m): m for m in info.metadata}
+        if name in ("token_bias", "seed"):
+            continue
+        lo = bounds[Ge].ge if Ge in bounds else bounds[Gt].gt
+        hi = bounds[Le].le
+        SamplingSettings(**{name: hi})
+        SamplingSettings(**{name: lo if Ge in bounds else lo + (1 if isinstance(lo, int) else 1e-6)})
+        step = 1 if info.annotation is int else 1e-3
+        for outside in (hi + step, lo - step if Ge in bounds else lo):
+            with pytest.raises(SettingsError, match=name):
+                SamplingSettings(**{name: outside})
