@@ -1,12 +1,15 @@
 // @ts-check
-/** The conversation view: the message list, stored replies re-rendered, action buttons, inline errors. */
+/** The conversation view: the shown path of messages, their actions and ‹ n/m › versions, inline errors. */
 
-import { BlockWriter, renderText } from "./blocks.js";
-import { ReplyView, setMeta, tokenSpan } from "./reply.js";
+import { renderText } from "./blocks.js";
+import { ReplyView } from "./reply.js";
 
 /**
  * @typedef {import("./store.js").Message} Message
- * @typedef {{onRegenerate: () => void, onEdit: () => void}} Actions
+ * @typedef {import("./tree.js").Step} Step
+ * @typedef {{onEdit: (step: Step, text: string) => void, onRegenerate: (step: Step) => void,
+ *            onContinue: (step: Step) => void, onDelete: (step: Step) => void,
+ *            onVersion: (step: Step, delta: number) => void}} Actions
  */
 
 /** The message list. */
@@ -21,14 +24,14 @@ export class ChatView {
     this.focusable = false;
     this.stickToEnd = true;
     this.scrollQueued = false;
+    this.busy = false;
     list.addEventListener("scroll", () => {
       this.stickToEnd = list.scrollHeight - list.scrollTop - list.clientHeight < 80;
     }, { passive: true });
   }
 
   /**
-   * Follows the end of the list once per frame (reading scrollHeight forces a layout: never once per chunk), unless
-   * the reader scrolled up.
+   * Follows the end of the list once per frame, unless the reader scrolled up.
    * @param {boolean} force
    */
   scrollToEnd(force) {
@@ -42,31 +45,49 @@ export class ChatView {
   }
 
   /**
-   * Renders a whole conversation; the last user message can be edited, the last reply regenerated.
-   * @param {Message[]} messages
+   * Renders the shown path. `live` is a reply still streaming (its view is returned), `busy` disables the actions
+   * that would start a request.
+   * @param {Step[]} steps
+   * @param {Message | null} live
+   * @param {boolean} busy
+   * @returns {ReplyView | null}
    */
-  render(messages) {
+  render(steps, live, busy) {
+    this.busy = busy;
     this.list.replaceChildren();
-    const lastUser = messages.map((m) => m.role).lastIndexOf("user");
-    messages.forEach((msg, i) => {
-      const el = this.messageEl(msg, { edit: i === lastUser, regenerate: i === messages.length - 1 && msg.role === "assistant" });
-      if (msg.role === "assistant") fillReply(el, msg, this.focusable);
-      else renderText(/** @type {HTMLElement} */ (el.querySelector(".msg-body")), msg.content);
-    });
-    if (messages.length === 0) this.list.append(emptyHint());
+    /** @type {ReplyView | null} */
+    let liveView = null;
+    for (const step of steps) {
+      const el = this.messageEl(step, step.index === steps.length - 1);
+      if (step.msg.role === "user") {
+        renderText(/** @type {HTMLElement} */ (el.querySelector(".msg-body")), step.msg.content);
+        continue;
+      }
+      const view = new ReplyView(el, step.msg, this.focusable);
+      if (step.msg === live) {
+        liveView = view;
+        el.dataset.state = "streaming";
+        view.writer.flush();
+      } else {
+        view.finishRender();
+      }
+    }
+    if (steps.length === 0) this.list.append(emptyHint());
+    return liveView;
   }
 
   /**
-   * Appends a message element with its action buttons.
-   * @param {Message} msg
-   * @param {{edit: boolean, regenerate: boolean}} can
+   * Appends a message element with its action bar.
+   * @param {Step} step
+   * @param {boolean} last
    * @returns {HTMLElement}
    */
-  messageEl(msg, can) {
-    this.list.querySelector(".empty-hint")?.remove();
+  messageEl(step, last) {
+    const msg = step.msg;
     const el = document.createElement("article");
     el.className = `msg msg-${msg.role}`;
     el.dataset.testid = `${msg.role}-message`;
+    el.setAttribute("aria-label", msg.role === "user" ? "You said" : "The model replied");
     const body = document.createElement("div");
     body.className = "msg-body";
     body.dataset.testid = "message-body";
@@ -75,28 +96,70 @@ export class ChatView {
     meta.dataset.testid = "reply-status";
     const bar = document.createElement("div");
     bar.className = "msg-actions";
+    if (step.thread.versions.length > 1) bar.append(this.versions(step));
+    const a = this.actions;
     if (msg.role === "assistant") {
       bar.append(button("Copy", "copy", (b) => copy(msg.content, b)));
-      if (can.regenerate) bar.append(button("Regenerate", "regenerate", () => this.actions.onRegenerate()));
-    } else if (can.edit) {
-      bar.append(button("Edit", "edit", () => this.actions.onEdit()));
+      bar.append(button("Regenerate", "regenerate", () => a.onRegenerate(step), this.busy));
+      if (last) bar.append(button("Continue", "continue", () => a.onContinue(step), this.busy || msg.content === ""));
+    } else {
+      bar.append(button("Edit", "edit", () => this.edit(el, step), this.busy));
     }
+    bar.append(button("Delete", "delete", () => a.onDelete(step), this.busy && last));
     el.append(body, meta, bar);
     this.list.append(el);
     return el;
   }
 
   /**
-   * Appends an empty assistant message and returns its streaming view.
-   * @param {Message} msg
-   * @returns {ReplyView}
+   * ‹ n/m › for a message with several versions.
+   * @param {Step} step
+   * @returns {HTMLElement}
    */
-  startReply(msg) {
-    const el = this.messageEl(msg, { edit: false, regenerate: false });
-    el.dataset.state = "waiting";
-    const view = new ReplyView(el, msg, this.focusable);
-    view.meta.textContent = "sending…";
-    return view;
+  versions(step) {
+    const nav = document.createElement("span");
+    nav.className = "versions";
+    const n = step.thread.current + 1;
+    const m = step.thread.versions.length;
+    const prev = button("‹", "version-prev", () => this.actions.onVersion(step, -1), n === 1);
+    prev.setAttribute("aria-label", "Previous version");
+    const next = button("›", "version-next", () => this.actions.onVersion(step, 1), n === m);
+    next.setAttribute("aria-label", "Next version");
+    const label = document.createElement("span");
+    label.dataset.testid = "version";
+    label.textContent = `${n}/${m}`;
+    label.setAttribute("aria-label", `version ${n} of ${m}`);
+    nav.append(prev, label, next);
+    return nav;
+  }
+
+  /**
+   * Replaces a user message with an editor; saving adds a new version and asks for a new reply.
+   * @param {HTMLElement} el
+   * @param {Step} step
+   */
+  edit(el, step) {
+    const body = /** @type {HTMLElement} */ (el.querySelector(".msg-body"));
+    const area = document.createElement("textarea");
+    area.className = "edit-area";
+    area.dataset.testid = "edit-input";
+    area.setAttribute("aria-label", "Edit your message");
+    area.value = step.msg.content;
+    area.rows = Math.min(10, step.msg.content.split("\n").length + 1);
+    const save = button("Save and send", "edit-save", () => this.actions.onEdit(step, area.value), this.busy);
+    save.classList.replace("link", "primary");
+    const cancel = button("Cancel", "edit-cancel", () => {
+      body.replaceChildren();
+      renderText(body, step.msg.content);
+      el.querySelector(".edit-bar")?.remove();
+    });
+    const editBar = document.createElement("div");
+    editBar.className = "edit-bar";
+    editBar.append(save, cancel);
+    body.replaceChildren(area);
+    body.classList.remove("plain");
+    body.after(editBar);
+    area.focus();
   }
 
   /**
@@ -128,43 +191,27 @@ export class ChatView {
   setFocusable(on) {
     this.focusable = on;
     for (const body of this.list.querySelectorAll(".msg-assistant .msg-body")) {
-      body.querySelectorAll(".tok").forEach((t, i) => { /** @type {HTMLElement} */ (t).tabIndex = on && i === 0 ? 0 : -1; });
+      body.querySelectorAll(".tok:not(.tok-cont)").forEach((t, i) => {
+        /** @type {HTMLElement} */ (t).tabIndex = on && i === 0 ? 0 : -1;
+      });
     }
   }
-}
-
-/**
- * Fills a stored reply: token spans when the token texts add up to the content, else plain text.
- * @param {HTMLElement} el
- * @param {Message} msg
- * @param {boolean} focusable
- */
-function fillReply(el, msg, focusable) {
-  const body = /** @type {HTMLElement} */ (el.querySelector(".msg-body"));
-  const toks = msg.tokens ?? [];
-  if (toks.length > 0 && toks.map((t) => t.text).join("") === msg.content) {
-    const writer = new BlockWriter(body);
-    toks.forEach((tok, i) => writer.append(tokenSpan(tok, focusable && i === 0), tok.text));
-  } else {
-    renderText(body, msg.content);
-  }
-  el.dataset.state = "done";
-  if (msg.reason) el.dataset.reason = msg.reason;
-  setMeta(/** @type {HTMLElement} */ (el.querySelector(".msg-meta")), msg);
 }
 
 /**
  * @param {string} label
  * @param {string} testid
  * @param {(b: HTMLButtonElement) => void} onClick
+ * @param {boolean} [disabled]
  * @returns {HTMLButtonElement}
  */
-function button(label, testid, onClick) {
+function button(label, testid, onClick, disabled = false) {
   const b = document.createElement("button");
   b.type = "button";
   b.className = "link";
   b.textContent = label;
   b.dataset.testid = testid;
+  b.disabled = disabled;
   b.addEventListener("click", () => onClick(b));
   return b;
 }
@@ -180,14 +227,14 @@ function emptyHint() {
 /**
  * Copies a reply's text to the clipboard; the button says whether it worked.
  * @param {string} text
- * @param {HTMLButtonElement} button
+ * @param {HTMLButtonElement} b
  */
-async function copy(text, button) {
+async function copy(text, b) {
   try {
     await navigator.clipboard.writeText(text);
-    button.textContent = "Copied";
+    b.textContent = "Copied";
   } catch {
-    button.textContent = "Copy failed";
+    b.textContent = "Copy failed";
   }
-  window.setTimeout(() => { button.textContent = "Copy"; }, 1500);
+  window.setTimeout(() => { b.textContent = "Copy"; }, 1500);
 }

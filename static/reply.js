@@ -1,7 +1,10 @@
 // @ts-check
-/** One assistant reply: token spans (merged byte pieces), the live stream, its status line (stats, stop reason). */
+/**
+ * One assistant reply: the token data kept on its message (merged byte pieces), the live Markdown rendering with one
+ * span per token, and its status line (stats, mean log-probability, perplexity, stop reason).
+ */
 
-import { BlockWriter } from "./blocks.js";
+import { MarkdownWriter } from "./blocks.js";
 import { paintToken } from "./heatmap.js";
 
 /**
@@ -9,10 +12,12 @@ import { paintToken } from "./heatmap.js";
  * @typedef {import("./store.js").Message} Message
  * @typedef {import("./store.js").Stats} Stats
  * @typedef {import("./connection.js").WireToken} WireToken
+ * @typedef {import("./blocks.js").Piece} Piece
  */
 
-/** Token data of each span, for the popover. */
+/** Token data of each span (primary and continuation), for the popover; the token's index in its reply. */
 export const tokenData = /** @type {WeakMap<Element, Tok>} */ (new WeakMap());
+export const tokenIndex = /** @type {WeakMap<Element, number>} */ (new WeakMap());
 
 /**
  * Merges byte tokens that together complete one character: all but the last have text "" (docs/protocol.md).
@@ -26,6 +31,18 @@ export function mergeParts(parts) {
   const p = parts.reduce((acc, t) => acc * t.p, 1);
   const rank = Math.max(...parts.map((t) => t.rank));
   return { id: parts[0].id, text: last.text, p, rank, top: parts[0].top, parts: parts.length };
+}
+
+/**
+ * Mean natural log-probability of a reply's tokens and its perplexity exp(-mean), or null without token data.
+ * @param {Tok[] | undefined} tokens
+ * @returns {{mean: number, ppl: number} | null}
+ */
+export function confidence(tokens) {
+  const ps = (tokens ?? []).map((t) => t.p).filter((p) => p > 0);
+  if (ps.length === 0) return null;
+  const mean = ps.reduce((acc, p) => acc + Math.log(p), 0) / ps.length;
+  return { mean, ppl: Math.exp(-mean) };
 }
 
 /**
@@ -45,9 +62,42 @@ export function statsLine(s) {
 /** @type {Record<string, string>} */
 const REASONS = {
   cancelled: "stopped", max_new_tokens: "length limit", context_full: "context full", interrupted: "connection lost",
+  error: "error",
 };
 
-/** One assistant reply being streamed: appends tokens live and keeps the message object up to date. */
+/** Keeps a reply's message up to date from chunks, with or without a view (a reply streaming in the background). */
+export class ReplyData {
+  /** @param {Message} msg */
+  constructor(msg) {
+    this.msg = msg;
+    /** @type {WireToken[]} */
+    this.pending = [];
+    msg.tokens = msg.tokens ?? [];
+  }
+
+  /**
+   * Applies a chunk; returns the pieces that now have text: [text, token or null].
+   * @param {{text: string, tokens?: WireToken[]}} chunk
+   * @returns {[string, Tok | null][]}
+   */
+  apply(chunk) {
+    this.msg.content += chunk.text;
+    if (!chunk.tokens) return [[chunk.text, null]];
+    /** @type {[string, Tok | null][]} */
+    const out = [];
+    for (const t of chunk.tokens) {
+      this.pending.push(t);
+      if (t.text === "") continue;
+      const tok = mergeParts(this.pending);
+      this.pending = [];
+      /** @type {Tok[]} */ (this.msg.tokens).push(tok);
+      out.push([tok.text, tok]);
+    }
+    return out;
+  }
+}
+
+/** One assistant reply on screen: renders its stored text and tokens, then what streams in. */
 export class ReplyView {
   /**
    * @param {HTMLElement} el the message element
@@ -59,15 +109,40 @@ export class ReplyView {
     this.msg = msg;
     this.body = /** @type {HTMLElement} */ (el.querySelector(".msg-body"));
     this.meta = /** @type {HTMLElement} */ (el.querySelector(".msg-meta"));
-    this.writer = new BlockWriter(this.body);
     this.focusable = focusable;
-    /** @type {WireToken[]} */
-    this.pending = [];
+    this.index = 0;
+    this.writer = new MarkdownWriter(this.body, (piece, primary) => this.span(piece, primary));
+    this.queuedFlush = false;
     this.sentAt = performance.now();
     /** @type {number | null} */
     this.firstAt = null;
     this.count = 0;
-    msg.tokens = msg.tokens ?? [];
+    const toks = msg.tokens ?? [];
+    if (toks.length > 0 && toks.map((t) => t.text).join("") === msg.content) {
+      for (const t of toks) this.writer.push(t.text, t);
+    } else {
+      this.writer.push(msg.content, null);
+    }
+  }
+
+  /**
+   * @param {Piece} piece
+   * @param {boolean} primary
+   * @returns {HTMLElement}
+   */
+  span(piece, primary) {
+    const tok = /** @type {Tok} */ (piece.data);
+    const span = tokenSpan(tok, primary && piece.index === 0 && this.focusable, primary);
+    tokenIndex.set(span, piece.index);
+    return span;
+  }
+
+  /** Renders what is stored as final (a finished reply). */
+  finishRender() {
+    this.writer.finish();
+    this.el.dataset.state = "done";
+    if (this.msg.reason) this.el.dataset.reason = this.msg.reason;
+    setMeta(this.meta, this.msg);
   }
 
   /** @param {number} position */
@@ -81,32 +156,24 @@ export class ReplyView {
     this.meta.textContent = "reading the prompt…";
   }
 
-  /** @param {{text: string, tokens?: WireToken[]}} chunk */
-  chunk(chunk) {
+  /**
+   * Renders pieces that ReplyData applied; the DOM catches up once per frame.
+   * @param {[string, Tok | null][]} pieces
+   */
+  chunk(pieces) {
     this.el.dataset.state = "streaming";
     if (this.firstAt === null) this.firstAt = performance.now();
-    this.msg.content += chunk.text;
-    if (chunk.tokens) {
-      for (const t of chunk.tokens) this.addWireToken(t);
-      this.count += chunk.tokens.length;
-    } else {
-      this.writer.append(document.createTextNode(chunk.text), chunk.text);
-      this.count += 1;
-    }
+    for (const [text, tok] of pieces) this.writer.push(text, tok);
+    this.count += pieces.length;
     const secs = (performance.now() - this.firstAt) / 1000;
     const rate = secs > 0.05 ? ` · ${((this.count - 1) / secs).toFixed(1)} tok/s` : "";
     this.meta.textContent = `${this.count} tokens${rate}`;
-  }
-
-  /** @param {WireToken} t */
-  addWireToken(t) {
-    this.pending.push(t);
-    if (t.text === "") return;
-    const tok = mergeParts(this.pending);
-    this.pending = [];
-    /** @type {Tok[]} */ (this.msg.tokens).push(tok);
-    const first = this.body.querySelector(".tok") === null;
-    this.writer.append(tokenSpan(tok, first && this.focusable), tok.text);
+    if (this.queuedFlush) return;
+    this.queuedFlush = true;
+    requestAnimationFrame(() => {
+      this.queuedFlush = false;
+      if (this.el.dataset.state !== "done") this.writer.flush();
+    });
   }
 
   /**
@@ -116,34 +183,34 @@ export class ReplyView {
   finish(reason, stats) {
     this.msg.reason = reason;
     if (stats) this.msg.stats = stats;
-    this.el.dataset.state = "done";
-    this.el.dataset.reason = reason;
-    if (!this.msg.tokens || this.msg.tokens.length === 0) delete this.msg.tokens;
-    setMeta(this.meta, this.msg);
+    if (this.msg.tokens && this.msg.tokens.length === 0) delete this.msg.tokens;
+    this.finishRender();
   }
 }
 
 /**
- * One token span: its text as textContent, its probability in data-p, colours as CSS custom properties.
+ * One token span: its text added by the writer, its probability in data-p, colours as CSS custom properties.
+ * A continuation span (the same token's text in a second element) is not a tab stop of its own.
  * @param {Tok} tok
  * @param {boolean} tabbable
+ * @param {boolean} primary
  * @returns {HTMLSpanElement}
  */
-export function tokenSpan(tok, tabbable) {
+export function tokenSpan(tok, tabbable, primary) {
   const span = document.createElement("span");
-  span.className = "tok";
-  span.textContent = tok.text;
-  span.dataset.testid = "token";
+  span.className = primary ? "tok" : "tok tok-cont";
+  span.dataset.testid = primary ? "token" : "token-part";
   span.dataset.p = String(tok.p);
   span.dataset.rank = String(tok.rank);
   if (tok.parts && tok.parts > 1) span.dataset.parts = String(tok.parts);
-  span.tabIndex = tabbable ? 0 : -1;
+  if (primary) span.tabIndex = tabbable ? 0 : -1;
   paintToken(span, tok);
   tokenData.set(span, tok);
   return span;
 }
 
 /**
+ * The status line: stop reason badge, stats, mean log-probability and perplexity.
  * @param {HTMLElement} meta
  * @param {Message} msg
  */
@@ -157,5 +224,9 @@ export function setMeta(meta, msg) {
     badge.textContent = reason;
     meta.append(badge);
   }
-  if (msg.stats) meta.append(document.createTextNode(statsLine(msg.stats)));
+  const parts = msg.stats ? [statsLine(msg.stats)] : [];
+  const c = confidence(msg.tokens);
+  if (c) parts.push(`mean logprob ${c.mean.toFixed(2)} · perplexity ${c.ppl.toFixed(2)}`);
+  meta.append(document.createTextNode(parts.filter((p) => p).join(" · ")));
+  if (c) meta.dataset.meanLogprob = String(c.mean);
 }

@@ -1,5 +1,11 @@
 // @ts-check
-/** localStorage persistence: conversations, the current conversation, settings and view preferences. */
+/**
+ * Persistence: conversations in IndexedDB (database "webchat", store "conversations"), and in localStorage the
+ * current conversation's id, settings, presets and view preferences. Conversations that older pages kept in
+ * localStorage move to IndexedDB once.
+ */
+
+import { fromFlat, messages } from "./tree.js";
 
 /**
  * @typedef {import("./heatmap.js").Tok} Tok
@@ -7,13 +13,15 @@
  *            reused_tokens?: number, drafted?: number, accepted?: number}} Stats
  * @typedef {{role: "user" | "assistant", content: string, tokens?: Tok[], reason?: string, stats?: Stats}} Message
  *   `reason` is the `done` reason of an assistant reply (`cancelled` = stopped by the user), or `interrupted`.
- * @typedef {{id: string, title: string, created: number, updated: number, messages: Message[]}} Conversation
+ * @typedef {import("./tree.js").Conversation} Conversation
  */
 
 const KEY_CONVS = "webchat.conversations.v1";
 const KEY_CURRENT = "webchat.current.v1";
 const KEY_SETTINGS = "webchat.settings.v1";
 const KEY_VIEW = "webchat.view.v1";
+const DB_NAME = "webchat";
+const STORE = "conversations";
 
 /**
  * Parses a stored JSON value, or returns the fallback when it is absent or corrupt.
@@ -53,30 +61,80 @@ export function newId() {
 /** @returns {Conversation} */
 export function newConversation() {
   const now = Date.now();
-  return { id: newId(), title: "New chat", created: now, updated: now, messages: [] };
+  return { id: newId(), title: "New chat", created: now, updated: now, root: null };
 }
 
-/** @returns {Conversation[]} newest first */
-export function loadConversations() {
-  const list = read(KEY_CONVS, /** @type {Conversation[]} */ ([]));
-  if (!Array.isArray(list)) return [];
-  return list.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages))
-    .sort((a, b) => b.updated - a.updated);
+/** @returns {Promise<IDBDatabase>} the "webchat" database, store "conversations" keyed by id */
+function openDb() {
+  return new Promise((resolve, reject) => {
+    const req = indexedDB.open(DB_NAME, 1);
+    req.onupgradeneeded = () => req.result.createObjectStore(STORE, { keyPath: "id" });
+    req.onsuccess = () => resolve(req.result);
+    req.onerror = () => reject(req.error);
+  });
+}
+
+/** @type {Promise<IDBDatabase> | null} */
+let dbPromise = null;
+/** @returns {Promise<IDBDatabase>} */
+const db = () => (dbPromise = dbPromise ?? openDb());
+
+/**
+ * Runs one read-write transaction over the store; resolves once it committed.
+ * @param {(store: IDBObjectStore) => void} work
+ * @returns {Promise<void>}
+ */
+async function writeTx(work) {
+  const tx = (await db()).transaction(STORE, "readwrite");
+  work(tx.objectStore(STORE));
+  await new Promise((resolve, reject) => {
+    tx.oncomplete = () => resolve(undefined);
+    tx.onerror = () => reject(tx.error);
+    tx.onabort = () => reject(tx.error);
+  });
 }
 
 /**
- * Saves all conversations. When the quota is exceeded, drops the per-token data (heatmap) of the oldest replies
- * first and retries: the text is always kept.
- * @param {Conversation[]} convs
+ * Moves the conversations of localStorage (before IndexedDB) into the database once; the old key is removed only
+ * after the transaction committed, so a failure loses nothing and the next load tries again.
+ * @returns {Promise<number>} how many conversations moved
  */
-export function saveConversations(convs) {
-  if (write(KEY_CONVS, convs)) return;
-  const copy = /** @type {Conversation[]} */ (JSON.parse(JSON.stringify(convs))).sort((a, b) => a.updated - b.updated);
-  for (const conv of copy) {
-    for (const msg of conv.messages) delete msg.tokens;
-    if (write(KEY_CONVS, copy)) return;
-  }
-  console.warn("webchat: localStorage is full; conversations were not saved");
+async function migrate() {
+  const old = read(KEY_CONVS, /** @type {unknown} */ (null));
+  if (!Array.isArray(old)) return 0;
+  const convs = old.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages)).map(fromFlat);
+  await writeTx((st) => { for (const c of convs) st.put(c); });
+  localStorage.removeItem(KEY_CONVS);
+  return convs.length;
+}
+
+/** @returns {Promise<Conversation[]>} every stored conversation, newest first (migrating localStorage first) */
+export async function loadConversations() {
+  await migrate();
+  const st = (await db()).transaction(STORE, "readonly").objectStore(STORE);
+  const all = await new Promise((resolve, reject) => {
+    const req = st.getAll();
+    req.onsuccess = () => resolve(req.result);
+    req.onerror = () => reject(req.error);
+  });
+  return /** @type {Conversation[]} */ (all).sort((a, b) => b.updated - a.updated);
+}
+
+/**
+ * Saves one conversation (a structured clone: token data and all).
+ * @param {Conversation} conv
+ * @returns {Promise<void>}
+ */
+export function putConversation(conv) {
+  return writeTx((st) => st.put(conv));
+}
+
+/**
+ * @param {string} id
+ * @returns {Promise<void>}
+ */
+export function deleteConversation(id) {
+  return writeTx((st) => st.delete(id));
 }
 
 /** @returns {string | null} */
@@ -95,7 +153,8 @@ export function saveCurrentId(id) {
  * @returns {string}
  */
 export function titleOf(conv) {
-  const first = conv.messages.find((m) => m.role === "user");
+  if (conv.named) return conv.title;
+  const first = messages(conv).find((m) => m.role === "user");
   if (!first) return "New chat";
   const line = first.content.trim().split("\n")[0];
   return line.length > 48 ? `${line.slice(0, 47)}…` : line || "New chat";

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 import time
@@ -268,6 +269,9 @@ def test_binary_frame_is_bad_json(client: TestClient, stack: ExitStack) -> None:
         (generate("x", messages=[{"role": "user"}]), "messages.0.content"),
         (generate("x", messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]), "messages"),
         (generate("x", messages=[]), "messages"),
+        (generate("x", **{"continue": True}), "messages"),  # continue needs a final assistant message
+        (generate("x", messages=[*USER, {"role": "assistant", "content": "  "}], **{"continue": True}), "messages"),
+        (generate("x", **{"continue": 1}), "continue"),
         (generate("x", stop="###"), "stop"),
         (generate("x", colour="red"), "colour"),
         (generate("x" * 65), "id"),
@@ -539,3 +543,45 @@ def test_wire_settings_mirror_sampling_settings() -> None:
         for outside in (hi + step, lo - step if Ge in bounds else lo):
             with pytest.raises(SettingsError, match=name):
                 SamplingSettings(**{name: outside})
+
+
+# ---------------------------------------------------------------- continue a partial assistant message
+def test_continue_goes_on_from_the_partial_reply(client: TestClient, stack: ExitStack, runtime: Runtime) -> None:
+    """A reply continued from its first part is the greedy continuation of the prompt that ends in that part."""
+    from webchat.generator import GenerationRequest
+    from webchat.sampling import SamplingSettings
+
+    ws = connect(client, stack)
+    _, first = run_to_end_after_send(ws, generate("whole", max_new_tokens=12, alternatives=1))
+    assert first["type"] == "done", first
+    partial = "Once upon"
+    msgs = [*USER, {"role": "assistant", "content": partial}]
+    seen, done = run_to_end_after_send(ws, generate("cont", messages=msgs, max_new_tokens=6, **{"continue": True}))
+    assert done["type"] == "done", done
+    text = runtime.tokenizer.apply_chat_template(USER, add_generation_prompt=True) + partial
+    ids = runtime.tokenizer.encode(text)
+    assert runtime.encode_chat(msgs, continue_final=True) == ids
+    start = next(m for m in seen if m["type"] == "start")
+    assert start["prompt_tokens"] == len(ids), (start, len(ids))
+    gen = runtime.new_generator()
+    gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0), max_new_tokens=6))
+    want = ""
+    while True:
+        res = gen.stream()
+        want += str(res.text)
+        if res.eos:
+            break
+    assert "".join(m["text"] for m in seen if m["type"] == "chunk") == want  # only the new text is streamed
+
+
+def test_continue_refuses_a_template_that_drops_the_final_message(config: ServerConfig, runtime: Runtime,
+                                                                  stack: ExitStack) -> None:
+    tok = copy.copy(runtime.tokenizer)  # a template that leaves assistant messages out
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    rt = replace(runtime, tokenizer=tok)
+    with TestClient(create_app(config, runtime=rt)) as c:
+        ws = connect(c, stack)
+        msgs = [*USER, {"role": "assistant", "content": "zzz partial"}]
+        ws.send_json(generate("c", messages=msgs, **{"continue": True}))
+        err = p.Error.model_validate(ws.receive_json())
+        assert err.code == "bad_message" and "'continue'" in err.message and "zzz partial" in err.message, err

@@ -9,7 +9,7 @@ import typing
 from typing import Annotated, Any, Literal
 
 import annotated_types as at
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
@@ -76,14 +76,21 @@ class Generate(_Strict):
     )
     alternatives: Annotated[int, Field(ge=0, le=MAX_ALTERNATIVES)] = 0
     speculative: str | None = None  # None: the server's default mode
+    continue_: bool = Field(default=False, alias="continue")  # the last message is a partial assistant reply
 
-    @field_validator("messages")
-    @classmethod
-    def _last_is_user(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if v[-1].role != "user":
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _last_message_fits(self) -> Generate:
+        last = self.messages[-1]
+        if self.continue_ and (last.role != "assistant" or last.content.strip() == ""):
+            got = f"role {last.role!r}" if last.role != "assistant" else "an empty assistant message"
+            raise PydanticCustomError("last_not_user", "with continue the last message must be an assistant message "
+                                      "with text, got {got}", {"got": got})
+        if not self.continue_ and last.role != "user":
             raise PydanticCustomError("last_not_user", "the last message must be from the user, got role {role}",
-                                      {"role": repr(v[-1].role)})
-        return v
+                                      {"role": repr(last.role)})
+        return self
 
 
 class Stop(_Strict):
@@ -230,7 +237,7 @@ def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
 def validation_error(exc: ValidationError, model: type[BaseModel], request_id: str | None) -> ProtocolError:
     """The first error of a ValidationError: `bad_settings` for a value out of range, else `bad_message`."""
     err = exc.errors(include_url=False)[0]
-    loc = ".".join(str(part) for part in err["loc"])
+    loc = ".".join(str(part) for part in err["loc"]) or "messages"  # a whole-message check: the last message
     if err["type"] in _RANGE_ERRORS:
         allowed = describe_range(model, err["loc"])
         return ProtocolError("bad_settings", f"{loc} = {err['input']!r} is out of range: allowed {allowed}", request_id)

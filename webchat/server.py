@@ -79,8 +79,11 @@ class Runtime:
                                             draft_model=self.draft_model)
         return gen
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False) -> list[int]:
+        """Template and encode; with continue_final the last (assistant) message is left open for the reply to go on."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not continue_final,
+                                                  continue_final_message=continue_final)
+        ids: list[int] = self.tokenizer.encode(text)
         return ids
 
     def hello(self) -> p.Hello:
@@ -257,7 +260,9 @@ class Connection:
         except SettingsError as exc:
             raise p.ProtocolError("bad_settings", f"settings.{exc}", msg.id) from None
         try:
-            ids = await run_in_threadpool(rt.encode_chat, [m.model_dump() for m in msg.messages])
+            ids = await run_in_threadpool(rt.encode_chat, [m.model_dump() for m in msg.messages], msg.continue_)
+        except ValueError as exc:  # continue: the template dropped or rewrote the final message
+            raise p.ProtocolError("bad_message", f"field 'continue': {exc}", msg.id) from None
         except jinja2.TemplateError as exc:
             raise p.ProtocolError("bad_message", f"field 'messages': the chat template refused them: {exc}",
                                   msg.id) from None

@@ -131,6 +131,20 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], add_genera
                                                     **variables))  # fmt: skip
 
 
+def cut_after_final_message(rendered: str, final: str) -> str:
+    """The rendered chat up to the end of its last occurrence of `final` (transformers' continue_final_message):
+    rendered[: loc + len(final.lstrip())] when the template kept final's trailing space, else up to final.strip()."""
+    core = final.strip()
+    if core == "" or core not in rendered:
+        raise ValueError(f"the final message {final[:40]!r} does not appear in the rendered chat; "
+                         "the template cannot continue it")
+    loc = rendered.rindex(core)
+    kept = final.lstrip()
+    if rendered[loc : loc + len(kept)] == kept:
+        return rendered[: loc + len(kept)]
+    return rendered[: loc + len(core)]
+
+
 def _display(raw: bytes) -> str:
     """Text of a token's bytes; bytes that are not whole UTF-8 characters show as <0xNN>."""
     try:
@@ -219,10 +233,14 @@ class Tokenizer:
         return self._text[token_id]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:  # fmt: skip
-        """Render the folder's chat template as transformers' apply_chat_template(tokenize=False) does."""
+                            continue_final_message: bool = False, **kwargs: Any) -> str:  # fmt: skip
+        """Render the folder's chat template as transformers' apply_chat_template(tokenize=False) does; with
+        continue_final_message the text ends right after the last message's content (no end-of-turn after it)."""
         if self.chat_template is None:
             raise ValueError("this model folder has no chat template (tokenizer_config.json chat_template)")
-        return render_chat_template(
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other; got both True")
+        rendered = render_chat_template(
             self.chat_template, messages, add_generation_prompt, **self.special_tokens, **kwargs
         )
+        return cut_after_final_message(rendered, messages[-1]["content"]) if continue_final_message else rendered
