@@ -140,6 +140,7 @@ class ChatPage:
     page: Page
     server: Server
     frames: list[dict[str, Any]] = field(default_factory=list)
+    sent: list[dict[str, Any]] = field(default_factory=list)  # what the page sent (generate, stop)
     errors: list[str] = field(default_factory=list)
 
     def open(self) -> ChatPage:
@@ -159,6 +160,7 @@ class ChatPage:
             self.frames.append(json.loads(payload))
 
         ws.on("framereceived", on_frame)
+        ws.on("framesent", lambda payload: self.sent.append(json.loads(payload)))
 
     def wait_connected(self) -> None:
         self.page.wait_for_selector("[data-testid=status][data-state=open]", timeout=15_000)
@@ -239,12 +241,15 @@ def new_page(browser: Browser) -> Iterator[Callable[..., ChatPage]]:
     pages: list[ChatPage] = []
     contexts = []
 
-    def make(server: Server, color_scheme: str = "light", **options: Any) -> ChatPage:
+    def make(server: Server, color_scheme: str = "light", before_open: Callable[[Page], None] | None = None,
+             **options: Any) -> ChatPage:
         options = {"viewport": {"width": 1280, "height": 800}, **options}
         ctx = browser.new_context(color_scheme=color_scheme, **options)  # type: ignore[arg-type]
         contexts.append(ctx)
         chat = ChatPage(page=ctx.new_page(), server=server)
         pages.append(chat)
+        if before_open is not None:
+            before_open(chat.page)  # e.g. a scripted websocket, installed before the page loads
         return chat.open()
 
     yield make

@@ -151,23 +151,33 @@ def test_invalid_setting_is_flagged_next_to_the_field_and_blocks_sending(chat: C
     assert chat.request_frames("chunk") == []
 
 
-def test_regenerate_and_edit_the_last_message(chat: ChatPage) -> None:
+def test_regenerate_and_edit_keep_the_old_versions(chat: ChatPage) -> None:
     chat.set_settings(max_new_tokens="30")
     chat.send("Original question")
     chat.wait_done()
+    first_text = chat.reply_text()
     chat.last_reply().get_by_test_id("regenerate").click()
     chat.wait_done()
     expect(chat.page.get_by_test_id("assistant-message")).to_have_count(1)
     first_id, second_id = (f["id"] for f in chat.request_frames("done"))
     assert first_id != second_id
     assert chat.reply_text() == chat.received_text(second_id)
-    chat.page.get_by_test_id("user-message").last.get_by_test_id("edit").click()
-    expect(chat.page.get_by_test_id("input")).to_have_value("Original question")
-    expect(chat.page.get_by_test_id("user-message")).to_have_count(0)
-    chat.page.get_by_test_id("input").fill("Edited question")
-    chat.page.get_by_test_id("input").press("Enter")
+    expect(chat.last_reply().get_by_test_id("version")).to_have_text("2/2")
+    chat.last_reply().get_by_test_id("version-prev").click()
+    expect(chat.last_reply().get_by_test_id("version")).to_have_text("1/2")
+    assert chat.reply_text() == first_text == chat.received_text(first_id)
+    user = chat.page.get_by_test_id("user-message").last
+    user.get_by_test_id("edit").click()
+    expect(user.get_by_test_id("edit-input")).to_have_value("Original question")
+    user.get_by_test_id("edit-input").fill("Edited question")
+    user.get_by_test_id("edit-save").click()
     chat.wait_done()
-    expect(chat.page.get_by_test_id("user-message").get_by_test_id("message-body")).to_have_text(["Edited question"])
+    user = chat.page.get_by_test_id("user-message")
+    expect(user.get_by_test_id("message-body")).to_have_text(["Edited question"])
+    expect(user.get_by_test_id("version")).to_have_text("2/2")
+    user.get_by_test_id("version-prev").click()
+    expect(user.get_by_test_id("message-body")).to_have_text(["Original question"])
+    expect(chat.last_reply().get_by_test_id("version")).to_have_text("1/2")  # the old question keeps its replies
 
 
 def test_speculative_reply_shows_its_acceptance_rate(chat: ChatPage) -> None:

@@ -45,4 +45,13 @@ if [ "$with_tests" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
   $sudo apt-get update -qq
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
+# axe-core (the accessibility checker the e2e tests inject) from the npm registry, pinned, into e2e/vendor/ (ignored)
+AXE_VERSION=4.14.1
+if [ "$with_tests" = 1 ] && ! grep -qs "axe v$AXE_VERSION" e2e/vendor/axe.min.js; then
+  command -v npm >/dev/null 2>&1 || { sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"; $sudo apt-get update -qq;
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null; }
+  tmp=$(mktemp -d)
+  (cd "$tmp" && npm pack --silent "axe-core@$AXE_VERSION" >/dev/null && tar -xzf "axe-core-$AXE_VERSION.tgz")
+  mkdir -p e2e/vendor && cp "$tmp/package/axe.min.js" e2e/vendor/axe.min.js && rm -rf "$tmp"
+fi
 echo "webchat is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

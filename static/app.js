@@ -1,29 +1,24 @@
 // @ts-check
 /**
- * The page's entry point: wires the connection, the conversation view, the composer, the sidebar, the heatmap and the
- * settings. Per-token alternatives are always requested (settings' "alternatives", at least 1), so that the heatmap
- * can be switched on for any reply, live or past, and the token data survives in localStorage.
+ * The page's entry point: wires the connection, the conversation view, the composer, the sidebar (search, rename,
+ * export, import), the heatmap and the settings. Per-token alternatives are always requested (at least 1), so the
+ * heatmap can be switched on for any reply, live or past, and the token data is kept with the conversation.
  */
 
+import { Announcer } from "./announce.js";
 import { ChatView } from "./chat.js";
 import { Connection, socketUrl } from "./connection.js";
-import { TokenPopover } from "./popover.js";
-import { SettingsPanel } from "./settings.js";
-import { renderSidebar } from "./sidebar.js";
 import { Library } from "./conversations.js";
 import { Drawer, HeatmapControls } from "./panels.js";
-import { newId } from "./store.js";
-
-/**
- * @typedef {import("./store.js").Conversation} Conversation
- * @typedef {import("./store.js").Message} Message
- * @typedef {import("./reply.js").ReplyView} ReplyView
- * @typedef {import("./connection.js").ServerMessage} ServerMessage
- * @typedef {{id: string, conv: Conversation, msg: Message, view: ReplyView, typed: string | null,
- *            previous: Message | null, stopping: boolean}} Active
- *   `typed`: the user's text of a fresh send (restored to the input if the request fails before any text);
- *   `previous`: the reply a regenerate replaced (put back if the new one fails).
- */
+import { TokenPopover, nextLowConfidence } from "./popover.js";
+import { download, fileName, readExport } from "./portability.js";
+import { Presets } from "./presets.js";
+import { tokenIndex } from "./reply.js";
+import { SettingsPanel } from "./settings.js";
+import { renderSidebar } from "./sidebar.js";
+import { titleOf } from "./store.js";
+import { path, removeVersion, show } from "./tree.js";
+import { Turns } from "./turns.js";
 
 /** @template {HTMLElement} T @param {string} id @returns {T} */
 const $ = (id) => /** @type {T} */ (document.getElementById(id));
@@ -31,56 +26,100 @@ const $ = (id) => /** @type {T} */ (document.getElementById(id));
 const input = /** @type {HTMLTextAreaElement} */ ($("input"));
 const sendBtn = /** @type {HTMLButtonElement} */ ($("send"));
 const stopBtn = /** @type {HTMLButtonElement} */ ($("stop"));
+const search = /** @type {HTMLInputElement} */ ($("search"));
 const messagesEl = $("messages");
-const conn = $("conn");
 const activity = $("activity");
 
 const settings = new SettingsPanel($("settings-form"));
-const view = new ChatView(messagesEl, { onRegenerate: regenerate, onEdit: editLast });
-const popover = new TokenPopover(messagesEl, $("popover"), () => heat.on);
+new Presets($("settings-form"), settings);
+const lib = await Library.load();
+const announcer = new Announcer($("announcer"));
+const connection = new Connection(socketUrl(), {
+  onState: showConn, onMessage: (m) => (m.type === "hello" ? applyHello(m) : turns.onServer(m)), onClose: () => turns.lost(),
+});
+const turns = new Turns({
+  connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
+  progress: (text) => { activity.textContent = text; },
+  announce: (text, final) => announcer.add(text, final),
+  restoreInput: (text) => {
+    input.value = input.value.trim() === "" ? text : `${text}\n${input.value}`;
+    saveDraft();
+  },
+});
+const view = new ChatView(messagesEl, {
+  onEdit: (step, text) => turns.edit(step, text),
+  onRegenerate: (step) => turns.regenerate(step),
+  onContinue: (step) => turns.continueReply(step),
+  onDelete: (step) => {
+    removeVersion(lib.current, step.thread);
+    lib.save();
+    refresh();
+  },
+  onVersion: (step, delta) => {
+    show(step.thread, step.thread.current + delta);
+    lib.save();
+    refresh();
+  },
+});
+const popover = new TokenPopover(messagesEl, $("popover"), {
+  enabled: () => heat.on,
+  canPick: () => turns.active === null && connection.isOpen,
+  settingsOf: (span) => stepOf(span)?.msg.settings,
+  onPick: (span, alt) => {
+    const step = stepOf(span);
+    const k = tokenIndex.get(span);
+    if (step && k !== undefined) turns.branch(step, k, alt);
+  },
+});
 const heat = new HeatmapControls(/** @type {HTMLInputElement} */ ($("heatmap")),
   /** @type {HTMLSelectElement} */ ($("heat-mode")), $("legend"), messagesEl, (on) => {
     view.setFocusable(on);
     if (!on) popover.hide();
   });
 const drawer = new Drawer($("settings"), $("settings-open"), $("settings-close"));
-const connection = new Connection(socketUrl(), { onState: showConn, onMessage: onServer, onClose: onConnectionLost });
 
-const lib = new Library();
-/** @type {Active | null} */
-let active = null;
-let requestCounter = 0;
+/**
+ * The step of the shown path whose reply holds this token span.
+ * @param {HTMLElement} span
+ */
+function stepOf(span) {
+  const el = span.closest(".msg");
+  const i = [...messagesEl.querySelectorAll(".msg")].indexOf(/** @type {Element} */ (el));
+  return i < 0 ? null : path(lib.current)[i] ?? null;
+}
 
 function refresh() {
-  view.render(lib.current.messages);
+  const a = turns.active;
+  const live = a && a.conv === lib.current ? a.msg : null;
+  const liveView = view.render(path(lib.current), live, a !== null);
+  if (a) a.view = liveView;
   renderList();
-  scrollToEnd(true);
+  updateButtons();
+  view.scrollToEnd(true);
 }
 
 function renderList() {
-  const actions = { onSelect: selectConversation, onDelete: deleteConversation };
-  renderSidebar($("conv-list"), lib.all, lib.current.id, active !== null, actions);
-}
-
-/** @param {boolean} force */
-function scrollToEnd(force) {
-  view.scrollToEnd(force);
-}
-
-/** @param {string} id */
-function selectConversation(id) {
-  if (active) return;
-  lib.select(id);
-  view.clearError();
-  refresh();
-  document.body.classList.remove("sidebar-open");
-}
-
-/** @param {string} id */
-function deleteConversation(id) {
-  if (active && active.conv.id === id) return;
-  lib.remove(id);
-  refresh();
+  const actions = {
+    onSelect: (/** @type {string} */ id) => {
+      lib.select(id);
+      view.clearError();
+      refresh();
+      document.body.classList.remove("sidebar-open");
+    },
+    onDelete: (/** @type {string} */ id) => {
+      lib.remove(id);
+      refresh();
+    },
+    onRename: (/** @type {string} */ id, /** @type {string} */ title) => {
+      lib.rename(id, title);
+      renderList();
+    },
+    onExport: (/** @type {string} */ id) => {
+      const conv = lib.all.find((c) => c.id === id);
+      if (conv) download([conv], fileName(titleOf(conv)));
+    },
+  };
+  renderSidebar($("conv-list"), lib.search(search.value), lib.current.id, turns.active?.conv.id ?? null, actions);
 }
 
 /**
@@ -88,47 +127,22 @@ function deleteConversation(id) {
  * @param {string} detail
  */
 function showConn(state, detail) {
+  const conn = $("conn");
   conn.dataset.state = state;
   conn.textContent = state === "open" ? "connected" : detail;
   updateButtons();
 }
 
 function updateButtons() {
-  const streaming = active !== null;
-  sendBtn.hidden = streaming;
-  stopBtn.hidden = !streaming;
-  stopBtn.disabled = active?.stopping ?? false;
-  stopBtn.textContent = active?.stopping ? "Stopping…" : "Stop";
-  sendBtn.disabled = !connection.isOpen;
-  sendBtn.title = connection.isOpen ? "Send (Enter)" : "Not connected; your text stays here until it reconnects";
-}
-
-/** @param {ServerMessage} msg */
-function onServer(msg) {
-  if (msg.type === "hello") return applyHello(msg);
-  if (msg.type === "error" && (msg.id === null || !active || msg.id !== active.id)) {
-    view.showError(msg.message, msg.code);
-    return;
-  }
-  if (!active || !("id" in msg) || msg.id !== active.id) return;
-  const a = active;
-  if (msg.type === "queued") {
-    a.view.queued(msg.position);
-    activity.textContent = `Waiting in queue: position ${msg.position}`;
-  } else if (msg.type === "start") {
-    a.view.started();
-    activity.textContent = `Reading the prompt: ${msg.prompt_tokens} tokens (${msg.reused_tokens} reused)`;
-  } else if (msg.type === "chunk") {
-    a.view.chunk(msg);
-    activity.textContent = "";
-    scrollToEnd(false);
-    lib.saveSoon();
-  } else if (msg.type === "done") {
-    a.view.finish(msg.reason, msg.stats);
-    endRequest();
-  } else if (msg.type === "error") {
-    fail(msg.message, msg.code);
-  }
+  const a = turns.active;
+  const here = a !== null && a.conv === lib.current;
+  sendBtn.hidden = here;
+  stopBtn.hidden = !here;
+  stopBtn.disabled = a?.stopping ?? false;
+  stopBtn.textContent = a?.stopping ? "Stopping…" : "Stop";
+  sendBtn.disabled = !connection.isOpen || a !== null;
+  sendBtn.title = !connection.isOpen ? "Not connected; your text stays here until it reconnects"
+    : a ? "A reply is still streaming in another chat" : "Send (Enter)";
 }
 
 /** @param {import("./connection.js").Hello} hello */
@@ -139,128 +153,31 @@ function applyHello(hello) {
   settings.setServerLimits(hello);
 }
 
-function onConnectionLost() {
-  if (active) fail("the connection to the server was lost", "disconnected");
-}
-
-/**
- * Ends the active request with an error: a reply with text keeps it; otherwise the turn is undone and the user's
- * typed text goes back into the input.
- * @param {string} text
- * @param {string} code
- */
-function fail(text, code) {
-  const a = /** @type {Active} */ (active);
-  if (a.msg.content !== "") {
-    a.view.finish(code === "disconnected" ? "interrupted" : "error", undefined);
-  } else {
-    a.conv.messages.splice(a.conv.messages.indexOf(a.msg), 1);
-    if (a.previous) a.conv.messages.push(a.previous);
-    if (a.typed !== null) {
-      a.conv.messages.pop();
-      input.value = input.value.trim() === "" ? a.typed : `${a.typed}\n${input.value}`;
-      saveDraft();
-    }
-  }
-  endRequest();
-  view.showError(text, code);
-  scrollToEnd(true);
-}
-
-function endRequest() {
-  active = null;
-  activity.textContent = "";
-  lib.save();
-  refresh();
-  updateButtons();
-}
-
-/**
- * Starts a reply to the conversation as it stands (its last message is the user's).
- * @param {string | null} typed
- * @param {Message | null} previous
- * @returns {boolean} false when nothing was sent (the reason is shown)
- */
-function generate(typed, previous) {
-  const invalid = settings.validateAll();
-  if (invalid.length > 0) {
-    view.showError(`fix the settings first: ${invalid.join(", ")}`, "invalid_settings");
-    drawer.open(true);
-    return false;
-  }
-  if (!connection.isOpen) {
-    view.showError("not connected to the server; your message is kept, send it again once reconnected", "offline");
-    return false;
-  }
-  const req = settings.request();
-  const conv = lib.current;
-  const history = conv.messages.map((m) => ({ role: m.role, content: m.content }));
-  const messages = req.system.trim() ? [{ role: "system", content: req.system }, ...history] : history;
-  const id = `r${++requestCounter}-${newId()}`;
-  const ok = connection.send({
-    type: "generate", id, messages, settings: req.settings, max_new_tokens: req.max_new_tokens,
-    stop: [], alternatives: Math.max(1, req.alternatives), speculative: req.speculative,
-  });
-  if (!ok) {
-    view.showError("the message could not be sent; it is kept in the input", "offline");
-    return false;
-  }
-  /** @type {Message} */
-  const msg = { role: "assistant", content: "" };
-  conv.updated = Date.now();
-  view.clearError();
-  view.render(conv.messages);
-  conv.messages.push(msg);
-  active = { id, conv, msg, view: view.startReply(msg), typed, previous, stopping: false };
-  renderList();
-  updateButtons();
-  scrollToEnd(true);
-  return true;
-}
-
 function send() {
-  const text = input.value;
-  const messages = lib.current.messages;
-  if (active || text.trim() === "") return;
-  messages.push({ role: "user", content: text });
-  if (generate(text, null)) {
+  if (turns.active) return;
+  view.clearError();
+  if (turns.ask(input.value)) {
     input.value = "";
     saveDraft();
-  } else {
-    messages.pop();
+  } else if (turns.d.settings.validateAll().length > 0) {
+    drawer.open(true);
   }
-}
-
-function stop() {
-  if (!active || active.stopping) return;
-  active.stopping = true;
-  if (!connection.send({ type: "stop", id: active.id })) onConnectionLost();
-  updateButtons();
-}
-
-function regenerate() {
-  const messages = lib.current.messages;
-  const last = messages[messages.length - 1];
-  if (active || !last || last.role !== "assistant") return;
-  messages.pop();
-  if (!generate(null, last)) messages.push(last);
-}
-
-function editLast() {
-  const messages = lib.current.messages;
-  const i = messages.map((m) => m.role).lastIndexOf("user");
-  if (active || i < 0) return;
-  const text = messages[i].content;
-  messages.splice(i);
-  lib.save();
-  refresh();
-  input.value = text;
-  saveDraft();
-  input.focus();
 }
 
 function saveDraft() {
   sessionStorage.setItem("webchat.draft", input.value);
+}
+
+/** @param {File} file */
+async function importFile(file) {
+  try {
+    const { added, errors } = lib.importMany(await readExport(file));
+    $("import-status").textContent = `Imported ${added} conversation${added === 1 ? "" : "s"}`
+      + (errors.length ? `; skipped ${errors.length}: ${errors.join("; ")}` : "");
+  } catch (err) {
+    $("import-status").textContent = `Import failed: ${err instanceof Error ? err.message : String(err)}`;
+  }
+  renderList();
 }
 
 input.addEventListener("keydown", (e) => {
@@ -274,18 +191,30 @@ $("composer").addEventListener("submit", (e) => {
   e.preventDefault();
   send();
 });
-stopBtn.addEventListener("click", stop);
+stopBtn.addEventListener("click", () => turns.stop());
 document.addEventListener("keydown", (e) => {
   if (e.key !== "Escape") return;
-  if (active) stop();
+  if (turns.active && turns.active.conv === lib.current) turns.stop();
   else if (drawer.isOpen) drawer.close();
   else popover.hide();
 });
 $("new-chat").addEventListener("click", () => {
-  if (active) return;
   lib.startNew();
   refresh();
   input.focus();
+});
+search.addEventListener("input", renderList);
+$("export-all").addEventListener("click", () => download(lib.all.filter((c) => c.root !== null), fileName("all")));
+const importInput = /** @type {HTMLInputElement} */ ($("import-file"));
+$("import").addEventListener("click", () => importInput.click());
+importInput.addEventListener("change", () => {
+  const file = importInput.files?.[0];
+  if (file) importFile(file).finally(() => { importInput.value = ""; });
+});
+$("next-low").addEventListener("click", () => {
+  const focused = document.activeElement instanceof HTMLElement && document.activeElement.classList.contains("tok")
+    ? document.activeElement : null;
+  if (!nextLowConfidence(messagesEl, focused, 1)) activity.textContent = "No low-confidence token here.";
 });
 $("settings-form").addEventListener("submit", (e) => e.preventDefault());
 $("sidebar-toggle").addEventListener("click", () => {
@@ -295,5 +224,5 @@ $("sidebar-toggle").addEventListener("click", () => {
 input.value = sessionStorage.getItem("webchat.draft") ?? "";
 heat.apply();
 refresh();
-updateButtons();
 connection.open();
+document.body.dataset.ready = "true";

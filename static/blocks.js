@@ -3,7 +3,8 @@
  * Streams Markdown into the DOM while keeping every token its own span. Each source character is placed exactly once,
  * in source order: as visible text, or as hidden markup (`.md-mark`), so `root.textContent` is always the source.
  * Finished lines are rendered once; the unfinished last line is re-rendered on each flush (its nodes undone first).
- * A token whose characters fall into several elements gets a primary span (the first) and continuation spans.
+ * A token whose characters fall into several elements gets a primary span (the first) and continuation spans; a span
+ * that holds only markup is `.tok-hidden` (the heatmap draws it as a small coloured mark, so it can still be pointed at).
  */
 
 import { classifyLine, closesFence, parseInline, pipePositions } from "./markdown.js";
@@ -140,8 +141,11 @@ export class MarkdownWriter {
         } else {
           target = this.makeSpan(piece, a === piece.a);
           this.owner.set(target, piece.index);
+          // nothing to see yet (markup, or only white space): the heatmap draws a small mark in its place
+          /** @type {HTMLElement} */ (target).classList.add("tok-hidden");
           this.add(parent, target);
         }
+        if (!mark && /\S/.test(text.data)) /** @type {HTMLElement} */ (target).classList.remove("tok-hidden");
       }
       if (mark) {
         const m = document.createElement("span");

@@ -105,7 +105,7 @@ export class ChatView {
     } else {
       bar.append(button("Edit", "edit", () => this.edit(el, step), this.busy));
     }
-    bar.append(button("Delete", "delete", () => a.onDelete(step), this.busy && last));
+    bar.append(button("Delete", "delete", () => a.onDelete(step), this.busy));
     el.append(body, meta, bar);
     this.list.append(el);
     return el;

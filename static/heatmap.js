@@ -3,9 +3,10 @@
 
 /**
  * @typedef {{id?: number, text: string, p: number}} Alt
- * @typedef {{id?: number, text: string, p: number, rank: number, top: Alt[], parts?: number}} Tok
+ * @typedef {{id?: number, text: string, p: number, rank: number, top: Alt[], parts?: number, picked?: boolean}} Tok
  *   One displayed token. `parts` > 1 when a character split over several byte tokens was merged into this one span:
  *   then `p` is the joint probability (product of the parts), `rank` the worst rank and `top` the first part's.
+ *   `picked`: the user chose this token from the alternatives (a branch), the model did not draw it.
  * @typedef {"prob" | "rank" | "entropy"} HeatMode
  */
 
@@ -170,11 +171,15 @@ export function percent(p) {
 }
 
 /**
- * Fills the popover with one token's probability, rank, entropy bound and its alternatives sorted by p descending.
+ * Fills the popover with one token's probability (the model's, and after the sampling settings when known), rank,
+ * entropy bound and its alternatives sorted by p descending; with `onPick`, each alternative is a button that
+ * branches the reply from this token with that alternative.
  * @param {HTMLElement} pop
  * @param {Tok} tok
+ * @param {{q: number, exact: boolean} | null} post
+ * @param {((alt: Alt) => void) | null} onPick
  */
-export function fillPopover(pop, tok) {
+export function fillPopover(pop, tok, post, onPick) {
   pop.replaceChildren();
   const head = document.createElement("div");
   head.className = "pop-head";
@@ -184,21 +189,35 @@ export function fillPopover(pop, tok) {
   const prob = document.createElement("span");
   prob.dataset.testid = "popover-p";
   prob.textContent = percent(tok.p);
+  prob.title = "the model's probability (softmax of its raw logits)";
   head.append(code, prob);
   const meta = document.createElement("div");
   meta.className = "pop-meta";
   const bits = entropyLowerBound(tok.top).toFixed(2);
-  meta.textContent = `rank ${tok.rank} · entropy ≥ ${bits} bits` + (tok.parts && tok.parts > 1 ? ` · ${tok.parts} byte tokens` : "");
+  const sampled = post ? ` · after sampling ${post.exact ? "" : "≈ "}${percent(post.q)}` : "";
+  const picked = tok.picked ? " · picked by you" : "";
+  meta.textContent = `rank ${tok.rank} · entropy ≥ ${bits} bits${sampled}${picked}`
+    + (tok.parts && tok.parts > 1 ? ` · ${tok.parts} byte tokens` : "");
+  meta.dataset.testid = "popover-meta";
   const list = document.createElement("ol");
   list.className = "pop-alts";
+  list.setAttribute("aria-label", onPick ? "Alternatives: choose one to branch the reply here" : "Alternatives");
   const alts = [...tok.top].sort((a, b) => b.p - a.p);
   for (const alt of alts) {
     const li = document.createElement("li");
     li.dataset.testid = "alt";
     li.dataset.p = String(alt.p);
-    if (tok.id !== undefined ? alt.id === tok.id : alt.text === tok.text) li.className = "chosen";
-    const t = document.createElement("code");
+    const chosen = tok.id !== undefined ? alt.id === tok.id : alt.text === tok.text;
+    if (chosen) li.className = "chosen";
+    const t = document.createElement(onPick && !chosen && !isByteToken(alt.text) ? "button" : "code");
     t.textContent = visibleToken(alt.text);
+    if (t instanceof HTMLButtonElement) {
+      t.type = "button";
+      t.className = "alt-pick";
+      t.dataset.testid = "alt-pick";
+      t.setAttribute("aria-label", `Branch with ${visibleToken(alt.text)} (${percent(alt.p)})`);
+      t.addEventListener("click", () => onPick?.(alt));
+    }
     const bar = document.createElement("span");
     bar.className = "alt-bar";
     bar.style.width = `${Math.max(1, alt.p * 100)}%`;
@@ -210,6 +229,15 @@ export function fillPopover(pop, tok) {
     list.append(li);
   }
   pop.append(head, meta, list);
+}
+
+/**
+ * A piece of a character split over byte tokens (shown as <0xNN>): it cannot start a branch on its own.
+ * @param {string} text
+ * @returns {boolean}
+ */
+export function isByteToken(text) {
+  return /^<0x[0-9A-Fa-f]{2}>$/.test(text) || text.includes("\uFFFD") || text === "";
 }
 
 /**

@@ -37,7 +37,7 @@ export class HeatmapControls {
     this.messages.classList.toggle("heat", on);
     this.messages.dataset.heat = mode;
     this.mode.disabled = !on;
-    this.legend.hidden = !on;
+    (this.legend.parentElement ?? this.legend).hidden = !on;
     renderLegend(this.legend, mode);
     saveView({ heatmap: on, mode });
     this.onChange(on);

@@ -203,6 +203,7 @@ export function tokenSpan(tok, tabbable, primary) {
   span.dataset.p = String(tok.p);
   span.dataset.rank = String(tok.rank);
   if (tok.parts && tok.parts > 1) span.dataset.parts = String(tok.parts);
+  if (tok.picked) span.dataset.picked = "true";
   if (primary) span.tabIndex = tabbable ? 0 : -1;
   paintToken(span, tok);
   tokenData.set(span, tok);

@@ -4,11 +4,11 @@
 import { loadSettings, saveSettings } from "./store.js";
 
 /**
- * @typedef {{key: string, label: string, kind: "int" | "float" | "text" | "select" | "seed",
+ * @typedef {{key: string, label: string, kind: "int" | "float" | "text" | "select" | "seed" | "bias" | "lines",
  *            def: string, min?: number, max?: number, minOpen?: boolean, hint: string}} FieldSpec
  *   `minOpen`: the minimum itself is not allowed (min < x).
- * @typedef {{system: string, settings: Record<string, number | null>, max_new_tokens: number,
- *            alternatives: number, speculative: string | null}} RequestSettings
+ * @typedef {{system: string, settings: Record<string, number | null | Record<string, number>>,
+ *            max_new_tokens: number, alternatives: number, speculative: string | null, stop: string[]}} RequestSettings
  *   `speculative` null: the server's default mode.
  */
 
@@ -19,8 +19,19 @@ export const FIELDS = [
   { key: "top_k", label: "Top-k", kind: "int", def: "40", min: 0, max: 100000, hint: "0 = off." },
   { key: "top_p", label: "Top-p", kind: "float", def: "0.95", min: 0, max: 1, minOpen: true, hint: "1 = off." },
   { key: "min_p", label: "Min-p", kind: "float", def: "0.05", min: 0, max: 1, hint: "0 = off." },
+  { key: "typical_p", label: "Typical-p", kind: "float", def: "1.0", min: 0, max: 1, minOpen: true, hint: "1 = off." },
   { key: "repetition_penalty", label: "Repetition penalty", kind: "float", def: "1.0", min: 0, max: 10, minOpen: true,
     hint: "1 = off." },
+  { key: "repetition_range", label: "Repetition range", kind: "int", def: "0", min: 0, max: 1000000,
+    hint: "Tokens looked back for the penalties; 0 = the whole context." },
+  { key: "frequency_penalty", label: "Frequency penalty", kind: "float", def: "0", min: -2, max: 2,
+    hint: "Subtracted once per earlier use of a token; 0 = off." },
+  { key: "presence_penalty", label: "Presence penalty", kind: "float", def: "0", min: -2, max: 2,
+    hint: "Subtracted once from any token already used; 0 = off." },
+  { key: "token_bias", label: "Token bias", kind: "bias", def: "",
+    hint: "One \"token id: bias\" per line, bias in [-100, 100]; -100 bans the token." },
+  { key: "stop", label: "Stop strings", kind: "lines", def: "",
+    hint: "One per line (\\n for a line break); the reply ends before any of them. At most 16." },
   { key: "max_new_tokens", label: "Max new tokens", kind: "int", def: "512", min: 1, max: 1048576,
     hint: "Reply length limit." },
   { key: "alternatives", label: "Alternatives per token", kind: "int", def: "5", min: 1, max: 20,
@@ -40,6 +51,8 @@ export const FIELDS = [
 export function validate(spec, raw, limits) {
   const v = raw.trim();
   if (spec.kind === "text") return "";
+  if (spec.kind === "bias") return checkBias(v);
+  if (spec.kind === "lines") return checkStops(raw);
   if (spec.kind === "select") {
     return v === "" || limits.options.includes(v) ? "" : `expected one of ${limits.options.join(", ")}, got "${v}"`;
   }
@@ -100,9 +113,9 @@ export class SettingsPanel {
     label.textContent = spec.label;
     /** @type {HTMLInputElement | HTMLTextAreaElement | HTMLSelectElement} */
     let input;
-    if (spec.kind === "text") {
+    if (spec.kind === "text" || spec.kind === "bias" || spec.kind === "lines") {
       input = document.createElement("textarea");
-      input.rows = 3;
+      input.rows = spec.kind === "text" ? 3 : 2;
     } else if (spec.kind === "select") {
       input = document.createElement("select");
       input.append(...modeOptions([this.values[spec.key]].filter((m) => m !== "")));  // hello's list replaces them
@@ -155,8 +168,17 @@ export class SettingsPanel {
   }
 
   reset() {
+    this.apply(Object.fromEntries(FIELDS.map((f) => [f.key, f.def])));
+  }
+
+  /**
+   * Sets some fields (a preset), keeps the others, saves and validates.
+   * @param {Record<string, string>} values
+   */
+  apply(values) {
     for (const spec of FIELDS) {
-      this.values[spec.key] = spec.def;
+      if (typeof values[spec.key] !== "string") continue;
+      this.values[spec.key] = values[spec.key];
       this.inputs[spec.key].value = this.values[spec.key];
     }
     saveSettings(this.values);
@@ -187,8 +209,12 @@ export class SettingsPanel {
       system: this.values.system,
       settings: {
         temperature: num("temperature"), top_k: num("top_k"), top_p: num("top_p"), min_p: num("min_p"),
-        repetition_penalty: num("repetition_penalty"), seed: seed === "" ? null : Number(seed),
+        typical_p: num("typical_p"), repetition_penalty: num("repetition_penalty"),
+        repetition_range: num("repetition_range"), frequency_penalty: num("frequency_penalty"),
+        presence_penalty: num("presence_penalty"), token_bias: parseBias(this.values.token_bias),
+        seed: seed === "" ? null : Number(seed),
       },
+      stop: parseStops(this.values.stop),
       max_new_tokens: num("max_new_tokens"),
       alternatives: num("alternatives"),
       speculative: this.values.speculative === "" ? null : this.values.speculative,
@@ -203,4 +229,51 @@ export class SettingsPanel {
  */
 function modeOptions(modes) {
   return [new Option("server default", ""), ...modes.map((m) => new Option(m, m))];
+}
+
+/**
+ * @param {string} v
+ * @returns {string} an error naming the bad line, or ""
+ */
+function checkBias(v) {
+  for (const line of v.split("\n").map((l) => l.trim()).filter((l) => l)) {
+    const m = /^(\d+)\s*[:=]\s*([+-]?\d+(?:\.\d+)?)$/.exec(line);
+    if (!m) return `expected "token id: bias" per line, got "${line}"`;
+    if (Math.abs(Number(m[2])) > 100) return `expected a bias in [-100, 100], got ${m[2]}`;
+  }
+  return "";
+}
+
+/**
+ * @param {string} v
+ * @returns {Record<string, number>} token id (decimal string) → bias
+ */
+export function parseBias(v) {
+  /** @type {Record<string, number>} */
+  const out = {};
+  for (const line of v.split("\n")) {
+    const m = /^\s*(\d+)\s*[:=]\s*([+-]?\d+(?:\.\d+)?)\s*$/.exec(line);
+    if (m) out[String(Number(m[1]))] = Number(m[2]);
+  }
+  return out;
+}
+
+/**
+ * @param {string} raw
+ * @returns {string}
+ */
+function checkStops(raw) {
+  const stops = parseStops(raw);
+  if (stops.length > 16) return `expected at most 16 stop strings, got ${stops.length}`;
+  const long = stops.find((x) => x.length > 200);
+  return long ? `expected stop strings of at most 200 characters, got one of ${long.length}` : "";
+}
+
+/**
+ * One stop string per non-empty line; "\\n" and "\\t" stand for a line break and a tab.
+ * @param {string} raw
+ * @returns {string[]}
+ */
+export function parseStops(raw) {
+  return raw.split("\n").filter((l) => l !== "").map((l) => l.replace(/\\n/g, "\n").replace(/\\t/g, "\t"));
 }

@@ -11,8 +11,10 @@ import { fromFlat, messages } from "./tree.js";
  * @typedef {import("./heatmap.js").Tok} Tok
  * @typedef {{ttft_ms?: number, decode_tps?: number, new_tokens?: number, prompt_tokens?: number,
  *            reused_tokens?: number, drafted?: number, accepted?: number}} Stats
- * @typedef {{role: "user" | "assistant", content: string, tokens?: Tok[], reason?: string, stats?: Stats}} Message
- *   `reason` is the `done` reason of an assistant reply (`cancelled` = stopped by the user), or `interrupted`.
+ * @typedef {{role: "user" | "assistant", content: string, tokens?: Tok[], reason?: string, stats?: Stats,
+ *            settings?: Record<string, unknown>}} Message
+ *   `reason` is the `done` reason of an assistant reply (`cancelled` = stopped by the user), or `interrupted`;
+ *   `settings` the sampling settings it was generated with (for the post-sampling probability).
  * @typedef {import("./tree.js").Conversation} Conversation
  */
 
@@ -20,6 +22,7 @@ const KEY_CONVS = "webchat.conversations.v1";
 const KEY_CURRENT = "webchat.current.v1";
 const KEY_SETTINGS = "webchat.settings.v1";
 const KEY_VIEW = "webchat.view.v1";
+const KEY_PRESETS = "webchat.presets.v1";
 const DB_NAME = "webchat";
 const STORE = "conversations";
 
@@ -186,4 +189,15 @@ export function loadView() {
 /** @param {View} view */
 export function saveView(view) {
   write(KEY_VIEW, view);
+}
+
+/** @returns {Record<string, Record<string, string>>} the user's saved presets, by name */
+export function loadPresets() {
+  const v = read(KEY_PRESETS, /** @type {Record<string, Record<string, string>>} */ ({}));
+  return v && typeof v === "object" && !Array.isArray(v) ? v : {};
+}
+
+/** @param {Record<string, Record<string, string>>} presets */
+export function savePresets(presets) {
+  write(KEY_PRESETS, presets);
 }

@@ -1,0 +1,244 @@
+// @ts-check
+/**
+ * Requests: a new question, a regenerated or edited turn, Continue, and a reply branched from one of its tokens with
+ * another alternative. One request at a time (one socket); it goes on streaming when another chat is shown.
+ */
+
+import { ReplyData } from "./reply.js";
+import { newId } from "./store.js";
+import { addVersion, append, path, removeVersion, show } from "./tree.js";
+
+/**
+ * @typedef {import("./store.js").Message} Message
+ * @typedef {import("./tree.js").Conversation} Conversation
+ * @typedef {import("./tree.js").Step} Step
+ * @typedef {import("./heatmap.js").Tok} Tok
+ * @typedef {import("./heatmap.js").Alt} Alt
+ * @typedef {import("./reply.js").ReplyView} ReplyView
+ * @typedef {import("./connection.js").ServerMessage} ServerMessage
+ * @typedef {{id: string, conv: Conversation, msg: Message, data: ReplyData, view: ReplyView | null,
+ *            undo: () => void, typed: string | null, stopping: boolean, before: number}} Active
+ *   `undo`: takes the turn back when the request fails before any new text (`before`: the reply's length at start);
+ *   `typed`: the text of a fresh question, given back to the input then.
+ * @typedef {{connection: import("./connection.js").Connection, lib: import("./conversations.js").Library,
+ *   settings: import("./settings.js").SettingsPanel, refresh: () => void, error: (text: string, code: string) => void,
+ *   progress: (text: string) => void, announce: (text: string, final: boolean) => void,
+ *   restoreInput: (text: string) => void}} Deps
+ */
+
+export class Turns {
+  /** @param {Deps} deps */
+  constructor(deps) {
+    this.d = deps;
+    /** @type {Active | null} */
+    this.active = null;
+    this.counter = 0;
+  }
+
+  /**
+   * A new question at the end of the current conversation.
+   * @param {string} text
+   * @returns {boolean} whether it was sent
+   */
+  ask(text) {
+    if (this.active || text.trim() === "") return false;
+    const conv = this.d.lib.current;
+    const step = append(conv, { role: "user", content: text });
+    const reply = /** @type {Message} */ ({ role: "assistant", content: "" });
+    const undo = () => removeVersion(conv, step.thread);
+    const ok = this.start(conv, [...path(conv).map((s) => s.msg), reply], reply, false, undo, text);
+    if (!ok) undo();
+    else append(conv, reply);
+    return ok;
+  }
+
+  /**
+   * A new version of a user message, then a reply to it.
+   * @param {Step} step
+   * @param {string} text
+   */
+  edit(step, text) {
+    if (this.active || text.trim() === "") return;
+    const conv = this.d.lib.current;
+    const old = step.thread.current;
+    addVersion(step.thread, { role: "user", content: text });
+    const undo = () => { removeVersion(conv, step.thread); show(step.thread, old); };
+    const reply = /** @type {Message} */ ({ role: "assistant", content: "" });
+    const history = path(conv).slice(0, step.index + 1).map((s) => s.msg);
+    if (this.start(conv, [...history, reply], reply, false, undo, null)) append(conv, reply);
+    else undo();
+  }
+
+  /**
+   * A new version of a reply, from scratch (`prefix` empty) or from the given start (a branch from a token).
+   * @param {Step} step
+   * @param {Message} [prefix]
+   */
+  regenerate(step, prefix) {
+    if (this.active) return;
+    const conv = this.d.lib.current;
+    const old = step.thread.current;
+    const reply = prefix ?? /** @type {Message} */ ({ role: "assistant", content: "" });
+    addVersion(step.thread, reply);
+    const undo = () => { removeVersion(conv, step.thread); show(step.thread, old); };
+    const history = path(conv).slice(0, step.index).map((s) => s.msg);
+    if (!this.start(conv, [...history, reply], reply, reply.content !== "", undo, null)) undo();
+  }
+
+  /**
+   * Branches a reply at token k: the tokens before it, then `alt` instead of the token the model drew; the server
+   * continues from there (protocol `continue`). The old reply stays as the previous version.
+   * @param {Step} step
+   * @param {number} k
+   * @param {Alt} alt
+   */
+  branch(step, k, alt) {
+    const toks = step.msg.tokens ?? [];
+    const tok = toks[k];
+    if (!tok || this.active) return;
+    const before = toks.slice(0, k).map((t) => ({ ...t }));
+    const rank = [...tok.top].sort((a, b) => b.p - a.p).findIndex((a) => a === alt) + 1;
+    /** @type {Tok} */
+    const chosen = { id: alt.id, text: alt.text, p: alt.p, rank: rank || tok.rank, top: tok.top, picked: true };
+    const content = before.map((t) => t.text).join("") + alt.text;
+    this.regenerate(step, { role: "assistant", content, tokens: [...before, chosen] });
+  }
+
+  /**
+   * Continue the last reply from where it ended.
+   * @param {Step} step
+   */
+  continueReply(step) {
+    if (this.active || step.msg.content.trim() === "") return;
+    const conv = this.d.lib.current;
+    const reason = step.msg.reason;
+    const undo = () => { step.msg.reason = reason; };
+    const history = path(conv).slice(0, step.index + 1).map((s) => s.msg);
+    this.start(conv, history, step.msg, true, undo, null);
+  }
+
+  /**
+   * Sends a generate for `messages` (the last is `reply`, maybe with a start to continue) and makes it active.
+   * @param {Conversation} conv
+   * @param {Message[]} messages
+   * @param {Message} reply
+   * @param {boolean} cont
+   * @param {() => void} undo
+   * @param {string | null} typed
+   * @returns {boolean}
+   */
+  start(conv, messages, reply, cont, undo, typed) {
+    const d = this.d;
+    const invalid = d.settings.validateAll();
+    if (invalid.length > 0) {
+      d.error(`fix the settings first: ${invalid.join(", ")}`, "invalid_settings");
+      return false;
+    }
+    if (!d.connection.isOpen) {
+      d.error("not connected to the server; your message is kept, send it again once reconnected", "offline");
+      return false;
+    }
+    const req = d.settings.request();
+    const wire = messages.slice(0, cont ? messages.length : -1).map((m) => ({ role: m.role, content: m.content }));
+    const all = req.system.trim() ? [{ role: "system", content: req.system }, ...wire] : wire;
+    const id = `r${++this.counter}-${newId()}`;
+    /** @type {Record<string, unknown>} */
+    const frame = { type: "generate", id, messages: all, settings: req.settings, max_new_tokens: req.max_new_tokens,
+      stop: req.stop, alternatives: Math.max(1, req.alternatives), speculative: req.speculative };
+    if (cont) frame.continue = true;
+    if (!d.connection.send(frame)) {
+      d.error("the message could not be sent; it is kept in the input", "offline");
+      return false;
+    }
+    delete reply.reason;
+    reply.settings = req.settings;
+    this.active = { id, conv, msg: reply, data: new ReplyData(reply), view: null, undo, typed, stopping: false,
+      before: reply.content.length };
+    conv.updated = Date.now();
+    queueMicrotask(() => d.refresh());
+    return true;
+  }
+
+  stop() {
+    const a = this.active;
+    if (!a || a.stopping) return;
+    a.stopping = true;
+    if (!this.d.connection.send({ type: "stop", id: a.id })) this.lost();
+    this.d.refresh();
+  }
+
+  /** @param {ServerMessage} msg */
+  onServer(msg) {
+    const a = this.active;
+    if (msg.type === "error" && (msg.id === null || !a || msg.id !== a.id)) {
+      this.d.error(msg.message, msg.code);
+      return;
+    }
+    if (!a || !("id" in msg) || msg.id !== a.id) return;
+    if (msg.type === "queued") {
+      a.view?.queued(msg.position);
+      this.d.progress(`Waiting in queue: position ${msg.position}`);
+    } else if (msg.type === "start") {
+      a.view?.started();
+      const left = "left_out" in msg && typeof msg.left_out === "number" && msg.left_out > 0
+        ? ` · ${msg.left_out} earlier messages left out to fit the context` : "";
+      this.d.progress(`Reading the prompt: ${msg.prompt_tokens} tokens (${msg.reused_tokens} reused)${left}`);
+    } else if (msg.type === "chunk") {
+      const pieces = a.data.apply(msg);
+      a.view?.chunk(pieces);
+      this.d.progress("");
+      this.d.announce(msg.text, false);
+      this.d.lib.saveSoon(a.conv);
+    } else if (msg.type === "done") {
+      this.finish(msg.reason, msg.stats);
+    } else if (msg.type === "error") {
+      this.fail(msg.message, msg.code);
+    }
+  }
+
+  /** The socket closed: the active request is lost. */
+  lost() {
+    if (this.active) this.fail("the connection to the server was lost", "disconnected");
+  }
+
+  /**
+   * @param {string} reason
+   * @param {import("./store.js").Stats | undefined} stats
+   */
+  finish(reason, stats) {
+    const a = /** @type {Active} */ (this.active);
+    if (a.view) a.view.finish(reason, stats);
+    else {
+      a.msg.reason = reason;
+      if (stats) a.msg.stats = stats;
+    }
+    this.d.announce("", true);
+    this.end();
+  }
+
+  /**
+   * Ends the active request with an error: a reply with new text keeps it; otherwise the turn is taken back.
+   * @param {string} text
+   * @param {string} code
+   */
+  fail(text, code) {
+    const a = /** @type {Active} */ (this.active);
+    if (a.msg.content.length > a.before) {
+      a.msg.reason = code === "disconnected" ? "interrupted" : "error";
+    } else {
+      a.undo();
+      if (a.typed !== null) this.d.restoreInput(a.typed);
+    }
+    this.end();
+    this.d.error(text, code);
+  }
+
+  end() {
+    const a = /** @type {Active} */ (this.active);
+    if (a.msg.tokens && a.msg.tokens.length === 0) delete a.msg.tokens;
+    this.active = null;
+    this.d.progress("");
+    this.d.lib.save(a.conv);
+    this.d.refresh();
+  }
+}
