@@ -65,6 +65,7 @@ def test_rename_and_search(chat: ChatPage) -> None:
     chat.send("beta question")
     chat.wait_done()
     item = chat.page.get_by_test_id("conversation").filter(has_text="alpha question")
+    item.hover()  # the item's buttons show on hover or keyboard focus
     item.get_by_test_id("conversation-rename").click()
     chat.page.get_by_test_id("rename-input").fill("My renamed chat")
     chat.page.get_by_test_id("rename-input").press("Enter")
