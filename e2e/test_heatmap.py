@@ -14,9 +14,17 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.e2e
 
-SPANS_JS = """() => [...document.querySelectorAll('[data-testid=assistant-message]:last-of-type [data-testid=token]')]
-  .map(s => ({text: s.textContent, p: Number(s.dataset.p), parts: Number(s.dataset.parts || 1),
-              bg: getComputedStyle(s).backgroundColor}))"""
+# one entry per token: its primary span, with the text of the continuation spans that follow it (a token whose text
+# crosses a Markdown element boundary, e.g. the end of a list item, continues in a span of class tok-cont)
+SPANS_JS = """() => {
+  const out = [];
+  for (const s of document.querySelectorAll('[data-testid=assistant-message]:last-of-type .tok')) {
+    if (s.classList.contains('tok-cont')) { out[out.length - 1].text += s.textContent; continue; }
+    out.push({text: s.textContent, p: Number(s.dataset.p), parts: Number(s.dataset.parts || 1),
+              bg: getComputedStyle(s).backgroundColor});
+  }
+  return out;
+}"""
 EXPECTED_COLOURS_JS = """async (ps) => {
   const m = await import('/static/heatmap.js');
   return ps.map(p => m.probColor(p));

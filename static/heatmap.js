@@ -46,7 +46,8 @@ export function probColor(p) {
 }
 
 /**
- * Readable text colour on top of viridis(t): relative luminance Y = 0.2126 R + 0.7152 G + 0.0722 B (sRGB, linearised).
+ * Readable text colour on top of viridis(t): relative luminance Y = 0.2126 R + 0.7152 G + 0.0722 B (sRGB, linearised);
+ * black while (Y + 0.05) / 0.05 ≥ 1.05 / (Y + 0.05), i.e. Y > 0.179, else white.
  * @param {number} t
  * @returns {string}
  */
@@ -56,7 +57,7 @@ export function textColorOn(t) {
     return s <= 0.04045 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4;
   });
   const y = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2];
-  return y > 0.18 ? "#111" : "#fff";
+  return y > 0.179 ? "#000" : "#fff";  // the crossing point of the two contrasts: both ≥ 4.58:1 (WCAG AA)
 }
 
 /**
