@@ -11,7 +11,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from webchat.generator import GenerationRequest, Generator, Stats
+from webchat.events import Stats
+from webchat.generator import GenerationRequest, Generator
 from webchat.sampling import SamplingSettings, SettingsError
 from webchat.speculative import MODES
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import ipaddress
 import logging
@@ -28,6 +29,7 @@ from starlette.templating import Jinja2Templates
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 import webchat
+from webchat import events as ev
 from webchat import protocol as p
 from webchat.speculative import MODES
 from webchat.worker import Job, StreamingGenerator, Worker
@@ -201,11 +203,12 @@ class Connection:
                 task.add_done_callback(_log_failure)
                 task.cancel()
 
-    def deliver(self, msg: p.ServerMessage) -> None:
-        """From the worker, on the event loop."""
-        if isinstance(msg, p.Done | p.Error) and msg.id == self.current:
+    def deliver(self, request_id: str, want_tokens: bool, event: ev.Event) -> None:
+        """A worker event for request `request_id`, on the event loop."""
+        if isinstance(event, ev.Finished | ev.Failed) and request_id == self.current:
             self.current = None
-        self.outbox.push(msg)
+        for msg in p.event_messages(request_id, event, want_tokens):
+            self.outbox.push(msg)
 
     async def _send_loop(self) -> None:
         while True:
@@ -236,7 +239,8 @@ class Connection:
                                   "send stop or wait for its done", msg.id)
         request, n_prompt = await self._prepare(msg)
         self.current = msg.id
-        self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=self.deliver,
+        deliver = functools.partial(self.deliver, msg.id, request.return_probs)
+        self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=deliver,
                                prompt_tokens=n_prompt))
 
     async def _prepare(self, msg: p.Generate) -> tuple[Any, int]:
