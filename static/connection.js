@@ -5,7 +5,8 @@
  * @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnState
  * @typedef {{type: "hello", v: number, model: string, context_length: number, device: string, dtype: string,
  *            speculative: string[], max_alternatives: number}} Hello
- * @typedef {{id: number, text: string, p: number, rank: number, top: {id: number, text: string, p: number}[]}} WireToken
+ * @typedef {{id: number, text: string, p: number, rank: number, top: {id: number, text: string, p: number}[],
+ *            sampled_p?: number | null}} WireToken
  * @typedef {{type: "queued", id: string, position: number}
  *         | {type: "start", id: string, prompt_tokens: number, reused_tokens: number}
  *         | {type: "chunk", id: string, text: string, tokens?: WireToken[]}

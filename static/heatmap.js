@@ -3,10 +3,12 @@
 
 /**
  * @typedef {{id?: number, text: string, p: number}} Alt
- * @typedef {{id?: number, text: string, p: number, rank: number, top: Alt[], parts?: number, picked?: boolean}} Tok
+ * @typedef {{id?: number, text: string, p: number, rank: number, top: Alt[], parts?: number, picked?: boolean,
+ *            sp?: number}} Tok
  *   One displayed token. `parts` > 1 when a character split over several byte tokens was merged into this one span:
  *   then `p` is the joint probability (product of the parts), `rank` the worst rank and `top` the first part's.
  *   `picked`: the user chose this token from the alternatives (a branch), the model did not draw it.
+ *   `sp`: its probability after the sampling settings, as the server reported it (wire `sampled_p`).
  * @typedef {"prob" | "rank" | "entropy"} HeatMode
  */
 

@@ -96,7 +96,8 @@ export class TokenPopover {
       this.hide();
       this.hooks.onPick(span, alt);
     } : null;
-    fillPopover(this.pop, tok, postSampling(tok, this.hooks.settingsOf(span)), pick);
+    const post = tok.sp !== undefined ? { q: tok.sp, exact: true } : postSampling(tok, this.hooks.settingsOf(span));
+    fillPopover(this.pop, tok, post, pick);
     this.pop.hidden = false;
     placePopover(this.pop, span);
   }

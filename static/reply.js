@@ -21,16 +21,20 @@ export const tokenIndex = /** @type {WeakMap<Element, number>} */ (new WeakMap()
 
 /**
  * Merges byte tokens that together complete one character: all but the last have text "" (docs/protocol.md).
- * p = Π p_i (the joint probability), rank = max rank_i, alternatives of the first part.
+ * p = Π p_i (the joint probability), sp = Π sampled_p_i, rank = max rank_i, alternatives of the first part.
  * @param {WireToken[]} parts
  * @returns {Tok}
  */
 export function mergeParts(parts) {
   const last = parts[parts.length - 1];
-  if (parts.length === 1) return { id: last.id, text: last.text, p: last.p, rank: last.rank, top: last.top };
-  const p = parts.reduce((acc, t) => acc * t.p, 1);
-  const rank = Math.max(...parts.map((t) => t.rank));
-  return { id: parts[0].id, text: last.text, p, rank, top: parts[0].top, parts: parts.length };
+  const sps = parts.map((t) => t.sampled_p);
+  const sp = sps.every((x) => typeof x === "number") ? sps.reduce((acc, x) => acc * /** @type {number} */ (x), 1) : null;
+  /** @type {Tok} */
+  const tok = parts.length === 1 ? { id: last.id, text: last.text, p: last.p, rank: last.rank, top: last.top }
+    : { id: parts[0].id, text: last.text, p: parts.reduce((acc, t) => acc * t.p, 1),
+      rank: Math.max(...parts.map((t) => t.rank)), top: parts[0].top, parts: parts.length };
+  if (sp !== null) tok.sp = sp;
+  return tok;
 }
 
 /**

@@ -188,6 +188,20 @@ def test_alternatives_carry_probabilities_that_rebuild_the_text(client: TestClie
         probs = [a.p for a in t.top]
         assert probs == sorted(probs, reverse=True)
         assert t.rank == 1 and t.top[0].id == t.id  # greedy picks the top token
+        assert t.sampled_p == 1.0  # greedy: drawn with certainty
+
+
+def test_sampled_p_is_the_probability_after_the_settings(client: TestClient, stack: ExitStack) -> None:
+    """top_k 2 at temperature 1 (no other truncation): sampled_p = p / (p_1 + p_2) over the two most likely."""
+    ws = connect(client, stack)
+    settings = {"temperature": 1.0, "top_k": 2, "top_p": 1.0, "min_p": 0.0, "seed": 3}
+    seen, done = run_to_end_after_send(ws, generate("q", max_new_tokens=10, alternatives=2, settings=settings))
+    tokens = [t for m in seen if m["type"] == "chunk" for t in m["tokens"]]
+    assert tokens and done["type"] == "done", done
+    for t in tokens:
+        assert t["rank"] <= 2, t
+        want = t["p"] / (t["top"][0]["p"] + t["top"][1]["p"])
+        assert t["sampled_p"] == pytest.approx(want, rel=1e-4), t
 
 
 def test_stop_cancels_within_a_step_and_the_connection_stays_open(slow_client: TestClient, stack: ExitStack) -> None:
@@ -574,13 +588,12 @@ def test_continue_goes_on_from_the_partial_reply(client: TestClient, stack: Exit
     assert "".join(m["text"] for m in seen if m["type"] == "chunk") == want  # only the new text is streamed
 
 
-def test_continue_refuses_a_template_that_drops_the_final_message(config: ServerConfig, runtime: Runtime,
-                                                                  stack: ExitStack) -> None:
+def test_continue_refuses_a_template_that_drops_the_final_message(config: ServerConfig, runtime: Runtime) -> None:
     tok = copy.copy(runtime.tokenizer)  # a template that leaves assistant messages out
     tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
     rt = replace(runtime, tokenizer=tok)
-    with TestClient(create_app(config, runtime=rt)) as c:
-        ws = connect(c, stack)
+    with TestClient(create_app(config, runtime=rt)) as c, c.websocket_connect("/ws") as ws:
+        assert ws.receive_json()["type"] == "hello"
         msgs = [*USER, {"role": "assistant", "content": "zzz partial"}]
         ws.send_json(generate("c", messages=msgs, **{"continue": True}))
         err = p.Error.model_validate(ws.receive_json())

@@ -140,6 +140,7 @@ class TokenOut(_Strict):
     p: float
     rank: int
     top: list[Alternative]
+    sampled_p: float | None = None  # under the distribution drawn from (settings applied); None when unknown
 
 
 class Chunk(_Strict):
@@ -206,7 +207,9 @@ def event_messages(request_id: str, event: ev.Event, want_tokens: bool) -> list[
 def token_out(info: ev.TokenInfo) -> TokenOut:
     """A generated token as the wire's token entry (`p`: softmax of the raw logits; rank 1-based)."""
     top = [Alternative(id=int(tid), text=text, p=float(prob)) for tid, text, prob in info.top]
-    return TokenOut(id=int(info.id), text=info.piece, p=float(info.prob or 0.0), rank=int(info.rank or 0), top=top)
+    sampled = None if info.sampled_prob is None else float(info.sampled_prob)
+    return TokenOut(id=int(info.id), text=info.piece, p=float(info.prob or 0.0), rank=int(info.rank or 0), top=top,
+                    sampled_p=sampled)
 
 
 def stats_out(stats: ev.Stats) -> Stats:
