@@ -103,7 +103,7 @@ def loop(gen: Generator, tok: Any, settings: SamplingSettings, args: argparse.Na
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        ids = tok.encode_chat(messages)  # typed control markers stay text
         room = gen.cache.capacity - len(ids)
         if room < 1:
             out.write(f"[the conversation is {len(ids)} tokens; the context holds {gen.cache.capacity}: /reset]\n")

@@ -1,0 +1,128 @@
+"""Connection limits under uvicorn: at most `max_connections` sockets, a deadline for finishing the first request,
+and accept errors logged at most once per interval.
+
+uvicorn accepts every socket and waits for its request for ever; 400 silent sockets then use up the file limit and
+lock every new user out. `guarded_protocols` wraps uvicorn's HTTP and websocket protocol classes so that
+    - a socket that has not finished its first request within `handshake_timeout` seconds is closed;
+    - past `max_connections` open sockets, a new socket evicts the oldest one still waiting for its request, or is
+      answered 503 and closed when every socket is busy (a request or a websocket in progress).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from collections import OrderedDict
+from typing import Any
+
+log = logging.getLogger("webchat.server")
+
+ACCEPT_LOG_INTERVAL_S = 10.0
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+         b"Content-Length: 43\r\n\r\nthe server has too many connections; retry")
+
+
+def file_limit() -> int:
+    """This process's soft limit on open files (RLIMIT_NOFILE)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def default_max_connections() -> int:
+    """A quarter of the file limit (1024 -> 256), between 16 and 4096: the rest is for accepts in flight, model files,
+    and the process's own descriptors."""
+    return max(16, min(4096, file_limit() // 4))
+
+
+class ConnectionGuard:
+    """Counts the open sockets (an HTTP one becomes a websocket on upgrade) and enforces the two limits."""
+
+    def __init__(self, max_connections: int, handshake_timeout: float) -> None:
+        self.max_connections, self.handshake_timeout = max_connections, handshake_timeout
+        self.open: OrderedDict[asyncio.BaseTransport, Any] = OrderedDict()  # transport -> HTTP protocol, oldest first
+        self.evicted = 0  # sockets closed for the limit or the deadline
+        self.refused = 0  # sockets answered 503
+
+    def opened(self, protocol: Any, transport: asyncio.Transport) -> bool:
+        """A new socket; False when it was refused (answered 503 and closed)."""
+        if len(self.open) >= self.max_connections:
+            victim = next((t for t, p in self.open.items() if not _started(p, t)), None)
+            if victim is None:
+                self.refused += 1
+                transport.write(_BUSY)
+                transport.close()
+                return False
+            self._drop(victim)
+        self.open[transport] = protocol
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.handshake_timeout, self._deadline, protocol, transport)
+        return True
+
+    def abort_peer(self, client: Any) -> None:
+        """Close at once the socket of peer `client` (host, port), e.g. a websocket that does not read."""
+        for transport in list(self.open):
+            if client is not None and tuple(transport.get_extra_info("peername") or ())[:2] == tuple(client):
+                self._drop(transport)
+
+    def closed(self, transport: asyncio.BaseTransport) -> None:
+        self.open.pop(transport, None)
+
+    def _deadline(self, protocol: Any, transport: asyncio.Transport) -> None:
+        if transport in self.open and not _started(protocol, transport):
+            log.info("closed a socket that sent no complete request in %g s", self.handshake_timeout)
+            self._drop(transport)
+
+    def _drop(self, transport: asyncio.BaseTransport) -> None:
+        self.open.pop(transport, None)
+        self.evicted += 1
+        if isinstance(transport, asyncio.Transport):
+            transport.abort()  # no lingering: the descriptor is free at once
+
+
+def _started(protocol: Any, transport: asyncio.BaseTransport) -> bool:
+    """The socket finished a request's headers (uvicorn's `cycle`), or became a websocket."""
+    return getattr(protocol, "cycle", None) is not None or transport.get_protocol() is not protocol
+
+
+def guarded_protocols(guard: ConnectionGuard, http_class: type[Any],
+                      ws_class: type[Any]) -> tuple[type[Any], type[Any]]:  # fmt: skip
+    """Subclasses of uvicorn's protocol classes that report to `guard`; pass them as uvicorn's `http` and `ws`."""
+
+    class GuardedHTTP(http_class):  # type: ignore[misc]
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            guard.opened(self, transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            guard.closed(self.transport)
+            super().connection_lost(exc)
+
+    class GuardedWS(ws_class):  # type: ignore[misc]
+        def connection_lost(self, exc: Exception | None) -> None:
+            guard.closed(self.transport)
+            super().connection_lost(exc)
+
+    return GuardedHTTP, GuardedWS
+
+
+class AcceptErrorLog:
+    """An event-loop exception handler that logs accept() failures ("Too many open files") once per interval, with
+    the count of those left out, and everything else as asyncio would."""
+
+    def __init__(self, interval: float = ACCEPT_LOG_INTERVAL_S) -> None:
+        self.interval, self.last, self.skipped = interval, float("-inf"), 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if "accept" not in message:
+            loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.skipped += 1
+            return
+        more = f" ({self.skipped} more in the last {self.interval:g} s)" if self.skipped else ""
+        log.error("%s: %s%s", message, context.get("exception"), more)
+        self.last, self.skipped = now, 0
