@@ -179,6 +179,14 @@ export class SettingsPanel {
     return FIELDS.filter((spec) => !this.check(spec)).map((spec) => spec.label);
   }
 
+  /** Max new tokens; left at its default, at most half the context the server told in `hello`. @returns {number} */
+  maxNewTokens() {
+    const raw = this.values.max_new_tokens.trim();
+    const def = /** @type {FieldSpec} */ (FIELDS.find((f) => f.key === "max_new_tokens")).def;
+    if (raw !== def) return Number(raw);
+    return Math.min(Number(def), Math.max(1, Math.floor(this.limits.contextLength / 2)));
+  }
+
   /** @returns {RequestSettings} the validated values; call validateAll() first */
   request() {
     const num = (/** @type {string} */ k) => Number(this.values[k].trim());
@@ -189,7 +197,7 @@ export class SettingsPanel {
         temperature: num("temperature"), top_k: num("top_k"), top_p: num("top_p"), min_p: num("min_p"),
         repetition_penalty: num("repetition_penalty"), seed: seed === "" ? null : Number(seed),
       },
-      max_new_tokens: num("max_new_tokens"),
+      max_new_tokens: this.maxNewTokens(),
       alternatives: num("alternatives"),
       speculative: this.values.speculative === "" ? null : this.values.speculative,
     };

@@ -514,6 +514,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{default_max_connections()} here)")
     parser.add_argument("--handshake-timeout", type=float, default=10.0,
                         help="seconds a socket has to finish its first HTTP request (default 10)")
+    parser.add_argument("--stall-timeout", type=float, default=30.0,
+                        help="seconds a websocket may leave 1 MiB of replies unread before it is closed (default 30)")
 
 
 def _positive(text: str) -> int:
@@ -535,6 +537,7 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
                         max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
+                        stall_timeout=args.stall_timeout,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None)
 
 
