@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import re
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -173,9 +174,9 @@ CLOSE_NOT_READING = 1008  # close code: the peer left more than max_pending_byte
 
 
 def _size(msg: p.ServerMessage) -> int:
-    """Bytes the message will take on the wire, estimated for chunks (about 160 bytes per token entry)."""
+    """Bytes the message will take on the wire, estimated for chunks (a token entry: 64 bytes + 48 per alternative)."""
     if isinstance(msg, p.Chunk):
-        return 64 + len(msg.text.encode()) + 160 * (len(msg.tokens) if msg.tokens else 0)
+        return 64 + len(msg.text.encode()) + sum(64 + 48 * len(t.top) for t in msg.tokens or [])
     return len(p.dump(msg))
 
 
@@ -228,7 +229,7 @@ class Outbox:
         if self.pending <= self.max_bytes:
             self._room.set()
 
-    async def room(self, timeout: float) -> bool:
+    async def room(self, timeout: float | None = None) -> bool:
         """Wait until the pending output is under the cap; False if it stayed over it for `timeout` seconds."""
         if self._room.is_set():
             return True
@@ -237,6 +238,17 @@ class Outbox:
         except TimeoutError:
             return False
         return True
+
+
+class SendClock:
+    """When the socket write in progress began (None: none is): a write that does not end means the peer does not
+    read."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def stalled(self, timeout: float) -> bool:
+        return self.since is not None and time.monotonic() - self.since > timeout
 
 
 class Connection:
@@ -249,16 +261,18 @@ class Connection:
         self.key = object()  # the worker's handle for this connection's session
         self.current: str | None = None  # the id of the request in flight
         self.outbox = Outbox(config.max_pending_bytes)
+        self.clock = SendClock()
 
     async def serve(self) -> None:
         self.outbox.push(self.runtime.hello())
         receiver = asyncio.create_task(self._receive_loop())
         sender = asyncio.create_task(self._send_loop())
+        watchdog = asyncio.create_task(self._watch_stall())
         try:
-            await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({receiver, sender, watchdog}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # no await here: the handler returns at once, the tasks finish on their own
             self.worker.close(self.key)  # drops a queued or running request, frees the KV cache
-            for task in (receiver, sender):
+            for task in (receiver, sender, watchdog):
                 task.add_done_callback(_log_failure)
                 task.cancel()
 
@@ -274,14 +288,14 @@ class Connection:
     async def _send_loop(self) -> None:
         while True:
             for msg in await self.outbox.take():
-                await self.ws.send_text(p.dump(msg))
+                self.clock.since = time.monotonic()
+                await self.ws.send_text(p.dump(msg))  # waits while uvicorn's write buffer is over its high-water mark
+                self.clock.since = None
                 self.outbox.sent(msg)
 
     async def _receive_loop(self) -> None:
         while True:
-            if not await self.outbox.room(self.config.stall_timeout):
-                await self._close_unread()
-                return
+            await self.outbox.room()  # past max_pending_bytes: read no more frames (backpressure)
             frame = await self.ws.receive()
             if frame["type"] == "websocket.disconnect":
                 return
@@ -300,9 +314,15 @@ class Connection:
                 log.exception("handling a frame failed")
                 self.outbox.push(p.Error(id=rid, code="internal", message=f"{type(exc).__name__}: {exc}"))
 
+    async def _watch_stall(self) -> None:
+        """Returns (ending the connection and releasing its session) once one write has waited stall_timeout s."""
+        while not self.clock.stalled(self.config.stall_timeout):
+            await asyncio.sleep(min(1.0, self.config.stall_timeout / 4))
+        await self._close_unread()
+
     async def _close_unread(self) -> None:
         """The peer has not read its replies for stall_timeout seconds: close it (its session is released by serve)."""
-        reason = f"{self.outbox.pending} bytes of replies unread for {self.config.stall_timeout:g} s"
+        reason = f"replies unread for {self.config.stall_timeout:g} s ({self.outbox.pending} more bytes waiting)"
         log.warning("closing a websocket that does not read: %s", reason)
         try:
             await asyncio.wait_for(self.ws.close(code=CLOSE_NOT_READING, reason=reason[:120]), 1.0)
