@@ -271,3 +271,43 @@ def test_start_dumps_trimmed_messages_only_when_some_were() -> None:
     assert "trimmed_messages" not in p.dump(p.Start(id="r", prompt_tokens=3, reused_tokens=0))
     assert json.loads(p.dump(p.Start(id="r", prompt_tokens=3, reused_tokens=0, trimmed_messages=4)))[
         "trimmed_messages"] == 4
+
+
+# ---------------------------------------------------------------- 8. the cached GGUF
+def test_a_bad_cached_gguf_is_fetched_again_and_a_failed_conversion_says_force(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    from webchat import pull
+
+    good = b"GGUF stand-in, the pinned bytes"
+    monkeypatch.setattr(pull, "GGUF_SHA256", hashlib.sha256(good).hexdigest())
+    home = tmp_path / "home"
+    gguf = pull.default_gguf_path(home)
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(good[:9])  # truncated
+    fetched: list[Path] = []
+
+    def fake_fetch(h: Path) -> Path:
+        fetched.append(h)
+        gguf.write_bytes(good)
+        return gguf
+
+    def fake_convert(gguf_path: Path, out_dir: Path) -> None:
+        assert gguf_path.read_bytes() == good
+        for name in pull.REQUIRED_FILES:
+            (out_dir / name).write_text("{}")
+
+    monkeypatch.setattr(pull, "_fetch_gguf", fake_fetch)
+    monkeypatch.setattr(pull, "convert_gguf", fake_convert)
+    assert pull.ensure_default_model(home) == pull.default_model_dir(home) and len(fetched) == 1
+    gguf.write_bytes(good[:5])  # damaged after a good pull: `webchat pull` checks it every time
+    assert pull.ensure_default_gguf(home, verify=True) == gguf and len(fetched) == 2 and gguf.read_bytes() == good
+    assert pull.ensure_default_gguf(home, verify=True) == gguf and len(fetched) == 2  # intact: no fetch
+
+    def broken_convert(gguf_path: Path, out_dir: Path) -> None:
+        raise ValueError("cannot reshape array of size 3 into shape (2,2)")
+
+    monkeypatch.setattr(pull, "convert_gguf", broken_convert)
+    with pytest.raises(pull.PullError, match=r"cannot reshape array.*webchat pull --force"):
+        pull.ensure_default_model(home, force=True)
