@@ -44,6 +44,7 @@ export function validate(spec, raw, limits) {
     return v === "" || limits.options.includes(v) ? "" : `expected one of ${limits.options.join(", ")}, got "${v}"`;
   }
   if (spec.kind === "seed" && v === "") return "";
+  if (spec.key === "max_new_tokens" && v === spec.def) return ""; // the default: request() fits it to the context
   const max = spec.key === "max_new_tokens" ? limits.contextLength
     : spec.key === "alternatives" ? limits.maxAlternatives : /** @type {number} */ (spec.max);
   const min = /** @type {number} */ (spec.min);
