@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from playwright.sync_api import expect
-
 from conftest import start_server
+from playwright.sync_api import expect
 
 if TYPE_CHECKING:
     from conftest import ChatPage, Server
