@@ -28,11 +28,13 @@ def main(args: argparse.Namespace) -> int:
     """`webchat complete`: chat-template the prompt, then greedy-decode through the KV cache."""
     import torch
 
+    from webchat.folder_check import check_model_folder
     from webchat.loader import load_model, resolve_device, resolve_dtype
     from webchat.pull import ensure_default_model
     from webchat.tokenizer import Tokenizer
 
     path = args.model or ensure_default_model()
+    check_model_folder(path)  # config and tokenizer, before the weights load
     device = resolve_device(args.device)
     model = load_model(path, device, resolve_dtype(None, device))
     tok = Tokenizer.from_dir(path)

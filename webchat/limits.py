@@ -16,6 +16,9 @@ import resource
 import time
 from collections import OrderedDict
 from typing import Any
+from urllib.parse import urlsplit
+
+from starlette.responses import PlainTextResponse
 
 log = logging.getLogger("webchat.server")
 
@@ -126,3 +129,25 @@ class AcceptErrorLog:
         more = f" ({self.skipped} more in the last {self.interval:g} s)" if self.skipped else ""
         log.error("%s: %s%s", message, context.get("exception"), more)
         self.last, self.skipped = now, 0
+
+
+class HostCheck:
+    """ASGI middleware: requests whose Host header names another host get 403 (DNS rebinding on a loopback server)."""
+
+    def __init__(self, app: Any, allowed: tuple[str, ...]) -> None:
+        self.app, self.allowed = app, {h.lower() for h in allowed}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            name = urlsplit(f"//{host}").hostname or ""
+            if name.lower() not in self.allowed:
+                log.warning("refused a request for host %r", host)
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                response = PlainTextResponse(f"host {host!r} is not served here; use http://127.0.0.1 or localhost",
+                                             status_code=403)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

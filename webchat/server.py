@@ -34,7 +34,8 @@ import webchat
 from webchat import events as ev
 from webchat import protocol as p
 from webchat.chat_encode import ContentRewritten
-from webchat.limits import AcceptErrorLog, ConnectionGuard, default_max_connections, guarded_protocols
+from webchat.limits import AcceptErrorLog, ConnectionGuard, HostCheck, default_max_connections, guarded_protocols
+from webchat.outbox import Outbox, SendClock
 from webchat.speculative import MODES
 from webchat.trim import fit_history
 from webchat.worker import Job, StreamingGenerator, Worker
@@ -169,86 +170,7 @@ def static_version(static_dir: Path) -> str:
 
 
 # ---------------------------------------------------------------- one websocket
-MAX_PENDING_ERRORS = 32  # error replies waiting at once on a connection; more are dropped (a flood of bad frames)
 CLOSE_NOT_READING = 1008  # close code: the peer left more than max_pending_bytes unread for stall_timeout seconds
-
-
-def _size(msg: p.ServerMessage) -> int:
-    """Bytes the message will take on the wire, estimated for chunks (a token entry: 64 bytes + 48 per alternative)."""
-    if isinstance(msg, p.Chunk):
-        return 64 + len(msg.text.encode()) + sum(64 + 48 * len(t.top) for t in msg.tokens or [])
-    return len(p.dump(msg))
-
-
-class Outbox:
-    """Messages waiting for the socket; a chunk that follows a chunk of the same request merges into it.
-
-    `pending` counts their bytes; past `max_bytes` the connection stops reading frames (`room()` waits), so a client
-    that sends without reading holds at most about max_bytes of replies, never more.
-    """
-
-    def __init__(self, max_bytes: int = 1 << 20) -> None:
-        self._items: list[p.ServerMessage] = []
-        self._ready = asyncio.Event()
-        self._room = asyncio.Event()
-        self._room.set()
-        self.max_bytes = max_bytes
-        self.pending = 0
-        self.errors = 0  # error replies waiting
-        self.dropped_errors = 0
-        self.merged = 0  # how many chunks were coalesced (a slow reader)
-
-    def push(self, msg: p.ServerMessage) -> None:
-        last = self._items[-1] if self._items else None
-        if isinstance(msg, p.Error):
-            if msg.id is None and self.errors >= MAX_PENDING_ERRORS:
-                self.dropped_errors += 1
-                return
-            self.errors += 1
-        if isinstance(msg, p.Chunk) and isinstance(last, p.Chunk) and last.id == msg.id:
-            self._items[-1] = last.merged(msg)
-            self.pending += _size(self._items[-1]) - _size(last)
-            self.merged += 1
-        else:
-            self._items.append(msg)
-            self.pending += _size(msg)
-        if self.pending > self.max_bytes:
-            self._room.clear()
-        self._ready.set()
-
-    async def take(self) -> list[p.ServerMessage]:
-        await self._ready.wait()
-        self._ready.clear()
-        items, self._items = self._items, []
-        return items
-
-    def sent(self, msg: p.ServerMessage) -> None:
-        """One taken message is written: its bytes no longer count."""
-        self.pending = max(0, self.pending - _size(msg))
-        self.errors -= isinstance(msg, p.Error)
-        if self.pending <= self.max_bytes:
-            self._room.set()
-
-    async def room(self, timeout: float | None = None) -> bool:
-        """Wait until the pending output is under the cap; False if it stayed over it for `timeout` seconds."""
-        if self._room.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._room.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
-
-
-class SendClock:
-    """When the socket write in progress began (None: none is): a write that does not end means the peer does not
-    read."""
-
-    def __init__(self) -> None:
-        self.since: float | None = None
-
-    def stalled(self, timeout: float) -> bool:
-        return self.since is not None and time.monotonic() - self.since > timeout
 
 
 class Connection:
@@ -464,28 +386,6 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
     if config.trusted_hosts is not None:
         app.add_middleware(HostCheck, allowed=config.trusted_hosts)
     return app
-
-
-class HostCheck:
-    """ASGI middleware: requests whose Host header names another host get 403 (DNS rebinding on a loopback server)."""
-
-    def __init__(self, app: Any, allowed: tuple[str, ...]) -> None:
-        self.app, self.allowed = app, {h.lower() for h in allowed}
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket"):
-            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-            name = urlsplit(f"//{host}").hostname or ""
-            if name.lower() not in self.allowed:
-                log.warning("refused a request for host %r", host)
-                if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
-                    return
-                response = PlainTextResponse(f"host {host!r} is not served here; use http://127.0.0.1 or localhost",
-                                             status_code=403)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _secure_headers(response: Response, host: str | None) -> None:
