@@ -3,7 +3,8 @@
 `webchat serve` runs as a child process (any checkout: `--repo`, `--python`) on a tiny random model; the client does
 the websocket handshake by hand on a raw socket (a client library would read in the background), asks for one long
 reply with 20 alternatives per token, then for `--seconds` sends frames without reading: odd ones `generate` (each
-answered `busy_connection` while the reply runs), even ones invalid JSON. Prints the frames it got through, the
+answered `busy_connection` while the reply runs), even ones invalid JSON (`--junk-only`: all invalid JSON).
+Prints the frames it got through, the
 server's RSS before, at the end of the flood and at its peak, and whether (and how soon) the server closed it.
 Run: `.venv/bin/python bench/bench_flood.py` (compare: `--repo /work/main --python /work/main/.venv/bin/python`).
 """
@@ -66,7 +67,8 @@ def handshake(port: int) -> socket.socket:
 def generate(i: int) -> bytes:
     bias = {"0": -100, "1": -100, "2": -100}  # the tiny model's special tokens: the reply runs to max_new_tokens
     return frame(json.dumps({"type": "generate", "id": f"g{i}", "alternatives": 20, "max_new_tokens": 4000,
-                             "messages": [{"role": "user", "content": "hi"}], "settings": {"token_bias": bias}}).encode())
+                             "messages": [{"role": "user", "content": "hi"}],
+                             "settings": {"token_bias": bias}}).encode())
 
 
 def main() -> None:
@@ -74,6 +76,7 @@ def main() -> None:
     ap.add_argument("--repo", type=Path, default=REPO, help="the checkout whose server runs (default: this one)")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--junk-only", action="store_true", help="flood with invalid JSON only (no generate frames)")
     args = ap.parse_args()
     from webchat.tiny import make_tiny_model
 
@@ -96,11 +99,11 @@ def main() -> None:
             time.sleep(1.0)
             before = peak = rss_mb(proc.pid)
             ws.settimeout(0.2)
-            junk = frame(b"{not json" * 10)
+            junk = frame(b"{")
             sent, closed_at, t0 = 0, None, time.monotonic()
             while time.monotonic() - t0 < args.seconds:
                 try:
-                    ws.sendall(generate(sent) if sent % 2 else junk)
+                    ws.sendall(generate(sent) if sent % 2 and not args.junk_only else junk)
                     sent += 1
                 except TimeoutError:
                     pass
@@ -117,8 +120,9 @@ def main() -> None:
             proc.wait(10)
             log.close()
     closed = f"closed by the server after {closed_at:.1f} s" if closed_at is not None else "never closed"
-    print(f"repo {args.repo}: {sent} frames in {args.seconds:g} s; server RSS {before:.0f} MB before, {end:.0f} MB at "
-          f"the end (+{end - before:.0f} MB), peak {max(peak, end):.0f} MB; {closed}; /healthz after: {health}")
+    print(f"repo {args.repo}: {sent} frames sent (flood of at most {args.seconds:g} s); server RSS {before:.0f} MB "
+          f"before, {end:.0f} MB at the end (+{end - before:.0f} MB), peak {max(peak, end):.0f} MB; {closed}; "
+          f"/healthz after: {health}")
 
 
 if __name__ == "__main__":

@@ -154,43 +154,75 @@ def text_frame(payload: bytes) -> bytes:
     return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
 
 
+def generate_frame(i: int, max_new_tokens: int = 4000) -> bytes:
+    bias = {"0": -100, "1": -100, "2": -100}  # the tiny model's special tokens: no early stop
+    return text_frame(json.dumps({"type": "generate", "id": f"g{i}", "alternatives": 20,
+                                  "max_new_tokens": max_new_tokens, "messages": [{"role": "user", "content": "hi"}],
+                                  "settings": {"token_bias": bias}}).encode())
+
+
+def wait_released(child: Child) -> dict[str, object]:
+    deadline = time.monotonic() + 30
+    while True:  # the request is dropped and the KV cache freed with the connection
+        health: dict[str, object] = httpx.get(f"{child.url}/healthz", timeout=30).json()
+        if health["sessions"] == 0 and health["active"] == 0 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.5)
+
+
 def test_a_client_that_floods_without_reading_leaves_rss_flat_and_its_session_released(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    with serve(tiny_model_dir, tmp_path, "--max-seq-len", "8192", "--stall-timeout", "4") as child:
+    with serve(tiny_model_dir, tmp_path, "--max-seq-len", "8192") as child:
         ws = raw_websocket(child.port)
-        bias = {"0": -100, "1": -100, "2": -100}  # the tiny model's special tokens: no early stop
-
-        def generate(i: int) -> bytes:
-            return text_frame(json.dumps({"type": "generate", "id": f"g{i}", "alternatives": 20, "max_new_tokens": 4000,
-                                          "messages": [{"role": "user", "content": "hi"}],
-                                          "settings": {"token_bias": bias}}).encode())
-
-        ws.sendall(generate(0))
+        ws.sendall(generate_frame(0))
         time.sleep(1.0)
         before = child.rss_mb()
         ws.settimeout(0.2)
-        junk = text_frame(b"{not json" * 10)
-        sent, t0 = 0, time.monotonic()
-        while time.monotonic() - t0 < 8:  # each frame is answered (busy_connection, bad_json) or starts a reply
+        junk = text_frame(b"{not json")
+        sent, closed, t0 = 0, None, time.monotonic()
+        while time.monotonic() - t0 < 10:  # each frame is answered (busy_connection, bad_json)
             try:
-                ws.sendall(generate(sent) if sent % 2 else junk)
+                ws.sendall(generate_frame(sent) if sent % 2 else junk)
                 sent += 1
             except TimeoutError:
                 pass
-        during = child.rss_mb()
-        print(f"flood: {sent} frames in 8 s; server RSS {before:.0f} MB -> {during:.0f} MB")
-        assert during - before < 100, (before, during)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # closed after --stall-timeout; the KV cache is freed with it
-            health = httpx.get(f"{child.url}/healthz", timeout=5).json()
-            if health["sessions"] == 0 and health["active"] == 0:
+            except OSError:
+                closed = time.monotonic() - t0
                 break
-            time.sleep(0.5)
+        during = child.rss_mb()
+        print(f"flood: {sent} frames, closed after {closed} s; server RSS {before:.0f} MB -> {during:.0f} MB")
+        assert during - before < 100, (before, during)
+        assert closed is not None, f"still open after {sent} invalid frames"
+        health = wait_released(child)
         assert health["sessions"] == 0 and health["active"] == 0, health
         ws.close()
-        assert "closing a websocket that does not read" in child.log.read_text()
+        assert "invalid frames in a row" in child.log.read_text()
         assert hello_over_websocket(child)["type"] == "hello"
+
+
+def test_a_client_that_never_reads_is_closed_after_the_stall_timeout(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with serve(tiny_model_dir, tmp_path, "--max-seq-len", "8192", "--stall-timeout", "3") as child:
+        ws = raw_websocket(child.port)
+        ws.settimeout(1.0)
+        closed, t0, i = None, time.monotonic(), 0
+        while closed is None and time.monotonic() - t0 < 90:  # valid frames only: stop the reply, ask for another
+            try:
+                ws.sendall(text_frame(json.dumps({"type": "stop", "id": f"g{i - 1}"}).encode()))
+                time.sleep(0.3)
+                ws.sendall(generate_frame(i))
+                i += 1
+                time.sleep(0.3)
+            except TimeoutError:
+                pass
+            except OSError:
+                closed = time.monotonic() - t0
+        print(f"never-reading client closed after {closed} s and {i} replies")
+        assert closed is not None
+        health = wait_released(child)
+        assert health["sessions"] == 0 and health["active"] == 0, health
+        ws.close()
+        assert "closing a websocket: replies unread for 3 s" in child.log.read_text()
 
 
 def test_accept_errors_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:

@@ -170,7 +170,8 @@ def static_version(static_dir: Path) -> str:
 
 
 # ---------------------------------------------------------------- one websocket
-CLOSE_NOT_READING = 1008  # close code: the peer left more than max_pending_bytes unread for stall_timeout seconds
+CLOSE_POLICY = 1008  # close code: the peer does not read its replies, or sends nothing but invalid frames
+MAX_BAD_FRAMES = 256  # frames in a row that get an error reply before the connection is closed (a flood)
 
 
 class Connection:
@@ -184,6 +185,7 @@ class Connection:
         self.current: str | None = None  # the id of the request in flight
         self.outbox = Outbox(config.max_pending_bytes)
         self.clock = SendClock()
+        self.bad_frames = 0  # frames in a row answered with an error
 
     async def serve(self) -> None:
         self.outbox.push(self.runtime.hello())
@@ -230,24 +232,30 @@ class Connection:
                     self.worker.cancel(self.key, msg.id)
                 else:
                     await self._generate(msg)
+                self.bad_frames = 0
+                continue
             except p.ProtocolError as exc:
                 self.outbox.push(exc.to_message())
             except Exception as exc:  # a bug: report it, keep the connection
                 log.exception("handling a frame failed")
                 self.outbox.push(p.Error(id=rid, code="internal", message=f"{type(exc).__name__}: {exc}"))
+            self.bad_frames += 1
+            if self.bad_frames >= MAX_BAD_FRAMES:
+                await self._close(f"{self.bad_frames} invalid frames in a row")
+                return
 
     async def _watch_stall(self) -> None:
         """Returns (ending the connection and releasing its session) once one write has waited stall_timeout s."""
         while not self.clock.stalled(self.config.stall_timeout):
             await asyncio.sleep(min(1.0, self.config.stall_timeout / 4))
-        await self._close_unread()
+        await self._close(f"replies unread for {self.config.stall_timeout:g} s ({self.outbox.pending} more bytes "
+                          "waiting)")
 
-    async def _close_unread(self) -> None:
-        """The peer has not read its replies for stall_timeout seconds: close it (its session is released by serve)."""
-        reason = f"replies unread for {self.config.stall_timeout:g} s ({self.outbox.pending} more bytes waiting)"
-        log.warning("closing a websocket that does not read: %s", reason)
+    async def _close(self, reason: str) -> None:
+        """Close with 1008 and `reason`, at once if the peer does not read (serve() then releases its session)."""
+        log.warning("closing a websocket: %s", reason)
         try:
-            await asyncio.wait_for(self.ws.close(code=CLOSE_NOT_READING, reason=reason[:120]), 1.0)
+            await asyncio.wait_for(self.ws.close(code=CLOSE_POLICY, reason=reason[:120]), 1.0)
         except (TimeoutError, RuntimeError, OSError):
             pass
         if self.guard is not None:
