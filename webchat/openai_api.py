@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("webchat.openai")
 
 PATHS = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 FAILED_STATUS = {"busy": 429, "shutting_down": 503, "internal": 500}
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -133,7 +134,7 @@ class OpenAIApi:
             Route("/v1/models/{model:path}", self._endpoint(self.model), methods=["GET", "OPTIONS"]),
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=both),
             Route("/v1/completions", self._endpoint(self.completions), methods=both),
-            Route("/v1/{rest:path}", self._endpoint(self.unknown)),  # every method: 404, or 405 on a known path
+            Route("/v1/{rest:path}", self._endpoint(self.unknown), methods=ALL_METHODS),  # 404, or 405 on a known path
         ]
 
     def close(self) -> None:
