@@ -1,5 +1,6 @@
 """What the server costs on top of the generator: tokens/s and time to first chunk a websocket client sees, with
-probabilities on and off, and aggregate throughput and per-client spread with 1, 4 and 16 concurrent clients.
+probabilities on and off, the same for the OpenAI API's SSE stream (httpx client), and aggregate throughput and
+per-client spread with 1, 4 and 16 concurrent clients.
 
 A real uvicorn serves the default model on a free port in this process; clients use the `websockets` library. Greedy,
 the end-of-turn token biased away (`token_bias`) so every run makes exactly `--tokens` tokens.
@@ -176,8 +177,58 @@ def main() -> None:
     direct(runtime, 8, 0, eos_ids)  # warm-up
     with serving(config, runtime) as url:
         single_client_table(url, runtime, args.tokens, eos_ids, args.repeats)
+        sse_table(url, runtime, args.tokens, eos_ids, args.repeats)
         concurrency_table(url, counts, args.concurrent_tokens, eos_ids)
 
 
 if __name__ == "__main__":
     main()
+
+
+# ---------------------------------------------------------------- the OpenAI API's SSE stream beside the websocket
+async def sse_client(http_url: str, model: str, tokens: int, top_logprobs: int, eos_ids: list[int]) -> Run:
+    """One streamed /v1/chat/completions as an httpx client sees it (the same request as `request()`)."""
+    import httpx
+
+    body: dict[str, object] = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+                               "max_tokens": tokens, "logit_bias": {str(t): -100 for t in eos_ids}, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if top_logprobs:
+        body.update(logprobs=True, top_logprobs=top_logprobs)
+    async with httpx.AsyncClient(timeout=None) as client:
+        t0 = time.perf_counter()
+        async with client.stream("POST", f"{http_url}/v1/chat/completions", json=body) as response:
+            first, chunks, used = 0.0, 0, 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    used = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    chunks += 1
+                    first = first or time.perf_counter() - t0
+            return Run(first, time.perf_counter() - t0, used, chunks, 0.0)
+
+
+def sse_table(ws_url: str, runtime: Runtime, tokens: int, eos_ids: list[int], repeats: int) -> None:
+    """Generator alone, websocket and SSE clients, runs interleaved; SSE / generator is the API's cost."""
+    http_url = ws_url.replace("ws://", "http://").removesuffix("/ws")
+    print(f"\n## OpenAI API (SSE) beside the websocket, one client, {tokens} tokens (median of {repeats} runs each)")
+    print("| probabilities | generator alone tok/s | websocket client tok/s | SSE client tok/s | SSE / generator "
+          "| SSE / websocket | SSE first chunk ms |")
+    print("|---|---|---|---|---|---|---|")
+    for alternatives in (0, 5):
+        alone: list[float] = []
+        ws_runs: list[Run] = []
+        sse_runs: list[Run] = []
+        for _ in range(repeats):
+            alone.append(direct(runtime, tokens, alternatives, eos_ids)[0])
+            ws_runs.append(asyncio.run(clients(ws_url, 1, tokens, alternatives, eos_ids))[0][0])
+            sse_runs.append(asyncio.run(sse_client(http_url, runtime.model_name, tokens, alternatives, eos_ids)))
+        assert all(r.tokens == tokens for r in sse_runs), [r.tokens for r in sse_runs]
+        gen, ws, sse = (statistics.median(x) for x in (alone, [r.client_tps for r in ws_runs],
+                                                         [r.client_tps for r in sse_runs]))
+        label = "off" if alternatives == 0 else f"on, {alternatives} top_logprobs"
+        print(f"| {label} | {gen:.1f} | {ws:.1f} | {sse:.1f} | {sse / gen:.3f} | {sse / ws:.3f} "
+              f"| {statistics.median(r.first_chunk for r in sse_runs) * 1000:.0f} |")
