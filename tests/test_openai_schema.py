@@ -134,3 +134,19 @@ def test_merge_joins_consecutive_tokens_only() -> None:
     assert [type(e).__name__ for e in merged] == ["Queued", "Tokens", "Finished"]
     assert isinstance(merged[1], ev.Tokens) and merged[1].text == "ab" and len(merged[1].tokens) == 2
     assert logprob(None) == logprob(0.0) == -9999.0
+
+
+def test_api_key_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from webchat.server import add_arguments, config_from_args
+
+    def key(argv: list[str]) -> str | None:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return config_from_args(parser.parse_args(argv), Path("m")).api_key
+
+    monkeypatch.delenv("WEBCHAT_API_KEY", raising=False)
+    assert key([]) is None and key(["--api-key", "k1"]) == "k1"
+    monkeypatch.setenv("WEBCHAT_API_KEY", "k2")
+    assert key([]) == "k2" and key(["--api-key", "k1"]) == "k1"
