@@ -113,6 +113,7 @@ def test_chat_chunks_and_logprobs() -> None:
     done = ev.Finished("max_new_tokens", None, ev.Stats(prompt_tokens=5, new_tokens=2))
     finish, usage = reply.finish_chunks(done)
     assert finish["choices"][0]["finish_reason"] == "length" and usage["choices"] == []
+    assert finish["stats"]["new_tokens"] == 2 and "stats" not in usage and "stats" not in first
     assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     whole = reply.response(done)
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"] == "é"

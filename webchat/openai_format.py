@@ -4,6 +4,8 @@ Server-Sent Events chunks, with per-token logprobs.
     Started → Tokens* → Finished      as     role chunk, content chunks, finish chunk[, usage chunk], [DONE]
 
 logprob = ln p, p the softmax of the model's raw logits (the websocket's `p`); 0 → -9999.0, as OpenAI writes -inf.
+An extension, `stats` (the websocket's `done.stats`: prefill_ms, ttft_ms, decode_tps, drafted, accepted, ...), rides
+on the finish chunk and the whole response, as llama.cpp's server adds `timings`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from webchat import events as ev
@@ -84,8 +86,8 @@ class Reply:
         return self._chunk(event.text, legacy, None)
 
     def finish_chunks(self, event: ev.Finished) -> list[dict[str, Any]]:
-        """The chunk with finish_reason and, when include_usage, the usage chunk (no choices)."""
-        out = [self._chunk({} if self.chat else "", None, FINISH[event.reason])]
+        """The finish_reason chunk (with webchat's `stats`), then with include_usage the usage chunk (no choices)."""
+        out = [{**self._chunk({} if self.chat else "", None, FINISH[event.reason]), "stats": asdict(event.stats)}]
         if self.include_usage:
             out.append({**self._head(chunk=True), "choices": [], "usage": usage(event.stats)})
         return out
@@ -113,7 +115,8 @@ class Reply:
             choice["text"] = self.text
             choice["logprobs"] = None if self.logprobs is None else self.legacy
         choice["finish_reason"] = FINISH[event.reason]
-        return {**self._head(chunk=False), "choices": [choice], "usage": usage(event.stats)}
+        return {**self._head(chunk=False), "choices": [choice], "usage": usage(event.stats),
+                "stats": asdict(event.stats)}
 
     # ------------------------------------------------------------ pieces
     def _head(self, chunk: bool) -> dict[str, Any]:
