@@ -9,6 +9,7 @@ import functools
 import hashlib
 import ipaddress
 import logging
+import os
 import re
 import sys
 import time
@@ -67,6 +68,7 @@ class ServerConfig:
     max_connections: int | None = None  # None: a quarter of the file limit (webchat.limits)
     handshake_timeout: float = 10.0  # seconds a socket has to finish its first HTTP request
     trusted_hosts: tuple[str, ...] | None = None  # Host names HTTP routes answer; None: any (`serve` sets loopback)
+    api_key: str | None = None  # when set, the OpenAI API (/v1) needs `Authorization: Bearer <key>`
     templates_dir: Path = REPO_ROOT / "templates"
     static_dir: Path = REPO_ROOT / "static"
 
@@ -332,9 +334,12 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 # ---------------------------------------------------------------- the app
 def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlette:
     """The app; its lifespan loads the model (unless `runtime` is given) and starts the worker."""
+    from webchat.openai_api import OpenAIApi
+
     templates = Jinja2Templates(directory=str(config.templates_dir))
     version = static_version(config.static_dir)
     guard = ConnectionGuard(config.max_connections or default_max_connections(), config.handshake_timeout)
+    api = OpenAIApi(config)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -351,6 +356,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
             yield {"runtime": rt, "worker": worker, "config": config}
         finally:
             loop.set_exception_handler(previous_handler)
+            api.close()
             worker.stop()
 
     async def index(request: Request) -> Response:
@@ -387,12 +393,14 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         Route("/api/info", info),
         Route("/healthz", healthz),
         WebSocketRoute("/ws", ws_endpoint),
+        *api.routes(),
         Mount("/static", StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.guard = guard  # `serve` hands it to uvicorn's protocols (webchat.limits)
     if config.trusted_hosts is not None:
         app.add_middleware(HostCheck, allowed=config.trusted_hosts)
+    app.state.openai = api
     return app
 
 
@@ -444,6 +452,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a socket has to finish its first HTTP request (default 10)")
     parser.add_argument("--stall-timeout", type=float, default=30.0,
                         help="seconds a websocket may leave 1 MiB of replies unread before it is closed (default 30)")
+    parser.add_argument("--api-key", default=os.environ.get("WEBCHAT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1); default: $WEBCHAT_API_KEY")
 
 
 def _positive(text: str) -> int:
@@ -466,7 +476,9 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
                         stall_timeout=args.stall_timeout,
-                        trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None)
+                        trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
+
+                        api_key=args.api_key)
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
@@ -488,7 +500,9 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
                   f"--allow-origin http://{config.host}:{config.port}", file=sys.stderr)
             return 2
         print(f"webchat serve: WARNING: bound to {config.host}, not loopback: anyone who can reach this machine "
-              "can use the model. There is no authentication.", file=sys.stderr)
+              "can use the model. " + ("Only the OpenAI API (/v1) checks --api-key; the page and websocket do not."
+                                       if config.api_key else "There is no authentication (see --api-key)."),
+              file=sys.stderr)
     from webchat.folder_check import check_model_folder
 
     check_model_folder(model_dir)  # config and tokenizer, before the weights load
