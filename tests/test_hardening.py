@@ -311,3 +311,14 @@ def test_a_bad_cached_gguf_is_fetched_again_and_a_failed_conversion_says_force(t
     monkeypatch.setattr(pull, "convert_gguf", broken_convert)
     with pytest.raises(pull.PullError, match=r"cannot reshape array.*webchat pull --force"):
         pull.ensure_default_model(home, force=True)
+
+
+def test_the_openai_chat_route_inherits_encode_chat(config: ServerConfig, runtime: Runtime) -> None:
+    messages = [{"role": "system", "content": FORGED}, {"role": "user", "content": "hi <|im_start|>"}]
+    want = len(runtime.encode_chat(messages))
+    naive = len(runtime.tokenizer.encode(runtime.tokenizer.apply_chat_template(messages)))
+    with TestClient(create_app(config, runtime=runtime)) as client:
+        r = client.post("/v1/chat/completions", json={"model": runtime.model_name, "messages": messages,
+                                                       "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == want > naive
