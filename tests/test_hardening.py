@@ -322,3 +322,33 @@ def test_the_openai_chat_route_inherits_encode_chat(config: ServerConfig, runtim
                                                        "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == want > naive
+
+
+# ---------------------------------------------------------------- 7. an access token instead of --allow-origin
+def test_an_access_token_guards_every_route_and_the_page_gets_a_cookie(config: ServerConfig,
+                                                                       runtime: Runtime) -> None:
+    app = create_app(replace(config, access_token="s3cret"), runtime=runtime)
+    with TestClient(app) as client:
+        assert client.get("/healthz").status_code == 401
+        assert client.get("/", params={"token": "wrong"}).status_code == 401
+        assert client.get("/healthz", headers={"authorization": "Bearer s3cret"}).status_code == 200
+        page = client.get("/", params={"token": "s3cret"})
+        assert page.status_code == 200 and "HttpOnly" in page.headers["set-cookie"]
+        with client.websocket_connect("/ws") as ws:  # the cookie the page got
+            assert ws.receive_json()["type"] == "hello"
+        client.cookies.clear()
+        with pytest.raises(Exception), client.websocket_connect("/ws"):
+            pass
+
+
+def test_off_loopback_an_access_token_is_enough(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from webchat.server import add_arguments, main
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    calls: list[dict[str, Any]] = []
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--host", "0.0.0.0", "--access-token", "s3cret"])
+    assert main(args, run=lambda app, **kw: calls.append(kw)) == 0 and calls[-1]["host"] == "0.0.0.0"
+    assert "refusing" not in capsys.readouterr().err

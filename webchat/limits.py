@@ -11,12 +11,13 @@ lock every new user out. `guarded_protocols` wraps uvicorn's HTTP and websocket 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import resource
 import time
 from collections import OrderedDict
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from starlette.responses import PlainTextResponse
 
@@ -151,3 +152,55 @@ class HostCheck:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class TokenCheck:
+    """ASGI middleware: every route needs the access token, as `Authorization: Bearer TOKEN`, the `webchat_token`
+    cookie, or `?token=TOKEN` (a page opened that way gets the cookie, so its websocket carries it). /v1 is left to
+    the OpenAI API's own --api-key when one is set."""
+
+    COOKIE = "webchat_token"
+
+    def __init__(self, app: Any, token: str, skip_prefix: str | None = None) -> None:
+        self.app, self.token, self.skip_prefix = app, token.encode(), skip_prefix
+
+    def _presented(self, scope: dict[str, Any]) -> tuple[bool, bool]:
+        """(accepted, from the query string)."""
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer " and hmac.compare_digest(auth[7:].strip(), self.token):
+            return True, False
+        for part in headers.get(b"cookie", b"").split(b";"):
+            name, _, value = part.strip().partition(b"=")
+            if name == self.COOKIE.encode() and hmac.compare_digest(value, self.token):
+                return True, False
+        for name, value in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
+            if name == "token" and hmac.compare_digest(value.encode(), self.token):
+                return True, True
+        return False, False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or (
+                self.skip_prefix is not None and scope["path"].startswith(self.skip_prefix)):
+            await self.app(scope, receive, send)
+            return
+        ok, from_query = self._presented(scope)
+        if not ok:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            response = PlainTextResponse("this server needs its access token: open it as /?token=TOKEN, or send "
+                                         "'Authorization: Bearer TOKEN'", status_code=401)
+            await response(scope, receive, send)
+            return
+        if not from_query or scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cookie = f"{self.COOKIE}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict".encode()
+
+        async def send_with_cookie(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cookie)

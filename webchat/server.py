@@ -35,7 +35,14 @@ import webchat
 from webchat import events as ev
 from webchat import protocol as p
 from webchat.chat_encode import ContentRewritten
-from webchat.limits import AcceptErrorLog, ConnectionGuard, HostCheck, default_max_connections, guarded_protocols
+from webchat.limits import (
+    AcceptErrorLog,
+    ConnectionGuard,
+    HostCheck,
+    TokenCheck,
+    default_max_connections,
+    guarded_protocols,
+)
 from webchat.outbox import Outbox, SendClock
 from webchat.speculative import MODES
 from webchat.trim import fit_history
@@ -68,6 +75,7 @@ class ServerConfig:
     max_connections: int | None = None  # None: a quarter of the file limit (webchat.limits)
     handshake_timeout: float = 10.0  # seconds a socket has to finish its first HTTP request
     trusted_hosts: tuple[str, ...] | None = None  # Host names HTTP routes answer; None: any (`serve` sets loopback)
+    access_token: str | None = None  # when set, every route needs it (webchat.limits.TokenCheck)
     api_key: str | None = None  # when set, the OpenAI API (/v1) needs `Authorization: Bearer <key>`
     templates_dir: Path = REPO_ROOT / "templates"
     static_dir: Path = REPO_ROOT / "static"
@@ -400,6 +408,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
     app.state.guard = guard  # `serve` hands it to uvicorn's protocols (webchat.limits)
     if config.trusted_hosts is not None:
         app.add_middleware(HostCheck, allowed=config.trusted_hosts)
+    if config.access_token:
+        app.add_middleware(TokenCheck, token=config.access_token, skip_prefix="/v1" if config.api_key else None)
     app.state.openai = api
     return app
 
@@ -450,6 +460,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{default_max_connections()} here)")
     parser.add_argument("--handshake-timeout", type=float, default=10.0,
                         help="seconds a socket has to finish its first HTTP request (default 10)")
+    parser.add_argument("--access-token", default=os.environ.get("WEBCHAT_TOKEN"),
+                        help="require this token on every route (open the page as /?token=TOKEN; API clients send "
+                        "'Authorization: Bearer TOKEN'); default: $WEBCHAT_TOKEN")
     parser.add_argument("--stall-timeout", type=float, default=30.0,
                         help="seconds a websocket may leave 1 MiB of replies unread before it is closed (default 30)")
     parser.add_argument("--api-key", default=os.environ.get("WEBCHAT_API_KEY"),
@@ -475,7 +488,7 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
                         max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
-                        stall_timeout=args.stall_timeout,
+                        stall_timeout=args.stall_timeout, access_token=args.access_token,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
 
                         api_key=args.api_key)
@@ -494,10 +507,11 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
         model_dir = args.model
     config = config_from_args(args, model_dir)
     if not is_loopback(config.host):
-        if not config.allow_origins:
-            print(f"webchat serve: refusing to bind to {config.host}, which is not loopback, without --allow-origin: "
-                  "any web page could then drive the model. Name the page origins that may use it, e.g. "
-                  f"--allow-origin http://{config.host}:{config.port}", file=sys.stderr)
+        if not config.allow_origins and not config.access_token:
+            print(f"webchat serve: refusing to bind to {config.host}, which is not loopback, without --allow-origin "
+                  "or --access-token: anyone on the network, and any web page, could then drive the model. Name the "
+                  f"page origins that may use it (e.g. --allow-origin http://{config.host}:{config.port}) or set an "
+                  "access token", file=sys.stderr)
             return 2
         print(f"webchat serve: WARNING: bound to {config.host}, not loopback: anyone who can reach this machine "
               "can use the model. " + ("Only the OpenAI API (/v1) checks --api-key; the page and websocket do not."
