@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
 from webchat import protocol as p
 from webchat.chat_encode import TemplateBudgetError, budget
@@ -337,7 +338,7 @@ def test_an_access_token_guards_every_route_and_the_page_gets_a_cookie(config: S
         with client.websocket_connect("/ws") as ws:  # the cookie the page got
             assert ws.receive_json()["type"] == "hello"
         client.cookies.clear()
-        with pytest.raises(Exception), client.websocket_connect("/ws"):
+        with pytest.raises(WebSocketDisconnect), client.websocket_connect("/ws"):
             pass
 
 
