@@ -57,6 +57,7 @@ export function validate(spec, raw, limits) {
     return v === "" || limits.options.includes(v) ? "" : `expected one of ${limits.options.join(", ")}, got "${v}"`;
   }
   if (spec.kind === "seed" && v === "") return "";
+  if (spec.key === "max_new_tokens" && v === spec.def) return ""; // the default: request() fits it to the context
   const max = spec.key === "max_new_tokens" ? limits.contextLength
     : spec.key === "alternatives" ? limits.maxAlternatives : /** @type {number} */ (spec.max);
   const min = /** @type {number} */ (spec.min);
@@ -201,6 +202,14 @@ export class SettingsPanel {
     return FIELDS.filter((spec) => !this.check(spec)).map((spec) => spec.label);
   }
 
+  /** Max new tokens; left at its default, at most half the context the server told in `hello`. @returns {number} */
+  maxNewTokens() {
+    const raw = this.values.max_new_tokens.trim();
+    const def = /** @type {FieldSpec} */ (FIELDS.find((f) => f.key === "max_new_tokens")).def;
+    if (raw !== def) return Number(raw);
+    return Math.min(Number(def), Math.max(1, Math.floor(this.limits.contextLength / 2)));
+  }
+
   /** @returns {RequestSettings} the validated values; call validateAll() first */
   request() {
     const num = (/** @type {string} */ k) => Number(this.values[k].trim());
@@ -215,7 +224,7 @@ export class SettingsPanel {
         seed: seed === "" ? null : Number(seed),
       },
       stop: parseStops(this.values.stop),
-      max_new_tokens: num("max_new_tokens"),
+      max_new_tokens: this.maxNewTokens(),
       alternatives: num("alternatives"),
       speculative: this.values.speculative === "" ? null : this.values.speculative,
     };

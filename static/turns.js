@@ -17,14 +17,25 @@ import { addVersion, append, path, removeVersion, show } from "./tree.js";
  * @typedef {import("./reply.js").ReplyView} ReplyView
  * @typedef {import("./connection.js").ServerMessage} ServerMessage
  * @typedef {{id: string, conv: Conversation, msg: Message, data: ReplyData, view: ReplyView | null,
- *            undo: () => void, typed: string | null, stopping: boolean, before: number}} Active
+ *            undo: () => void, typed: string | null, stopping: boolean, before: number, trimmed: number}} Active
  *   `undo`: takes the turn back when the request fails before any new text (`before`: the reply's length at start);
- *   `typed`: the text of a fresh question, given back to the input then.
+ *   `typed`: the text of a fresh question, given back to the input then; `trimmed`: how many of the oldest messages
+ *   the server left out to fit the context (`start.trimmed_messages`).
  * @typedef {{connection: import("./connection.js").Connection, lib: import("./conversations.js").Library,
  *   settings: import("./settings.js").SettingsPanel, refresh: () => void, error: (text: string, code: string) => void,
  *   progress: (text: string) => void, announce: (text: string, final: boolean) => void,
  *   restoreInput: (text: string) => void}} Deps
  */
+
+const STOP_TIMEOUT_MS = 15000;
+
+/**
+ * @param {number} n
+ * @returns {string}
+ */
+function trimmedNote(n) {
+  return `the ${n} oldest message${n === 1 ? " was" : "s were"} left out to fit the model's context`;
+}
 
 export class Turns {
   /** @param {Deps} deps */
@@ -153,7 +164,7 @@ export class Turns {
     delete reply.reason;
     reply.settings = req.settings;
     this.active = { id, conv, msg: reply, data: new ReplyData(reply), view: null, undo, typed, stopping: false,
-      before: reply.content.length };
+      before: reply.content.length, trimmed: 0 };
     conv.updated = Date.now();
     queueMicrotask(() => d.refresh());
     return true;
@@ -165,11 +176,18 @@ export class Turns {
     a.stopping = true;
     if (!this.d.connection.send({ type: "stop", id: a.id })) this.lost();
     this.d.refresh();
+    window.setTimeout(() => {  // a stop the server never answers must not leave the page stuck
+      if (this.active === a && a.stopping) this.fail("the server did not answer the stop", "stop_timeout");
+    }, STOP_TIMEOUT_MS);
   }
 
   /** @param {ServerMessage} msg */
   onServer(msg) {
     const a = this.active;
+    if (msg.type === "error" && a && msg.id === null) {
+      this.fail(msg.message, msg.code);  // an error the server could not tie to a request: never leave the page stuck
+      return;
+    }
     if (msg.type === "error" && (msg.id === null || !a || msg.id !== a.id)) {
       this.d.error(msg.message, msg.code);
       return;
@@ -180,9 +198,9 @@ export class Turns {
       this.d.progress(`Waiting in queue: position ${msg.position}`);
     } else if (msg.type === "start") {
       a.view?.started();
-      const left = "left_out" in msg && typeof msg.left_out === "number" && msg.left_out > 0
-        ? ` · ${msg.left_out} earlier messages left out to fit the context` : "";
-      this.d.progress(`Reading the prompt: ${msg.prompt_tokens} tokens (${msg.reused_tokens} reused)${left}`);
+      a.trimmed = msg.trimmed_messages ?? 0;
+      this.d.progress(`Reading the prompt: ${msg.prompt_tokens} tokens (${msg.reused_tokens} reused)`
+        + (a.trimmed ? ` · ${trimmedNote(a.trimmed)}` : ""));
     } else if (msg.type === "chunk") {
       const pieces = a.data.apply(msg);
       a.view?.chunk(pieces);
@@ -237,7 +255,7 @@ export class Turns {
     const a = /** @type {Active} */ (this.active);
     if (a.msg.tokens && a.msg.tokens.length === 0) delete a.msg.tokens;
     this.active = null;
-    this.d.progress("");
+    this.d.progress(a.trimmed ? `Note: ${trimmedNote(a.trimmed)}.` : "");
     this.d.lib.save(a.conv);
     this.d.refresh();
   }
