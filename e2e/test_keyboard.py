@@ -50,6 +50,8 @@ def test_keyboard_send_stop_and_popover(chat: ChatPage, long_reply: str) -> None
     expect(page.get_by_test_id("input")).to_have_value("First line\nsecond line")
     page.keyboard.press("Enter")
     expect(chat.last_reply()).to_have_attribute("data-state", "streaming")
+    tokens = chat.last_reply().get_by_test_id("token")
+    chat.wait_until("a few tokens arrived (the arrow keys need two)", lambda: tokens.count() >= 3)
     page.keyboard.press("Escape")
     chat.wait_done(timeout_ms=5_000)
     assert chat.request_frames("done")[-1]["reason"] == "cancelled"

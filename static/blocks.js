@@ -7,7 +7,8 @@
  * that holds only markup is `.tok-hidden` (the heatmap draws it as a small coloured mark, so it can still be pointed at).
  */
 
-import { classifyLine, closesFence, parseInline, pipePositions } from "./markdown.js";
+import { parseInline } from "./markdown.js";
+import { renderLine } from "./mdblocks.js";
 
 /**
  * @typedef {{a: number, b: number, data: unknown, index: number}} Piece  source range [a, b) of one pushed piece
@@ -216,198 +217,15 @@ export class MarkdownWriter {
   }
 
   /**
-   * Renders one line [a, b) and its `nl` (0 or 1) newline character.
+   * Renders one line [a, b) and its `nl` (0 or 1) newline character (mdblocks.js renderLine).
    * @param {number} a
    * @param {number} b
    * @param {number} nl
    */
   line(a, b, nl) {
-    const s = this.s;
-    if (s.cut) {  // the rest of a line that was split: more of the same container
-      s.cut = false;
-      if (s.fence) this.emit(s.fence.code, a, b + nl, false);
-      else this.inline(s.last, a, b);
-      if (!s.fence) this.emit(s.last, b, b + nl, s.last.tagName !== "P" && s.last.tagName !== "BLOCKQUOTE");
-      return;
-    }
-    const text = this.src.slice(a, b);
-    if (s.fence) {
-      if (closesFence(text, s.fence)) {
-        this.emit(s.fence.wrap, a, b + nl, true);
-        s.last = s.fence.wrap;
-        s.fence = null;
-      } else {
-        this.emit(s.fence.code, a, b + nl, false);
-      }
-      return;
-    }
-    const kind = classifyLine(text);
-    if (kind.type === "blank") {
-      this.close();
-      this.emit(s.last, a, b + nl, true);
-    } else if (kind.type === "fence") {
-      this.close();
-      this.fence(a, b, nl, kind);
-    } else if (kind.type === "tablesep" && s.header && this.added === null) {
-      this.table(kind.aligns, a, b, nl);
-    } else if (s.table && text.includes("|")) {
-      this.row(/** @type {HTMLElement} */ (s.table.lastElementChild), "td", a, b, nl);
-    } else if (kind.type === "heading") {
-      this.close();
-      this.block(`h${Math.min(6, kind.level + 2)}`, a, a + kind.mark, b, nl);
-    } else if (kind.type === "hr") {
-      this.close();
-      const wrap = this.el("div", this.root, "md-hr");
-      this.el("hr", wrap);
-      this.emit(wrap, a, b + nl, true);
-      s.last = wrap;
-    } else if (kind.type === "item") {
-      this.item(kind, a, b, nl);
-    } else if (kind.type === "quote") {
-      if (!s.quote) {
-        this.close();
-        s.quote = this.el("p", this.el("blockquote", this.root));
-      }
-      this.emit(s.quote, a, a + kind.mark, true);
-      this.inline(s.quote, a + kind.mark, b);
-      this.emit(s.quote, b, b + nl, false);
-      s.last = s.quote;
-    } else if (s.lists.length > 0 && !s.para) {  // lazy continuation of a list item
-      const li = s.lists[s.lists.length - 1].li;
-      this.inline(this.el("span", li, "md-soft"), a, b);
-      this.emit(li, b, b + nl, true);
-    } else {
-      const fresh = !s.para;
-      if (!s.para) {
-        this.close();
-        s.para = this.el("p", this.root);
-      }
-      this.inline(s.para, a, b);
-      this.emit(s.para, b, b + nl, false);
-      s.last = s.para;
-      s.header = fresh && text.includes("|") ? { p: s.para, a, b } : null;
-    }
+    renderLine(this, a, b, nl);
   }
 
-  /**
-   * A block element holding one line: markup [a, m), inline [m, b), hidden newline.
-   * @param {string} tag
-   * @param {number} a
-   * @param {number} m
-   * @param {number} b
-   * @param {number} nl
-   */
-  block(tag, a, m, b, nl) {
-    const e = this.el(tag, this.root);
-    this.emit(e, a, m, true);
-    this.inline(e, m, b);
-    this.emit(e, b, b + nl, true);
-    this.s.last = e;
-  }
-
-  /**
-   * @param {number} a
-   * @param {number} b
-   * @param {number} nl
-   * @param {{ch: string, len: number, mark: number}} kind
-   */
-  fence(a, b, nl, kind) {
-    const wrap = this.el("div", this.root, "code-block");
-    const head = this.el("div", wrap, "code-head");
-    this.emit(head, a, a + kind.mark, true);
-    this.emit(this.el("span", head, "code-lang"), a + kind.mark, b, false);
-    this.emit(head, b, b + nl, true);
-    const copy = /** @type {HTMLButtonElement} */ (this.el("button", head, "code-copy"));
-    copy.type = "button";
-    copy.setAttribute("aria-label", "Copy code");
-    copy.dataset.testid = "code-copy";
-    copy.dataset.label = "Copy";
-    const code = this.el("code", this.el("pre", wrap));
-    copy.addEventListener("click", () => copyText(code.textContent ?? "", copy));
-    this.s.fence = { ch: kind.ch, len: kind.len, wrap, code };
-    this.s.last = code;
-  }
-
-  /**
-   * The paragraph `header` was a table's header row: rebuild it as a table and add the hidden separator row.
-   * @param {string[]} aligns
-   * @param {number} a
-   * @param {number} b
-   * @param {number} nl
-   */
-  table(aligns, a, b, nl) {
-    const s = this.s;
-    const header = /** @type {{p: HTMLElement, a: number, b: number}} */ (s.header);
-    const table = document.createElement("table");
-    header.p.replaceWith(table);
-    s.para = null;
-    s.aligns = aligns;
-    this.row(this.el("thead", table), "th", header.a, header.b, 1);
-    const sep = this.el("tr", this.el("tbody", table), "md-sep");
-    this.emit(this.el("td", sep), a, b + nl, true);
-    s.table = table;
-    s.header = null;
-  }
-
-  /**
-   * One table row [a, b) into `group` (thead or tbody): pipes hidden, each cell's text inline.
-   * @param {HTMLElement} group
-   * @param {"th" | "td"} tag
-   * @param {number} a
-   * @param {number} b
-   * @param {number} nl
-   */
-  row(group, tag, a, b, nl) {
-    const tr = this.el("tr", group);
-    const pipes = pipePositions(this.src, a, b);
-    const text = this.src.slice(a, b);
-    const lead = text.trimStart().startsWith("|") ? pipes.shift() ?? a : null;
-    const trail = text.trimEnd().endsWith("|") && pipes.length > 0 ? pipes.pop() ?? b : null;
-    const bounds = [lead === null ? a : lead + 1, ...pipes.flatMap((p) => [p, p + 1]), trail ?? b];
-    for (let i = 0; i < bounds.length; i += 2) {
-      const cell = this.el(tag, tr);
-      const align = this.s.aligns[i / 2];
-      if (align) cell.classList.add(`align-${align}`);
-      if (i === 0) this.emit(cell, a, bounds[0], true);
-      this.inline(cell, bounds[i], bounds[i + 1]);
-      const next = i + 2 < bounds.length ? bounds[i + 2] : b + nl;
-      this.emit(cell, bounds[i + 1], next, true);
-      this.s.last = cell;
-    }
-  }
-
-  /**
-   * A list item: nesting by indentation; the marker is hidden, the list draws its own.
-   * @param {{indent: number, ordered: boolean, start: number, mark: number}} kind
-   * @param {number} a
-   * @param {number} b
-   * @param {number} nl
-   */
-  item(kind, a, b, nl) {
-    const s = this.s;
-    s.para = null;
-    s.quote = null;
-    s.table = null;
-    s.header = null;
-    while (s.lists.length > 0 && s.lists[s.lists.length - 1].indent > kind.indent) s.lists.pop();
-    let top = s.lists[s.lists.length - 1];
-    if (top && top.indent === kind.indent && top.ordered !== kind.ordered) {
-      s.lists.pop();
-      top = s.lists[s.lists.length - 1];
-    }
-    if (!top || top.indent < kind.indent) {
-      const parent = top ? top.li : this.root;
-      const list = this.el(kind.ordered ? "ol" : "ul", parent);
-      if (kind.ordered && kind.start !== 1) list.setAttribute("start", String(kind.start));
-      top = { indent: kind.indent, ordered: kind.ordered, el: list, li: list };
-      s.lists.push(top);
-    }
-    top.li = this.el("li", top.el);
-    this.emit(top.li, a, a + kind.mark, true);
-    this.inline(top.li, a + kind.mark, b);
-    this.emit(top.li, b, b + nl, true);
-    s.last = top.li;
-  }
 }
 
 /**
@@ -417,21 +235,6 @@ export class MarkdownWriter {
 function snapshot(s) {
   return { ...s, lists: s.lists.map((l) => ({ ...l })), header: s.header && { ...s.header },
     fence: s.fence && { ...s.fence } };
-}
-
-/**
- * Copies text; the button's label (drawn from data-label by CSS) says whether it worked.
- * @param {string} text
- * @param {HTMLButtonElement} button
- */
-async function copyText(text, button) {
-  try {
-    await navigator.clipboard.writeText(text);
-    button.dataset.label = "Copied";
-  } catch {
-    button.dataset.label = "Copy failed";
-  }
-  window.setTimeout(() => { button.dataset.label = "Copy"; }, 1500);
 }
 
 /**
