@@ -104,9 +104,9 @@ def loop(gen: Generator, tok: Any, settings: SamplingSettings, args: argparse.Na
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
-        room = gen.cache.capacity - len(ids)
+        room = gen.capacity - len(ids)
         if room < 1:
-            out.write(f"[the conversation is {len(ids)} tokens; the context holds {gen.cache.capacity}: /reset]\n")
+            out.write(f"[the conversation is {len(ids)} tokens; the context holds {gen.capacity}: /reset]\n")
             messages.pop()
             continue
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=min(args.max_new_tokens, room),

@@ -38,13 +38,13 @@ def main(args: argparse.Namespace) -> int:
     tok = Tokenizer.from_dir(path)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
     cache = model.new_cache(len(ids) + args.max_new_tokens)
-    x, out, t0 = torch.tensor(ids, device=device), [], time.perf_counter()
+    x, out, t0 = ids, [], time.perf_counter()
     for _ in range(args.max_new_tokens):
-        nxt = int(model(x, cache, last_only=True)[-1].argmax())
+        nxt = int(cache.feed(model, x)[-1].argmax())
         if nxt in tok.stop_token_ids:
             break
         out.append(nxt)
-        x = torch.tensor([nxt], device=device)
+        x = [nxt]
     print(tok.decode(out))
     print(f"[{len(out)} tokens in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return 0
