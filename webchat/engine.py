@@ -102,6 +102,10 @@ class Engine:
         self.steps = 0
 
     # ------------------------------------------------------------------ requests
+    @property
+    def usable_pages(self) -> int:
+        return self.pool.usable_pages
+
     def pages_for(self, req: GenerationRequest) -> int:
         """Pages a request may come to hold (the worker admits requests while their sum fits the pool)."""
         n = min(len(req.prompt_ids) + req.max_new_tokens, self.capacity)
