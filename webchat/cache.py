@@ -115,6 +115,11 @@ class KVPool:
         self._next_id += 1
         return self.ids[page]
 
+    def forget(self) -> None:
+        """Drop the registrations of free pages: the next lookups find only prefixes held now (cold starts)."""
+        for page in list(self.free):
+            self._unregister(page)
+
     def _unregister(self, page: int) -> None:
         key = self.keys.pop(page, None)
         if key is not None:

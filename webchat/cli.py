@@ -26,7 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`webchat complete`: chat-template the prompt, then greedy-decode through the KV cache."""
-    import torch
 
     from webchat.loader import load_model, resolve_device, resolve_dtype
     from webchat.pull import ensure_default_model

@@ -52,8 +52,8 @@ class Model(Protocol):
 
 
 class Tokenizer(Protocol):
-    stop_token_ids: list[int]
-
+    @property
+    def stop_token_ids(self) -> list[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def id_to_text(self, token_id: int) -> str: ...
 
@@ -145,6 +145,13 @@ class Engine:
         """Thread-safe: the owner is gone; its running sequence ends and its pages go back at the next step."""
         self._closing.append(owner)
 
+    def reset(self) -> None:
+        """Between runs: every idle owner's pages go back and cached prefixes are forgotten (a cold start)."""
+        self._reap()
+        while self._evict_idle():
+            pass
+        self.pool.forget()
+
     def take(self, seq: Sequence) -> StreamResult | None:
         return self.outbox.pop(seq, None)
 
@@ -223,7 +230,8 @@ class Engine:
                 if len(seq.tokens) >= seq.limit:
                     seq.end(out, "context_full", None)
             if r.sample and not seq.done:
-                self._verify(seq, out, r.drafts, logits[at : at + n_rows], greedy[at : at + n_rows] if is_fast else None)
+                picks = greedy[at : at + n_rows] if is_fast else None
+                self._verify(seq, out, r.drafts, logits[at : at + n_rows], picks)
             at += n_rows
             seq.table.register(seq.tokens, seq.n_cached)
             self._post(seq, out)
