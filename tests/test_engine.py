@@ -233,12 +233,12 @@ def test_session_evicted_under_pressure_re_prefills_correctly(tiny: tuple[Any, T
 def test_real_model_greedy_alone_equals_batched_for_every_fidelity_prompt(real_model_dir: Path) -> None:
     model, tok = load_model(real_model_dir), Tokenizer.from_dir(real_model_dir)
     ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in FIDELITY_PROMPTS]
-    fillers = prompts(11, model.args.vocab_size, seed=6)  # 16 in all, mixed lengths and modes
-    reqs = [GenerationRequest(prompt_ids=p, settings=GREEDY, max_new_tokens=24, stop_token_ids=[],
+    fillers = [p[:120] for p in prompts(11, model.args.vocab_size, seed=6)]  # 16 in all, mixed lengths and modes
+    reqs = [GenerationRequest(prompt_ids=p, settings=GREEDY, max_new_tokens=16, stop_token_ids=[],
                               speculative=["none", "ngram", "self"][i % 3]) for i, p in enumerate(ids + fillers)]  # fmt: skip
     engine = Engine(model, tok, max_seq_len=1024, pool_tokens=16 * 512, self_draft_layers=8)
     together = run_together([Generator(model, tok, engine=engine) for _ in reqs], reqs)
     for i, p in enumerate(ids):
         alone = run_alone(Generator(model, tok, max_seq_len=1024),
-                          GenerationRequest(prompt_ids=p, settings=GREEDY, max_new_tokens=24, stop_token_ids=[]))
+                          GenerationRequest(prompt_ids=p, settings=GREEDY, max_new_tokens=16, stop_token_ids=[]))
         assert together[i] == alone, f"fidelity prompt {i}: batched {together[i]} vs alone {alone}"

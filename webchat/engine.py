@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -48,7 +48,7 @@ class Model(Protocol):
     def __call__(self, batch: Batch, kv: KVPool) -> torch.Tensor: ...
     def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool: ...
     def ensure_rope(self, n_positions: int) -> None: ...
-    def truncated(self, n_layers: int) -> Any: ...
+    def truncated(self, n_layers: int) -> Model: ...
 
 
 class Tokenizer(Protocol):

@@ -104,9 +104,10 @@ class PagedTorchOps(TorchOps):
             idx = plan.decode_slots.reshape(-1)
             k = kf.index_select(0, idx).view(d, lmax, n_kv, hd).transpose(1, 2)  # (D, n_kv, Lmax, hd)
             v = vf.index_select(0, idx).view(d, lmax, n_kv, hd).transpose(1, 2)
-            qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # (D, H, 1, hd)
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, enable_gqa=True)
-            out.index_copy_(0, plan.decode_rows, o.squeeze(2))
+            # the H / n_kv query heads sharing a kv head are g query rows of one head: (D, n_kv, g, hd)
+            qd = q.index_select(0, plan.decode_rows).view(d, n_kv, -1, hd)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask)  # (D, n_kv, g, hd)
+            out.index_copy_(0, plan.decode_rows, o.reshape(d, -1, hd))
         for lo, hi, slots, mask in plan.prefill:
             k = kf.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, L, hd)
             v = vf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
