@@ -235,16 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sweep", type=int, nargs="+", default=[1, 4, 16, 64], metavar="B",
                     help="sequences decoding together in one forward per step (default 1 4 16 64)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, float32, tiny shapes: checks the script, no figures")
+    ap.add_argument("--cpu", action="store_true", help="CPU, float32, real shapes: the batch sweep on this machine")
     a = ap.parse_args(argv)
     if a.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         a.prompt_len, a.new_tokens = 8, 4
+    elif a.cpu:
+        device, dtype = torch.device("cpu"), torch.float32
     elif not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA device (use --dry-run to check the script on the CPU)", file=sys.stderr)
         return 2
     else:
         device, dtype = torch.device("cuda"), torch.float16
-    bandwidth = copy_bandwidth(device, 1 << 24 if a.dry_run else 1 << 30)
+    bandwidth = copy_bandwidth(device, 1 << 24 if a.dry_run else 1 << 28 if a.cpu else 1 << 30)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
     rows: list[Row] = []
     for name in a.models:

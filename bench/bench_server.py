@@ -252,8 +252,8 @@ def memory_probe(model: Path, sessions: int, max_sessions: int, turn_tokens: int
             for ws in conns:
                 json.loads(await ws.recv())
             for i, ws in enumerate(conns):
-                prompt = len(runtime.encode_chat(chat(i, 22)))
-                await ws.send(json.dumps({"type": "generate", "id": f"m{i}", "messages": chat(i, 22),
+                prompt = len(runtime.encode_chat(chat(i, 10)))
+                await ws.send(json.dumps({"type": "generate", "id": f"m{i}", "messages": chat(i, 10),
                                           "max_new_tokens": max(1, turn_tokens - prompt),
                                           "settings": {"temperature": 0.0,
                                                        "token_bias": {str(t): -100.0 for t in eos_ids}}}))

@@ -40,9 +40,12 @@ class KVPool:
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"a pool needs at least 2 pages of at least 1 slot, got {num_pages} of {page_size}")
         shape = (num_pages, page_size, args.n_kv_heads, args.head_dim)
-        # zeros: untouched pages cost no resident memory (calloc), so RSS follows the pages in use
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        # empty: pages nobody has written cost no resident memory, so RSS follows the pages in use; a slot is always
+        # written before it is read, except the padding page 0 (masked rows read it), zeroed so it holds no NaN
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        for t in self.k + self.v:
+            t[0].zero_()
         self.page_size, self.num_pages = page_size, num_pages
         self.page_bytes = page_size * kv_bytes_per_token(args, dtype)
         self.ref = [0] * num_pages
