@@ -354,7 +354,7 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="single,concurrent,engine",
-                        help="comma list of: single, concurrent, engine (no-stall, memory, --compare-src)")
+                        help="comma list of: single, concurrent, engine (no-stall and memory), memory; --compare-src runs too")
     parser.add_argument("--compare-src", type=Path, default=None,
                         help="another checkout (e.g. /work/main) whose single-stream decode to compare with")
     parser.add_argument("--long-words", type=int, default=120, help="filler repeats of the no-stall prompt (~25 tok)")
@@ -387,10 +387,10 @@ def main() -> None:
             concurrency_table(url, counts, args.concurrent_tokens, eos_ids)
         if "engine" in sections:
             no_stall_table(url, eos_ids, args.long_words)
-    if "engine" in sections:
+    if "engine" in sections or "memory" in sections:
         memory_table(args.model)
-        if args.compare_src is not None:
-            single_stream_vs(args.model, args.compare_src, args.tokens, args.repeats)
+    if args.compare_src is not None:
+        single_stream_vs(args.model, args.compare_src, args.tokens, args.repeats)
 
 
 if __name__ == "__main__":
