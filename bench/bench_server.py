@@ -354,7 +354,7 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="single,concurrent,engine",
-                        help="comma list of: single, concurrent, engine (no-stall and memory), memory; --compare-src runs too")
+                        help="comma list of: single, concurrent, engine (no-stall, memory), memory; --compare-src runs too")
     parser.add_argument("--compare-src", type=Path, default=None,
                         help="another checkout (e.g. /work/main) whose single-stream decode to compare with")
     parser.add_argument("--long-words", type=int, default=120, help="filler repeats of the no-stall prompt (~25 tok)")

@@ -234,8 +234,9 @@ def test_real_model_greedy_alone_equals_batched_for_every_fidelity_prompt(real_m
     model, tok = load_model(real_model_dir), Tokenizer.from_dir(real_model_dir)
     ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in FIDELITY_PROMPTS]
     fillers = [p[:120] for p in prompts(11, model.args.vocab_size, seed=6)]  # 16 in all, mixed lengths and modes
+    modes = ["none", "ngram", "self"]
     reqs = [GenerationRequest(prompt_ids=p, settings=GREEDY, max_new_tokens=16, stop_token_ids=[],
-                              speculative=["none", "ngram", "self"][i % 3]) for i, p in enumerate(ids + fillers)]  # fmt: skip
+                              speculative=modes[i % 3]) for i, p in enumerate(ids + fillers)]  # fmt: skip
     engine = Engine(model, tok, max_seq_len=1024, pool_tokens=16 * 512, self_draft_layers=8)
     together = run_together([Generator(model, tok, engine=engine) for _ in reqs], reqs)
     for i, p in enumerate(ids):
