@@ -5,6 +5,7 @@ NaN, so any read outside a sequence's keys shows. On the GPU and everywhere thro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -65,9 +66,11 @@ class Case:
         PagedTorchOps.kv_write(self.k_cache, self.v_cache, self.k, self.v, self.batch.slot_mapping)
 
     def reference(self) -> torch.Tensor:
-        # float32 of the same inputs, rounded once to the dtype: the truth both implementations approximate
+        # float32 of the same inputs, rounded once to the dtype: the truth both implementations approximate. A fresh
+        # Batch of the same tensors: the reference may keep a plan on the batch it saw, and the lengths may change
         q, kc, vc = self.q.float(), self.k_cache.float(), self.v_cache.float()
-        return PagedTorchOps.paged_attention(q, kc, vc, self.batch).to(self.q.dtype)
+        batch = Batch(**{f.name: getattr(self.batch, f.name) for f in dataclasses.fields(Batch) if f.name != "plan"})
+        return PagedTorchOps.paged_attention(q, kc, vc, batch).to(self.q.dtype)
 
 
 # (cached, new) per sequence, page_size, (n_heads, n_kv, head_dim)
