@@ -13,6 +13,7 @@ import torch
 from test_kernels import ATTN_TOL, BACKENDS, DTYPES, Recorder, ScalarReads, backend_ops, close, guards_intact, poisoned
 from webchat.gpu import CudaOps, KernelInputError
 from webchat.gpu import ops as gops
+from webchat.gpu.emulator import emulated_launcher
 
 from webchat.batch import Batch, make_batch
 from webchat.ops import PagedTorchOps
@@ -155,6 +156,18 @@ def test_paged_step_reads_no_scalar_on_the_host() -> None:
         out = ops.paged_attention(case.q, case.k_cache, case.v_cache, case.batch)
     assert mode.reads == []
     torch.testing.assert_close(out, case.reference(), rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_gives_the_same_bits_in_either_thread_order(dtype: torch.dtype) -> None:
+    # the splits merge their warps through __shared__ memory: a missing barrier would change the bits
+    fwd = backend_ops("emulated")
+    rev = CudaOps("cpu", launcher=emulated_launcher(reverse=True), n_sm=132)
+    seqs, page_size, heads = PAGED_CASES["chunked-prefill"]
+    case = Case(seqs, page_size, heads, dtype, fwd.device, seed=9)
+    case.write_new()
+    a = fwd.paged_attention(case.q, case.k_cache, case.v_cache, case.batch)
+    assert torch.equal(a, rev.paged_attention(case.q, case.k_cache, case.v_cache, case.batch))
 
 
 @pytest.mark.gpu
