@@ -157,9 +157,11 @@ class GraphRunner:
         self.captures = 0
         self.replays = 0
 
-    def __call__(self, model: Any, batch: Batch, kv: PagedKV) -> torch.Tensor | None:
-        """Logits (R, vocab) float32 for the batch's logit rows, or None to have the caller run it eagerly."""
-        if model is not self.model or not graphable(model, batch, kv):
+    def __call__(self, model: Any, batch: Batch, kv: PagedKV, *single_stream: object) -> torch.Tensor | None:
+        """Logits (R, vocab) float32 for the batch's logit rows, or None to have the caller run it eagerly.
+
+        A model whose forward still calls runner(model, tokens, cache, last_only) gets None: it runs eagerly."""
+        if single_stream or model is not self.model or not graphable(model, batch, kv):
             return None  # e.g. model.truncated(n): a copy that shares this runner but not its layers
         shape = graph_shape(batch)
         assert shape is not None
