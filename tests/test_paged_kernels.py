@@ -69,7 +69,9 @@ class Case:
     def reference(self) -> torch.Tensor:
         # float32 of the same inputs, rounded once to the dtype: the truth both implementations approximate. A fresh
         # Batch of the same tensors: the reference may keep a plan on the batch it saw, and the lengths may change
+        # Page 0 (NaN here, never written) is zero for the reference, which may gather it as masked padding
         q, kc, vc = self.q.float(), self.k_cache.float(), self.v_cache.float()
+        kc[0], vc[0] = 0.0, 0.0
         batch = Batch(**{f.name: getattr(self.batch, f.name) for f in dataclasses.fields(Batch) if f.name != "plan"})
         return PagedTorchOps.paged_attention(q, kc, vc, batch).to(self.q.dtype)
 
