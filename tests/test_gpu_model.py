@@ -140,6 +140,8 @@ def test_graph_shapes_are_buckets(b: int, t: int, width: int, shape: GraphShape 
     rows = [t // b + (i < t % b) for i in range(b)]
     batch = make_batch([([1] * r, 0, [1] * width, [-1]) for r in rows], 1024)
     assert graph_shape(batch) == shape
+    # the runner pads tables to a whole context's pages: one width for every length
+    assert graph_shape(batch, min_pages=256) == (shape and GraphShape(shape.seqs, shape.rows, max(256, shape.pages)))
 
 
 # ---- anywhere: the kernels in the CPU emulator, driven by the model ----

@@ -5,7 +5,8 @@ How it is used: `enable_cuda_backend(model)` (called by whoever loads a model on
 CudaOps and `model.runner` to a GraphRunner. The model's forward offers every step to the runner first:
 `model.runner(model, batch, kv) -> logits (R, vocab) | None`. A step of B <= 64 sequences with at most
 MAX_ROWS_PER_SEQ rows each on average (decode: 1 token a sequence; speculative verify: 1 + k) is padded up to a graph
-shape (B to 1, 2, 4, ... 64 sequences; rows and block-table width to powers of two) and replayed; anything else
+shape (B to 1, 2, 4, ... 64 sequences; rows to a power of two; block tables to a whole context's pages) and replayed;
+anything else
 (prefill chunks, a CPU cache) gets None and runs eagerly. Padding sequences own no rows and have length 0; padding
 rows lie past the last sequence, write slot 0 of page 0 (never handed to a sequence) and read nothing.
 Without CuPy (or with WEBCHAT_CUDA_KERNELS=0) the model stays on PyTorch ops, eager, and says so in the log.
@@ -47,14 +48,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def graph_shape(batch: Batch) -> GraphShape | None:
-    """The shape a batch is padded to, or None where it is not a decode-sized step."""
+def graph_shape(batch: Batch, min_pages: int = 1) -> GraphShape | None:
+    """The shape a batch is padded to, or None where it is not a decode-sized step. Block tables are padded to at
+    least min_pages (the runner passes a whole context's pages, so one width serves every length)."""
     b, t, r = batch.num_seqs, int(batch.tokens.shape[0]), int(batch.logit_rows.shape[0])
     seqs = next((s for s in BATCH_BUCKETS if s >= b), None)
     if seqs is None or t > MAX_ROWS_PER_SEQ * b:
         return None
     rows = _pow2(max(t, seqs))
-    return GraphShape(seqs, rows, _pow2(int(batch.block_tables.shape[1]))) if r <= rows else None
+    width = int(batch.block_tables.shape[1])
+    return GraphShape(seqs, rows, max(min_pages, _pow2(width))) if r <= rows else None
 
 
 def static_batch(shape: GraphShape, page_size: int, device: torch.device) -> Batch:
@@ -163,7 +166,7 @@ class GraphRunner:
         A model whose forward still calls runner(model, tokens, cache, last_only) gets None: it runs eagerly."""
         if single_stream or model is not self.model or not graphable(model, batch, kv):
             return None  # e.g. model.truncated(n): a copy that shares this runner but not its layers
-        shape = graph_shape(batch)
+        shape = graph_shape(batch, min_pages=-(-model.args.max_seq_len // kv.k[0].shape[1]))  # a context's pages
         assert shape is not None
         ptrs = tuple(t.data_ptr() for t in (*kv.k, *kv.v, model.rope_cos, model.rope_sin))
         if ptrs != self.ptrs:
