@@ -85,10 +85,12 @@ def eager_or_graph(model: Any) -> Step:
 
 
 def paged_greedy(model: Any, prompts: list[list[int]], n: int, step: Step | None = None, chunk: int = 4,
-                 page_size: int = 4, graphs: bool = False) -> list[list[int]]:  # fmt: skip
+                 page_size: int = 4, graphs: bool = False, forced: list[list[int]] | None = None
+                 ) -> list[list[int]]:  # fmt: skip
     """n greedy tokens after each prompt, every sequence in one ragged batch per step: prompts fed in chunks of
-    `chunk` rows beside the others' decode rows. step(batch, pool) -> logits of the batch's logit rows; default
-    batch_step, or with graphs=True the model's runner first."""
+    `chunk` rows beside the others' decode rows; with `forced`, forced[i] is fed after prompt i, not the argmax.
+    step(batch, pool) -> logits of the batch's logit rows; default batch_step, or with graphs=True the model's
+    runner first."""
     model.setup_rope(max(len(p) for p in prompts) + n)
     pool = Pool.for_model(model, n_pages=2 + sum(-(-(len(p) + n) // page_size) for p in prompts), page_size=page_size)
     run = step or (eager_or_graph(model) if graphs else lambda batch, pool: batch_step(model, batch, pool))
@@ -106,7 +108,7 @@ def paged_greedy(model: Any, prompts: list[list[int]], n: int, step: Step | None
             fed[i] += len(new)
             if fed[i] == len(ids[i]):
                 out[i].append(int(row.argmax()))
-                ids[i].append(out[i][-1])
+                ids[i].append(forced[i][len(out[i]) - 1] if forced else out[i][-1])
     return out
 
 
@@ -244,6 +246,7 @@ def test_graphs_match_eager_kernels_and_torch_ops(tiny_model_dir: Path) -> None:
     model = cuda_model(tiny_model_dir, torch.float16)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.args.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 2, 17, 6)]
+    forced = [torch.randint(3, model.args.vocab_size, (24,), generator=gen).tolist() for _ in prompts]
     runs = {}
     for mode in ("graphs", "eager", "torch"):
         if mode == "eager":
@@ -257,7 +260,7 @@ def test_graphs_match_eager_kernels_and_torch_ops(tiny_model_dir: Path) -> None:
             seen.append(run(batch, pool))
             return seen[-1]
 
-        paged_greedy(model, prompts, 24, step=record)
+        paged_greedy(model, prompts, 24, step=record, forced=forced)  # the same inputs in every mode
         runs[mode] = torch.cat(logits)
     torch.testing.assert_close(runs["graphs"], runs["eager"], rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(runs["graphs"], runs["torch"], rtol=2e-2, atol=5e-2)
