@@ -8,6 +8,7 @@ import functools
 import hashlib
 import ipaddress
 import logging
+import os
 import re
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -56,6 +57,7 @@ class ServerConfig:
     allow_origins: tuple[str, ...] = ()
     max_seq_len: int | None = None  # cap on the context (KV-cache memory per session)
     max_message_bytes: int = 1 << 20
+    api_key: str | None = None  # when set, the OpenAI API (/v1) needs `Authorization: Bearer <key>`
     templates_dir: Path = REPO_ROOT / "templates"
     static_dir: Path = REPO_ROOT / "static"
 
@@ -288,8 +290,11 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 # ---------------------------------------------------------------- the app
 def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlette:
     """The app; its lifespan loads the model (unless `runtime` is given) and starts the worker."""
+    from webchat.openai_api import OpenAIApi
+
     templates = Jinja2Templates(directory=str(config.templates_dir))
     version = static_version(config.static_dir)
+    api = OpenAIApi(config)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -302,6 +307,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         try:
             yield {"runtime": rt, "worker": worker, "config": config}
         finally:
+            api.close()
             worker.stop()
 
     async def index(request: Request) -> Response:
@@ -338,9 +344,12 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         Route("/api/info", info),
         Route("/healthz", healthz),
         WebSocketRoute("/ws", ws_endpoint),
+        *api.routes(),
         Mount("/static", StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.openai = api
+    return app
 
 
 def _secure_headers(response: Response, host: str | None) -> None:
@@ -384,6 +393,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="another page origin allowed to open the websocket, e.g. http://localhost:3000")
     parser.add_argument("--max-seq-len", type=_positive, default=None,
                         help="cap the context (and the KV-cache memory of each session); default: the model's")
+    parser.add_argument("--api-key", default=os.environ.get("WEBCHAT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1); default: $WEBCHAT_API_KEY")
 
 
 def _positive(text: str) -> int:
@@ -403,7 +414,8 @@ def _non_negative(text: str) -> int:
 def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
     return ServerConfig(model_dir=model_dir, draft_dir=args.draft, speculative=args.speculative, device=args.device,
                         dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
-                        max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len)
+                        max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
+                        api_key=args.api_key)
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
@@ -420,7 +432,9 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
     config = config_from_args(args, model_dir)
     if not is_loopback(config.host):
         print(f"webchat serve: WARNING: bound to {config.host}, not loopback: anyone who can reach this machine "
-              "can use the model. There is no authentication.", file=sys.stderr)
+              "can use the model. " + ("Only the OpenAI API (/v1) checks --api-key; the page and websocket do not."
+                                       if config.api_key else "There is no authentication (see --api-key)."),
+              file=sys.stderr)
     print(f"webchat: loading {model_dir} …", flush=True)
     try:
         run(create_app(config), host=config.host, port=config.port, ws="websockets-sansio",
