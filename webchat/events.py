@@ -50,6 +50,7 @@ class Queued:
 class Started:
     prompt_tokens: int
     reused_tokens: int
+    trimmed_messages: int = 0  # oldest messages left out to fit the context (set by the transport, not the worker)
 
 
 @dataclass(frozen=True)

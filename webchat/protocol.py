@@ -119,6 +119,7 @@ class Start(_Strict):
     id: str
     prompt_tokens: int
     reused_tokens: int
+    trimmed_messages: int | None = None  # present when the oldest messages were left out to fit the context
 
 
 class Alternative(_Strict):
@@ -184,7 +185,8 @@ def event_messages(request_id: str, event: ev.Event, want_tokens: bool) -> list[
     if isinstance(event, ev.Queued):
         return [Queued(id=request_id, position=event.position)]
     if isinstance(event, ev.Started):
-        return [Start(id=request_id, prompt_tokens=event.prompt_tokens, reused_tokens=event.reused_tokens)]
+        return [Start(id=request_id, prompt_tokens=event.prompt_tokens, reused_tokens=event.reused_tokens,
+                      trimmed_messages=event.trimmed_messages or None)]
     if isinstance(event, ev.Tokens):
         if not event.text and not (want_tokens and event.tokens):
             return []
@@ -212,6 +214,8 @@ def dump(msg: ServerMessage) -> str:
     """The JSON text frame for a server message (`chunk.tokens` left out when not asked for)."""
     if isinstance(msg, Chunk) and msg.tokens is None:
         return msg.model_dump_json(exclude={"tokens"})
+    if isinstance(msg, Start) and msg.trimmed_messages is None:
+        return msg.model_dump_json(exclude={"trimmed_messages"})
     return msg.model_dump_json()
 
 
