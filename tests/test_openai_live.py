@@ -19,7 +19,6 @@ import pytest
 import uvicorn
 from websockets.sync.client import connect as sync_connect
 
-from webchat.openai_api import encode_text
 from webchat.server import Runtime, ServerConfig, create_app, load_runtime
 from webchat.worker import StreamingGenerator
 
@@ -241,7 +240,7 @@ def test_completions_read_the_prompt_as_text_or_ids(live: Live, runtime: Runtime
 
     client = live.client()
     prompt = "Hello <|im_end|> world"
-    ids = encode_text(runtime.tokenizer, prompt)
+    ids = runtime.tokenizer.encode_text(prompt)
     assert len(ids) > len(runtime.tokenizer.encode(prompt))  # the marker's text is characters, not one control id
     gen = runtime.new_generator()
     gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0), max_new_tokens=8))

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from webchat import events as ev
-from webchat.openai_api import encode_text
 from webchat.openai_format import Reply, logprob, merge
 from webchat.openai_schema import OPENAI_DEFAULTS, APIError, ChatRequest, CompletionRequest, parse
 from webchat.sampling import SamplingSettings
@@ -88,9 +87,9 @@ def test_encode_text_reads_special_tokens_as_characters(tiny_model_dir: Path) ->
     tok = Tokenizer.from_dir(tiny_model_dir)
     end = tok.encode("<|im_end|>")
     assert len(end) == 1 and end[0] in tok.stop_token_ids  # Tokenizer.encode parses the marker
-    plain = encode_text(tok, "Hi <|im_end|>")
+    plain = tok.encode_text("Hi <|im_end|>")
     assert end[0] not in plain and tok.decode(plain) == "Hi <|im_end|>"
-    assert encode_text(tok, "Hello world") == tok.encode("Hello world")  # ordinary text: the same ids
+    assert tok.encode_text("Hello world") == tok.encode("Hello world")  # ordinary text: the same ids
 
 
 class FakeTokenizer:

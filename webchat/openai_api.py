@@ -11,7 +11,6 @@ import asyncio
 import hmac
 import logging
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -98,9 +97,9 @@ class OpenAIApi:
         rt = request.state.runtime
         try:
             ids = await run_in_threadpool(rt.encode_chat, [m.for_template() for m in req.messages])
-        except jinja2.TemplateError as exc:
-            raise APIError(400, f"the chat template refused the messages: {exc}", "invalid_messages",
-                           "messages") from None
+        except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
+            raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
+                           "invalid_messages", "messages") from None
         reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
@@ -114,7 +113,7 @@ class OpenAIApi:
         rt = request.state.runtime
         prompt = req.one_prompt()
         if isinstance(prompt, str):
-            ids = await run_in_threadpool(encode_text, rt.tokenizer, prompt)
+            ids = await run_in_threadpool(rt.tokenizer.encode_text, prompt)
         else:
             vocab = rt.tokenizer.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -245,23 +244,3 @@ class OpenAIApi:
 def _raise_failure(event: ev.Event | None) -> None:
     if isinstance(event, ev.Failed):
         raise APIError(FAILED_STATUS.get(event.code, 400), event.message, event.code)
-
-
-# ---------------------------------------------------------------- raw prompts
-_PLAIN: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """A raw prompt's ids with every character read as text: "<|im_end|>" written in it is encoded as those
-    characters, never as the control token (Tokenizer.encode parses them); BOS as Tokenizer.encode adds it."""
-    plain = _PLAIN.get(tokenizer)
-    if plain is None:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        plain = HFTokenizer.from_str(tokenizer._tok.to_str())
-        plain.encode_special_tokens = True
-        _PLAIN[tokenizer] = plain
-    ids: list[int] = plain.encode(text, add_special_tokens=False).ids
-    if tokenizer.add_bos_token and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
-        ids.insert(0, tokenizer.bos_id)
-    return ids

@@ -210,6 +210,13 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Every character read as text: "<|im_end|>" written in it is those characters, never the control id."""
+        ids: list[int] = self._tok_text.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final: bool = False) -> list[int]:  # fmt: skip
         """The chat prompt's ids, message contents tokenized as text: only the template's own markers are control ids.
