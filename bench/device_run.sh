@@ -7,9 +7,9 @@
 #   device call 1:        bash bench/device_run.sh stage        # carry [".device/a"]: keeps half 1 in /tmp
 #   device call 2 (<30s): bash bench/device_run.sh check        # carry [".device/b"]: joins, tests, benchmarks
 #
-# `check` writes pytest.log, bench_gpu.txt/.json and bench_gpu_batch.txt/.json (the batch sweep) under $OUT. If the
-# machine went back between the calls, `check` says so and runs everything that needs no real model. `check` also
-# runs here (no GPU: the GPU tests skip and the benchmarks make dry runs), which is how this script itself is tested.
+# `check` writes pytest.log, bench_gpu.txt and bench_gpu.json (batch sweep 1, 4, 16, 64) under $OUT. If the machine
+# went back between the calls, `check` says so and runs everything that needs no real model. `check` also runs here
+# (no GPU: the GPU tests skip and the benchmark makes a dry run), which is how this script itself is tested.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,8 +72,6 @@ check() {
     | tee "$out/pytest.log" | tail -25
   "$py" bench/bench_gpu.py "${dry[@]}" --models "${models[@]}" --json "$out/bench_gpu.json" 2>&1 \
     | grep -v "^Loading weights" | tee "$out/bench_gpu.txt" | tail -20
-  "$py" bench/bench_gpu_batch.py "${dry[@]}" --models "${models[@]}" --json "$out/bench_gpu_batch.json" 2>&1 \
-    | grep -v "^Loading weights" | tee "$out/bench_gpu_batch.txt" | tail -30
 }
 
 case "${1:-}" in

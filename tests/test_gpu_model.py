@@ -15,7 +15,7 @@ from test_golden import GOLDEN_GREEDY, GOLDEN_PROMPT, greedy  # tests/ is on sys
 from test_kernels import ScalarReads
 
 from webchat.batch import Batch, make_batch
-from webchat.cuda_backend import GraphShape, batch_step, enable_cuda_backend, fill, graph_shape, graphable, static_batch
+from webchat.cuda_backend import GraphShape, enable_cuda_backend, fill, graph_shape, graphable, static_batch
 from webchat.generator import GenerationRequest, Generator
 from webchat.loader import load_model
 from webchat.ops import PagedTorchOps
@@ -74,26 +74,16 @@ class Pool:
 Step = Callable[[Batch, Pool], torch.Tensor]
 
 
-def eager_or_graph(model: Any) -> Step:
-    """How the engine calls the hook: the runner's logits, or the eager step where it declines (None)."""
-
-    def step(batch: Batch, pool: Pool) -> torch.Tensor:
-        got = model.runner(model, batch, pool) if model.runner is not None else None
-        return got if got is not None else batch_step(model, batch, pool)
-
-    return step
-
-
 def paged_greedy(model: Any, prompts: list[list[int]], n: int, step: Step | None = None, chunk: int = 4,
-                 page_size: int = 4, graphs: bool = False, forced: list[list[int]] | None = None
+                 page_size: int = 4, forced: list[list[int]] | None = None
                  ) -> list[list[int]]:  # fmt: skip
     """n greedy tokens after each prompt, every sequence in one ragged batch per step: prompts fed in chunks of
     `chunk` rows beside the others' decode rows; with `forced`, forced[i] is fed after prompt i, not the argmax.
-    step(batch, pool) -> logits of the batch's logit rows; default batch_step, or with graphs=True the model's
-    runner first."""
-    model.setup_rope(max(len(p) for p in prompts) + n)
+    step(batch, pool) -> logits of the batch's logit rows; default model(batch, pool), which offers decode-sized steps
+    to the model's runner (CUDA graphs) first."""
+    model.ensure_rope(max(len(p) for p in prompts) + n)
     pool = Pool.for_model(model, n_pages=2 + sum(-(-(len(p) + n) // page_size) for p in prompts), page_size=page_size)
-    run = step or (eager_or_graph(model) if graphs else lambda batch, pool: batch_step(model, batch, pool))
+    run: Step = step or model
     ids, fed, pages = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     while active := [i for i in range(len(prompts)) if len(out[i]) < n]:
@@ -116,8 +106,7 @@ OTHER_PROMPTS = [[1, 7, 9, 300, 2, 5, 77, 8, 12, 500, 3], [1, 42, 43]]
 
 
 def test_batched_paged_steps_keep_the_golden_output_and_each_sequence_alone(tiny_model_dir: Path) -> None:
-    model = load_model(tiny_model_dir)
-    model.ops = PagedTorchOps
+    model = load_model(tiny_model_dir)  # PagedTorchOps
     prompts = [GOLDEN_PROMPT, *OTHER_PROMPTS]
     together = paged_greedy(model, prompts, 12)
     assert together[0] == GOLDEN_GREEDY[:12]
@@ -126,9 +115,8 @@ def test_batched_paged_steps_keep_the_golden_output_and_each_sequence_alone(tiny
 
 def test_cpu_models_stay_on_torch_ops(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir)
-    ops = model.ops
     assert enable_cuda_backend(model) is False
-    assert model.ops is ops and model.runner is None
+    assert isinstance(model.ops, PagedTorchOps) and model.runner is None
     batch = make_batch([([1], 0, [1], [-1])], 4)
     assert not graphable(model, batch, Pool.for_model(model, 4, 4))
 
@@ -168,8 +156,7 @@ def test_tiny_golden_greedy_through_the_emulated_kernels(tiny_model_dir: Path) -
 
 def test_batched_paged_steps_through_the_emulated_kernels(tiny_model_dir: Path) -> None:
     model = emulated_model(tiny_model_dir)
-    reference = load_model(tiny_model_dir)
-    reference.ops = PagedTorchOps
+    reference = load_model(tiny_model_dir)  # PagedTorchOps
     prompts = [GOLDEN_PROMPT, *OTHER_PROMPTS]
     got = paged_greedy(model, prompts, 8)
     assert got[0] == GOLDEN_GREEDY[:8]
@@ -180,18 +167,18 @@ def test_batched_paged_steps_through_the_emulated_kernels(tiny_model_dir: Path) 
 def test_padded_graph_step_matches_the_batch_and_reads_no_scalar(tiny_model_dir: Path, rows: tuple[int, ...]) -> None:
     # what GraphRunner replays: the batch copied into a bucket's static tensors, padding rows writing to page 0
     model = emulated_model(tiny_model_dir)
-    model.setup_rope(64)
+    model.ensure_rope(64)
     pool = Pool.for_model(model, n_pages=16, page_size=4)
     lengths = [5, 9, 14]
     tables = [[pool.free.pop() for _ in range(-(-(n + r) // 4))] for n, r in zip(lengths, rows, strict=True)]
     gen = torch.Generator().manual_seed(1)
-    batch_step(model, make_batch([(torch.randint(3, 500, (n,), generator=gen).tolist(), 0, tab, [-1])
-                                  for n, tab in zip(lengths, tables, strict=True)], 4), pool)  # fmt: skip
+    model(make_batch([(torch.randint(3, 500, (n,), generator=gen).tolist(), 0, tab, [-1])
+                      for n, tab in zip(lengths, tables, strict=True)], 4), pool)  # fmt: skip
     logit_rows = [list(range(r)) if len(set(rows)) > 1 else [-1] for r in rows]
     batch = make_batch([(torch.randint(3, 500, (r,), generator=gen).tolist(), n, tab, lr)
                         for r, n, tab, lr in zip(rows, lengths, tables, logit_rows, strict=True)], 4)  # fmt: skip
     before = [t.clone() for t in pool.k + pool.v]
-    want = batch_step(model, batch, pool)
+    want = model(batch, pool)
     after = [t.clone() for t in pool.k + pool.v]
     for t, b in zip(pool.k + pool.v, before, strict=True):
         t.copy_(b)
@@ -200,7 +187,7 @@ def test_padded_graph_step_matches_the_batch_and_reads_no_scalar(tiny_model_dir:
     static = static_batch(shape, 4, model.device)
     with ScalarReads() as mode:
         fill(static, batch)
-        got = batch_step(model, static, pool)[: batch.logit_rows.shape[0]]
+        got = model.layers_forward(static, pool)[: batch.logit_rows.shape[0]]
     assert mode.reads == []
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for t, w in zip(pool.k + pool.v, after, strict=True):  # padding changed page 0 only
@@ -234,7 +221,7 @@ def test_default_model_greedy_through_the_emulated_kernels_matches_cpu_float32(r
 @needs_gpu
 def test_tiny_golden_greedy_on_the_cuda_backend_with_graphs(tiny_model_dir: Path) -> None:
     model = cuda_model(tiny_model_dir, torch.float32)
-    got = paged_greedy(model, [GOLDEN_PROMPT, *OTHER_PROMPTS], len(GOLDEN_GREEDY), graphs=True)
+    got = paged_greedy(model, [GOLDEN_PROMPT, *OTHER_PROMPTS], len(GOLDEN_GREEDY))
     assert got[0] == GOLDEN_GREEDY
     assert model.runner.captures >= 1  # the prompts' chunks and the decode steps of 3 sequences (bucket 4)
     assert model.runner.replays >= len(GOLDEN_GREEDY) - 2
@@ -252,11 +239,10 @@ def test_graphs_match_eager_kernels_and_torch_ops(tiny_model_dir: Path) -> None:
         if mode == "eager":
             model.runner = None
         if mode == "torch":
-            model.ops = PagedTorchOps
+            model.ops = PagedTorchOps()
         logits: list[torch.Tensor] = []
-        mode_step = eager_or_graph(model)
 
-        def record(batch: Batch, pool: Pool, seen: list[torch.Tensor] = logits, run: Step = mode_step) -> torch.Tensor:
+        def record(batch: Batch, pool: Pool, seen: list[torch.Tensor] = logits, run: Step = model) -> torch.Tensor:
             seen.append(run(batch, pool))
             return seen[-1]
 
@@ -303,10 +289,9 @@ def test_default_model_first_64_greedy_tokens_match_cpu_float32(real_model_dir: 
     tok = Tokenizer.from_dir(real_model_dir)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     cpu = load_model(real_model_dir)
-    cpu.ops = PagedTorchOps
     gpu = cuda_model(real_model_dir, torch.float32)
     want = paged_greedy(cpu, prompts, 64, chunk=16, page_size=16)
-    got = paged_greedy(gpu, prompts, 64, chunk=16, page_size=16, graphs=True)
+    got = paged_greedy(gpu, prompts, 64, chunk=16, page_size=16)
     for text, g, w in zip(PROMPTS, got, want, strict=True):
         first = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
         assert g == w, f"{text!r}: GPU and CPU float32 greedy tokens differ first at token {first}"

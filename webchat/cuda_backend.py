@@ -2,13 +2,13 @@
 by batch-size buckets, replayed with each step's batch copied into static device tensors.
 
 How it is used: `enable_cuda_backend(model)` (called by whoever loads a model onto a CUDA device) sets `model.ops` to
-CudaOps and `model.runner` to a GraphRunner. The model's forward offers every step to the runner first:
-`model.runner(model, batch, kv) -> logits (R, vocab) | None`. A step of B <= 64 sequences with at most
-MAX_ROWS_PER_SEQ rows each on average (decode: 1 token a sequence; speculative verify: 1 + k) is padded up to a graph
-shape (B to 1, 2, 4, ... 64 sequences; rows to a power of two; block tables to a whole context's pages) and replayed;
-anything else
-(prefill chunks, a CPU cache) gets None and runs eagerly. Padding sequences own no rows and have length 0; padding
-rows lie past the last sequence, write slot 0 of page 0 (never handed to a sequence) and read nothing.
+CudaOps and `model.runner` to a GraphRunner. `Transformer.forward(batch, kv)` offers every step to the runner first:
+`model.runner(model, batch, kv) -> logits (R, vocab) | None`; a graph captures `model.layers_forward(batch, kv)`.
+A step of B <= 64 sequences with at most MAX_ROWS_PER_SEQ rows each on average (decode: 1 token a sequence;
+speculative verify: 1 + k) is padded up to a graph shape (B to 1, 2, 4, ... 64 sequences; rows to a power of two;
+block tables to a whole context's pages) and replayed; anything else (prefill chunks, a CPU cache) gets None and runs
+eagerly. Padding sequences own no rows and have length 0; padding rows lie past the last sequence, write slot 0 of
+page 0 (never handed to a sequence) and read nothing.
 Without CuPy (or with WEBCHAT_CUDA_KERNELS=0) the model stays on PyTorch ops, eager, and says so in the log.
 """
 
@@ -17,22 +17,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
 
 import torch
 
 from webchat.batch import Batch
+from webchat.model import PagedKV, Transformer
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences per captured step
 MAX_ROWS_PER_SEQ = 8  # a step of B sequences is graphed when it has at most 8 B rows (verify: 1 + up to 7 drafts)
-
-
-class PagedKV(Protocol):
-    """The paged cache a step reads and writes: per layer k and v of shape (num_pages, page_size, n_kv, head_dim)."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -89,43 +82,10 @@ def fill(static: Batch, batch: Batch) -> None:
     assert t <= static.tokens.shape[0] and r <= static.logit_rows.shape[0]
 
 
-def batch_step(model: Any, batch: Batch, kv: PagedKV) -> torch.Tensor:
-    """Logits (R, vocab) float32 of batch.logit_rows: blocks, final norm and head over a ragged batch on a paged cache.
-
-    What a graph captures: every length and position is read from the batch's device tensors (rope rows by
-    index_select), so the step makes no host read and replays for any batch of its shape.
-    """
-    ops, eps = model.ops, model.args.norm_eps
-    t = batch.tokens.shape[0]
-    rope = (model.rope_cos.index_select(0, batch.positions), model.rope_sin.index_select(0, batch.positions))
-    residual = model.tok_embeddings(batch.tokens)  # (T, dim)
-    out: torch.Tensor | None = None
-    for i, layer in enumerate(model.layers):
-        if out is None:
-            y = ops.rms_norm(residual, layer.attention_norm.weight, eps)
-        else:
-            y, residual = ops.add_rms_norm(out, residual, layer.attention_norm.weight, eps)
-        att = layer.attention
-        q = att.wq(y).view(t, att.n_heads, att.head_dim)  # (T, H, hd)
-        k = att.wk(y).view(t, att.n_kv_heads, att.head_dim)  # (T, n_kv, hd)
-        v = att.wv(y).view(t, att.n_kv_heads, att.head_dim)
-        q, k = ops.rope(q, k, *rope)
-        ops.kv_write(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
-        o = ops.paged_attention(q, kv.k[i], kv.v[i], batch)  # (T, H, hd)
-        out = att.wo(o.reshape(t, att.n_heads * att.head_dim))
-        y, residual = ops.add_rms_norm(out, residual, layer.ffn_norm.weight, eps)
-        out = layer.feed_forward(y, ops)
-    assert out is not None
-    out, residual = out.index_select(0, batch.logit_rows), residual.index_select(0, batch.logit_rows)  # (R, dim)
-    y, _ = ops.add_rms_norm(out, residual, model.norm.weight, eps)
-    return cast(torch.Tensor, model.output(y).float())
-
-
-def graphable(model: Any, batch: Any, kv: PagedKV) -> bool:
+def graphable(model: Transformer, batch: Batch, kv: PagedKV) -> bool:
     """A step the runner replays: a decode-sized Batch on CUDA, with CudaOps (whose kernels read lengths on device)."""
     return (
-        isinstance(batch, Batch)
-        and batch.tokens.device.type == "cuda"
+        batch.tokens.device.type == "cuda"
         and bool(kv.k)
         and kv.k[0].device == batch.tokens.device
         and getattr(model.ops, "name", "") == "cuda"
@@ -150,7 +110,7 @@ class GraphRunner:
     at a time, which is what sharing a pool needs.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Transformer) -> None:
         self.model = model
         self.device: torch.device = model.device
         self.pool = torch.cuda.graph_pool_handle()
@@ -160,11 +120,9 @@ class GraphRunner:
         self.captures = 0
         self.replays = 0
 
-    def __call__(self, model: Any, batch: Batch, kv: PagedKV, *single_stream: object) -> torch.Tensor | None:
-        """Logits (R, vocab) float32 for the batch's logit rows, or None to have the caller run it eagerly.
-
-        A model whose forward still calls runner(model, tokens, cache, last_only) gets None: it runs eagerly."""
-        if single_stream or model is not self.model or not graphable(model, batch, kv):
+    def __call__(self, model: Transformer, batch: Batch, kv: PagedKV) -> torch.Tensor | None:
+        """Logits (R, vocab) float32 for the batch's logit rows, or None to have the caller run it eagerly."""
+        if model is not self.model or not graphable(model, batch, kv):
             return None  # e.g. model.truncated(n): a copy that shares this runner but not its layers
         shape = graph_shape(batch, min_pages=-(-model.args.max_seq_len // kv.k[0].shape[1]))  # a context's pages
         assert shape is not None
@@ -188,16 +146,16 @@ class GraphRunner:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            batch_step(self.model, static, kv)
+            self.model.layers_forward(static, kv)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            logits = batch_step(self.model, static, kv)  # recorded, not run
+            logits = self.model.layers_forward(static, kv)  # recorded, not run: it reads nothing on the host
         current.wait_stream(self.stream)
         self.captures += 1
         return GraphStep(graph, static, logits)
 
 
-def enable_cuda_backend(model: Any, graphs: bool = True) -> bool:
+def enable_cuda_backend(model: Transformer, graphs: bool = True) -> bool:
     """Put a model on a CUDA device onto CudaOps (and CUDA graphs); False, with a log line, where it stays on torch."""
     if model.device.type != "cuda":
         return False
@@ -215,8 +173,8 @@ def enable_cuda_backend(model: Any, graphs: bool = True) -> bool:
     return True
 
 
-def disable_cuda_backend(model: Any) -> None:
+def disable_cuda_backend(model: Transformer) -> None:
     """Back to plain PyTorch ops, eager (for comparisons)."""
     from webchat.ops import PagedTorchOps
 
-    model.ops, model.runner = PagedTorchOps, None
+    model.ops, model.runner = PagedTorchOps(), None
