@@ -7,9 +7,9 @@
 #   device call 1:        bash bench/device_run.sh stage        # carry [".device/a"]: keeps half 1 in /tmp
 #   device call 2 (<30s): bash bench/device_run.sh check        # carry [".device/b"]: joins, tests, benchmarks
 #
-# `check` writes pytest.log, bench_gpu.txt and bench_gpu.json under $OUT. If the machine went back between the
-# calls, `check` says so and runs everything that needs no real model. `check` also runs here (no GPU: the GPU
-# tests skip and bench_gpu.py makes a dry run), which is how this script itself is tested.
+# `check` writes pytest.log, bench_gpu.txt and bench_gpu.json (batch sweep 1, 4, 16, 64) under $OUT. If the machine
+# went back between the calls, `check` says so and runs everything that needs no real model. `check` also runs here
+# (no GPU: the GPU tests skip and the benchmark makes a dry run), which is how this script itself is tested.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,8 +67,9 @@ check() {
     models=("Llama-3.2-1B shape" "Llama-3.1-8B shape")
   fi
   "$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' || dry=(--dry-run)
-  "$py" -m pytest -p no:cacheprovider -q -rs -m "$marks" tests/test_kernels.py tests/test_gpu_model.py \
-    tests/test_emulator.py tests/test_nvcc.py tests/test_nvrtc.py 2>&1 | tee "$out/pytest.log" | tail -25
+  "$py" -m pytest -p no:cacheprovider -q -rs -m "$marks" tests/test_kernels.py tests/test_paged_kernels.py \
+    tests/test_gpu_model.py tests/test_emulator.py tests/test_nvcc.py tests/test_nvrtc.py 2>&1 \
+    | tee "$out/pytest.log" | tail -25
   "$py" bench/bench_gpu.py "${dry[@]}" --models "${models[@]}" --json "$out/bench_gpu.json" 2>&1 \
     | grep -v "^Loading weights" | tee "$out/bench_gpu.txt" | tail -20
 }

@@ -3,11 +3,7 @@
 // max m, sum l = sum_j exp(s_j - m) and acc = sum_j exp(s_j - m) v_j (float32); attention_reduce_* merges the splits.
 // q (T, n_heads, hd); cache (n_kv, capacity, hd); start = *start_ptr if non-null, else start_host.
 // part_acc (T, n_heads, n_splits, hd), part_ml (T, n_heads, n_splits, 2); o (T, n_heads, hd).
-#include "common.cuh"
-
-#define WARPS 4                      // blockDim.x == 32 * WARPS for the split kernel
-#define MAX_HD 256
-#define PER_LANE (MAX_HD / 32)
+#include "flash.cuh"
 
 template <typename T>
 __device__ void attention_split_block(const T* __restrict__ q, const T* __restrict__ cache_k,
@@ -34,76 +30,9 @@ __device__ void attention_split_block(const T* __restrict__ q, const T* __restri
         acc[j] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;  // online softmax over this warp's keys lo + warp, lo + warp + WARPS, ...
-    for (int p = lo + warp; p < hi; p += WARPS) {
-        const T* kp = kh + (long)p * head_dim;
-        const T* vp = vh + (long)p * head_dim;
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            const int d = lane + 32 * j;
-            if (d < head_dim) s += qr[j] * to_float(kp[d]);
-        }
-        s = warp_sum(s);
-        const float m_new = fmaxf(m, s);
-        const float corr = expf(m - m_new);  // 0 on the first key (m = -inf)
-        const float e = expf(s - m_new);
-        l = l * corr + e;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            const int d = lane + 32 * j;
-            if (d < head_dim) acc[j] = acc[j] * corr + e * to_float(vp[d]);
-        }
-        m = m_new;
-    }
-
-    __shared__ float s_m[WARPS], s_l[WARPS];
-    __shared__ float s_acc[WARPS][MAX_HD];
-    if (lane == 0) {
-        s_m[warp] = m;
-        s_l[warp] = l;
-    }
-#pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {
-        const int d = lane + 32 * j;
-        if (d < head_dim) s_acc[warp][d] = acc[j];
-    }
-    __syncthreads();
-    float mb = NEG_INF;
-    for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, s_m[w]);
-    const long part = ((long)t * n_heads + h) * n_splits + split;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.0f;
-        for (int w = 0; w < WARPS; ++w)
-            if (s_m[w] != NEG_INF) a += s_acc[w][d] * expf(s_m[w] - mb);
-        part_acc[part * head_dim + d] = a;
-    }
-    if (threadIdx.x == 0) {
-        float lb = 0.0f;
-        for (int w = 0; w < WARPS; ++w)
-            if (s_m[w] != NEG_INF) lb += s_l[w] * expf(s_m[w] - mb);
-        part_ml[part * 2] = mb;  // -inf and l = 0 for a split with no keys
-        part_ml[part * 2 + 1] = lb;
-    }
-}
-
-// One block per (t, h) row: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
-template <typename T>
-__device__ void attention_reduce_row(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                     T* __restrict__ o, int n_splits, int head_dim) {
-    const long row = blockIdx.x;
-    const float* ml = part_ml + row * n_splits * 2;
-    const float* acc = part_acc + row * n_splits * head_dim;
-    float big = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) big = fmaxf(big, ml[2 * s]);
-    float total = 0.0f;
-    for (int s = 0; s < n_splits; ++s)
-        if (ml[2 * s] != NEG_INF) total += ml[2 * s + 1] * expf(ml[2 * s] - big);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < n_splits; ++s)
-            if (ml[2 * s] != NEG_INF) a += acc[(long)s * head_dim + d] * expf(ml[2 * s] - big);
-        o[row * head_dim + d] = from_float<T>(a / total);
-    }
+    for (int p = lo + warp; p < hi; p += WARPS)
+        attend_key(qr, kh + (long)p * head_dim, vh + (long)p * head_dim, lane, head_dim, m, l, acc);
+    store_split(m, l, acc, head_dim, ((long)t * n_heads + h) * n_splits + split, part_acc, part_ml);
 }
 
 #define ATTENTION_ENTRIES(T, SUFFIX)                                                                            \

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from webchat.gpu import loader
 
+from webchat.batch import Batch
+
 SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_HEAD_DIM = 256  # attention.cu MAX_HD
 ATTENTION_THREADS = 128  # attention.cu 32 * WARPS
@@ -298,6 +300,46 @@ class CudaOps:
         start_ptr, start_host = start_args(start)
         args = (ptr(q), ptr(cache_k), ptr(cache_v), start_ptr, start_host, i32(n_heads), i32(n_kv), i32(hd),
                 i32(capacity), np.float32(1.0 / math.sqrt(hd)), ptr(part_acc), ptr(part_ml))  # fmt: skip
+        self._launch(plan.split, args)
+        self._launch(plan.reduce, (ptr(part_acc), ptr(part_ml), ptr(o), i32(plan.n_splits), i32(hd)))
+        return o
+
+    # ---- paged KV cache over a ragged batch (webchat.batch.Batch); plans in gpu/paged.py ----
+
+    def kv_write(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        # cache (num_pages, page_size, n_kv, hd) viewed as (slots, n_kv, hd); cache[slot_mapping[i]] = k[i], v[i]
+        from webchat.gpu.paged import plan_kv_write
+
+        launch = plan_kv_write(k_cache, v_cache, k, v, slot_mapping)
+        check_device(self.device, k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
+        if k.shape[0] == 0:
+            return
+        pages, page_size, n_kv, hd = k_cache.shape
+        args = (ptr(k_cache), ptr(v_cache), ptr(k), ptr(v), ptr(slot_mapping), i32(k.shape[0]), i32(n_kv), i32(hd),
+                np.int64(pages * page_size))  # fmt: skip
+        self._launch(launch, args)
+
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        # per sequence b: o = softmax(q k^T / sqrt(hd) + causal by position) v over its pages; q, o (T, H, hd)
+        from webchat.gpu.paged import plan_paged_attention
+
+        plan = plan_paged_attention(q, k_cache, v_cache, batch, self.n_sm)
+        o = _output("out", out, q)
+        check_device(self.device, q=q, k_cache=k_cache, v_cache=v_cache, out=o, positions=batch.positions,
+                     query_start=batch.query_start, seq_lens=batch.seq_lens, block_tables=batch.block_tables)
+        t, n_heads, hd = q.shape
+        page_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+        part_acc = torch.empty((t, n_heads, plan.n_splits, hd), device=q.device, dtype=torch.float32)
+        part_ml = torch.empty((t, n_heads, plan.n_splits, 2), device=q.device, dtype=torch.float32)
+        args = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(batch.positions), ptr(batch.query_start), ptr(batch.seq_lens),
+                ptr(batch.block_tables), i32(batch.num_seqs), i32(batch.block_tables.shape[1]), i32(page_size),
+                i32(n_heads), i32(n_kv), i32(hd), np.float32(1.0 / math.sqrt(hd)), ptr(part_acc),
+                ptr(part_ml))  # fmt: skip
         self._launch(plan.split, args)
         self._launch(plan.reduce, (ptr(part_acc), ptr(part_ml), ptr(o), i32(plan.n_splits), i32(hd)))
         return o

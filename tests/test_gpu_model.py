@@ -4,6 +4,8 @@ path, reproducible seeded sampling. On machines without a GPU the same kernels r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,21 +13,17 @@ import pytest
 import torch
 from test_golden import GOLDEN_GREEDY, GOLDEN_PROMPT, greedy  # tests/ is on sys.path under pytest
 from test_kernels import ScalarReads
-from webchat.gpu import CudaOps
 
-from webchat.cuda_backend import enable_cuda_backend, run_at
+from webchat.batch import Batch, make_batch
+from webchat.cuda_backend import GraphShape, enable_cuda_backend, fill, graph_shape, graphable, static_batch
 from webchat.generator import GenerationRequest, Generator
 from webchat.loader import load_model
-from webchat.ops import PagedTorchOps, TorchOps
+from webchat.ops import PagedTorchOps
 from webchat.sampling import SamplingSettings
 from webchat.tokenizer import Tokenizer
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
-# The model now runs ragged batches on a paged pool (webchat.batch, ops.PagedTorchOps); these tests drive the CUDA
-# kernels through the model and wait for gpu/'s paged kv_write/paged_attention (issue 10, engineer gpukern).
-needs_paged = pytest.mark.skipif(not hasattr(CudaOps, "paged_attention"),
-                                 reason="gpu/ has no paged kv_write/paged_attention yet")
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -52,51 +50,88 @@ def run_ids(gen: Generator, **kw: Any) -> list[int]:
             return ids
 
 
-# ---- anywhere ----
+# ---- anywhere: the batched step a CUDA graph captures, on a paged cache ----
 
 
-class HostStartOps(TorchOps):
-    """TorchOps that also take the position as a one-element tensor, as CudaOps does inside a CUDA graph."""
+@dataclass
+class Pool:
+    """A paged KV cache (webchat.cuda_backend.PagedKV): per layer (num_pages, page_size, n_kv, hd), pages handed out
+    in scrambled order, page 0 never."""
 
-    @staticmethod
-    def kv_append(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: Any) -> None:
-        TorchOps.kv_append(cache_k, cache_v, k, v, int(start))
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    page_size: int
+    free: list[int]
 
-    @staticmethod
-    def attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, start: Any) -> torch.Tensor:
-        return TorchOps.attention(q, cache_k, cache_v, int(start))
+    @classmethod
+    def for_model(cls, model: Any, n_pages: int, page_size: int) -> Pool:
+        shape = (n_pages, page_size, model.args.n_kv_heads, model.args.head_dim)
+        k, v = ([torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.layers] for _ in range(2))
+        free = (torch.randperm(n_pages - 1, generator=torch.Generator().manual_seed(n_pages)) + 1).tolist()
+        return cls(k, v, page_size, free)
 
 
-@needs_paged
-@pytest.mark.parametrize("backend", ["torch", "emulated"])
-def test_device_position_step_matches_forward(tiny_model_dir: Path, backend: str) -> None:
-    # what GraphRunner captures (rope rows gathered by a position tensor) computes what forward computes: bit for bit
-    # on TorchOps; through the emulated kernels within rounding (attention splits are sized for the whole cache there)
-    if backend == "torch":
-        model, tol = load_model(tiny_model_dir), 0.0
-        model.ops = HostStartOps
-    else:
-        model, tol = emulated_model(tiny_model_dir), 1e-5
-    ref_cache, cache = model.new_cache(64), model.new_cache(64)
-    prompt = torch.tensor(GOLDEN_PROMPT)
-    ref = model(prompt, ref_cache)
-    got = run_at(model, prompt, torch.tensor([0], dtype=torch.int32), cache, last_only=False)
-    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-    x = torch.tensor([int(ref[-1].argmax())])
-    for pos in range(len(GOLDEN_PROMPT), len(GOLDEN_PROMPT) + 4):
-        ref_step = model(x, ref_cache, last_only=True)
-        step = run_at(model, x, torch.tensor([pos], dtype=torch.int32), cache, last_only=True)
-        torch.testing.assert_close(step, ref_step, rtol=tol, atol=tol)
-        x = torch.tensor([int(ref_step[-1].argmax())])
-    n = len(GOLDEN_PROMPT) + 4
-    for a, b in zip(cache.k + cache.v, ref_cache.k + ref_cache.v, strict=True):
-        torch.testing.assert_close(a[:, :n], b[:, :n], rtol=tol, atol=tol)
+Step = Callable[[Batch, Pool], torch.Tensor]
+
+
+def paged_greedy(model: Any, prompts: list[list[int]], n: int, step: Step | None = None, chunk: int = 4,
+                 page_size: int = 4, forced: list[list[int]] | None = None
+                 ) -> list[list[int]]:  # fmt: skip
+    """n greedy tokens after each prompt, every sequence in one ragged batch per step: prompts fed in chunks of
+    `chunk` rows beside the others' decode rows; with `forced`, forced[i] is fed after prompt i, not the argmax.
+    step(batch, pool) -> logits of the batch's logit rows; default model(batch, pool), which offers decode-sized steps
+    to the model's runner (CUDA graphs) first."""
+    model.ensure_rope(max(len(p) for p in prompts) + n)
+    pool = Pool.for_model(model, n_pages=2 + sum(-(-(len(p) + n) // page_size) for p in prompts), page_size=page_size)
+    run: Step = step or model
+    ids, fed, pages = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    while active := [i for i in range(len(prompts)) if len(out[i]) < n]:
+        entries = []
+        for i in active:
+            new = ids[i][fed[i] : fed[i] + chunk]
+            while len(pages[i]) * page_size < fed[i] + len(new):
+                pages[i].append(pool.free.pop())
+            entries.append((new, fed[i], list(pages[i]), [-1]))
+        logits = run(make_batch(entries, page_size, model.device), pool)
+        for i, (new, *_), row in zip(active, entries, logits, strict=True):
+            fed[i] += len(new)
+            if fed[i] == len(ids[i]):
+                out[i].append(int(row.argmax()))
+                ids[i].append(forced[i][len(out[i]) - 1] if forced else out[i][-1])
+    return out
+
+
+OTHER_PROMPTS = [[1, 7, 9, 300, 2, 5, 77, 8, 12, 500, 3], [1, 42, 43]]
+
+
+def test_batched_paged_steps_keep_the_golden_output_and_each_sequence_alone(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)  # PagedTorchOps
+    prompts = [GOLDEN_PROMPT, *OTHER_PROMPTS]
+    together = paged_greedy(model, prompts, 12)
+    assert together[0] == GOLDEN_GREEDY[:12]
+    assert together == [paged_greedy(model, [p], 12, chunk=3, page_size=8)[0] for p in prompts]
 
 
 def test_cpu_models_stay_on_torch_ops(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir)
     assert enable_cuda_backend(model) is False
     assert isinstance(model.ops, PagedTorchOps) and model.runner is None
+    batch = make_batch([([1], 0, [1], [-1])], 4)
+    assert not graphable(model, batch, Pool.for_model(model, 4, 4))
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "width", "shape"),
+    [(1, 1, 1, GraphShape(1, 1, 1)), (3, 3, 5, GraphShape(4, 4, 8)), (5, 17, 2, GraphShape(8, 32, 2)),
+     (64, 64, 512, GraphShape(64, 64, 512)), (3, 24, 1, GraphShape(4, 32, 1)), (3, 25, 1, None), (65, 65, 1, None)],
+)  # fmt: skip
+def test_graph_shapes_are_buckets(b: int, t: int, width: int, shape: GraphShape | None) -> None:
+    rows = [t // b + (i < t % b) for i in range(b)]
+    batch = make_batch([([1] * r, 0, [1] * width, [-1]) for r in rows], 1024)
+    assert graph_shape(batch) == shape
+    # the runner pads tables to a whole context's pages: one width for every length
+    assert graph_shape(batch, min_pages=256) == (shape and GraphShape(shape.seqs, shape.rows, max(256, shape.pages)))
 
 
 # ---- anywhere: the kernels in the CPU emulator, driven by the model ----
@@ -114,26 +149,51 @@ def emulated_model(path: Path) -> Any:
     return model
 
 
-@needs_paged
 def test_tiny_golden_greedy_through_the_emulated_kernels(tiny_model_dir: Path) -> None:
     model = emulated_model(tiny_model_dir)
     assert greedy(model, GOLDEN_PROMPT, len(GOLDEN_GREEDY)) == GOLDEN_GREEDY
 
 
-@needs_paged
-@pytest.mark.parametrize(("n_tokens", "last_only"), [(1, True), (4, True), (4, False)])
-def test_graph_step_reads_no_scalar_on_the_host(tiny_model_dir: Path, n_tokens: int, last_only: bool) -> None:
-    # a read (item(), indexing with a 0-d tensor) inside the captured step would fail the CUDA graph capture
+def test_batched_paged_steps_through_the_emulated_kernels(tiny_model_dir: Path) -> None:
     model = emulated_model(tiny_model_dir)
-    cache = model.new_cache(64)
-    model(torch.tensor(GOLDEN_PROMPT), cache)
-    pos = torch.tensor([len(GOLDEN_PROMPT)], dtype=torch.int32)
+    reference = load_model(tiny_model_dir)  # PagedTorchOps
+    prompts = [GOLDEN_PROMPT, *OTHER_PROMPTS]
+    got = paged_greedy(model, prompts, 8)
+    assert got[0] == GOLDEN_GREEDY[:8]
+    assert got == paged_greedy(reference, prompts, 8)
+
+
+@pytest.mark.parametrize("rows", [(1, 1, 1), (4, 2, 3)])  # decode; verify (1 + k rows, logits of every row)
+def test_padded_graph_step_matches_the_batch_and_reads_no_scalar(tiny_model_dir: Path, rows: tuple[int, ...]) -> None:
+    # what GraphRunner replays: the batch copied into a bucket's static tensors, padding rows writing to page 0
+    model = emulated_model(tiny_model_dir)
+    model.ensure_rope(64)
+    pool = Pool.for_model(model, n_pages=16, page_size=4)
+    lengths = [5, 9, 14]
+    tables = [[pool.free.pop() for _ in range(-(-(n + r) // 4))] for n, r in zip(lengths, rows, strict=True)]
+    gen = torch.Generator().manual_seed(1)
+    model(make_batch([(torch.randint(3, 500, (n,), generator=gen).tolist(), 0, tab, [-1])
+                      for n, tab in zip(lengths, tables, strict=True)], 4), pool)  # fmt: skip
+    logit_rows = [list(range(r)) if len(set(rows)) > 1 else [-1] for r in rows]
+    batch = make_batch([(torch.randint(3, 500, (r,), generator=gen).tolist(), n, tab, lr)
+                        for r, n, tab, lr in zip(rows, lengths, tables, logit_rows, strict=True)], 4)  # fmt: skip
+    before = [t.clone() for t in pool.k + pool.v]
+    want = model(batch, pool)
+    after = [t.clone() for t in pool.k + pool.v]
+    for t, b in zip(pool.k + pool.v, before, strict=True):
+        t.copy_(b)
+    shape = graph_shape(batch)
+    assert shape is not None and shape.seqs == 4 and shape.rows >= batch.tokens.shape[0]
+    static = static_batch(shape, 4, model.device)
     with ScalarReads() as mode:
-        run_at(model, torch.tensor([5] * n_tokens), pos, cache, last_only=last_only)
+        fill(static, batch)
+        got = model.layers_forward(static, pool)[: batch.logit_rows.shape[0]]
     assert mode.reads == []
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for t, w in zip(pool.k + pool.v, after, strict=True):  # padding changed page 0 only
+        torch.testing.assert_close(t[1:], w[1:], rtol=1e-6, atol=1e-6)
 
 
-@needs_paged
 @pytest.mark.parametrize("mode", ["self", "ngram"])
 def test_speculative_verify_through_the_emulated_kernels_keeps_greedy_output(tiny_model_dir: Path, mode: str) -> None:
     model = emulated_model(tiny_model_dir)
@@ -143,7 +203,6 @@ def test_speculative_verify_through_the_emulated_kernels_keeps_greedy_output(tin
     assert spec == GOLDEN_GREEDY
 
 
-@needs_paged
 @pytest.mark.real_model
 def test_default_model_greedy_through_the_emulated_kernels_matches_cpu_float32(real_model_dir: Path) -> None:
     # the GPU acceptance check below, on two prompts and fewer tokens: the emulator takes ~0.3 s a token
@@ -158,38 +217,41 @@ def test_default_model_greedy_through_the_emulated_kernels_matches_cpu_float32(r
 # ---- on the GPU ----
 
 
-@needs_paged
 @pytest.mark.gpu
 @needs_gpu
 def test_tiny_golden_greedy_on_the_cuda_backend_with_graphs(tiny_model_dir: Path) -> None:
     model = cuda_model(tiny_model_dir, torch.float32)
-    assert greedy(model, GOLDEN_PROMPT, len(GOLDEN_GREEDY)) == GOLDEN_GREEDY
-    assert model.runner.captures >= 2  # the 6-token prompt and the 1-token step
+    got = paged_greedy(model, [GOLDEN_PROMPT, *OTHER_PROMPTS], len(GOLDEN_GREEDY))
+    assert got[0] == GOLDEN_GREEDY
+    assert model.runner.captures >= 1  # the prompts' chunks and the decode steps of 3 sequences (bucket 4)
     assert model.runner.replays >= len(GOLDEN_GREEDY) - 2
 
 
-@needs_paged
 @pytest.mark.gpu
 @needs_gpu
 def test_graphs_match_eager_kernels_and_torch_ops(tiny_model_dir: Path) -> None:
     model = cuda_model(tiny_model_dir, torch.float16)
-    tokens = [
-        int(t) for t in torch.randint(3, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    ]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.args.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 2, 17, 6)]
+    forced = [torch.randint(3, model.args.vocab_size, (24,), generator=gen).tolist() for _ in prompts]
     runs = {}
     for mode in ("graphs", "eager", "torch"):
         if mode == "eager":
             model.runner = None
         if mode == "torch":
-            model.ops = TorchOps
-        cache = model.new_cache(64)
-        model(torch.tensor(tokens[:5], device="cuda"), cache)
-        runs[mode] = torch.cat([model(torch.tensor([t], device="cuda"), cache, last_only=True) for t in tokens[5:]])
+            model.ops = PagedTorchOps()
+        logits: list[torch.Tensor] = []
+
+        def record(batch: Batch, pool: Pool, seen: list[torch.Tensor] = logits, run: Step = model) -> torch.Tensor:
+            seen.append(run(batch, pool))
+            return seen[-1]
+
+        paged_greedy(model, prompts, 24, step=record, forced=forced)  # the same inputs in every mode
+        runs[mode] = torch.cat(logits)
     torch.testing.assert_close(runs["graphs"], runs["eager"], rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(runs["graphs"], runs["torch"], rtol=2e-2, atol=5e-2)
 
 
-@needs_paged
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("mode", ["self", "ngram"])
@@ -205,7 +267,6 @@ def test_speculative_verify_steps_keep_greedy_output(tiny_model_dir: Path, mode:
     assert spec == plain
 
 
-@needs_paged
 @pytest.mark.gpu
 @needs_gpu
 def test_seeded_sampling_is_reproducible(tiny_model_dir: Path) -> None:
@@ -220,17 +281,18 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir: Path) -> None:
     assert other != runs[0]  # the seed matters: 48 draws over a ~500-token vocabulary at temperature 1
 
 
-@needs_paged
 @pytest.mark.gpu
 @pytest.mark.real_model
 @needs_gpu
 def test_default_model_first_64_greedy_tokens_match_cpu_float32(real_model_dir: Path) -> None:
+    # the five prompts decode together, through the graphs of their batch buckets, as the CPU does them batched
     tok = Tokenizer.from_dir(real_model_dir)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     cpu = load_model(real_model_dir)
     gpu = cuda_model(real_model_dir, torch.float32)
-    for text, ids in zip(PROMPTS, prompts, strict=True):
-        want, got = greedy(cpu, ids, 64), greedy(gpu, ids, 64)
-        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        assert got == want, f"{text!r}: GPU and CPU float32 greedy tokens differ first at token {first}"
+    want = paged_greedy(cpu, prompts, 64, chunk=16, page_size=16)
+    got = paged_greedy(gpu, prompts, 64, chunk=16, page_size=16)
+    for text, g, w in zip(PROMPTS, got, want, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
+        assert g == w, f"{text!r}: GPU and CPU float32 greedy tokens differ first at token {first}"
     assert gpu.runner.replays > 0

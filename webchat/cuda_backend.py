@@ -1,118 +1,161 @@
-"""The CUDA backend: CudaOps kernels for the hot ops, and small steps (decode, speculative verify) captured once into
-CUDA graphs and replayed with the token ids and position in static device tensors.
+"""The CUDA backend: CudaOps kernels for the hot ops, and decode-sized ragged batches captured into CUDA graphs keyed
+by batch-size buckets, replayed with each step's batch copied into static device tensors.
 
 How it is used: `enable_cuda_backend(model)` (called by whoever loads a model onto a CUDA device) sets `model.ops` to
-CudaOps and `model.runner` to a GraphRunner. `Transformer.forward` then offers every call to the runner first:
-a step of at most MAX_GRAPH_TOKENS tokens on a CUDA cache is replayed from a graph (captured on its first occurrence,
-per cache, token count and last_only), anything else (prefill, a truncated self-draft model) runs eagerly. Callers
-see the ordinary `model(tokens, cache, last_only)` contract: fresh float32 logits, cache.length advanced by T.
-Without CuPy (or with WEBCHAT_CUDA_KERNELS=0) the model stays on TorchOps, eager, and says so in the log.
+CudaOps and `model.runner` to a GraphRunner. `Transformer.forward(batch, kv)` offers every step to the runner first:
+`model.runner(model, batch, kv) -> logits (R, vocab) | None`; a graph captures `model.layers_forward(batch, kv)`.
+A step of B <= 64 sequences with at most MAX_ROWS_PER_SEQ rows each on average (decode: 1 token a sequence;
+speculative verify: 1 + k) is padded up to a graph shape (B to 1, 2, 4, ... 64 sequences; rows to a power of two;
+block tables to a whole context's pages) and replayed; anything else (prefill chunks, a CPU cache) gets None and runs
+eagerly. Padding sequences own no rows and have length 0; padding rows lie past the last sequence, write slot 0 of
+page 0 (never handed to a sequence) and read nothing.
+Without CuPy (or with WEBCHAT_CUDA_KERNELS=0) the model stays on PyTorch ops, eager, and says so in the log.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from webchat.batch import Batch
+from webchat.model import PagedKV, Transformer
+
 log = logging.getLogger(__name__)
-MAX_GRAPH_TOKENS = 8  # decode (1) and speculative verify (draft tokens + 1) steps
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences per captured step
+MAX_ROWS_PER_SEQ = 8  # a step of B sequences is graphed when it has at most 8 B rows (verify: 1 + up to 7 drafts)
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """A captured step's static sizes: sequences (a bucket), rows and block-table width (powers of two)."""
+
+    seqs: int
+    rows: int
+    pages: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def graph_shape(batch: Batch, min_pages: int = 1) -> GraphShape | None:
+    """The shape a batch is padded to, or None where it is not a decode-sized step. Block tables are padded to at
+    least min_pages (the runner passes a whole context's pages, so one width serves every length)."""
+    b, t, r = batch.num_seqs, int(batch.tokens.shape[0]), int(batch.logit_rows.shape[0])
+    seqs = next((s for s in BATCH_BUCKETS if s >= b), None)
+    if seqs is None or t > MAX_ROWS_PER_SEQ * b:
+        return None
+    rows = _pow2(max(t, seqs))
+    width = int(batch.block_tables.shape[1])
+    return GraphShape(seqs, rows, max(min_pages, _pow2(width))) if r <= rows else None
+
+
+def static_batch(shape: GraphShape, page_size: int, device: torch.device) -> Batch:
+    """Zeroed device tensors of a graph's shape; its grid is sized for full block tables (max_seq_len)."""
+
+    def z(*size: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    return Batch(tokens=z(shape.rows, dtype=torch.long), positions=z(shape.rows, dtype=torch.long),
+                 slot_mapping=z(shape.rows, dtype=torch.long), query_start=z(shape.seqs + 1, dtype=torch.int32),
+                 seq_lens=z(shape.seqs, dtype=torch.int32), block_tables=z(shape.seqs, shape.pages, dtype=torch.int32),
+                 logit_rows=z(shape.rows, dtype=torch.long), max_seq_len=shape.pages * page_size)  # fmt: skip
+
+
+def fill(static: Batch, batch: Batch) -> None:
+    """Copy batch into static's leading rows and sequences (device to device, no host read); the rest is padding:
+    token 0 at position 0 writing slot 0, past query_start[b] = T; empty sequences of length 0 and table 0."""
+    b, t, r, w = batch.num_seqs, batch.tokens.shape[0], batch.logit_rows.shape[0], batch.block_tables.shape[1]
+    for dst, src in ((static.tokens, batch.tokens), (static.positions, batch.positions),
+                     (static.slot_mapping, batch.slot_mapping), (static.logit_rows, batch.logit_rows)):  # fmt: skip
+        dst[: src.shape[0]].copy_(src)
+        dst[src.shape[0] :].zero_()
+    static.query_start[: b + 1].copy_(batch.query_start)
+    static.query_start[b + 1 :].copy_(batch.query_start[b:].expand(static.query_start.shape[0] - b - 1))
+    static.seq_lens[:b].copy_(batch.seq_lens)
+    static.seq_lens[b:].zero_()
+    static.block_tables.zero_()
+    static.block_tables[:b, :w].copy_(batch.block_tables)
+    assert t <= static.tokens.shape[0] and r <= static.logit_rows.shape[0]
+
+
+def graphable(model: Transformer, batch: Batch, kv: PagedKV) -> bool:
+    """A step the runner replays: a decode-sized Batch on CUDA, with CudaOps (whose kernels read lengths on device)."""
+    return (
+        batch.tokens.device.type == "cuda"
+        and bool(kv.k)
+        and kv.k[0].device == batch.tokens.device
+        and getattr(model.ops, "name", "") == "cuda"
+        and graph_shape(batch) is not None
+    )
 
 
 @dataclass
 class GraphStep:
-    """One captured step: static inputs the graph reads, the logits it writes, what it was captured against."""
+    """One captured step: the static batch it reads and the logits (rows, vocab) float32 each replay overwrites."""
 
     graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor  # (T,) int64, copied into before each replay
-    pos: torch.Tensor  # (1,) int32: position of tokens[0]
-    logits: torch.Tensor  # (T or 1, vocab) float32, overwritten by each replay
-    cache_ptrs: tuple[int, ...]  # data_ptr of every cache tensor at capture
-    rope: tuple[torch.Tensor, torch.Tensor]  # the tables the graph indexes (kept alive)
-
-
-def cache_ptrs(cache: Any) -> tuple[int, ...]:
-    return tuple(t.data_ptr() for t in cache.k + cache.v)
-
-
-def graphable(model: Any, tokens: torch.Tensor, cache: Any) -> bool:
-    """A step the runner replays: few tokens, on CUDA, with CudaOps (whose kernels read the position on device)."""
-    return (
-        tokens.shape[0] <= MAX_GRAPH_TOKENS
-        and tokens.device.type == "cuda"
-        and bool(cache.k)
-        and cache.k[0].device == tokens.device
-        and getattr(model.ops, "name", "") == "cuda"
-    )
-
-
-def run_at(model: Any, tokens: torch.Tensor, pos: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor:
-    """The step a graph captures: rope rows and cache position come from the device tensor pos (1,) int32."""
-    idx = pos.long() + torch.arange(tokens.shape[0], device=pos.device)  # (T,) positions
-    rope = (model.rope_cos.index_select(0, idx), model.rope_sin.index_select(0, idx))  # (T, hd/2) each
-    logits: torch.Tensor = model.layers_forward(tokens, cache, pos, rope, last_only)
-    return logits
+    batch: Batch
+    logits: torch.Tensor
 
 
 class GraphRunner:
-    """Captures and replays one model's small steps; the `model.runner` hook of Transformer.forward.
+    """Captures and replays one model's decode-sized steps by GraphShape; the `model.runner` hook of its forward.
 
-    Graphs are kept per cache (weakly: a dropped cache drops its graphs) and share one memory pool; the worker
-    thread that owns the device runs them one at a time, which is what sharing a pool needs.
+    The graphs share one memory pool and are captured against one cache's tensors and rope tables: a step on other
+    tensors drops them all (the engine has one paged pool per model). The thread that owns the device runs them one
+    at a time, which is what sharing a pool needs.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Transformer) -> None:
         self.model = model
         self.device: torch.device = model.device
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # warm-up and capture
-        self.steps: weakref.WeakKeyDictionary[Any, dict[tuple[int, bool], GraphStep]] = weakref.WeakKeyDictionary()
+        self.steps: dict[GraphShape, GraphStep] = {}
+        self.ptrs: tuple[int, ...] = ()
         self.captures = 0
         self.replays = 0
 
-    def __call__(self, model: Any, tokens: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor | None:
-        """Logits for tokens at cache.length.. (advancing cache.length), or None to have the caller run eagerly."""
-        if model is not self.model or not graphable(model, tokens, cache):
+    def __call__(self, model: Transformer, batch: Batch, kv: PagedKV) -> torch.Tensor | None:
+        """Logits (R, vocab) float32 for the batch's logit rows, or None to have the caller run it eagerly."""
+        if model is not self.model or not graphable(model, batch, kv):
             return None  # e.g. model.truncated(n): a copy that shares this runner but not its layers
-        start, key = cache.length, (tokens.shape[0], last_only)
-        per_cache = self.steps.setdefault(cache, {})
-        step = per_cache.get(key)
-        if step is None or step.cache_ptrs != cache_ptrs(cache):
-            step, logits = self._capture(tokens, cache, last_only)
-            per_cache[key] = step
-        else:
-            step.tokens.copy_(tokens)
-            step.pos.fill_(start)
-            step.graph.replay()
-            self.replays += 1
-            logits = step.logits.clone()  # the next replay overwrites step.logits
-        cache.length = start + tokens.shape[0]
-        return logits
+        shape = graph_shape(batch, min_pages=-(-model.args.max_seq_len // kv.k[0].shape[1]))  # a context's pages
+        assert shape is not None
+        ptrs = tuple(t.data_ptr() for t in (*kv.k, *kv.v, model.rope_cos, model.rope_sin))
+        if ptrs != self.ptrs:
+            self.steps.clear()
+            self.ptrs = ptrs
+        step = self.steps.get(shape)
+        if step is None:
+            step = self.steps[shape] = self._capture(shape, batch, kv)
+        fill(step.batch, batch)
+        step.graph.replay()
+        self.replays += 1
+        return step.logits[: batch.logit_rows.shape[0]].clone()  # the next replay overwrites step.logits
 
-    def _capture(self, tokens: torch.Tensor, cache: Any, last_only: bool) -> tuple[GraphStep, torch.Tensor]:
-        """Run the step once for real on the side stream (compiles kernels, warms cuBLAS), then capture it."""
-        m = self.model
-        static_tokens = tokens.detach().clone()
-        pos = torch.full((1,), cache.length, dtype=torch.int32, device=self.device)
+    def _capture(self, shape: GraphShape, batch: Batch, kv: PagedKV) -> GraphStep:
+        """Run the padded step once for real on the side stream (compiles kernels, warms cuBLAS), then capture it.
+        The replay that follows rewrites the same k/v, so the warm-up's writes are harmless."""
+        static = static_batch(shape, kv.k[0].shape[1], self.device)
+        fill(static, batch)
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            logits = run_at(m, static_tokens, pos, cache, last_only)  # this call's answer
-        current.wait_stream(self.stream)
-        logits.record_stream(current)  # allocated on the side stream, consumed on the current one
+            self.model.layers_forward(static, kv)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            static_logits = run_at(m, static_tokens, pos, cache, last_only)  # recorded, not run
+            logits = self.model.layers_forward(static, kv)  # recorded, not run: it reads nothing on the host
+        current.wait_stream(self.stream)
         self.captures += 1
-        step = GraphStep(graph, static_tokens, pos, static_logits, cache_ptrs(cache), (m.rope_cos, m.rope_sin))
-        return step, logits
+        return GraphStep(graph, static, logits)
 
 
-def enable_cuda_backend(model: Any, graphs: bool = True) -> bool:
+def enable_cuda_backend(model: Transformer, graphs: bool = True) -> bool:
     """Put a model on a CUDA device onto CudaOps (and CUDA graphs); False, with a log line, where it stays on torch."""
     if model.device.type != "cuda":
         return False
@@ -121,9 +164,6 @@ def enable_cuda_backend(model: Any, graphs: bool = True) -> bool:
         return False
     from webchat.gpu import CudaOps, KernelUnavailable
 
-    if not hasattr(CudaOps, "paged_attention"):  # the model runs ragged batches on a paged pool (webchat.batch)
-        log.warning("CudaOps has no paged kernels yet: the model runs on PyTorch ops")
-        return False
     try:
         model.ops = CudaOps(model.device)
     except KernelUnavailable as e:
@@ -133,7 +173,7 @@ def enable_cuda_backend(model: Any, graphs: bool = True) -> bool:
     return True
 
 
-def disable_cuda_backend(model: Any) -> None:
+def disable_cuda_backend(model: Transformer) -> None:
     """Back to plain PyTorch ops, eager (for comparisons)."""
     from webchat.ops import PagedTorchOps
 
