@@ -151,8 +151,9 @@ def _choose_weights(
         raise ValueError("--quantize and --weights float32 contradict each other; pick one")
     cpu_f32 = device.type == "cpu" and dtype == torch.float32
     has_file = (path / QUANT_FILE).is_file()
-    wanted = quantize is not None or weights == "quantized" or (weights == "auto" and has_file)
-    if wanted and not cpu_f32 and weights != "auto":
+    asked = quantize is not None or weights == "quantized"
+    wanted = asked or (weights == "auto" and has_file)
+    if asked and not cpu_f32:
         raise ValueError(f"quantized weights run on the CPU in float32; got device {device} and dtype {dtype}")
     if weights == "quantized" and quantize is None and not has_file:
         raise ValueError(f"{path} has no {QUANT_FILE}; quantize at load with --quantize {'|'.join(QUANTIZE)}")
