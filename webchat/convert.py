@@ -196,7 +196,8 @@ def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False
 
 def quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
     """{HF tensor name: "q4_1", ...} for the tensors read_tensors(keep_quantized=True) keeps as blocks."""
-    return {hf_tensor_name(t.name): KEPT_QUANTIZED[t.tensor_type] for t in reader.tensors if t.tensor_type in KEPT_QUANTIZED}
+    kept = [t for t in reader.tensors if t.tensor_type in KEPT_QUANTIZED]
+    return {hf_tensor_name(t.name): KEPT_QUANTIZED[t.tensor_type] for t in kept}
 
 
 def write_quantized(reader: gguf.GGUFReader, h: Hyper, out_dir: Path) -> None:

@@ -20,6 +20,7 @@ from webchat.config import ModelArgs
 from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.model import Transformer
 from webchat.quant import QTYPES, DecodeRunner, QEmbedding, QLinear, fused_ops, quantize, swap_modules
+from webchat.weights import QUANTIZE, WEIGHTS
 
 # checkpoint name → ours (gpt-fast's weight_map); {} is the layer index
 WEIGHT_MAP = {
@@ -43,8 +44,6 @@ IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WEIGHTS = ("auto", "quantized", "float32")  # auto: quantized.safetensors on the CPU in float32 where present
-QUANTIZE = ("q8_0", "q4_0")  # --quantize: matrices to this, the embedding and tied head to q8_0
 
 
 class ModelLoadError(ValueError):
@@ -85,14 +84,16 @@ def load_model(
     device = torch.device(device)
     args = ModelArgs.from_dir(path)
     kernels, quantized = _choose_weights(path, device, dtype, weights, quantize)
-    if quantized:
-        tensors, qtypes = _read_quantized(path) if quantize is None else _quantize_tensors(_read_tensors(path), quantize)
+    if quantized and quantize is None:
+        tensors, qtypes = _read_quantized(path)
+    elif quantized and quantize is not None:
+        tensors, qtypes = _quantize_tensors(_read_tensors(path), quantize)
     else:
         tensors, qtypes = _read_tensors(path), {}
     with torch.device("meta"):
         model = Transformer(args)
-    modules = {_map_name(name): qt for name, qt in qtypes.items()}
-    modules = {name.removesuffix(".weight"): qt for name, qt in modules.items() if name is not None}
+    ours_qtypes = {_map_name(name): qt for name, qt in qtypes.items()}
+    modules = {name.removesuffix(".weight"): qt for name, qt in ours_qtypes.items() if name is not None}
     if args.tie_embeddings and "tok_embeddings" in modules:
         modules["output"] = modules["tok_embeddings"]
     swap_modules(model, modules, kernels)
@@ -108,7 +109,8 @@ def load_model(
             raise ModelLoadError(f"{path}: tensor {ckpt_name!r} does not fit the config ({args.n_layers} layers)")
         shape, want_dtype = expected[ours]
         if tuple(tensor.shape) != tuple(shape):
-            raise ModelLoadError(f"{path}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+            got = tuple(tensor.shape)
+            raise ModelLoadError(f"{path}: tensor {ckpt_name!r} has shape {got}, expected {tuple(shape)}")
         state[ours] = tensor if want_dtype == torch.uint8 else tensor.to(device=device, dtype=dtype)
     if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]

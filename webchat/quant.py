@@ -63,7 +63,8 @@ class QEmbedding(nn.Module):
         self.kernels = kernels
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows: torch.Tensor = self.kernels.dequantize(self.weight, QTYPES[self.qtype][0], self.embedding_dim, ids.reshape(-1))
+        qt = QTYPES[self.qtype][0]
+        rows: torch.Tensor = self.kernels.dequantize(self.weight, qt, self.embedding_dim, ids.reshape(-1))
         return rows.view(*ids.shape, self.embedding_dim)
 
 
@@ -164,7 +165,8 @@ class DecodeRunner:
         if step is None:
             return None
         pos = cache.length
-        logits: torch.Tensor = step.step(int(tokens[0]), pos, cache.k, cache.v, model.rope_cos[pos], model.rope_sin[pos])
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        logits: torch.Tensor = step.step(int(tokens[0]), pos, cache.k, cache.v, cos, sin)
         cache.length = pos + 1
         return logits
 

@@ -30,6 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 import webchat
 from webchat import protocol as p
 from webchat.speculative import MODES
+from webchat.weights import add_weight_arguments
 from webchat.worker import Job, StreamingGenerator, Worker
 
 log = logging.getLogger("webchat.server")
@@ -47,6 +48,8 @@ class ServerConfig:
     speculative: str = "none"  # the mode for requests that name none
     device: str = "auto"
     dtype: str | None = None  # None: float32 on the CPU, float16 on CUDA
+    weights: str = "auto"  # webchat.loader.WEIGHTS: the folder's quantized blocks on the CPU where present
+    quantize: str | None = None  # q8_0 | q4_0: quantize float weights at load
     host: str = "127.0.0.1"
     port: int = 8000
     max_sessions: int = 4
@@ -71,6 +74,7 @@ class Runtime:
     modes: list[str]
     draft_model: Any = None
     default_mode: str = "none"
+    weights: str = "float32"  # webchat.loader.weights_name: "q4_1", "float32", ...
 
     def new_generator(self) -> StreamingGenerator:
         from webchat.generator import Generator
@@ -85,25 +89,27 @@ class Runtime:
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
-                       dtype=self.dtype, speculative=list(self.modes))
+                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights)
 
 
 def load_runtime(config: ServerConfig) -> Runtime:
     """Load the model (and draft) once onto the configured device."""
-    from webchat.loader import load_model, resolve_device, resolve_dtype
+    from webchat.loader import load_model, resolve_device, resolve_dtype, weights_name
     from webchat.tokenizer import Tokenizer
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    model = load_model(config.model_dir, device, dtype)
-    draft = load_model(config.draft_dir, device, dtype) if config.draft_dir is not None else None
+    model = load_model(config.model_dir, device, dtype, weights=config.weights, quantize=config.quantize)
+    draft = None
+    if config.draft_dir is not None:
+        draft = load_model(config.draft_dir, device, dtype, weights=config.weights, quantize=config.quantize)
     context = min(model.args.max_seq_len, config.max_seq_len or model.args.max_seq_len)
     modes = [m for m in MODES if m != "draft" or draft is not None]
     if config.speculative not in modes:
         raise ValueError(f"--speculative {config.speculative} is not available; choose one of {modes}")
     return Runtime(model=model, tokenizer=Tokenizer.from_dir(config.model_dir), model_name=config.model_dir.name,
                    device=str(device), dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
-                   draft_model=draft, default_mode=config.speculative)
+                   draft_model=draft, default_mode=config.speculative, weights=weights_name(model))
 
 
 # ---------------------------------------------------------------- security
@@ -294,7 +300,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
                         config.max_sessions, config.max_queue)
         worker.start()
         if runtime is None:
-            print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}) ready at {display_url(config)}", flush=True)
+            print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}, weights {rt.weights}) ready at "
+                  f"{display_url(config)}", flush=True)
         try:
             yield {"runtime": rt, "worker": worker, "config": config}
         finally:
@@ -372,6 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="default: float32 on the CPU, float16 on CUDA")
+    add_weight_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-sessions", type=_positive, default=4, help="KV caches held at once (default 4)")
@@ -399,7 +407,8 @@ def _non_negative(text: str) -> int:
 def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
     return ServerConfig(model_dir=model_dir, draft_dir=args.draft, speculative=args.speculative, device=args.device,
                         dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
-                        max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len)
+                        max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
+                        weights=args.weights, quantize=args.quantize)
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
