@@ -44,7 +44,7 @@ def ptx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def test_every_op_has_a_source() -> None:
-    assert {"rms_norm", "rope", "silu_mul", "kv_append", "attention", "sampling"} <= set(SOURCES)
+    assert {"rms_norm", "rope", "silu_mul", "kv_append", "attention", "sampling", "qgemv"} <= set(SOURCES)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
