@@ -61,6 +61,8 @@ def load(verbose: bool = False) -> Any:
         raise KernelsUnavailable(f"{tool!r} not found on PATH; install a C++ compiler and ninja (scripts/setup.sh)")
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / f"{out.name}.so").is_file():
+        print(f"webchat: building the C++ kernels into {out} (once; a few minutes)", file=sys.stderr, flush=True)
     try:
         mod = cpp_extension.load(
             name=out.name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS,

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from webchat.cache import KVCache
@@ -18,6 +19,8 @@ from webchat.ops import TorchOps
 # name → (ggml type number, bytes per block of 32 weights)
 QTYPES: dict[str, tuple[int, int]] = {"q4_0": (2, 18), "q4_1": (3, 20), "q8_0": (8, 34)}
 BLOCK = 32
+GEMM_ROWS = 32  # from this many rows of x, QLinear dequantizes the matrix and calls torch's float32 GEMM
+GEMM_MAX_WEIGHTS = 4 << 20  # ... if its float32 copy stays under 16 MB (never the 28M-weight head)
 
 
 def row_bytes(qtype: str, k: int) -> int:
@@ -43,10 +46,13 @@ class QLinear(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y: torch.Tensor = self.kernels.qmatmul(
-            x.reshape(-1, self.in_features), self.weight, QTYPES[self.qtype][0], self.in_features, self.bias
-        )
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
+        qt = QTYPES[self.qtype][0]
+        if x2.shape[0] >= GEMM_ROWS and self.weight.shape[0] * self.in_features <= GEMM_MAX_WEIGHTS:
+            # prefill: dequantize once (float32, exact) and let torch's sgemm do M x N x K; a transient matrix
+            y = F.linear(x2, self.kernels.dequantize(self.weight, qt, self.in_features), self.bias)
+        else:
+            y = self.kernels.qmatmul(x2, self.weight, qt, self.in_features, self.bias)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

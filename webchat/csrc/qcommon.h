@@ -57,6 +57,13 @@ inline float half_to_float(const uint8_t* p) {
 extern int g_path;
 int best_path();
 int path();
+struct MatRef {  // one matrix of a qgemv_multi call and where its output goes
+  const uint8_t* w;
+  int64_t n, row_bytes;
+  int qtype;
+  float* y;
+};
+void qgemv_multi(const float* x, int64_t k, const MatRef* mats, int count, float* xsum2);
 void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
                  float* xsum2, float* y);
 

@@ -236,17 +236,21 @@ static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   }
 }
 
-// y (m, n) = x (m, k) @ dequant(w (n, row_bytes))^T; xsum2 (m, k/32, 2) scratch
-void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
-                 float* xsum2, float* y) {
-  const int64_t nb = k / 32;
-  // xsum2[r, b] = (0, sum of x[r, 32b .. 32b+31]): the zero-point term of Q4_0/Q4_1, shared by every output row
-  for (int64_t i = 0; i < m * nb; ++i) {
+// xsum2[r, b] = (0, sum of x[r, 32b .. 32b+31]): the zero-point term of Q4_0/Q4_1, shared by every output row
+static void block_sums(const float* x, int64_t m, int64_t k, float* xsum2) {
+  for (int64_t i = 0; i < m * (k / 32); ++i) {
     float s = 0.f;
     for (int t = 0; t < 32; ++t) s += x[i * 32 + t];
     xsum2[2 * i] = 0.f;
     xsum2[2 * i + 1] = s;
   }
+}
+
+// y (m, n) = x (m, k) @ dequant(w (n, row_bytes))^T; xsum2 (m, k/32, 2) scratch
+void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
+                 float* xsum2, float* y) {
+  const int64_t nb = k / 32;
+  block_sums(x, m, k, xsum2);
   const int p = path();
   const int64_t rows_in_flight = m < 4 ? m : 4;
   for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time keep x in L2 while w streams
@@ -256,6 +260,28 @@ void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t
     const int64_t grain = std::max<int64_t>(8, 16384 / (row_bytes * rows_in_flight));
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) { run_rows(j, n0, n1, p); });
   }
+}
+
+// y_i (1, n_i) = x (1, k) @ dequant(w_i)^T for several matrices sharing x (q/k/v, gate/up): one parallel region
+// over all their rows together, one pass of block sums
+void qgemv_multi(const float* x, int64_t k, const MatRef* mats, int count, float* xsum2) {
+  block_sums(x, 1, k, xsum2);
+  const int p = path();
+  int64_t total = 0, row_bytes = mats[0].row_bytes;
+  for (int i = 0; i < count; ++i) total += mats[i].n;
+  const int64_t grain = std::max<int64_t>(8, 16384 / row_bytes);
+  at::parallel_for(0, total, grain, [&](int64_t b, int64_t e) {
+    int64_t base = 0;
+    for (int i = 0; i < count; ++i) {
+      const MatRef& mr = mats[i];
+      const int64_t lo = std::max(b, base), hi = std::min(e, base + mr.n);
+      if (lo < hi) {
+        const Job j{x, k, xsum2, mr.w, mr.row_bytes, 1, k, mr.qtype, mr.y, mr.n};
+        run_rows(j, lo - base, hi - base, p);
+      }
+      base += mr.n;
+    }
+  });
 }
 
 }  // namespace wq

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "qcommon.h"
@@ -36,9 +38,22 @@ static void rope_heads(float* x, int64_t heads, int64_t hd, const float* c, cons
 }
 
 void StepModel::linear(const Mat& m, const float* x, float* y) const {
-  qmatmul_raw(x, 1, m.k, m.w, m.n, m.row_bytes, m.qtype, xsum2_.data(), y);
+  const MatRef r{m.w, m.n, m.row_bytes, m.qtype, y};
+  qgemv_multi(x, m.k, &r, 1, xsum2_.data());
   if (m.bias != nullptr)
     for (int64_t i = 0; i < m.n; ++i) y[i] += m.bias[i];
+}
+
+// y_i = x @ m_i^T (+ bias_i) for matrices sharing x and K, in one parallel region
+void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x) const {
+  MatRef refs[4];
+  int count = 0;
+  for (const auto& my : mys) refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype,
+                                                    my.second};
+  qgemv_multi(x, mys.begin()->first->k, refs, count, xsum2_.data());
+  for (const auto& my : mys)
+    if (my.first->bias != nullptr)
+      for (int64_t i = 0; i < my.first->n; ++i) my.second[i] += my.first->bias[i];
 }
 
 // o (H, hd) = softmax(q k^T / sqrt(hd)) v over cache positions [0, len) of each head's kv group
@@ -80,9 +95,7 @@ void StepModel::step(int64_t token, int64_t pos, float* const* cache_k, float* c
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& L = layers[i];
     rms_norm_row(x.data(), L.attn_norm, y.data(), d, eps);
-    linear(L.wq, y.data(), q.data());
-    linear(L.wk, y.data(), k.data());
-    linear(L.wv, y.data(), v.data());
+    linears({{&L.wq, q.data()}, {&L.wk, k.data()}, {&L.wv, v.data()}}, y.data());
     rope_heads(q.data(), n_heads, head_dim, cos, sin);
     rope_heads(k.data(), n_kv, head_dim, cos, sin);
     for (int64_t h = 0; h < n_kv; ++h) {  // cache (n_kv, cap, hd) <- k, v at pos
@@ -93,8 +106,7 @@ void StepModel::step(int64_t token, int64_t pos, float* const* cache_k, float* c
     linear(L.wo, o.data(), out.data());
     for (int64_t c = 0; c < d; ++c) x[c] += out[c];
     rms_norm_row(x.data(), L.ffn_norm, y.data(), d, eps);
-    linear(L.w1, y.data(), g.data());
-    linear(L.w3, y.data(), u.data());
+    linears({{&L.w1, g.data()}, {&L.w3, u.data()}}, y.data());
     for (int64_t c = 0; c < ffn; ++c) g[c] = g[c] / (1.f + std::exp(-g[c])) * u[c];  // silu(g) * u
     linear(L.w2, g.data(), out.data());
     for (int64_t c = 0; c < d; ++c) x[c] += out[c];

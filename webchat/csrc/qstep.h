@@ -1,6 +1,8 @@
 // The decode-step model: raw pointers into tensors that the Python-side wrapper keeps alive (qops.cpp).
 #pragma once
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 namespace wq {
@@ -32,6 +34,7 @@ struct StepModel {
  private:
   mutable std::vector<float> xsum2_;
   void linear(const Mat& m, const float* x, float* y) const;
+  void linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x) const;
   void attend(const float* q, const float* ck, const float* cv, int64_t cap, int64_t len, float* o) const;
   void dequant_row(const Mat& m, int64_t row, float* out) const;
 };
