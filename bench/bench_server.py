@@ -1,5 +1,6 @@
 """What the server costs on top of the generator: tokens/s and time to first chunk a websocket client sees, with
-probabilities on and off, and aggregate throughput and per-client spread with 1, 4 and 16 concurrent clients.
+probabilities on and off, the same for the OpenAI API's SSE stream (httpx client), and aggregate throughput and
+per-client spread with 1, 4 and 16 concurrent clients.
 
 A real uvicorn serves the default model on a free port in this process; clients use the `websockets` library. Greedy,
 the end-of-turn token biased away (`token_bias`) so every run makes exactly `--tokens` tokens.
@@ -150,6 +151,59 @@ def concurrency_table(url: str, counts: list[int], tokens: int, eos_ids: list[in
               f"| {first[0]:.2f} / {statistics.median(first):.2f} / {first[-1]:.2f} | {wall:.1f} |")
 
 
+# ---------------------------------------------------------------- the OpenAI API's SSE stream beside the websocket
+async def sse_client(http_url: str, model: str, tokens: int, top_logprobs: int, eos_ids: list[int]) -> Run:
+    """One streamed /v1/chat/completions as an httpx client sees it (the same request as `request()`)."""
+    import httpx
+
+    body: dict[str, object] = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+                               "max_tokens": tokens, "logit_bias": {str(t): -100 for t in eos_ids}, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if top_logprobs:
+        body.update(logprobs=True, top_logprobs=top_logprobs)
+    async with httpx.AsyncClient(timeout=None) as client:
+        t0 = time.perf_counter()
+        async with client.stream("POST", f"{http_url}/v1/chat/completions", json=body) as response:
+            first, chunks, used, server_tps = 0.0, 0, 0, 0.0
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    used = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    chunks += 1
+                    first = first or time.perf_counter() - t0
+                if "stats" in chunk:  # webchat's extension on the finish chunk: the generator's own rate
+                    server_tps = chunk["stats"]["decode_tps"]
+            return Run(first, time.perf_counter() - t0, used, chunks, server_tps)
+
+
+def sse_table(ws_url: str, runtime: Runtime, tokens: int, eos_ids: list[int], repeats: int) -> None:
+    """Generator alone, websocket and SSE clients, runs interleaved. Two ratios: SSE client tok/s over the generator's
+    own decode tok/s in the same served run (paired, so a noisy machine moves both), and over the generator alone."""
+    http_url = ws_url.replace("ws://", "http://").removesuffix("/ws")
+    print(f"\n## OpenAI API (SSE) beside the websocket, one client, {tokens} tokens (median of {repeats} runs each)")
+    print("| probabilities | generator alone tok/s | websocket client tok/s | SSE client tok/s "
+          "| SSE / generator, same run | SSE / generator alone | SSE / websocket | SSE first chunk ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for alternatives in (0, 5):
+        alone: list[float] = []
+        ws_runs: list[Run] = []
+        sse_runs: list[Run] = []
+        for _ in range(repeats):
+            alone.append(direct(runtime, tokens, alternatives, eos_ids)[0])
+            ws_runs.append(asyncio.run(clients(ws_url, 1, tokens, alternatives, eos_ids))[0][0])
+            sse_runs.append(asyncio.run(sse_client(http_url, runtime.model_name, tokens, alternatives, eos_ids)))
+        assert all(r.tokens == tokens for r in sse_runs), [r.tokens for r in sse_runs]
+        gen, ws, sse = (statistics.median(x) for x in (alone, [r.client_tps for r in ws_runs],
+                                                         [r.client_tps for r in sse_runs]))
+        paired = statistics.median(r.client_tps / r.server_tps for r in sse_runs)
+        label = "off" if alternatives == 0 else f"on, {alternatives} top_logprobs"
+        print(f"| {label} | {gen:.1f} | {ws:.1f} | {sse:.1f} | {paired:.3f} | {sse / gen:.3f} | {sse / ws:.3f} "
+              f"| {statistics.median(r.first_chunk for r in sse_runs) * 1000:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the pulled SmolLM2-135M-Instruct")
@@ -158,6 +212,7 @@ def main() -> None:
     parser.add_argument("--concurrent-tokens", type=int, default=32, help="new tokens per client when concurrent")
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--api-only", action="store_true", help="only the OpenAI API (SSE) beside websocket table")
     args = parser.parse_args()
     if args.model is None:
         from webchat.pull import ensure_default_model
@@ -175,8 +230,11 @@ def main() -> None:
           "tokens")
     direct(runtime, 8, 0, eos_ids)  # warm-up
     with serving(config, runtime) as url:
-        single_client_table(url, runtime, args.tokens, eos_ids, args.repeats)
-        concurrency_table(url, counts, args.concurrent_tokens, eos_ids)
+        if not args.api_only:
+            single_client_table(url, runtime, args.tokens, eos_ids, args.repeats)
+        sse_table(url, runtime, args.tokens, eos_ids, args.repeats)
+        if not args.api_only:
+            concurrency_table(url, counts, args.concurrent_tokens, eos_ids)
 
 
 if __name__ == "__main__":

@@ -121,8 +121,10 @@ def test_two_pages_stream_at_once(tiny_server: Server, new_page: Callable[..., C
 
 
 def test_prompt_over_the_context_shows_the_error_and_keeps_the_text(chat: ChatPage) -> None:
-    chat.set_settings(max_new_tokens="8180")  # the tiny model's context is 8192: leaves 12 tokens for the prompt
-    typed = "Please summarise all of this: " + "lorem ipsum dolor sit amet " * 30
+    # the tiny model's context is 8192 and this one message is ~8400 tokens: older messages could be left out to fit,
+    # the latest one cannot (a prompt that fits but leaves less than max_new_tokens runs and ends at context_full)
+    chat.set_settings(max_new_tokens="20")
+    typed = "Please summarise all of this: " + "lorem ipsum dolor sit amet " * 400
     chat.send(typed)
     error = chat.page.get_by_test_id("error")
     expect(error).to_be_visible()
@@ -132,8 +134,8 @@ def test_prompt_over_the_context_shows_the_error_and_keeps_the_text(chat: ChatPa
     expect(chat.page.get_by_test_id("input")).to_have_value(typed)
     expect(chat.page.get_by_test_id("assistant-message")).to_have_count(0)
     expect(chat.page.get_by_test_id("user-message")).to_have_count(0)
-    # fixing the setting and sending again works, and the error goes away
-    chat.set_settings(max_new_tokens="20")
+    # shortening the message and sending again works, and the error goes away
+    chat.page.get_by_test_id("input").fill("Please summarise all of this: " + "lorem ipsum dolor sit amet " * 30)
     chat.page.get_by_test_id("input").press("Enter")
     chat.wait_done()
     expect(error).to_have_count(0)

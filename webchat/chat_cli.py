@@ -11,7 +11,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from webchat.generator import GenerationRequest, Generator, Stats
+from webchat.events import Stats
+from webchat.generator import GenerationRequest, Generator
 from webchat.sampling import SamplingSettings, SettingsError
 from webchat.speculative import MODES
 
@@ -62,6 +63,7 @@ def reply(gen: Generator, request: GenerationRequest, out: TextIO) -> tuple[str,
 
 
 def main(args: argparse.Namespace) -> int:
+    from webchat.folder_check import check_model_folder
     from webchat.loader import load_model, resolve_device, resolve_dtype
     from webchat.pull import ensure_default_model
     from webchat.tokenizer import Tokenizer
@@ -73,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"webchat chat: {e}", file=sys.stderr)
         return 2
     path = args.model or ensure_default_model()
+    check_model_folder(path)  # config and tokenizer, before the weights load
     device = resolve_device(args.device)
     model = load_model(path, device, resolve_dtype(None, device))
     tok = Tokenizer.from_dir(path)
@@ -102,7 +105,7 @@ def loop(gen: Generator, tok: Any, settings: SamplingSettings, args: argparse.Na
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        ids = tok.encode_chat(messages)  # typed control markers stay text
         room = gen.cache.capacity - len(ids)
         if room < 1:
             out.write(f"[the conversation is {len(ids)} tokens; the context holds {gen.cache.capacity}: /reset]\n")

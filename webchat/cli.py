@@ -31,15 +31,17 @@ def main(args: argparse.Namespace) -> int:
     """`webchat complete`: chat-template the prompt, then greedy-decode through the KV cache."""
     import torch
 
+    from webchat.folder_check import check_model_folder
     from webchat.loader import load_model, resolve_device, resolve_dtype
     from webchat.pull import ensure_default_model
     from webchat.tokenizer import Tokenizer
 
     path = args.model or ensure_default_model()
+    check_model_folder(path)  # config and tokenizer, before the weights load
     device = resolve_device(args.device)
     model = load_model(path, device, resolve_dtype(None, device), weights=args.weights, quantize=args.quantize)
     tok = Tokenizer.from_dir(path)
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     cache = model.new_cache(len(ids) + args.max_new_tokens)
     x, out, t0 = torch.tensor(ids, device=device), [], time.perf_counter()
     for _ in range(args.max_new_tokens):
@@ -55,6 +57,7 @@ def main(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="webchat", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (default: one line)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -69,6 +72,12 @@ def cli(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(args.module).main(args))
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # one clear line; the traceback only with --debug
+        if args.debug:
+            raise
+        print(f"webchat {args.command}: {exc if isinstance(exc, OSError | ValueError) else repr(exc)} "
+              "(--debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 def main_entry() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from webchat.detok import IncrementalDecoder
+from webchat.events import Stats, TokenInfo
 from webchat.gpu.sampler import make_sampler
 from webchat.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings
 from webchat.speculative import MODES, Drafter, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab, common_prefix
@@ -53,32 +54,6 @@ class StartInfo:
     prompt_tokens: int
     reused_tokens: int
     seed: int = 0  # the sampler's seed (chosen at random when settings.seed is None)
-
-
-@dataclass
-class TokenInfo:
-    """One emitted token. piece: the exact text it adds (the pieces of a result concatenate to its text).
-    prob/rank/top use softmax of the main model's raw logits; sampled_prob the distribution actually drawn from."""
-
-    id: int
-    piece: str
-    prob: float | None = None
-    sampled_prob: float | None = None
-    rank: int | None = None
-    top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, display text, prob), prob descending
-    logits: torch.Tensor | None = None  # (vocab,) raw row when return_logits
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    new_tokens: int = 0  # sampled tokens, the stop token included
-    prefill_ms: float = 0.0
-    ttft_ms: float = 0.0
-    decode_tps: float = 0.0  # (new_tokens - 1) / time from first token to the end
-    drafted: int = 0
-    accepted: int = 0
 
 
 @dataclass

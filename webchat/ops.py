@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from webchat.batch import Batch
+
 
 class TorchOps:
     """Hot ops with the signatures webchat.gpu.CudaOps shares (docs/design.md)."""
@@ -63,6 +65,38 @@ class TorchOps:
             mask = torch.arange(end, device=q.device).unsqueeze(0) <= rows  # (T, L)
         o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # (T, H, hd)
+
+
+class PagedTorchOps(TorchOps):
+    """The paged-cache ops of a ragged batch (webchat.batch.Batch), in plain PyTorch: the reference for gpu/."""
+
+    @staticmethod
+    def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        # cache (num_pages, page_size, n_kv, hd) viewed as (slots, n_kv, hd); cache[slot_mapping[i]] = k[i], v[i]
+        n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # per sequence b: o = softmax(q k^T / sqrt(hd) + causal by position) v over its pages; q, o (T, H, hd)
+        page_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        out = torch.empty_like(q)
+        starts = batch.query_start.tolist()
+        lens = batch.seq_lens.tolist()
+        for b, length in enumerate(lens):
+            lo, hi = starts[b], starts[b + 1]
+            n_pages = -(-length // page_size)
+            pages = batch.block_tables[b, :n_pages].long()
+            k = k_cache.index_select(0, pages).reshape(-1, n_kv, hd)[:length]  # (L, n_kv, hd)
+            v = v_cache.index_select(0, pages).reshape(-1, n_kv, hd)[:length]
+            pos = batch.positions[lo:hi]
+            mask = torch.arange(length, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # (t, L)
+            o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                               v.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
+            out[lo:hi] = o.squeeze(0).transpose(0, 1)
+        return out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
+from webchat import events as ev
+
 VERSION = 1
 MAX_ALTERNATIVES = 20
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
 )
-EOS_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full", "cancelled")
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
@@ -119,6 +120,7 @@ class Start(_Strict):
     id: str
     prompt_tokens: int
     reused_tokens: int
+    trimmed_messages: int | None = None  # present when the oldest messages were left out to fit the context
 
 
 class Alternative(_Strict):
@@ -178,10 +180,43 @@ class Error(_Strict):
 ServerMessage = Hello | Queued | Start | Chunk | Done | Error
 
 
+# ---------------------------------------------------------------- the websocket adapter of the worker's events
+def event_messages(request_id: str, event: ev.Event, want_tokens: bool) -> list[ServerMessage]:
+    """A neutral worker event (webchat.events) as this protocol's messages for request `request_id`."""
+    if isinstance(event, ev.Queued):
+        return [Queued(id=request_id, position=event.position)]
+    if isinstance(event, ev.Started):
+        return [Start(id=request_id, prompt_tokens=event.prompt_tokens, reused_tokens=event.reused_tokens,
+                      trimmed_messages=event.trimmed_messages or None)]
+    if isinstance(event, ev.Tokens):
+        if not event.text and not (want_tokens and event.tokens):
+            return []
+        tokens = [token_out(t) for t in event.tokens] if want_tokens else None
+        return [Chunk(id=request_id, text=event.text, tokens=tokens)]
+    if isinstance(event, ev.Finished):
+        return [Done(id=request_id, reason=event.reason, trigger=event.trigger,  # type: ignore[arg-type]
+                     stats=stats_out(event.stats))]
+    return [Error(id=request_id, code=event.code, message=event.message)]  # type: ignore[arg-type]
+
+
+def token_out(info: ev.TokenInfo) -> TokenOut:
+    """A generated token as the wire's token entry (`p`: softmax of the raw logits; rank 1-based)."""
+    top = [Alternative(id=int(tid), text=text, p=float(prob)) for tid, text, prob in info.top]
+    return TokenOut(id=int(info.id), text=info.piece, p=float(info.prob or 0.0), rank=int(info.rank or 0), top=top)
+
+
+def stats_out(stats: ev.Stats) -> Stats:
+    return Stats(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens, new_tokens=stats.new_tokens,
+                 prefill_ms=float(stats.prefill_ms), ttft_ms=float(stats.ttft_ms), decode_tps=float(stats.decode_tps),
+                 drafted=stats.drafted, accepted=stats.accepted)
+
+
 def dump(msg: ServerMessage) -> str:
     """The JSON text frame for a server message (`chunk.tokens` left out when not asked for)."""
     if isinstance(msg, Chunk) and msg.tokens is None:
         return msg.model_dump_json(exclude={"tokens"})
+    if isinstance(msg, Start) and msg.trimmed_messages is None:
+        return msg.model_dump_json(exclude={"trimmed_messages"})
     return msg.model_dump_json()
 
 

@@ -134,15 +134,28 @@ def _fetch_gguf(home: Path) -> Path:
     return target
 
 
-def ensure_default_gguf(home: Path | None = None) -> Path:
-    """The original GGUF of the default model (for llama.cpp and references), downloaded once."""
+def gguf_is_intact(path: Path) -> bool:
+    """The cached GGUF has the pinned sha256 (a truncated or altered file does not); logs what it found."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    if digest.hexdigest() == GGUF_SHA256:
+        return True
+    _log(f"{path}: expected sha256 {GGUF_SHA256}, got {digest.hexdigest()}; fetching it again")
+    return False
+
+
+def ensure_default_gguf(home: Path | None = None, verify: bool = False) -> Path:
+    """The original GGUF of the default model (for llama.cpp and references), downloaded once; `verify`: check its
+    sha256 and fetch a bad one again (every `webchat pull`)."""
     home = home if home is not None else webchat_home()
     target = default_gguf_path(home)
-    if target.is_file():
+    if target.is_file() and (not verify or gguf_is_intact(target)):
         return target
     with _locked(home):
         _remove_leftovers(gguf_dir(home))
-        return target if target.is_file() else _fetch_gguf(home)
+        return target if target.is_file() and (not verify or gguf_is_intact(target)) else _fetch_gguf(home)
 
 
 def _convert_into_place(gguf_path: Path, target: Path) -> None:
@@ -179,9 +192,13 @@ def ensure_default_model(home: Path | None = None, force: bool = False) -> Path:
         _remove_leftovers(models_dir(home))
         _remove_leftovers(gguf_dir(home))
         gguf_path = default_gguf_path(home)
-        if force or not gguf_path.is_file():
+        if force or not gguf_path.is_file() or not gguf_is_intact(gguf_path):
             gguf_path = _fetch_gguf(home)
-        _convert_into_place(gguf_path, target)
+        try:
+            _convert_into_place(gguf_path, target)
+        except (ValueError, KeyError, OSError) as exc:  # e.g. numpy's "cannot reshape array" on a damaged file
+            raise PullError(f"converting {gguf_path} failed: {type(exc).__name__}: {exc}; "
+                            "`webchat pull --force` fetches and converts it again") from exc
     return target
 
 
@@ -196,6 +213,7 @@ def main(args: argparse.Namespace) -> int:
     """`webchat pull`: make sure the default model is converted and print where it is."""
     try:
         path = ensure_default_model(args.home, force=args.force)
+        ensure_default_gguf(args.home, verify=True)
     except PullError as exc:
         print(f"webchat pull: {exc}", file=sys.stderr)
         return 1

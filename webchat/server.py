@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import hashlib
 import ipaddress
 import logging
+import os
 import re
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,8 +32,20 @@ from starlette.templating import Jinja2Templates
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 import webchat
+from webchat import events as ev
 from webchat import protocol as p
+from webchat.chat_encode import ContentRewritten
+from webchat.limits import (
+    AcceptErrorLog,
+    ConnectionGuard,
+    HostCheck,
+    TokenCheck,
+    default_max_connections,
+    guarded_protocols,
+)
+from webchat.outbox import Outbox, SendClock
 from webchat.speculative import MODES
+from webchat.trim import fit_history
 from webchat.weights import add_weight_arguments
 from webchat.worker import Job, StreamingGenerator, Worker
 
@@ -57,6 +73,13 @@ class ServerConfig:
     allow_origins: tuple[str, ...] = ()
     max_seq_len: int | None = None  # cap on the context (KV-cache memory per session)
     max_message_bytes: int = 1 << 20
+    max_pending_bytes: int = 1 << 20  # a connection's output not yet written; past it the server stops reading it
+    stall_timeout: float = 30.0  # seconds output may stay past max_pending_bytes before the socket is closed
+    max_connections: int | None = None  # None: a quarter of the file limit (webchat.limits)
+    handshake_timeout: float = 10.0  # seconds a socket has to finish its first HTTP request
+    trusted_hosts: tuple[str, ...] | None = None  # Host names HTTP routes answer; None: any (`serve` sets loopback)
+    access_token: str | None = None  # when set, every route needs it (webchat.limits.TokenCheck)
+    api_key: str | None = None  # when set, the OpenAI API (/v1) needs `Authorization: Bearer <key>`
     templates_dir: Path = REPO_ROOT / "templates"
     static_dir: Path = REPO_ROOT / "static"
 
@@ -83,8 +106,9 @@ class Runtime:
                                             draft_model=self.draft_model)
         return gen
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False) -> list[int]:
+        """The prompt ids: message contents tokenized as text, only the template's markers are control ids."""
+        ids: list[int] = self.tokenizer.encode_chat(messages, continue_final=continue_final)
         return ids
 
     def hello(self) -> p.Hello:
@@ -94,11 +118,14 @@ class Runtime:
 
 def load_runtime(config: ServerConfig) -> Runtime:
     """Load the model (and draft) once onto the configured device."""
+    from webchat.folder_check import check_model_folder
     from webchat.loader import load_model, resolve_device, resolve_dtype, weights_name
     from webchat.tokenizer import Tokenizer
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    tokenizer = Tokenizer.from_dir(config.model_dir)  # checked before the weights load
+    check_model_folder(config.model_dir)
     model = load_model(config.model_dir, device, dtype, weights=config.weights, quantize=config.quantize)
     draft = None
     if config.draft_dir is not None:
@@ -107,7 +134,7 @@ def load_runtime(config: ServerConfig) -> Runtime:
     modes = [m for m in MODES if m != "draft" or draft is not None]
     if config.speculative not in modes:
         raise ValueError(f"--speculative {config.speculative} is not available; choose one of {modes}")
-    return Runtime(model=model, tokenizer=Tokenizer.from_dir(config.model_dir), model_name=config.model_dir.name,
+    return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name,
                    device=str(device), dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
                    draft_model=draft, default_mode=config.speculative, weights=weights_name(model))
 
@@ -159,91 +186,119 @@ def static_version(static_dir: Path) -> str:
 
 
 # ---------------------------------------------------------------- one websocket
-class Outbox:
-    """Messages waiting for the socket; a chunk that follows a chunk of the same request merges into it."""
-
-    def __init__(self) -> None:
-        self._items: list[p.ServerMessage] = []
-        self._ready = asyncio.Event()
-        self.merged = 0  # how many chunks were coalesced (a slow reader)
-
-    def push(self, msg: p.ServerMessage) -> None:
-        last = self._items[-1] if self._items else None
-        if isinstance(msg, p.Chunk) and isinstance(last, p.Chunk) and last.id == msg.id:
-            self._items[-1] = last.merged(msg)
-            self.merged += 1
-        else:
-            self._items.append(msg)
-        self._ready.set()
-
-    async def take(self) -> list[p.ServerMessage]:
-        await self._ready.wait()
-        self._ready.clear()
-        items, self._items = self._items, []
-        return items
+CLOSE_POLICY = 1008  # close code: the peer does not read its replies, or sends nothing but invalid frames
+MAX_BAD_FRAMES = 256  # frames in a row that get an error reply before the connection is closed (a flood)
 
 
 class Connection:
     """One browser tab: a receive task (generate, stop) beside a send loop (hello, worker messages, errors)."""
 
-    def __init__(self, websocket: WebSocket, runtime: Runtime, worker: Worker, max_bytes: int) -> None:
-        self.ws, self.runtime, self.worker, self.max_bytes = websocket, runtime, worker, max_bytes
+    def __init__(self, websocket: WebSocket, runtime: Runtime, worker: Worker, config: ServerConfig,
+                 guard: ConnectionGuard | None = None) -> None:  # fmt: skip
+        self.ws, self.runtime, self.worker, self.config, self.guard = websocket, runtime, worker, config, guard
+        self.max_bytes = config.max_message_bytes
         self.key = object()  # the worker's handle for this connection's session
         self.current: str | None = None  # the id of the request in flight
-        self.outbox = Outbox()
+        self.outbox = Outbox(config.max_pending_bytes)
+        self.clock = SendClock()
+        self.bad_frames = 0  # frames in a row answered with an error
 
     async def serve(self) -> None:
         self.outbox.push(self.runtime.hello())
         receiver = asyncio.create_task(self._receive_loop())
         sender = asyncio.create_task(self._send_loop())
+        watchdog = asyncio.create_task(self._watch_stall())
         try:
-            await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({receiver, sender, watchdog}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # no await here: the handler returns at once, the tasks finish on their own
             self.worker.close(self.key)  # drops a queued or running request, frees the KV cache
-            for task in (receiver, sender):
+            for task in (receiver, sender, watchdog):
                 task.add_done_callback(_log_failure)
                 task.cancel()
 
-    def deliver(self, msg: p.ServerMessage) -> None:
-        """From the worker, on the event loop."""
-        if isinstance(msg, p.Done | p.Error) and msg.id == self.current:
+    def deliver(self, request_id: str, want_tokens: bool, trimmed: int, event: ev.Event) -> None:
+        """A worker event for request `request_id`, on the event loop; `start` learns how many messages were trimmed."""
+        if isinstance(event, ev.Finished | ev.Failed) and request_id == self.current:
             self.current = None
-        self.outbox.push(msg)
+        if isinstance(event, ev.Started) and trimmed:
+            event = dataclasses.replace(event, trimmed_messages=trimmed)
+        for msg in p.event_messages(request_id, event, want_tokens):
+            self.outbox.push(msg)
 
     async def _send_loop(self) -> None:
         while True:
             for msg in await self.outbox.take():
-                await self.ws.send_text(p.dump(msg))
+                self.clock.since = time.monotonic()
+                await self.ws.send_text(p.dump(msg))  # waits while uvicorn's write buffer is over its high-water mark
+                self.clock.since = None
+                self.outbox.sent(msg)
 
     async def _receive_loop(self) -> None:
         while True:
+            await self.outbox.room()  # past max_pending_bytes: read no more frames (backpressure)
             frame = await self.ws.receive()
             if frame["type"] == "websocket.disconnect":
                 return
             raw = frame.get("text")
+            rid: str | None = None
             try:
                 msg = p.parse_client_message(raw if raw is not None else frame.get("bytes") or b"", self.max_bytes)
+                rid = msg.id
                 if isinstance(msg, p.Stop):
                     self.worker.cancel(self.key, msg.id)
                 else:
                     await self._generate(msg)
+                self.bad_frames = 0
+                continue
             except p.ProtocolError as exc:
                 self.outbox.push(exc.to_message())
             except Exception as exc:  # a bug: report it, keep the connection
                 log.exception("handling a frame failed")
-                self.outbox.push(p.Error(id=self.current, code="internal", message=f"{type(exc).__name__}: {exc}"))
+                self.outbox.push(p.Error(id=rid, code="internal", message=f"{type(exc).__name__}: {exc}"))
+            self.bad_frames += 1
+            if self.bad_frames >= MAX_BAD_FRAMES:
+                await self._close(f"{self.bad_frames} invalid frames in a row")
+                return
+
+    async def _watch_stall(self) -> None:
+        """Returns (ending the connection and releasing its session) once one write has waited stall_timeout s."""
+        while not self.clock.stalled(self.config.stall_timeout):
+            await asyncio.sleep(min(1.0, self.config.stall_timeout / 4))
+        await self._close(f"replies unread for {self.config.stall_timeout:g} s ({self.outbox.pending} more bytes "
+                          "waiting)")
+
+    async def _close(self, reason: str) -> None:
+        """Close with 1008 and `reason`, at once if the peer does not read (serve() then releases its session)."""
+        log.warning("closing a websocket: %s", reason)
+        try:
+            await asyncio.wait_for(self.ws.close(code=CLOSE_POLICY, reason=reason[:120]), 1.0)
+        except (TimeoutError, RuntimeError, OSError):
+            pass
+        if self.guard is not None:
+            self.guard.abort_peer(self.ws.scope.get("client"))
 
     async def _generate(self, msg: p.Generate) -> None:
         if self.current is not None:
             raise p.ProtocolError("busy_connection", f"request {self.current!r} is still running on this connection; "
                                   "send stop or wait for its done", msg.id)
-        request, n_prompt = await self._prepare(msg)
-        self.current = msg.id
-        self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=self.deliver,
+        self.current = msg.id  # from here every error names this request and ends it
+        try:
+            request, n_prompt, trimmed = await self._prepare(msg)
+        except p.ProtocolError:
+            self.current = None
+            raise
+        except Exception as exc:
+            self.current = None
+            log.warning("preparing request %r failed: %s: %s", msg.id, type(exc).__name__, exc)
+            raise p.ProtocolError("internal", f"preparing the prompt failed: {type(exc).__name__}: {exc}",
+                                  msg.id) from None
+        deliver = functools.partial(self.deliver, msg.id, request.return_probs, trimmed)
+        self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=deliver,
                                prompt_tokens=n_prompt))
 
-    async def _prepare(self, msg: p.Generate) -> tuple[Any, int]:
-        """Validate what pydantic cannot (mode, vocabulary, context), template and encode: the generator request."""
+    async def _prepare(self, msg: p.Generate) -> tuple[Any, int, int]:
+        """Validate what pydantic cannot (mode, vocabulary, context), template, encode and trim the history: the
+        generator request, its prompt length and how many messages were left out."""
         from webchat.generator import GenerationRequest
         from webchat.sampling import SamplingSettings, SettingsError
 
@@ -262,21 +317,24 @@ class Connection:
             settings = SamplingSettings(**msg.settings.model_dump(exclude={"token_bias"}), token_bias=bias)
         except SettingsError as exc:
             raise p.ProtocolError("bad_settings", f"settings.{exc}", msg.id) from None
+        budget = max(rt.context_length - msg.max_new_tokens, 1)
         try:
-            ids = await run_in_threadpool(rt.encode_chat, [m.model_dump() for m in msg.messages])
-        except jinja2.TemplateError as exc:
-            raise p.ProtocolError("bad_message", f"field 'messages': the chat template refused them: {exc}",
+            fitted = await run_in_threadpool(fit_history, rt.encode_chat, [m.model_dump() for m in msg.messages],
+                                             budget)  # fmt: skip
+        except (jinja2.TemplateError, ContentRewritten) as exc:
+            raise p.ProtocolError("bad_message", f"field 'messages': the chat template failed on them: {exc}",
                                   msg.id) from None
-        allowed = rt.context_length - msg.max_new_tokens
-        if len(ids) > allowed:
-            raise p.ProtocolError("prompt_too_long", f"prompt is {len(ids)} tokens; with max_new_tokens "
-                                  f"{msg.max_new_tokens} the context of {rt.context_length} allows at most "
-                                  f"{max(allowed, 0)}", msg.id)
+        ids = fitted.ids
+        if len(ids) >= rt.context_length:  # not even one new token fits: the last message (and system) alone
+            raise p.ProtocolError("prompt_too_long", f"prompt is {len(ids)} tokens; the context of {rt.context_length} "
+                                  f"allows at most {rt.context_length - 1} (older messages are left out to fit, the "
+                                  "system prompt and the latest message are not)", msg.id)
+        # fitted.fits False: the prompt fits but max_new_tokens does not; the reply ends at `context_full`
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=msg.max_new_tokens,
                                     stop_strings=list(msg.stop), stop_token_ids=None,
                                     return_probs=msg.alternatives > 0, top_alts=msg.alternatives,
                                     return_logits=False, speculative=mode)
-        return request, len(ids)
+        return request, len(ids), fitted.dropped
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
@@ -290,8 +348,12 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 # ---------------------------------------------------------------- the app
 def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlette:
     """The app; its lifespan loads the model (unless `runtime` is given) and starts the worker."""
+    from webchat.openai_api import OpenAIApi
+
     templates = Jinja2Templates(directory=str(config.templates_dir))
     version = static_version(config.static_dir)
+    guard = ConnectionGuard(config.max_connections or default_max_connections(), config.handshake_timeout)
+    api = OpenAIApi(config)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -299,12 +361,17 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         worker = Worker(rt.new_generator, rt.tokenizer.id_to_text, asyncio.get_running_loop(),
                         config.max_sessions, config.max_queue)
         worker.start()
+        loop = asyncio.get_running_loop()
+        previous_handler = loop.get_exception_handler()
+        loop.set_exception_handler(AcceptErrorLog())
         if runtime is None:
             print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}, weights {rt.weights}) ready at "
                   f"{display_url(config)}", flush=True)
         try:
             yield {"runtime": rt, "worker": worker, "config": config}
         finally:
+            loop.set_exception_handler(previous_handler)
+            api.close()
             worker.stop()
 
     async def index(request: Request) -> Response:
@@ -333,7 +400,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
                                      "or pass --allow-origin")
             return
         await websocket.accept()
-        conn = Connection(websocket, websocket.state.runtime, websocket.state.worker, config.max_message_bytes)
+        conn = Connection(websocket, websocket.state.runtime, websocket.state.worker, config, guard)
         await conn.serve()
 
     routes = [
@@ -341,9 +408,17 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         Route("/api/info", info),
         Route("/healthz", healthz),
         WebSocketRoute("/ws", ws_endpoint),
+        *api.routes(),
         Mount("/static", StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.guard = guard  # `serve` hands it to uvicorn's protocols (webchat.limits)
+    if config.trusted_hosts is not None:
+        app.add_middleware(HostCheck, allowed=config.trusted_hosts)
+    if config.access_token:
+        app.add_middleware(TokenCheck, token=config.access_token, skip_prefix="/v1" if config.api_key else None)
+    app.state.openai = api
+    return app
 
 
 def _secure_headers(response: Response, host: str | None) -> None:
@@ -388,6 +463,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="another page origin allowed to open the websocket, e.g. http://localhost:3000")
     parser.add_argument("--max-seq-len", type=_positive, default=None,
                         help="cap the context (and the KV-cache memory of each session); default: the model's")
+    parser.add_argument("--max-connections", type=_positive, default=None,
+                        help="open sockets at most (default: a quarter of the open-file limit, "
+                        f"{default_max_connections()} here)")
+    parser.add_argument("--handshake-timeout", type=float, default=10.0,
+                        help="seconds a socket has to finish its first HTTP request (default 10)")
+    parser.add_argument("--access-token", default=os.environ.get("WEBCHAT_TOKEN"),
+                        help="require this token on every route (open the page as /?token=TOKEN; API clients send "
+                        "'Authorization: Bearer TOKEN'); default: $WEBCHAT_TOKEN")
+    parser.add_argument("--stall-timeout", type=float, default=30.0,
+                        help="seconds a websocket may leave 1 MiB of replies unread before it is closed (default 30)")
+    parser.add_argument("--api-key", default=os.environ.get("WEBCHAT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1); default: $WEBCHAT_API_KEY")
 
 
 def _positive(text: str) -> int:
@@ -408,7 +495,11 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
     return ServerConfig(model_dir=model_dir, draft_dir=args.draft, speculative=args.speculative, device=args.device,
                         dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
                         max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
-                        weights=args.weights, quantize=args.quantize)
+                        max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
+                        stall_timeout=args.stall_timeout, access_token=args.access_token,
+                        trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
+
+                        api_key=args.api_key, weights=args.weights, quantize=args.quantize)
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
@@ -424,12 +515,29 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
         model_dir = args.model
     config = config_from_args(args, model_dir)
     if not is_loopback(config.host):
+        if not config.allow_origins and not config.access_token:
+            print(f"webchat serve: refusing to bind to {config.host}, which is not loopback, without --allow-origin "
+                  "or --access-token: anyone on the network, and any web page, could then drive the model. Name the "
+                  f"page origins that may use it (e.g. --allow-origin http://{config.host}:{config.port}) or set an "
+                  "access token", file=sys.stderr)
+            return 2
         print(f"webchat serve: WARNING: bound to {config.host}, not loopback: anyone who can reach this machine "
-              "can use the model. There is no authentication.", file=sys.stderr)
+              "can use the model. " + ("Only the OpenAI API (/v1) checks --api-key; the page and websocket do not."
+                                       if config.api_key else "There is no authentication (see --api-key)."),
+              file=sys.stderr)
+    from webchat.folder_check import check_model_folder
+
+    check_model_folder(model_dir)  # config and tokenizer, before the weights load
     print(f"webchat: loading {model_dir} …", flush=True)
+    app = create_app(config)
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    http, ws = guarded_protocols(app.state.guard, AutoHTTPProtocol, WebSocketsSansIOProtocol)
     try:
-        run(create_app(config), host=config.host, port=config.port, ws="websockets-sansio",
-            ws_max_size=4 * config.max_message_bytes, timeout_graceful_shutdown=3, log_level="info")
+        run(app, host=config.host, port=config.port, http=http, ws=ws, loop="asyncio",
+            backlog=min(2048, app.state.guard.max_connections), ws_max_size=4 * config.max_message_bytes,
+            timeout_graceful_shutdown=3, log_level="info")
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after its clean shutdown
         pass
     print("webchat: stopped", flush=True)

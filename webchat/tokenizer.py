@@ -12,8 +12,9 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from webchat.chat_encode import BudgetedSandbox, chat_parts, render_budgeted
 
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<|eom_id|>", "<end_of_turn>")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -112,8 +113,11 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile as transformers does: sandboxed, trim_blocks, lstrip_blocks, loopcontrols, its globals and tojson."""
-    env = ImmutableSandboxedEnvironment(
+    """Compile as transformers does: sandboxed, trim_blocks, lstrip_blocks, loopcontrols, its globals and tojson.
+
+    The sandbox also holds each render to a time and an output budget (webchat.chat_encode).
+    """
+    env = BudgetedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -127,8 +131,8 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], add_genera
     """Render as transformers' apply_chat_template(tokenize=False): tools/documents None unless given."""
     chat = [dict(m) for m in messages]
     variables: dict[str, Any] = {"tools": None, "documents": None, **context}
-    return str(compile_chat_template(source).render(messages=chat, add_generation_prompt=add_generation_prompt,
-                                                    **variables))  # fmt: skip
+    variables.update(messages=chat, add_generation_prompt=add_generation_prompt)
+    return render_budgeted(compile_chat_template(source), variables)
 
 
 def _display(raw: bytes) -> str:
@@ -146,6 +150,9 @@ class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, spec: dict[str, Any], tok_config: dict[str, Any],
                  gen_config: dict[str, Any], chat_template: str | None) -> None:  # fmt: skip
         self._tok = tokenizer
+        self._tok_text = HFTokenizer.from_str(tokenizer.to_str())  # the same, special tokens read as plain text
+        self._tok_text.encode_special_tokens = True
+        self._control = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.add_bos_token = bool(tok_config.get("add_bos_token", False))
         self.special_tokens = {k: t for k in SPECIAL_KEYS if (t := _token_content(tok_config.get(k))) is not None}
@@ -199,6 +206,41 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Special tokens written in text become their single ids; BOS only if add_bos_token (and not already there)."""
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Every character read as text: "<|im_end|>" written in it is those characters, never the control id."""
+        ids: list[int] = self._tok_text.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> list[int]:  # fmt: skip
+        """The chat prompt's ids, message contents tokenized as text: only the template's own markers are control ids.
+
+        continue_final: end right after the final message's content (no end-of-turn, no generation prompt).
+        Usually the ids of `encode(apply_chat_template(...))`; where a content holds a special token's text, that
+        content is encoded on its own with special tokens read as text.
+        """
+        parts = chat_parts(lambda msgs: self.apply_chat_template(msgs, add_generation_prompt and not continue_final),
+                           messages, continue_final)  # fmt: skip
+        text = "".join(t for t, _ in parts)
+        enc = self._tok.encode(text, add_special_tokens=False)
+        spans, pos = [], 0
+        for t, is_content in parts:
+            if is_content:
+                spans.append((pos, pos + len(t)))
+            pos += len(t)
+        forged = any(tid in self._control and any(s < end and start < e for s, e in spans)
+                     for tid, (start, end) in zip(enc.ids, enc.offsets, strict=True))
+        ids: list[int] = list(enc.ids)
+        if forged:  # re-encode part by part: only the template's parts parse special tokens
+            ids = []
+            for t, is_content in parts:
+                ids += (self._tok_text if is_content else self._tok).encode(t, add_special_tokens=False).ids
         if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids

@@ -3,8 +3,8 @@
 State machine per request (all under one lock; only this thread touches a generator's model calls):
     submit → pending (told `queued` positions) → active (holds one of `max_sessions` KV caches) → finished.
 A connection's generator (its KV cache) stays in `sessions` between turns for prefix reuse, and is evicted least
-recently used when a new request needs a slot and that session is idle. Messages go back to the event loop through
-`loop.call_soon_threadsafe(job.deliver, msg)`, in order.
+recently used when a new request needs a slot and that session is idle. Neutral events (webchat.events) go back to
+the event loop through `loop.call_soon_threadsafe(job.deliver, event)`, in order; each transport formats them.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from webchat import protocol as p
+from webchat import events as ev
 
 log = logging.getLogger("webchat.worker")
 
-Deliver = Callable[[p.ServerMessage], None]
+Deliver = Callable[[ev.Event], None]
 
 
 class StreamingGenerator(Protocol):
@@ -112,11 +112,11 @@ class Worker:
         with self._cond:
             if job.key in self._jobs:
                 running = self._jobs[job.key].request_id
-                self._post(job, p.Error(id=job.request_id, code="busy_connection",
-                                        message=f"request {running!r} is still running on this connection"))
+                self._post(job, ev.Failed("busy_connection",
+                                          f"request {running!r} is still running on this connection"))
                 return
             if len(self._active) >= self.max_sessions and len(self._pending) >= self.max_queue:
-                self._post(job, p.Error(id=job.request_id, code="busy", message=(
+                self._post(job, ev.Failed("busy", (
                     f"the server is busy: {len(self._active)} requests running and {len(self._pending)} waiting "
                     f"(max {self.max_queue}); try again shortly")))
                 return
@@ -166,11 +166,11 @@ class Worker:
                             len(self._sessions))
 
     # ------------------------------------------------------------ scheduling (lock held)
-    def _post(self, job: Job, msg: p.ServerMessage) -> None:
+    def _post(self, job: Job, event: ev.Event) -> None:
         if job.dropped:
             return
         try:
-            self._loop.call_soon_threadsafe(job.deliver, msg)
+            self._loop.call_soon_threadsafe(job.deliver, event)
         except RuntimeError:  # the loop has closed: shutting down
             pass
 
@@ -183,7 +183,7 @@ class Worker:
         for index, job in enumerate(self._pending):
             if job.position != index + 1:
                 job.position = index + 1
-                self._post(job, p.Queued(id=job.request_id, position=job.position))
+                self._post(job, ev.Queued(job.position))
 
     def _claim_session(self, key: Hashable) -> Session:
         session = self._sessions.get(key)
@@ -229,8 +229,7 @@ class Worker:
                     if job.session is not None:
                         job.session.gen = None  # its cache may be half-written
                     self._finish_locked(job)
-                    self._post(job, p.Error(id=job.request_id, code="internal",
-                                            message=f"generation failed: {type(exc).__name__}: {exc}"))
+                    self._post(job, ev.Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
 
     def _step(self, job: Job) -> None:
         """One unit of work for `job`: build its generator, or prefill (begin_stream), or one stream() step."""
@@ -248,54 +247,36 @@ class Worker:
             with self._cond:
                 job.started = True
             info = gen.begin_stream(job.request)
-            self._post_locked_free(job, p.Start(id=job.request_id, prompt_tokens=info.prompt_tokens,
-                                                reused_tokens=info.reused_tokens))
+            self._post_locked_free(job, ev.Started(info.prompt_tokens, info.reused_tokens))
             return
         if job.cancel_requested:
             gen.cancel()
         result = gen.stream()
-        messages = result_messages(job, result, self._id_to_text)
+        events = result_events(result, self._id_to_text)
         if result.eos:
             with self._cond:
                 self._finish_locked(job)  # the slot is free before the client sees `done`
-        for msg in messages:
-            self._post_locked_free(job, msg)
+        for event in events:
+            self._post_locked_free(job, event)
 
-    def _post_locked_free(self, job: Job, msg: p.ServerMessage) -> None:
+    def _post_locked_free(self, job: Job, event: ev.Event) -> None:
         with self._cond:
-            self._post(job, msg)
+            self._post(job, event)
 
 
-# ---------------------------------------------------------------- generator results → wire messages
-def result_messages(job: Job, result: Any, id_to_text: Callable[[int], str]) -> list[p.ServerMessage]:
-    """One StreamResult as a `chunk` (when it carries text or tokens) and, at its end, a `done`."""
-    out: list[p.ServerMessage] = []
-    want_tokens = bool(job.request.return_probs)
-    if result.text or (want_tokens and result.tokens):
-        tokens = [token_out(t) for t in result.tokens] if want_tokens else None
-        out.append(p.Chunk(id=job.request_id, text=result.text, tokens=tokens))
+# ---------------------------------------------------------------- generator results → neutral events
+def result_events(result: Any, id_to_text: Callable[[int], str]) -> list[ev.Event]:
+    """One StreamResult as `Tokens` (when it carries text or tokens) and, at its end, `Finished`."""
+    out: list[ev.Event] = []
+    if result.text or result.tokens:
+        out.append(ev.Tokens(result.text, list(result.tokens)))
     if result.eos:
         trigger = result.eos_trigger
-        out.append(p.Done(id=job.request_id, reason=result.eos_reason,
-                          trigger=id_to_text(trigger) if isinstance(trigger, int) else trigger,
-                          stats=stats_out(result.stats)))
+        out.append(ev.Finished(result.eos_reason, id_to_text(trigger) if isinstance(trigger, int) else trigger,
+                               result.stats or ev.Stats()))
     return out
 
 
-def cancelled(job: Job) -> p.Done:
-    """`done` for a request stopped before it produced anything."""
-    return p.Done(id=job.request_id, reason="cancelled", stats=p.Stats(prompt_tokens=job.prompt_tokens))
-
-
-def token_out(info: Any) -> p.TokenOut:
-    """webchat.generator.TokenInfo → the wire's token entry (`p`: softmax of the raw logits; rank 1-based)."""
-    top = [p.Alternative(id=int(tid), text=text, p=float(prob)) for tid, text, prob in info.top]
-    return p.TokenOut(id=int(info.id), text=info.piece, p=float(info.prob), rank=int(info.rank), top=top)
-
-
-def stats_out(stats: Any) -> p.Stats:
-    if stats is None:
-        return p.Stats()
-    return p.Stats(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens, new_tokens=stats.new_tokens,
-                   prefill_ms=float(stats.prefill_ms), ttft_ms=float(stats.ttft_ms),
-                   decode_tps=float(stats.decode_tps), drafted=stats.drafted, accepted=stats.accepted)
+def cancelled(job: Job) -> ev.Finished:
+    """`Finished` for a request stopped before it produced anything."""
+    return ev.Finished("cancelled", None, ev.Stats(prompt_tokens=job.prompt_tokens))
