@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wall"]
+STALE_LOCK_S = 900  # a build takes 2-4 minutes on 2 cores
 
 
 class KernelsUnavailable(RuntimeError):
@@ -61,6 +63,9 @@ def load(verbose: bool = False) -> Any:
         raise KernelsUnavailable(f"{tool!r} not found on PATH; install a C++ compiler and ninja (scripts/setup.sh)")
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    lock = out / "lock"  # torch's build lock; a build killed mid-way leaves it behind and the next load waits forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
     if not (out / f"{out.name}.so").is_file():
         print(f"webchat: building the C++ kernels into {out} (once; a few minutes)", file=sys.stderr, flush=True)
     try:
