@@ -34,7 +34,7 @@ LONG = [{"role": "user", "content": LONG_TEXT}]
 NEW_TOKENS = 64
 THREADS = 2
 FIDELITY_STEPS = 16
-ENGINES = ("webchat", "webchat-f32", "transformers", "llama.cpp")
+ENGINES = ("webchat", "webchat-1t", "webchat-f32", "transformers", "llama.cpp")
 
 
 def peak_rss_mb() -> float:
@@ -118,8 +118,8 @@ def webchat_f32_runner(model_dir: Path, gguf: Path) -> Callable[[list[int]], Cal
     return webchat_runner(model_dir, gguf, weights="float32")
 
 
-RUNNERS = {"webchat": webchat_runner, "webchat-f32": webchat_f32_runner, "transformers": transformers_runner,
-           "llama.cpp": llamacpp_runner}
+RUNNERS = {"webchat": webchat_runner, "webchat-1t": webchat_runner, "webchat-f32": webchat_f32_runner,
+           "transformers": transformers_runner, "llama.cpp": llamacpp_runner}
 
 
 def prompts_of(model_dir: Path) -> dict[str, list[int]]:
@@ -168,7 +168,7 @@ def child(engine: str) -> None:
 
     from webchat.pull import default_gguf_path, ensure_default_model
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(1 if engine == "webchat-1t" else THREADS)  # 1t: one thread, for comparison under load
     model_dir = ensure_default_model()
     prompts = prompts_of(model_dir)
     run = RUNNERS[engine](model_dir, default_gguf_path())
