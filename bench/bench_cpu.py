@@ -56,8 +56,6 @@ def time_stream(step_iter: Callable[[], object]) -> tuple[float, float]:
 
 
 def webchat_runner(model_dir: Path, gguf: Path, weights: str = "auto") -> Callable[[list[int]], Callable[[], object]]:
-    import torch
-
     from webchat.loader import load_model
 
     model = load_model(model_dir, weights=weights)
@@ -65,10 +63,10 @@ def webchat_runner(model_dir: Path, gguf: Path, weights: str = "auto") -> Callab
     def run(ids: list[int]) -> Callable[[], object]:
         def steps() -> object:
             cache = model.new_cache(len(ids) + NEW_TOKENS)
-            x = torch.tensor(ids)
+            x = ids
             for _ in range(NEW_TOKENS):
-                x = model(x, cache, last_only=True)[-1].argmax().view(1)
-                yield int(x)
+                x = [int(cache.feed(model, x)[-1].argmax())]
+                yield x[0]
 
         return steps
 

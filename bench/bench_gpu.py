@@ -1,4 +1,4 @@
-"""GPU figures in one run: batch-1 greedy decode tokens/s, and the fraction of the memory-bandwidth floor reached.
+"""GPU figures in one run: greedy decode tokens/s at batch 1, 4, 16, 64 and the fraction of the bandwidth floor.
 
 Models: the default model (SmolLM2-135M-Instruct, real weights) and randomly initialised models of Llama-3.2-1B and
 Llama-3.1-8B shape, all float16. Engines on the same weights: webchat's CUDA backend (CudaOps kernels + CUDA graphs),
@@ -7,6 +7,8 @@ webchat's model on plain PyTorch ops (eager), and Hugging Face transformers (eag
 Floor: a decode step must read every weight it multiplies by (all layer matrices, the final norm and the head; one
 embedding row) and the whole KV cache so far; bytes/token over the device-to-device copy bandwidth measured here
 (2 x bytes / time of a 1 GiB copy, read + write) is the least time a token can take.
+A batch of B sequences decodes in one forward per step (webchat.batch on a paged pool): the weights are read once per
+step, so the floor grows almost B-fold while the KV caches stay small.
 Run on a CUDA machine: `.venv/bin/python bench/bench_gpu.py` (`--dry-run` checks the script on the CPU, tiny shapes).
 """
 
@@ -49,6 +51,7 @@ ENGINES = ("webchat cuda+graphs", "webchat torch ops", "transformers")
 class Row:
     model: str
     engine: str
+    batch: int
     tok_s: float
     bytes_per_token: float
     floor_tok_s: float
@@ -89,21 +92,35 @@ def bytes_per_token(model: Any, position: float) -> float:
     return float(weights + kv)
 
 
-def time_webchat(model: Any, prompt: list[int], n_new: int) -> float:
-    """Decode tokens/s over n_new greedy steps after the prompt; a warm-up pass first on the same cache."""
+def time_webchat(model: Any, prompt: list[int], n_new: int, batch: int = 1) -> float:
+    """Aggregate decode tokens/s of `batch` sequences stepped together (one forward per step) over n_new greedy
+    steps after their prompts; a warm-up pass first on the same pool."""
+    from webchat.batch import make_batch
+    from webchat.cache import PAGE_SIZE, PageTable
+
     device = model.device
-    cache = model.new_cache(len(prompt) + n_new + 1)
+    pool = model.new_pool(batch * PAGE_SIZE * -(-(len(prompt) + n_new + 1) // PAGE_SIZE))
 
     def run(n: int) -> float:
-        cache.reset()
-        nxt = int(model(torch.tensor(prompt, device=device), cache, last_only=True)[-1].argmax())
+        tables = [PageTable(pool) for _ in range(batch)]
+        nxt = []
+        for table in tables:  # prompt b differs from the others in its first token (no shared pages)
+            table.ensure(len(prompt) + n + 1)
+            p = [prompt[0] + len(nxt), *prompt[1:]]
+            b = make_batch([(p, 0, table.pages, [-1])], pool.page_size, device)
+            nxt.append(int(model(b, pool)[-1].argmax()))
         sync(device)
         t0 = time.perf_counter()
-        for _ in range(n):
-            nxt = int(model(torch.tensor([nxt], device=device), cache, last_only=True)[-1].argmax())
-        return n / (time.perf_counter() - t0)
+        for i in range(n):
+            b = make_batch([([t], len(prompt) + i, tb.pages, [-1]) for t, tb in zip(nxt, tables, strict=True)],
+                           pool.page_size, device)
+            nxt = model(b, pool).argmax(-1).tolist()
+        dt = time.perf_counter() - t0
+        for table in tables:
+            table.release()
+        return batch * n / dt
 
-    run(min(n_new, 8))  # compiles kernels, captures the graphs of this cache
+    run(min(n_new, 8))  # compiles kernels, captures graphs
     return run(n_new)
 
 
@@ -166,40 +183,45 @@ def folder_pair(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[A
     return ours, hf
 
 
-def bench(name: str, pair: tuple[Any, Any], prompt_len: int, n_new: int, bandwidth: float) -> list[Row]:
+def bench(name: str, pair: tuple[Any, Any], prompt_len: int, n_new: int, bandwidth: float,
+          batches: list[int]) -> list[Row]:
     from webchat.cuda_backend import disable_cuda_backend, enable_cuda_backend
 
     ours, hf = pair
     g = torch.Generator().manual_seed(0)
     prompt = [int(t) for t in torch.randint(3, ours.args.vocab_size, (prompt_len,), generator=g)]
     per_token = bytes_per_token(ours, prompt_len + n_new / 2)
-    floor = bandwidth / per_token
     rows = []
     for engine in ENGINES:
-        if engine == "webchat cuda+graphs":
-            if not enable_cuda_backend(ours):
-                print(f"[{name}] {engine}: skipped, the CUDA backend is unavailable here", file=sys.stderr)
-                continue
-            tps = time_webchat(ours, prompt, n_new)
-        elif engine == "webchat torch ops":
+        if engine == "webchat cuda+graphs" and not enable_cuda_backend(ours):
+            print(f"[{name}] {engine}: skipped, the CUDA backend is unavailable here", file=sys.stderr)
+            continue
+        if engine == "webchat torch ops":
             disable_cuda_backend(ours)
-            tps = time_webchat(ours, prompt, n_new)
-        else:
-            tps = time_transformers(hf, prompt, n_new)
-        rows.append(Row(name, engine, tps, per_token, floor))
-        print(f"[{name}] {engine}: {tps:.1f} tok/s ({tps / floor:.0%} of the floor)", file=sys.stderr)
+        for b in batches if engine != "transformers" else [1]:
+            tps = time_transformers(hf, prompt, n_new) if engine == "transformers" else \
+                time_webchat(ours, prompt, n_new, b)
+            # the floor is per forward: a batch of b reads the weights once and b KV caches
+            step_floor = bandwidth / (per_token + (b - 1) * (per_token - weights_bytes(ours)))
+            rows.append(Row(name, engine, b, tps, per_token, step_floor * b))
+            print(f"[{name}] {engine} batch {b}: {tps:.1f} tok/s ({tps / (step_floor * b):.0%} of the floor)",
+                  file=sys.stderr)
     return rows
+
+
+def weights_bytes(model: Any) -> float:
+    return bytes_per_token(model, 0)
 
 
 def table(rows: list[Row], device_name: str, bandwidth: float) -> str:
     lines = [
         f"device: {device_name}; measured copy bandwidth {bandwidth / 1e9:.0f} GB/s",
         "",
-        "| model | engine | decode tok/s | MB read/token | floor tok/s | % of floor |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | engine | batch | decode tok/s (all sequences) | MB read/token, batch 1 | floor tok/s | % of floor |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r.model} | {r.engine} | {r.tok_s:.1f} | {r.bytes_per_token / 1e6:.1f} | "
+        lines.append(f"| {r.model} | {r.engine} | {r.batch} | {r.tok_s:.1f} | {r.bytes_per_token / 1e6:.1f} | "
                      f"{r.floor_tok_s:.0f} | {r.floor_fraction:.0%} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -210,17 +232,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--models", nargs="*", default=["default", *SHAPES], help="default and/or shape names")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--batch-sweep", type=int, nargs="+", default=[1, 4, 16, 64], metavar="B",
+                    help="sequences decoding together in one forward per step (default 1 4 16 64)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, float32, tiny shapes: checks the script, no figures")
+    ap.add_argument("--cpu", action="store_true", help="CPU, float32, real shapes: the batch sweep on this machine")
     a = ap.parse_args(argv)
     if a.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         a.prompt_len, a.new_tokens = 8, 4
+    elif a.cpu:
+        device, dtype = torch.device("cpu"), torch.float32
     elif not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA device (use --dry-run to check the script on the CPU)", file=sys.stderr)
         return 2
     else:
         device, dtype = torch.device("cuda"), torch.float16
-    bandwidth = copy_bandwidth(device, 1 << 24 if a.dry_run else 1 << 30)
+    bandwidth = copy_bandwidth(device, 1 << 24 if a.dry_run else 1 << 28 if a.cpu else 1 << 30)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
     rows: list[Row] = []
     for name in a.models:
@@ -231,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in makers:
             raise SystemExit(f"unknown model {name!r}; choose from {sorted(makers)}")
         label = "SmolLM2-135M-Instruct" if name == "default" else name
-        rows += bench(label, makers[name](), a.prompt_len, a.new_tokens, bandwidth)
+        rows += bench(label, makers[name](), a.prompt_len, a.new_tokens, bandwidth, a.batch_sweep)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

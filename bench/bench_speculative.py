@@ -41,8 +41,7 @@ class Row:
 
 
 def run_once(gen: Generator, ids: list[int], mode: str, max_new: int) -> tuple[list[int], Any, float]:
-    gen.cache.reset()
-    gen.cache_ids.clear()
+    gen.engine.reset()  # a cold start: no pages or cached prefixes from the last run
     gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0),
                                        max_new_tokens=max_new, speculative=mode))
     out: list[int] = []

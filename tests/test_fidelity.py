@@ -46,7 +46,7 @@ def prompt_ids(tok: Tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
 @pytest.mark.parametrize("idx", range(len(PROMPTS)))
 def test_logits_match_transformers(ours: Transformer, reference: Any, tok: Tokenizer, idx: int) -> None:
     ids = prompt_ids(tok, PROMPTS[idx])
-    got = ours(ids, ours.new_cache(len(ids)))
+    got = ours.new_cache(len(ids)).feed(ours, ids.tolist(), all_logits=True)
     with torch.no_grad():
         want = reference(ids.unsqueeze(0)).logits[0].float()
     delta = (got - want).abs().max().item()
@@ -60,13 +60,13 @@ def test_greedy_64_tokens_match_transformers(ours: Transformer, reference: Any, 
     ids = prompt_ids(tok, PROMPTS[idx])
     eos = reference.generation_config.eos_token_id
     eos = torch.tensor(eos if isinstance(eos, list) else [eos])
-    cache, x, got = ours.new_cache(len(ids) + 64), ids, []
+    cache, x, got = ours.new_cache(len(ids) + 64), ids.tolist(), []
     for _ in range(64):
-        logits = ours(x, cache, last_only=True)[-1]
+        logits = cache.feed(ours, x)[-1]
         logits = logits.index_fill(0, eos, float("-inf"))
         nxt = int(logits.argmax())
         got.append(nxt)
-        x = torch.tensor([nxt])
+        x = [nxt]
     with torch.no_grad():
         out = reference.generate(
             ids.unsqueeze(0), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=64,

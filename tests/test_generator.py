@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import os
 import signal
@@ -15,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from webchat.batch import Batch
+from webchat.cache import KVPool
 from webchat.chat_cli import loop as chat_loop
 from webchat.detok import decode_all
 from webchat.generator import GenerationRequest, Generator, StreamResult
@@ -94,25 +95,29 @@ class ScriptedModel:
     """Logits that pick script[i] for the i-th token after the prompt (then token 0): exact control of the output."""
 
     def __init__(self, vocab: int, script: list[int], prompt_len: int) -> None:
-        self.args = SimpleNamespace(vocab_size=vocab, n_layers=1)
-        self.device = torch.device("cpu")
+        self.args = SimpleNamespace(vocab_size=vocab, n_layers=1, n_kv_heads=1, head_dim=1, max_seq_len=256)
+        self.device, self.dtype = torch.device("cpu"), torch.float32
         self.script, self.prompt_len = script, prompt_len
         self.fed: list[int] = []
 
-    def new_cache(self, max_seq_len: int | None = None) -> Any:
-        cache = SimpleNamespace(length=0, capacity=max_seq_len or 256)
-        cache.truncate = lambda n: setattr(cache, "length", n)
-        return cache
+    def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool:
+        ps = page_size or 16
+        return KVPool(self.args, -(-n_tokens // ps) + 1, "cpu", torch.float32, ps)  # type: ignore[arg-type]
 
-    def __call__(self, tokens: torch.Tensor, cache: Any, last_only: bool = False) -> torch.Tensor:
-        start, t = cache.length, tokens.shape[0]
-        self.fed += tokens.tolist()
-        rows = torch.zeros(t, self.args.vocab_size)
-        for r in range(t):
-            i = start + r + 1 - self.prompt_len
+    def ensure_rope(self, n: int) -> None:
+        pass
+
+    def truncated(self, n: int) -> Any:
+        return self
+
+    def __call__(self, batch: Batch, kv: KVPool) -> torch.Tensor:
+        self.fed += batch.tokens.tolist()
+        positions = batch.positions[batch.logit_rows].tolist()
+        rows = torch.zeros(len(positions), self.args.vocab_size)
+        for r, pos in enumerate(positions):
+            i = pos + 1 - self.prompt_len
             rows[r, self.script[i] if 0 <= i < len(self.script) else 0] = 10.0
-        cache.length = start + t
-        return rows[-1:] if last_only else rows
+        return rows
 
 
 def byte_ids(tok: Tokenizer, text: str) -> list[int]:
@@ -200,7 +205,7 @@ def test_probabilities_are_the_models(tiny: tuple[Any, Tokenizer]) -> None:
               max_new_tokens=12, stop_token_ids=[], return_probs=True, top_alts=4, return_logits=True)
     tokens = [t for r in res for t in r.tokens]
     seq = prompt + [t.id for t in tokens]
-    logits = model(torch.tensor(seq[:-1]), model.new_cache())[len(prompt) - 1 :]  # (12, vocab) reference
+    logits = model.new_cache().feed(model, seq[:-1], all_logits=True)[len(prompt) - 1 :]  # (12, vocab) reference
     probs = torch.softmax(logits, -1)
     for i, t in enumerate(tokens):
         assert t.prob == pytest.approx(float(probs[i, t.id]), rel=1e-4, abs=1e-6)
@@ -236,17 +241,20 @@ class CountingModel:
     """Wraps a model and counts the tokens it is asked to process."""
 
     def __init__(self, model: Any) -> None:
-        self.model, self.args, self.device, self.fed = model, model.args, model.device, 0
+        self.model, self.args, self.device, self.dtype, self.fed = model, model.args, model.device, model.dtype, 0
 
-    def new_cache(self, max_seq_len: int | None = None) -> Any:
-        return self.model.new_cache(max_seq_len)
+    def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool:
+        return self.model.new_pool(n_tokens, page_size)  # type: ignore[no-any-return]
+
+    def ensure_rope(self, n: int) -> None:
+        self.model.ensure_rope(n)
 
     def truncated(self, n: int) -> Any:
         return self.model.truncated(n)
 
-    def __call__(self, tokens: torch.Tensor, cache: Any, last_only: bool = False) -> torch.Tensor:
-        self.fed += tokens.shape[0]
-        return self.model(tokens, cache, last_only=last_only)  # type: ignore[no-any-return]
+    def __call__(self, batch: Batch, kv: KVPool) -> torch.Tensor:
+        self.fed += batch.tokens.shape[0]
+        return self.model(batch, kv)  # type: ignore[no-any-return]
 
 
 def test_cache_reuse_matches_a_cold_start_and_prefills_only_new_tokens(tiny: tuple[Any, Tokenizer]) -> None:
@@ -279,7 +287,7 @@ def test_cancel_interrupts_prefill_between_chunks(tiny: tuple[Any, Tokenizer]) -
     gen.cancel()
     res = gen.stream()
     assert res.eos and res.eos_reason == "cancelled" and res.text == ""
-    assert gen.cache.length == 16 == len(gen.cache_ids)
+    assert len(gen.cache_ids) == 16
     info = gen.begin_stream(GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=3))
     assert info.reused_tokens == 16  # the interrupted prefill is kept for the next try
     assert run_rest(gen)[-1].eos_reason == "max_new_tokens"
@@ -313,18 +321,6 @@ def test_cancel_from_another_thread(tiny: tuple[Any, Tokenizer]) -> None:
     worker.join(30)
     assert results[-1].eos_reason == "cancelled"
     assert 5 <= len(ids_of(results)) < 1000
-
-
-def test_astream(tiny: tuple[Any, Tokenizer]) -> None:
-    model, tok = tiny
-    gen = Generator(model, tok)
-    gen.begin_stream(GenerationRequest(prompt_ids=chat_ids(tok), settings=GREEDY, max_new_tokens=8, stop_token_ids=[]))
-
-    async def collect() -> list[StreamResult]:
-        return [r async for r in gen.astream()]
-
-    steps = asyncio.run(collect())
-    assert steps[-1].eos and len(ids_of(steps)) == 8
 
 
 # ---------------------------------------------------------------- the terminal chat

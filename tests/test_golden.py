@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from webchat.loader import load_model
+from webchat.model import Transformer
 
 GOLDEN_PROMPT = [1, 20, 30, 40, 50, 60]
 # Pinned from the float32 CPU path; a change here is a change in the model's maths.
@@ -16,14 +17,13 @@ GOLDEN_GREEDY = [
 ]  # fmt: skip
 
 
-def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    cache = model.new_cache(len(prompt) + n)  # type: ignore[operator]
-    x = torch.tensor(prompt, device=model.device)  # type: ignore[arg-type]
-    out: list[int] = []
+def greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    cache = model.new_cache(len(prompt) + n)
+    x, out = prompt, []
     for _ in range(n):
-        nxt = int(model(x, cache, last_only=True)[-1].argmax())
+        nxt = int(cache.feed(model, x)[-1].argmax())
         out.append(nxt)
-        x = torch.tensor([nxt], device=x.device)
+        x = [nxt]
     return out
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from webchat.batch import make_batch
 from webchat.config import ModelConfigError
 from webchat.loader import ModelLoadError, load_model
 from webchat.tiny import make_tiny_model, make_tiny_weights, tiny_config
@@ -49,29 +50,46 @@ IDS = torch.tensor([1, 17, 99, 250, 3, 44, 300, 12, 7, 480, 2, 64])
 
 def test_incremental_decoding_matches_one_full_forward(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir)
-    full = model(IDS, model.new_cache(64))
+    ids = IDS.tolist()
+    full = model.new_cache(64).feed(model, ids, all_logits=True)
     cache = model.new_cache(64)
-    parts = [model(IDS[:5], cache), model(IDS[5:8], cache)] + [model(IDS[i : i + 1], cache) for i in range(8, 12)]
+    parts = [cache.feed(model, ids[:5], all_logits=True), cache.feed(model, ids[5:8], all_logits=True)]
+    parts += [cache.feed(model, ids[i : i + 1]) for i in range(8, 12)]
     assert cache.length == len(IDS)
     torch.testing.assert_close(torch.cat(parts), full, atol=1e-4, rtol=1e-4)
-    assert model(IDS, model.new_cache(64), last_only=True).shape == (1, model.args.vocab_size)
+    assert model.new_cache(64).feed(model, ids).shape == (1, model.args.vocab_size)
 
 
-def test_cache_truncate_and_copy_rewind_exactly(tiny_model_dir: Path) -> None:
+def test_cache_truncate_rewinds_exactly(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir)
-    cache = model.new_cache(32)
-    model(IDS[:6], cache)
-    snapshot = cache.copy()
-    a = model(IDS[6:9], cache)
+    cache, other = model.new_cache(32), model.new_cache(32)
+    ids = IDS.tolist()
+    cache.feed(model, ids[:6])
+    other.feed(model, ids[:6])
+    a = cache.feed(model, ids[6:9], all_logits=True)
     cache.truncate(6)
-    b = model(IDS[6:9], cache)
-    c = model(IDS[6:9], snapshot)
+    b = cache.feed(model, ids[6:9], all_logits=True)
+    c = other.feed(model, ids[6:9], all_logits=True)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     torch.testing.assert_close(a, c, atol=0, rtol=0)
     with pytest.raises(ValueError, match="cannot truncate a cache of length 9 to 10"):
         cache.truncate(10)
-    with pytest.raises(ValueError, match="overflow the cache of 32"):
-        model(torch.arange(30), cache)
+    with pytest.raises(ValueError, match="24 tokens at position 9 overflow the cache of 32"):
+        cache.feed(model, list(range(24)))
+
+
+def test_forward_writes_every_token_and_returns_the_rows_asked_for(tiny_model_dir: Path) -> None:
+    # the model reads positions from the batch and never counts: two sequences in one forward, rows by logit_rows
+    model = load_model(tiny_model_dir)
+    pool = model.new_pool(64, page_size=4)
+    ids = IDS.tolist()
+    batch = make_batch([(ids[:7], 0, [1, 2], [-1]), (ids[:3], 0, [3], [0, 1, 2])], page_size=4)
+    got = model(batch, pool)
+    assert got.shape == (4, model.args.vocab_size) and got.dtype == torch.float32
+    alone = model.new_cache(64).feed(model, ids[:7])
+    torch.testing.assert_close(got[0:1], alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1:], model.new_cache(64).feed(model, ids[:3], all_logits=True), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_truncated_model_shares_weights_and_runs(tiny_model_dir: Path) -> None:
@@ -79,7 +97,7 @@ def test_truncated_model_shares_weights_and_runs(tiny_model_dir: Path) -> None:
     draft = model.truncated(1)
     assert draft.args.n_layers == 1 and len(draft.layers) == 1 and len(model.layers) == 2
     assert draft.output.weight.data_ptr() == model.output.weight.data_ptr()
-    assert draft(IDS, draft.new_cache(32)).shape == (len(IDS), model.args.vocab_size)
+    assert draft.new_cache(32).feed(draft, IDS.tolist(), all_logits=True).shape == (len(IDS), model.args.vocab_size)
     with pytest.raises(ValueError, match=r"n_layers must be in \[1, 2\], got 3"):
         model.truncated(3)
 
@@ -106,7 +124,8 @@ def test_truncated_model_shares_weights_and_runs(tiny_model_dir: Path) -> None:
 def test_architectures_match_transformers(tmp_path: Path, tiny_model_dir: Path, arch: str, changes: Any) -> None:
     path = variant(tmp_path, tiny_model_dir, arch, **changes)
     ids = torch.randint(3, 500, (200,), generator=torch.Generator().manual_seed(0))
-    ours = load_model(path)(ids, load_model(path).new_cache(256))
+    model = load_model(path)
+    ours = model.new_cache(256).feed(model, ids.tolist(), all_logits=True)
     torch.testing.assert_close(ours, reference_logits(path, ids), atol=1e-4, rtol=1e-4)
 
 

@@ -137,9 +137,12 @@ def assert_logprobs_match(content: list[Any], ws_tokens: list[dict[str, Any]], t
     assert "".join(c.token for c in content) == text
     for c, w in zip(content, ws_tokens, strict=True):
         assert c.token == w["text"]
-        assert c.logprob == pytest.approx(math.log(w["p"]), rel=1e-12, abs=1e-12)
+        # not bit-identical: the two requests share prefix pages and batch with others (the engine, issue 10), which
+        # changes float rounding by ~1e-6; the same model and sampler otherwise
+        assert c.logprob == pytest.approx(math.log(w["p"]), rel=1e-4, abs=1e-5)
         assert [t.token for t in c.top_logprobs] == [a["text"] for a in w["top"]]
-        assert [t.logprob for t in c.top_logprobs] == pytest.approx([math.log(a["p"]) for a in w["top"]], rel=1e-12)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([math.log(a["p"]) for a in w["top"]], rel=1e-4,
+                                                                     abs=1e-5)
         assert c.bytes is not None and len(c.bytes) > 0
 
 

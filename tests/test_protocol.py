@@ -152,7 +152,9 @@ def test_hello_and_info_describe_the_model(client: TestClient, runtime: Runtime)
     assert info["model"] == hello.model and info["speculative"] == hello.speculative
     assert info["max_sessions"] == 2 and info["default_speculative"] == "none"
     health = client.get("/healthz").json()
+    pool = health.pop("kv_pool")
     assert health == {"status": "ok", "active": 0, "queued": 0, "sessions": 0}
+    assert pool["pages"] > 0 and pool["running"] == 0 and info["kv_pool"]["page_size"] == pool["page_size"]
 
 
 def test_generate_streams_start_chunks_done_matching_the_generator(
@@ -412,6 +414,7 @@ def test_disconnect_while_running_frees_the_session(slow_client: TestClient) -> 
         if health["active"] == 0 and health["sessions"] == 0:
             break
         time.sleep(0.02)
+    health.pop("kv_pool")
     assert health == {"status": "ok", "active": 0, "queued": 0, "sessions": 0}
 
 
@@ -445,19 +448,24 @@ def test_sessions_are_kept_between_turns_and_evicted_least_recently_used(
 ) -> None:
     with make_client(config, runtime, max_sessions=2, max_queue=2) as c, ExitStack() as stack:
         a, b, d = connect(c, stack), connect(c, stack), connect(c, stack)
+        prompt = [{"role": "user", "content": "sessions test: " + "one two three four " * 8}]
+        n_prompt = len(runtime.encode_chat(prompt))
 
-        def reused(ws: Any, rid: str) -> int:
-            seen, done = run_to_end_after_send(ws, generate(rid, max_new_tokens=3))
+        def reused(ws: Any, rid: str, messages: list[dict[str, str]] = prompt) -> int:
+            seen, done = run_to_end_after_send(ws, generate(rid, max_new_tokens=3, messages=messages))
             assert done["type"] == "done", done
             return int(seen[0]["reused_tokens"])
 
-        assert reused(a, "a1") == 0 and reused(b, "b1") == 0
-        assert reused(a, "a2") > 0  # a's cache was kept: the same prompt is a shared prefix
+        assert reused(a, "a1") == 0
+        shared = reused(b, "b1")  # another tab, the same prompt: its whole pages were computed once, by a
+        assert 0 < shared < n_prompt - 1 and shared % 16 == 0
+        assert reused(a, "a2") == n_prompt - 1  # a's own last turn: everything but the last prompt token
         assert c.get("/healthz").json()["sessions"] == 2
-        assert reused(d, "d1") == 0  # needs a slot: b is the least recently used idle session
-        assert reused(a, "a3") > 0  # a survived
-        assert reused(b, "b2") == 0  # b was evicted (and now d, the older of a and d, is)
-        assert reused(a, "a4") > 0
+        other = [{"role": "user", "content": "something else entirely " * 4}]
+        assert reused(d, "d1", other) == 0  # a third session: b, the least recently used idle one, is closed
+        assert c.get("/healthz").json()["sessions"] == 2
+        assert reused(a, "a3") == n_prompt - 1  # a survived
+        assert reused(b, "b2") < n_prompt - 1  # b's own turn is gone (shared pages may remain in the pool)
 
 
 def test_outbox_merges_chunks_of_a_slow_reader() -> None:

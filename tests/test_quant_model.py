@@ -20,7 +20,7 @@ from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.generator import GenerationRequest, Generator
 from webchat.loader import load_model, weights_name
 from webchat.model import Transformer
-from webchat.quant import DecodeRunner, QLinear, dequantize, quantize
+from webchat.quant import QLinear, dequantize, quantize
 from webchat.sampling import SamplingSettings
 from webchat.tokenizer import Tokenizer
 
@@ -58,13 +58,17 @@ def dequantized_folder(src: Path, dst: Path, qtype: str) -> Path:
 
 def greedy(model: Transformer, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     """n greedy tokens and the (n, vocab) logits they came from; decode steps one token at a time."""
-    cache, x, out, rows = model.new_cache(len(prompt) + n), torch.tensor(prompt), [], []
+    cache, x, out, rows = model.new_cache(len(prompt) + n), prompt, [], []
     for _ in range(n):
-        logits = model(x, cache, last_only=True)[-1]
+        logits = cache.feed(model, x)[-1]
         rows.append(logits)
         out.append(int(logits.argmax()))
-        x = torch.tensor([out[-1]])
+        x = [out[-1]]
     return out, torch.stack(rows)
+
+
+def prefill(model: Transformer, ids: list[int]) -> torch.Tensor:
+    return model.new_cache(len(ids)).feed(model, ids, all_logits=True)
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
@@ -72,23 +76,13 @@ def test_quantize_at_load_matches_dequantized_float_model(tiny_model_dir: Path, 
     q = load_model(tiny_model_dir, quantize=qtype)
     f = load_model(dequantized_folder(tiny_model_dir, tmp_path / "f", qtype))
     assert weights_name(q) == qtype and weights_name(f) == "float32"
-    assert isinstance(q.layers[0].attention.wq, QLinear) and isinstance(q.runner, DecodeRunner)
+    assert isinstance(q.layers[0].attention.wq, QLinear)
     prompt = [1, 20, 30, 40, 50, 60]
-    full_q, full_f = q(torch.tensor(prompt), q.new_cache(8)), f(torch.tensor(prompt), f.new_cache(8))
+    full_q, full_f = prefill(q, prompt), prefill(f, prompt)
     assert (full_q - full_f).abs().max().item() <= 1e-4
     (ids_q, rows_q), (ids_f, rows_f) = greedy(q, prompt, 24), greedy(f, prompt, 24)
     assert ids_q == ids_f
     assert (rows_q - rows_f).abs().max().item() <= 1e-4
-
-
-def test_decode_step_in_cpp_equals_the_modules(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fast = load_model(tiny_model_dir, quantize="q4_0")
-    monkeypatch.setenv("WEBCHAT_QSTEP", "0")
-    slow = load_model(tiny_model_dir, quantize="q4_0")
-    assert slow.runner is None and fast.runner is not None
-    for a, b in ((fast, slow), (fast.truncated(1), slow.truncated(1))):  # a self-draft model shares the first layers
-        (ids_a, rows_a), (ids_b, rows_b) = greedy(a, [3, 4, 5], 20), greedy(b, [3, 4, 5], 20)
-        assert ids_a == ids_b and (rows_a - rows_b).abs().max().item() <= 1e-4
 
 
 def test_folder_without_quantized_file_runs_float(tiny_model_dir: Path) -> None:
@@ -152,7 +146,7 @@ def test_real_quantized_matches_float32_on_fidelity_prompts(real: tuple[Any, Any
     q, f, tok = real
     assert weights_name(q) == "q4_1"
     ids = tok.encode(tok.apply_chat_template(FIDELITY[idx], add_generation_prompt=True))
-    full = (q(torch.tensor(ids), q.new_cache(len(ids))) - f(torch.tensor(ids), f.new_cache(len(ids)))).abs().max()
+    full = (prefill(q, ids) - prefill(f, ids)).abs().max()
     assert full.item() <= 1e-3, f"prefill max |Δlogit| {full.item():.2e}"
     (ids_q, rows_q), (ids_f, rows_f) = greedy(q, ids, 32), greedy(f, ids, 32)
     first = next((i for i, (a, b) in enumerate(zip(ids_q, ids_f, strict=True)) if a != b), None)

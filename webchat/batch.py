@@ -8,7 +8,7 @@ Page 0 is never handed to a sequence: padding rows (CUDA graph buckets) write th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ class Batch:
     block_tables: torch.Tensor  # (B, max_pages) int32 page ids of each sequence, padded with 0
     logit_rows: torch.Tensor  # (R,) int64 rows of `tokens` whose logits the forward returns
     max_seq_len: int = 0  # max(seq_lens), read on the host without a device sync
+    plan: object = field(default=None, repr=False, compare=False)  # ops' per-batch precomputation, built once
 
     @property
     def num_seqs(self) -> int:

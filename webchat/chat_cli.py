@@ -106,9 +106,9 @@ def loop(gen: Generator, tok: Any, settings: SamplingSettings, args: argparse.Na
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids = tok.encode_chat(messages)  # typed control markers stay text
-        room = gen.cache.capacity - len(ids)
+        room = gen.capacity - len(ids)
         if room < 1:
-            out.write(f"[the conversation is {len(ids)} tokens; the context holds {gen.cache.capacity}: /reset]\n")
+            out.write(f"[the conversation is {len(ids)} tokens; the context holds {gen.capacity}: /reset]\n")
             messages.pop()
             continue
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=min(args.max_new_tokens, room),

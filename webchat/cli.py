@@ -15,7 +15,7 @@ SUBCOMMANDS = {
     "serve": ("webchat.server", "serve the browser chat (default: the pulled SmolLM2-135M-Instruct)"),
     "chat": ("webchat.chat_cli", "chat in the terminal; Ctrl-C stops the reply, not the program"),
     "pull": ("webchat.pull", "fetch and convert the default model into the cache"),
-    "complete": ("webchat.cli", "one greedy completion of a chat message, printed as it streams"),
+    "complete": ("webchat.cli", "one greedy completion of a chat message, printed when it is done"),
 }
 
 
@@ -29,7 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`webchat complete`: chat-template the prompt, then greedy-decode through the KV cache."""
-    import torch
 
     from webchat.folder_check import check_model_folder
     from webchat.loader import load_model, resolve_device, resolve_dtype
@@ -43,13 +42,13 @@ def main(args: argparse.Namespace) -> int:
     tok = Tokenizer.from_dir(path)
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     cache = model.new_cache(len(ids) + args.max_new_tokens)
-    x, out, t0 = torch.tensor(ids, device=device), [], time.perf_counter()
+    x, out, t0 = ids, [], time.perf_counter()
     for _ in range(args.max_new_tokens):
-        nxt = int(model(x, cache, last_only=True)[-1].argmax())
+        nxt = int(cache.feed(model, x)[-1].argmax())
         if nxt in tok.stop_token_ids:
             break
         out.append(nxt)
-        x = torch.tensor([nxt], device=device)
+        x = [nxt]
     print(tok.decode(out))
     print(f"[{len(out)} tokens in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return 0

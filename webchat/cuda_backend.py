@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from webchat.cache import KVCache
-
 log = logging.getLogger(__name__)
 MAX_GRAPH_TOKENS = 8  # decode (1) and speculative verify (draft tokens + 1) steps
 
@@ -37,11 +35,11 @@ class GraphStep:
     rope: tuple[torch.Tensor, torch.Tensor]  # the tables the graph indexes (kept alive)
 
 
-def cache_ptrs(cache: KVCache) -> tuple[int, ...]:
+def cache_ptrs(cache: Any) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in cache.k + cache.v)
 
 
-def graphable(model: Any, tokens: torch.Tensor, cache: KVCache) -> bool:
+def graphable(model: Any, tokens: torch.Tensor, cache: Any) -> bool:
     """A step the runner replays: few tokens, on CUDA, with CudaOps (whose kernels read the position on device)."""
     return (
         tokens.shape[0] <= MAX_GRAPH_TOKENS
@@ -52,7 +50,7 @@ def graphable(model: Any, tokens: torch.Tensor, cache: KVCache) -> bool:
     )
 
 
-def run_at(model: Any, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
+def run_at(model: Any, tokens: torch.Tensor, pos: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor:
     """The step a graph captures: rope rows and cache position come from the device tensor pos (1,) int32."""
     idx = pos.long() + torch.arange(tokens.shape[0], device=pos.device)  # (T,) positions
     rope = (model.rope_cos.index_select(0, idx), model.rope_sin.index_select(0, idx))  # (T, hd/2) each
@@ -72,11 +70,11 @@ class GraphRunner:
         self.device: torch.device = model.device
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # warm-up and capture
-        self.steps: weakref.WeakKeyDictionary[KVCache, dict[tuple[int, bool], GraphStep]] = weakref.WeakKeyDictionary()
+        self.steps: weakref.WeakKeyDictionary[Any, dict[tuple[int, bool], GraphStep]] = weakref.WeakKeyDictionary()
         self.captures = 0
         self.replays = 0
 
-    def __call__(self, model: Any, tokens: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor | None:
+    def __call__(self, model: Any, tokens: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor | None:
         """Logits for tokens at cache.length.. (advancing cache.length), or None to have the caller run eagerly."""
         if model is not self.model or not graphable(model, tokens, cache):
             return None  # e.g. model.truncated(n): a copy that shares this runner but not its layers
@@ -95,7 +93,7 @@ class GraphRunner:
         cache.length = start + tokens.shape[0]
         return logits
 
-    def _capture(self, tokens: torch.Tensor, cache: KVCache, last_only: bool) -> tuple[GraphStep, torch.Tensor]:
+    def _capture(self, tokens: torch.Tensor, cache: Any, last_only: bool) -> tuple[GraphStep, torch.Tensor]:
         """Run the step once for real on the side stream (compiles kernels, warms cuBLAS), then capture it."""
         m = self.model
         static_tokens = tokens.detach().clone()
@@ -123,6 +121,9 @@ def enable_cuda_backend(model: Any, graphs: bool = True) -> bool:
         return False
     from webchat.gpu import CudaOps, KernelUnavailable
 
+    if not hasattr(CudaOps, "paged_attention"):  # the model runs ragged batches on a paged pool (webchat.batch)
+        log.warning("CudaOps has no paged kernels yet: the model runs on PyTorch ops")
+        return False
     try:
         model.ops = CudaOps(model.device)
     except KernelUnavailable as e:
@@ -134,6 +135,6 @@ def enable_cuda_backend(model: Any, graphs: bool = True) -> bool:
 
 def disable_cuda_backend(model: Any) -> None:
     """Back to plain PyTorch ops, eager (for comparisons)."""
-    from webchat.ops import TorchOps
+    from webchat.ops import PagedTorchOps
 
-    model.ops, model.runner = TorchOps, None
+    model.ops, model.runner = PagedTorchOps(), None

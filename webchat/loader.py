@@ -7,7 +7,6 @@ tensors; `weights="float32"` forces the float ones, `quantize="q8_0"|"q4_0"` qua
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from webchat import qkernels
 from webchat.config import ModelArgs
 from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.model import Transformer
-from webchat.quant import QTYPES, DecodeRunner, QEmbedding, QLinear, fused_ops, quantize, swap_modules
+from webchat.quant import QTYPES, QEmbedding, QLinear, quantize, swap_modules
 from webchat.weights import QUANTIZE, WEIGHTS
 
 # checkpoint name → ours (gpt-fast's weight_map); {} is the layer index
@@ -126,10 +125,8 @@ def load_model(
         from webchat.cuda_backend import enable_cuda_backend
 
         enable_cuda_backend(model)
-    elif kernels is not None:  # one C++ call each for rms_norm, add_rms_norm, rope, silu_mul
-        model.ops = fused_ops(kernels)
-        if quantized and os.environ.get("WEBCHAT_QSTEP", "1") != "0":  # a decode step is one C++ call
-            model.runner = DecodeRunner(kernels)
+    # webchat.quant.fused_ops(kernels) (C++ rms_norm, add_rms_norm, rope, silu_mul) is not installed here: the paged
+    # engine's ops table (PagedTorchOps) owns those ops now and can take them over
     return model
 
 

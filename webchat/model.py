@@ -1,18 +1,42 @@
-"""A Llama-family transformer (Llama, Mistral, Qwen2) for one sequence, with its hot ops behind `ops`."""
+"""A Llama-family transformer (Llama, Mistral, Qwen2) over a ragged batch on a paged KV cache, hot ops behind `ops`."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import math
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
-from webchat.cache import KVCache
+from webchat.batch import Batch
+from webchat.cache import PAGE_SIZE, KVPool, SeqCache
 from webchat.config import ModelArgs, ModelConfigError
-from webchat.ops import TorchOps
+from webchat.ops import PagedTorchOps
+
+
+class PagedKV(Protocol):
+    """Per layer k and v pages, each (num_pages, page_size, n_kv, hd): a webchat.cache.KVPool."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+
+class Ops(Protocol):
+    """The hot ops the model calls (webchat.ops.PagedTorchOps; webchat.gpu.CudaOps on a GPU)."""
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+    def kv_write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        batch: Batch) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -26,16 +50,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, start: int, rope: tuple[torch.Tensor, ...],
-        ops: Any,
+        self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch,
+        rope: tuple[torch.Tensor, torch.Tensor], ops: Ops,
     ) -> torch.Tensor:
         t = x.shape[0]
         q = self.wq(x).view(t, self.n_heads, self.head_dim)  # (T, H, hd)
         k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)  # (T, n_kv, hd)
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
         q, k = ops.rope(q, k, *rope)
-        ops.kv_append(cache_k, cache_v, k, v, start)
-        o = ops.attention(q, cache_k, cache_v, start)  # (T, H, hd)
+        ops.kv_write(k_cache, v_cache, k, v, batch.slot_mapping)
+        o = ops.paged_attention(q, k_cache, v_cache, batch)  # (T, H, hd)
         out: torch.Tensor = self.wo(o.reshape(t, self.n_heads * self.head_dim))
         return out
 
@@ -47,7 +71,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
 
-    def forward(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         out: torch.Tensor = self.w2(ops.silu_mul(self.w1(x), self.w3(x)))
         return out
 
@@ -67,21 +91,28 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim)
 
 
+Runner = Callable[["Transformer", Batch, PagedKV], "torch.Tensor | None"]
+
+
 class Transformer(nn.Module):
-    """Forward a chunk of tokens at positions cache.length.. and return float32 logits (docs/design.md)."""
+    """model(batch, kv) -> float32 logits (R, vocab) of batch.logit_rows, after writing every token's k/v into kv.
+
+    Positions come in with the batch (rope rows gathered by batch.positions); the model never reads or advances
+    cache lengths: the caller (webchat.engine) does, in one place.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.ops: Any = TorchOps
+        self.ops: Ops = PagedTorchOps()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
-        # CUDA backend hook (webchat.cuda_backend.GraphRunner): replays captured CUDA graphs; None = always eager
-        self.runner: Any = None
+        # CUDA backend hook (webchat.cuda_backend): runner(model, batch, kv) -> logits, or None to run eagerly
+        self.runner: Runner | None = None
 
     @property
     def device(self) -> torch.device:
@@ -97,11 +128,19 @@ class Transformer(nn.Module):
         freqs = torch.outer(torch.arange(n_positions, device=self.device, dtype=torch.float32), inv_freq)
         self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
 
-    def new_cache(self, max_seq_len: int | None = None) -> KVCache:
-        capacity = max_seq_len or self.args.max_seq_len
-        if capacity > self.rope_cos.shape[0]:
-            self.setup_rope(capacity)
-        return KVCache(self.args, capacity, self.device, self.dtype)
+    def ensure_rope(self, n_positions: int) -> None:
+        if n_positions > self.rope_cos.shape[0]:
+            self.setup_rope(n_positions)
+
+    def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool:
+        """A KV pool for n_tokens positions (plus the padding page) on the model's device and dtype."""
+        ps = page_size or PAGE_SIZE
+        self.ensure_rope(min(max(n_tokens, 1), self.args.max_seq_len))
+        return KVPool(self.args, -(-n_tokens // ps) + 1, self.device, self.dtype, ps)
+
+    def new_cache(self, max_seq_len: int | None = None) -> SeqCache:
+        """One sequence's cache on a pool of its own: cache.feed(model, ids) runs the single-stream path."""
+        return SeqCache(self.new_pool(max_seq_len or self.args.max_seq_len))
 
     def truncated(self, n_layers: int) -> Transformer:
         """The first n_layers blocks plus the final norm and head, sharing weights (a self-draft model)."""
@@ -114,47 +153,37 @@ class Transformer(nn.Module):
         return small
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        t, start = tokens.shape[0], cache.length
-        if tokens.dim() != 1 or t == 0:
-            raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")
-        if start + t > cache.capacity:
-            raise ValueError(f"{t} tokens at position {start} overflow the cache of {cache.capacity}")
-        if len(cache.k) != len(self.layers):
-            raise ValueError(f"cache has {len(cache.k)} layers, model has {len(self.layers)}")
+    def forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
+        if batch.tokens.dim() != 1 or batch.tokens.shape[0] == 0:
+            raise ValueError(f"batch tokens must be a non-empty 1-D tensor, got shape {tuple(batch.tokens.shape)}")
+        if len(kv.k) < len(self.layers):
+            raise ValueError(f"the KV cache has {len(kv.k)} layers, the model has {len(self.layers)}")
+        if batch.max_seq_len > self.rope_cos.shape[0]:
+            raise ValueError(f"position {batch.max_seq_len - 1} is past the rope table of {self.rope_cos.shape[0]}")
         if self.runner is not None:
-            logits = self.runner(self, tokens, cache, last_only)  # None: not a graphed step, run eagerly
+            logits = self.runner(self, batch, kv)  # None: not a graphed step, run eagerly
             if logits is not None:
-                return logits  # type: ignore[no-any-return]
-        rope = (self.rope_cos[start : start + t], self.rope_sin[start : start + t])
-        logits = self.layers_forward(tokens, cache, start, rope, last_only)
-        cache.length = start + t
-        return logits
+                return logits
+        return self.layers_forward(batch, kv)
 
-    def layers_forward(
-        self, tokens: torch.Tensor, cache: KVCache, start: int | torch.Tensor, rope: tuple[torch.Tensor, ...],
-        last_only: bool,
-    ) -> torch.Tensor:
-        """Blocks, final norm and head for tokens at positions start..; leaves cache.length alone.
-
-        start may be a one-element int32 CUDA tensor (with CudaOps), so a captured CUDA graph replays at any position.
-        """
+    def layers_forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
+        """Embedding, blocks, final norm and head; reads nothing on the host (graph-capturable with device ops)."""
         ops, eps = self.ops, self.args.norm_eps
-        residual = self.tok_embeddings(tokens)  # (T, dim)
+        rope = (self.rope_cos.index_select(0, batch.positions), self.rope_sin.index_select(0, batch.positions))
+        residual = self.tok_embeddings(batch.tokens)  # (T, dim)
         out: torch.Tensor | None = None
         for i, layer in enumerate(cast(list[Block], list(self.layers))):
             if out is None:
                 y = ops.rms_norm(residual, layer.attention_norm.weight, eps)
             else:
                 y, residual = ops.add_rms_norm(out, residual, layer.attention_norm.weight, eps)
-            out = layer.attention(y, cache.k[i], cache.v[i], start, rope, ops)
+            out = layer.attention(y, kv.k[i], kv.v[i], batch, rope, ops)
             y, residual = ops.add_rms_norm(out, residual, layer.ffn_norm.weight, eps)
             out = layer.feed_forward(y, ops)
         assert out is not None
-        if last_only:
-            out, residual = out[-1:], residual[-1:]
+        out, residual = out.index_select(0, batch.logit_rows), residual.index_select(0, batch.logit_rows)  # (R, dim)
         y, _ = ops.add_rms_norm(out, residual, self.norm.weight, eps)
-        logits: torch.Tensor = self.output(y).float()  # (T, vocab)
+        logits: torch.Tensor = self.output(y).float()  # (R, vocab)
         return logits
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -67,6 +69,16 @@ class TorchOps:
         return o.squeeze(0).transpose(0, 1)  # (T, H, hd)
 
 
+@dataclass
+class _AttnPlan:
+    """What paged_attention derives from a batch once and reuses in every layer."""
+
+    decode_rows: torch.Tensor  # (D,) rows that are the only new token of their sequence
+    decode_slots: torch.Tensor  # (D, Lmax) cache slots each reads, padded with slot 0
+    decode_mask: torch.Tensor | None  # (D, 1, 1, Lmax) True where a slot is real; None when none is padding
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (lo, hi, slots (L,), causal mask (t, L))
+
+
 class PagedTorchOps(TorchOps):
     """The paged-cache ops of a ragged batch (webchat.batch.Batch), in plain PyTorch: the reference for gpu/."""
 
@@ -80,23 +92,56 @@ class PagedTorchOps(TorchOps):
 
     @staticmethod
     def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
-        # per sequence b: o = softmax(q k^T / sqrt(hd) + causal by position) v over its pages; q, o (T, H, hd)
-        page_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        # per sequence b: o = softmax(q k^T / sqrt(hd) + causal by position) v over its pages; q, o (T, H, hd).
+        # Single-token sequences go through one padded SDPA call; longer chunks one call each.
+        plan = batch.plan if isinstance(batch.plan, _AttnPlan) else _plan(batch, k_cache.shape[1])
+        batch.plan = plan
+        n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+        kf, vf = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)  # (slots, n_kv, hd)
         out = torch.empty_like(q)
-        starts = batch.query_start.tolist()
-        lens = batch.seq_lens.tolist()
-        for b, length in enumerate(lens):
-            lo, hi = starts[b], starts[b + 1]
-            n_pages = -(-length // page_size)
-            pages = batch.block_tables[b, :n_pages].long()
-            k = k_cache.index_select(0, pages).reshape(-1, n_kv, hd)[:length]  # (L, n_kv, hd)
-            v = v_cache.index_select(0, pages).reshape(-1, n_kv, hd)[:length]
-            pos = batch.positions[lo:hi]
-            mask = torch.arange(length, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # (t, L)
-            o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                               v.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
+        if plan.decode_rows.numel():
+            d, lmax = plan.decode_slots.shape
+            idx = plan.decode_slots.reshape(-1)
+            k = kf.index_select(0, idx).view(d, lmax, n_kv, hd).transpose(1, 2)  # (D, n_kv, Lmax, hd)
+            v = vf.index_select(0, idx).view(d, lmax, n_kv, hd).transpose(1, 2)
+            # the H / n_kv query heads sharing a kv head are g query rows of one head: (D, n_kv, g, hd)
+            qd = q.index_select(0, plan.decode_rows).view(d, n_kv, -1, hd)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask)  # (D, n_kv, g, hd)
+            out.index_copy_(0, plan.decode_rows, o.reshape(d, -1, hd))
+        for lo, hi, slots, mask in plan.prefill:
+            k = kf.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, L, hd)
+            v = vf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
+                                               enable_gqa=True)
             out[lo:hi] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+def _plan(batch: Batch, page_size: int) -> _AttnPlan:
+    dev = batch.tokens.device
+    starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+    offsets = torch.arange(page_size, device=dev)
+    dec_rows: list[int] = []
+    dec_slots: list[torch.Tensor] = []
+    prefill = []
+    for b, length in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        pages = batch.block_tables[b, : -(-length // page_size)].long()
+        slots = (pages.unsqueeze(1) * page_size + offsets).reshape(-1)[:length]  # (L,) slots of positions 0..L-1
+        if hi - lo == 1:
+            dec_rows.append(lo)
+            dec_slots.append(slots)
+        else:
+            pos = batch.positions[lo:hi]
+            prefill.append((lo, hi, slots, torch.arange(length, device=dev).unsqueeze(0) <= pos.unsqueeze(1)))
+    lmax = max((len(s) for s in dec_slots), default=0)
+    mask = None
+    if any(len(s) != lmax for s in dec_slots):
+        mask = torch.stack([torch.arange(lmax, device=dev) < len(s) for s in dec_slots]).view(-1, 1, 1, lmax)
+    padded = [F.pad(s, (0, lmax - len(s))) for s in dec_slots]
+    return _AttnPlan(torch.tensor(dec_rows, dtype=torch.long, device=dev),
+                     torch.stack(padded) if padded else torch.zeros((0, 0), dtype=torch.long, device=dev), mask,
+                     prefill)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

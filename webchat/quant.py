@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from webchat.cache import KVCache
 from webchat.ops import TorchOps
 
 # name → (ggml type number, bytes per block of 32 weights)
@@ -152,48 +151,3 @@ def fused_ops(kernels: Any) -> type[TorchOps]:
 
     return FusedCpuOps
 
-
-class DecodeRunner:
-    """model.runner for a quantized CPU model: a one-token step is one C++ call (webchat/csrc/qstep.cpp) doing every
-    layer; anything else (prefill, verify chunks) returns None and runs through the modules."""
-
-    def __init__(self, kernels: Any) -> None:
-        self.kernels = kernels
-        self.steps: dict[int, Any] = {}  # n_layers → Step (a truncated self-draft model shares the first layers)
-
-    def __call__(self, model: Any, tokens: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor | None:
-        if tokens.numel() != 1 or not isinstance(cache, KVCache) or cache.k[0].dtype != torch.float32:
-            return None
-        n = len(model.layers)
-        if n not in self.steps:
-            self.steps[n] = self._build(model)
-        step = self.steps[n]
-        if step is None:
-            return None
-        pos = cache.length
-        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
-        logits: torch.Tensor = step.step(int(tokens[0]), pos, cache.k, cache.v, cos, sin)
-        cache.length = pos + 1
-        return logits
-
-    def _build(self, model: Any) -> Any:
-        a = model.args
-        mats, qtypes, norms, biases = [], [], [], []
-        for layer in model.layers:
-            att, ff = layer.attention, layer.feed_forward
-            for lin in (att.wq, att.wk, att.wv, att.wo, ff.w1, ff.w3, ff.w2):
-                if not isinstance(lin, QLinear):
-                    return None
-                mats.append(lin.weight)
-                qtypes.append(QTYPES[lin.qtype][0])
-            for lin in (att.wq, att.wk, att.wv):
-                biases.append(lin.bias if lin.bias is not None else torch.empty(0))
-            norms += [layer.attention_norm.weight, layer.ffn_norm.weight]
-        emb, head = model.tok_embeddings, model.output
-        if not isinstance(emb, QEmbedding) or not isinstance(head, QLinear) or head.bias is not None:
-            return None
-        dims = [a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim]
-        return self.kernels.Step(
-            dims, a.norm_eps, emb.weight, QTYPES[emb.qtype][0], head.weight, QTYPES[head.qtype][0],
-            model.norm.weight, norms, mats, qtypes, biases,
-        )

@@ -68,11 +68,12 @@ class ServerConfig:
     quantize: str | None = None  # q8_0 | q4_0: quantize float weights at load
     host: str = "127.0.0.1"
     port: int = 8000
-    max_sessions: int = 4
+    max_sessions: int = 64  # connections whose KV pages are kept between turns (idle ones cost only their pages)
     max_queue: int = 16
     allow_origins: tuple[str, ...] = ()
     max_seq_len: int | None = None  # cap on the context (KV-cache memory per session)
     max_message_bytes: int = 1 << 20
+    kv_pool: str | None = None  # KV pool size: tokens or "512MiB"; None: 1 GiB on the CPU, half the free GPU memory
     max_pending_bytes: int = 1 << 20  # a connection's output not yet written; past it the server stops reading it
     stall_timeout: float = 30.0  # seconds output may stay past max_pending_bytes before the socket is closed
     max_connections: int | None = None  # None: a quarter of the file limit (webchat.limits)
@@ -97,13 +98,13 @@ class Runtime:
     modes: list[str]
     draft_model: Any = None
     default_mode: str = "none"
+    engine: Any = None  # webchat.engine.Engine: one KV pool and one batched forward for every connection
     weights: str = "float32"  # webchat.loader.weights_name: "q4_1", "float32", ...
 
     def new_generator(self) -> StreamingGenerator:
         from webchat.generator import Generator
 
-        gen: StreamingGenerator = Generator(self.model, self.tokenizer, max_seq_len=self.context_length,
-                                            draft_model=self.draft_model)
+        gen: StreamingGenerator = Generator(self.model, self.tokenizer, engine=self.engine)
         return gen
 
     def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False) -> list[int]:
@@ -134,9 +135,14 @@ def load_runtime(config: ServerConfig) -> Runtime:
     modes = [m for m in MODES if m != "draft" or draft is not None]
     if config.speculative not in modes:
         raise ValueError(f"--speculative {config.speculative} is not available; choose one of {modes}")
-    return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name,
-                   device=str(device), dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
-                   draft_model=draft, default_mode=config.speculative, weights=weights_name(model))
+    from webchat.cache import pool_tokens
+    from webchat.engine import Engine
+
+    engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
+                    pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
+    return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name, device=str(device),
+                   dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes, draft_model=draft,
+                   default_mode=config.speculative, engine=engine, weights=weights_name(model))
 
 
 # ---------------------------------------------------------------- security
@@ -359,7 +365,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         rt = runtime if runtime is not None else await asyncio.to_thread(load_runtime, config)
         worker = Worker(rt.new_generator, rt.tokenizer.id_to_text, asyncio.get_running_loop(),
-                        config.max_sessions, config.max_queue)
+                        config.max_sessions, config.max_queue, pages=rt.engine)
         worker.start()
         loop = asyncio.get_running_loop()
         previous_handler = loop.get_exception_handler()
@@ -385,12 +391,15 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         rt: Runtime = request.state.runtime
         body = rt.hello().model_dump(exclude={"type"})
         body.update(max_sessions=config.max_sessions, max_queue=config.max_queue, default_speculative=rt.default_mode)
+        if rt.engine is not None:
+            body["kv_pool"] = rt.engine.pool_info()
         return JSONResponse(body)
 
     async def healthz(request: Request) -> Response:
         snap = request.state.worker.snapshot()
+        pool = request.state.runtime.engine.pool_info() if request.state.runtime.engine is not None else None
         return JSONResponse({"status": "ok", "active": len(snap.active), "queued": len(snap.pending),
-                             "sessions": snap.sessions})
+                             "sessions": snap.sessions, "kv_pool": pool})
 
     async def ws_endpoint(websocket: WebSocket) -> None:
         origin, host = websocket.headers.get("origin"), websocket.headers.get("host")
@@ -457,7 +466,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_weight_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-sessions", type=_positive, default=4, help="KV caches held at once (default 4)")
+    parser.add_argument("--max-sessions", type=_positive, default=64,
+                        help="connections whose KV pages are kept between turns (default 64)")
+    parser.add_argument("--kv-pool", default=None, metavar="SIZE",
+                        help="KV pool: tokens (32768) or memory (512MiB, 2GiB); default 1GiB on the CPU, half the "
+                             "free memory on a GPU")
     parser.add_argument("--max-queue", type=_non_negative, default=16, help="requests waiting past that (default 16)")
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="another page origin allowed to open the websocket, e.g. http://localhost:3000")
@@ -498,8 +511,7 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
                         stall_timeout=args.stall_timeout, access_token=args.access_token,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
-
-                        api_key=args.api_key, weights=args.weights, quantize=args.quantize)
+                        kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize)
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:

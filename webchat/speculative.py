@@ -7,11 +7,13 @@ speed, never output. Drafting is greedy and uses no randomness.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from webchat.cache import KVCache
+from webchat.batch import Batch, make_batch
+from webchat.cache import KVPool, SeqCache
+from webchat.config import ModelArgs
 
 MODES = ("none", "self", "ngram", "draft")  # in the order the page and the CLIs list them
 
@@ -26,7 +28,14 @@ class Drafter(Protocol):
         ...
 
 
-def check_vocab(main: Any, draft: Any, main_tok: Any = None, draft_tok: Any = None) -> None:
+class VocabTokenizer(Protocol):
+    vocab_size: int
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def check_vocab(main: DraftModel, draft: DraftModel, main_tok: VocabTokenizer | None = None,
+                draft_tok: VocabTokenizer | None = None) -> None:
     """Raise DraftVocabError unless the two models (and tokenizers, when given) have the same vocabulary."""
     mv, dv = main.args.vocab_size, draft.args.vocab_size
     if mv != dv:
@@ -43,33 +52,35 @@ def check_vocab(main: Any, draft: Any, main_tok: Any = None, draft_tok: Any = No
             raise DraftVocabError(f"token {i} is {a!r} in the main tokenizer but {b!r} in the draft tokenizer")
 
 
+class DraftModel(Protocol):
+    """What a drafter needs of a model: the paged forward, its shape, a pool and a truncated copy."""
+
+    args: ModelArgs
+
+    def __call__(self, batch: Batch, kv: KVPool) -> torch.Tensor: ...
+    def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool: ...
+    def truncated(self, n_layers: int) -> DraftModel: ...
+
+
 class ModelDrafter:
-    """Greedy drafts from a model with its own KV cache, kept in step with the context by longest common prefix.
+    """Greedy drafts from a model with a cache of its own, kept in step with the context by longest common prefix.
 
     Drafting stops early when the draft's top probability falls under `min_prob` (exllamav2 uses 0.25).
     """
 
-    def __init__(self, model: Any, capacity: int, min_prob: float = 0.0, chunk: int = 256) -> None:
+    def __init__(self, model: DraftModel, capacity: int, min_prob: float = 0.0, chunk: int = 256) -> None:
         self.model = model
-        self.cache: KVCache = model.new_cache(capacity)
-        self.ids: list[int] = []  # tokens whose k/v are in self.cache
+        self.cache = SeqCache(model.new_pool(capacity))
         self.min_prob = min_prob
         self.chunk = chunk
 
     def _sync(self, context: list[int]) -> None:
         """Rewind the cache to the prefix shared with context (rejected drafts go), feed all but its last token."""
-        n = common_prefix(self.ids, context)
-        n = min(n, len(context) - 1)
+        n = min(common_prefix(self.cache.ids, context), len(context) - 1)
         self.cache.truncate(n)
-        del self.ids[n:]
         todo = context[n:-1]
         for i in range(0, len(todo), self.chunk):
-            self._feed(todo[i : i + self.chunk])
-
-    def _feed(self, ids: list[int]) -> torch.Tensor:
-        logits = self.model(torch.tensor(ids, device=self.model.device), self.cache, last_only=True)
-        self.ids.extend(ids)
-        return logits[-1]  # type: ignore[no-any-return]
+            self.cache.feed(self.model, todo[i : i + self.chunk])
 
     def draft(self, context: list[int], k: int) -> list[int]:
         k = min(k, self.cache.capacity - len(context))
@@ -79,7 +90,7 @@ class ModelDrafter:
         out: list[int] = []
         last = context[-1]
         for _ in range(k):
-            logits = self._feed([last])  # (vocab,)
+            logits = self.cache.feed(self.model, [last])[-1]  # (vocab,)
             last = int(torch.argmax(logits))
             if self.min_prob > 0.0 and float(torch.softmax(logits, -1)[last]) < self.min_prob:
                 break
@@ -87,32 +98,38 @@ class ModelDrafter:
         return out
 
 
-class SelfDrafter(ModelDrafter):
-    """The main model's first n layers plus its norm and head; its cache shares those layers' k/v with the main cache.
+class SelfDrafter:
+    """The main model's first n layers plus its norm and head, drafting on the sequence's own pages.
 
     The first n layers compute the same k/v for the same tokens, so the context never needs a second prefill: the
-    draft writes only at positions past the main cache's length, which the verifying forward then overwrites.
+    draft writes only at positions >= n_cached (pages the sequence holds alone), which the verifying forward then
+    overwrites. The engine calls draft_at() with the sequence's page table.
     """
 
-    def __init__(self, model: Any, n_layers: int, main_cache: KVCache, min_prob: float = 0.0) -> None:
+    def __init__(self, model: DraftModel, n_layers: int, pool: KVPool, min_prob: float = 0.0) -> None:
         self.model = model.truncated(n_layers)
-        self.main_cache = main_cache
-        view = KVCache.__new__(KVCache)
-        view.k, view.v = main_cache.k[:n_layers], main_cache.v[:n_layers]
-        view.capacity, view.length = main_cache.capacity, 0
-        self.cache = view
-        self.ids = []
+        self.pool = pool
         self.min_prob = min_prob
-        self.chunk = 256
 
-    def _sync(self, context: list[int]) -> None:
-        n = self.main_cache.length
-        if n >= len(context):
-            raise ValueError(f"self-draft needs the context past the main cache: context {len(context)}, cache {n}")
-        self.cache.length = n
-        self.ids = list(context[:n])
-        if len(context) - 1 > n:
-            self._feed(context[n:-1])
+    def draft(self, context: list[int], k: int) -> list[int]:
+        raise TypeError("SelfDrafter drafts on a sequence's pages: the engine calls draft_at()")
+
+    def draft_at(self, context: list[int], k: int, pages: list[int], n_cached: int) -> list[int]:
+        """Up to k drafts after context, whose first n_cached tokens are in `pages` (enough for len(context) + k)."""
+        if n_cached >= len(context):
+            raise ValueError(f"self-draft needs the context past the cache: context {len(context)}, cache {n_cached}")
+        ps, device = self.pool.page_size, self.pool.k[0].device
+        feed, start, out = context[n_cached:], n_cached, []
+        for _ in range(k):
+            batch = make_batch([(feed, start, pages, [-1])], ps, device)
+            logits = self.model(batch, self.pool)[-1]  # (vocab,)
+            start += len(feed)
+            last = int(torch.argmax(logits))
+            if self.min_prob > 0.0 and float(torch.softmax(logits, -1)[last]) < self.min_prob:
+                break
+            out.append(last)
+            feed = [last]
+        return out
 
 
 class NgramDrafter:

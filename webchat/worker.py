@@ -1,10 +1,16 @@
-"""The one thread that owns the device: round-robin `stream()` steps over active requests, a FIFO queue behind them.
+"""The one thread that owns the device: it drives the engine through the active requests' handles, a FIFO queue
+behind them.
 
-State machine per request (all under one lock; only this thread touches a generator's model calls):
-    submit → pending (told `queued` positions) → active (holds one of `max_sessions` KV caches) → finished.
-A connection's generator (its KV cache) stays in `sessions` between turns for prefix reuse, and is evicted least
-recently used when a new request needs a slot and that session is idle. Neutral events (webchat.events) go back to
-the event loop through `loop.call_soon_threadsafe(job.deliver, event)`, in order; each transport formats them.
+State machine per request (all under one lock; only this thread calls into the engine):
+    submit → pending (told `queued` positions) → active (its pages reserved in the KV pool) → finished.
+Each connection holds a generator handle on the shared engine (webchat.engine). The thread visits the active handles
+in turn: begin_stream() on a new one, else stream(), which returns what the engine made for that handle since its
+last visit and runs one engine step (one forward for every running sequence) when there is nothing. A request is
+admitted while its pages (prompt + max_new_tokens, `pages.pages_for`) fit beside the active ones', so running
+sequences never run out; pages of idle sessions are evicted by the pool, least recently used first. A handle stays
+in `sessions` between turns for prefix reuse, closed (its pages released) when evicted past `max_sessions` or when the
+connection goes. Neutral events (webchat.events) go back to the event loop through
+`loop.call_soon_threadsafe(job.deliver, event)`, in order; each transport formats them.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from webchat import events as ev
+from webchat.sequence import GenerationRequest, StartInfo, StreamResult
 
 log = logging.getLogger("webchat.worker")
 
@@ -27,9 +34,23 @@ Deliver = Callable[[ev.Event], None]
 class StreamingGenerator(Protocol):
     """The part of webchat.generator.Generator the worker uses (docs/design.md)."""
 
-    def begin_stream(self, request: Any) -> Any: ...
-    def stream(self) -> Any: ...
+    def begin_stream(self, request: GenerationRequest) -> StartInfo: ...
+    def stream(self) -> StreamResult: ...
     def cancel(self) -> None: ...
+
+
+class PagePlanner(Protocol):
+    """The engine's page arithmetic (webchat.engine.Engine), read from any thread."""
+
+    @property
+    def usable_pages(self) -> int: ...
+    def pages_for(self, req: GenerationRequest) -> int: ...
+
+
+def _close(gen: StreamingGenerator | None) -> None:
+    close = getattr(gen, "close", None)  # webchat.generator.Generator releases its pages; test doubles may not
+    if close is not None:
+        close()
 
 
 @dataclass
@@ -48,9 +69,10 @@ class Job:
 
     key: Hashable  # the connection
     request_id: str
-    request: Any  # webchat.generator.GenerationRequest
+    request: GenerationRequest
     deliver: Deliver  # runs on the event loop
     prompt_tokens: int = 0
+    pages: int = 0  # KV pages reserved while active
     position: int = 0  # last `queued` position sent; 0 = never queued
     session: Session | None = None
     started: bool = False
@@ -75,6 +97,7 @@ class Worker:
         loop: asyncio.AbstractEventLoop,
         max_sessions: int,
         max_queue: int,
+        pages: PagePlanner | None = None,
     ) -> None:
         if max_sessions < 1 or max_queue < 0:
             raise ValueError(f"need max_sessions >= 1 and max_queue >= 0, got {max_sessions} and {max_queue}")
@@ -82,6 +105,8 @@ class Worker:
         self._id_to_text = id_to_text  # a stop token's display text, for `done.trigger`
         self._loop = loop
         self.max_sessions, self.max_queue = max_sessions, max_queue
+        self._pages = pages
+        self._reserved = 0  # pages reserved by active jobs
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._active: deque[Job] = deque()  # round-robin: the head is stepped next, then rotated to the back
@@ -121,6 +146,7 @@ class Worker:
                     f"(max {self.max_queue}); try again shortly")))
                 return
             self._jobs[job.key] = job
+            job.pages = self._pages.pages_for(job.request) if self._pages is not None else 0
             self._pending.append(job)
             self._admit_locked()
             self._cond.notify_all()
@@ -157,6 +183,7 @@ class Worker:
                 session.closed = True
                 if not session.in_use:
                     del self._sessions[key]
+                    _close(session.gen)
             self._admit_locked()
             self._cond.notify_all()
 
@@ -176,21 +203,26 @@ class Worker:
 
     def _admit_locked(self) -> None:
         """Move pending jobs into free slots (FIFO), then tell the ones still waiting their new positions."""
-        while self._pending and len(self._active) < self.max_sessions:
+        while self._pending and len(self._active) < self.max_sessions and self._fits(self._pending[0]):
             job = self._pending.popleft()
             job.session = self._claim_session(job.key)
+            self._reserved += job.pages
             self._active.append(job)
         for index, job in enumerate(self._pending):
             if job.position != index + 1:
                 job.position = index + 1
                 self._post(job, ev.Queued(job.position))
 
+    def _fits(self, job: Job) -> bool:
+        """Its pages fit beside the active jobs' (a job alone always runs: its pages are capped at the pool's)."""
+        return self._pages is None or not self._active or self._reserved + job.pages <= self._pages.usable_pages
+
     def _claim_session(self, key: Hashable) -> Session:
         session = self._sessions.get(key)
         if session is None:
             if len(self._sessions) >= self.max_sessions:
                 idle = next(k for k, s in self._sessions.items() if not s.in_use)  # exists: fewer active than slots
-                del self._sessions[idle]
+                _close(self._sessions.pop(idle).gen)
             session = self._sessions[key] = Session(key)
         self._sessions.move_to_end(key)
         session.in_use = True
@@ -199,6 +231,7 @@ class Worker:
     def _finish_locked(self, job: Job) -> None:
         if job in self._active:
             self._active.remove(job)
+            self._reserved -= job.pages
         if self._jobs.get(job.key) is job:
             del self._jobs[job.key]
         session = job.session
@@ -207,6 +240,7 @@ class Worker:
             if self._sessions.get(job.key) is session:
                 if session.closed:
                     del self._sessions[job.key]
+                    _close(session.gen)
                 else:
                     self._sessions.move_to_end(job.key)  # LRU by last use
         self._admit_locked()
@@ -227,12 +261,13 @@ class Worker:
                 log.exception("request %r failed", job.request_id)
                 with self._cond:
                     if job.session is not None:
-                        job.session.gen = None  # its cache may be half-written
+                        _close(job.session.gen)  # its sequence leaves the engine, its pages go back
+                        job.session.gen = None
                     self._finish_locked(job)
                     self._post(job, ev.Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
 
     def _step(self, job: Job) -> None:
-        """One unit of work for `job`: build its generator, or prefill (begin_stream), or one stream() step."""
+        """One unit of work for `job`: build its handle, or join the engine (begin_stream), or one stream() step."""
         session = job.session
         assert session is not None
         if job.dropped or (job.cancel_requested and not job.started):
@@ -265,14 +300,14 @@ class Worker:
 
 
 # ---------------------------------------------------------------- generator results → neutral events
-def result_events(result: Any, id_to_text: Callable[[int], str]) -> list[ev.Event]:
+def result_events(result: StreamResult, id_to_text: Callable[[int], str]) -> list[ev.Event]:
     """One StreamResult as `Tokens` (when it carries text or tokens) and, at its end, `Finished`."""
     out: list[ev.Event] = []
     if result.text or result.tokens:
         out.append(ev.Tokens(result.text, list(result.tokens)))
     if result.eos:
         trigger = result.eos_trigger
-        out.append(ev.Finished(result.eos_reason, id_to_text(trigger) if isinstance(trigger, int) else trigger,
+        out.append(ev.Finished(result.eos_reason or "", id_to_text(trigger) if isinstance(trigger, int) else trigger,
                                result.stats or ev.Stats()))
     return out
 
