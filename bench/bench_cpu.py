@@ -1,8 +1,13 @@
 """CPU figures for the default model: time to first token and decode tokens/s for webchat, transformers and llama.cpp.
 
-Each engine runs in its own child process so that its peak memory (VmHWM) is its own. Greedy, a fixed number of new
-tokens (stop tokens ignored), a warm-up run first. Run: `.venv/bin/python bench/bench_cpu.py` (llama.cpp needs the
-`bench` extra: `.venv/bin/pip install -e .[bench]`, which compiles llama.cpp for about 12 minutes).
+Each engine runs in its own child process so that its peak memory (VmHWM) is its own, with 2 threads (torch's
+intra-op threads, llama.cpp's n_threads). Greedy, a fixed number of new tokens (stop tokens ignored), a warm-up run
+first. webchat's KV cache is sized to prompt + new tokens, not the model's 8192 context. `webchat` runs the folder's
+quantized Q4_1 blocks (docs/quant.md), `webchat-f32` the float32 weights. A last child measures fidelity: the max
+|Δlogit| of webchat q4_1 and of llama.cpp against webchat's float32 model (the same dequantized weights), at the end
+of each prompt and over the reference's next greedy tokens fed to all three.
+Run: `.venv/bin/python bench/bench_cpu.py` (llama.cpp needs the `bench` extra: `.venv/bin/pip install -e .[bench]`,
+which compiles llama.cpp for about 12 minutes).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ LONG_TEXT = (
 )
 LONG = [{"role": "user", "content": LONG_TEXT}]
 NEW_TOKENS = 64
-ENGINES = ("webchat", "transformers", "llama.cpp")
+THREADS = 2
+FIDELITY_STEPS = 16
+ENGINES = ("webchat", "webchat-1t", "webchat-f32", "transformers", "llama.cpp")
 
 
 def peak_rss_mb() -> float:
@@ -48,10 +55,10 @@ def time_stream(step_iter: Callable[[], object]) -> tuple[float, float]:
     return ttft, decode
 
 
-def webchat_runner(model_dir: Path, gguf: Path) -> Callable[[list[int]], Callable[[], object]]:
+def webchat_runner(model_dir: Path, gguf: Path, weights: str = "auto") -> Callable[[list[int]], Callable[[], object]]:
     from webchat.loader import load_model
 
-    model = load_model(model_dir)
+    model = load_model(model_dir, weights=weights)
 
     def run(ids: list[int]) -> Callable[[], object]:
         def steps() -> object:
@@ -89,7 +96,8 @@ def transformers_runner(model_dir: Path, gguf: Path) -> Callable[[list[int]], Ca
 def llamacpp_runner(model_dir: Path, gguf: Path) -> Callable[[list[int]], Callable[[], object]]:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=2048, n_threads=2, n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=2048, n_threads=THREADS, n_threads_batch=THREADS, n_batch=512,
+                          verbose=False)
 
     def run(ids: list[int]) -> Callable[[], object]:
         def steps() -> object:
@@ -104,16 +112,63 @@ def llamacpp_runner(model_dir: Path, gguf: Path) -> Callable[[list[int]], Callab
     return run
 
 
-RUNNERS = {"webchat": webchat_runner, "transformers": transformers_runner, "llama.cpp": llamacpp_runner}
+def webchat_f32_runner(model_dir: Path, gguf: Path) -> Callable[[list[int]], Callable[[], object]]:
+    return webchat_runner(model_dir, gguf, weights="float32")
+
+
+RUNNERS = {"webchat": webchat_runner, "webchat-1t": webchat_runner, "webchat-f32": webchat_f32_runner,
+           "transformers": transformers_runner, "llama.cpp": llamacpp_runner}
+
+
+def prompts_of(model_dir: Path) -> dict[str, list[int]]:
+    from webchat.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    return {name: tok.encode(tok.apply_chat_template(m)) for name, m in (("short", SHORT), ("long", LONG))}
+
+
+def fidelity() -> None:
+    """Max |Δlogit| against webchat float32, at each prompt's end and over FIDELITY_STEPS teacher-forced tokens."""
+    import llama_cpp
+    import numpy as np
+    import torch
+
+    from webchat.loader import load_model, weights_name
+    from webchat.pull import default_gguf_path, ensure_default_model
+
+    torch.set_num_threads(THREADS)
+    model_dir = ensure_default_model()
+    ref, ours = load_model(model_dir, weights="float32"), load_model(model_dir)
+    llm = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_threads=THREADS, verbose=False)
+    vocab = ref.args.vocab_size
+    result: dict[str, object] = {"weights": weights_name(ours)}
+    for name, ids in prompts_of(model_dir).items():
+        c_ref, c_ours = ref.new_cache(len(ids) + FIDELITY_STEPS), ours.new_cache(len(ids) + FIDELITY_STEPS)
+        llm.reset()
+        x, feed, d_ours, d_llama, flips = torch.tensor(ids), list(ids), 0.0, 0.0, 0
+        for _ in range(FIDELITY_STEPS):
+            want = ref(x, c_ref, last_only=True)[-1]
+            got = ours(x, c_ours, last_only=True)[-1]
+            llm.eval(feed)
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), (vocab,))
+            theirs = torch.from_numpy(row.copy())
+            d_ours = max(d_ours, (got - want).abs().max().item())
+            d_llama = max(d_llama, (theirs - want).abs().max().item())
+            flips += int(theirs.argmax() != want.argmax())
+            nxt = int(want.argmax())
+            x, feed = torch.tensor([nxt]), [nxt]
+        result[name] = {"webchat": d_ours, "llama.cpp": d_llama, "llama_top1_flips": flips}
+    print(json.dumps(result))
 
 
 def child(engine: str) -> None:
-    from webchat.pull import default_gguf_path, ensure_default_model
-    from webchat.tokenizer import Tokenizer
+    import torch
 
+    from webchat.pull import default_gguf_path, ensure_default_model
+
+    torch.set_num_threads(1 if engine == "webchat-1t" else THREADS)  # 1t: one thread, for comparison under load
     model_dir = ensure_default_model()
-    tok = Tokenizer.from_dir(model_dir)
-    prompts = {name: tok.encode(tok.apply_chat_template(m)) for name, m in (("short", SHORT), ("long", LONG))}
+    prompts = prompts_of(model_dir)
     run = RUNNERS[engine](model_dir, default_gguf_path())
     time_stream(run(prompts["short"][:8]))  # warm-up
     result: dict[str, object] = {"engine": engine}
@@ -124,30 +179,62 @@ def child(engine: str) -> None:
     print(json.dumps(result))
 
 
+def run_child(*args: str) -> dict[str, object] | None:
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if proc.returncode:
+        print(f"{' '.join(args)}: failed\n{proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def print_ratios(rows: list[dict[str, object]]) -> None:
+    by = {str(r["engine"]): r for r in rows}
+    if "webchat" not in by or "llama.cpp" not in by:
+        return
+    w, ll = by["webchat"], by["llama.cpp"]
+
+    def get(r: dict[str, object], prompt: str, key: str) -> float:
+        return float(r[prompt][key])  # type: ignore[index]
+
+    print("webchat (q4_1) / llama.cpp:")
+    for prompt in ("short", "long"):
+        print(f"  decode tok/s, {prompt} prompt: {get(w, prompt, 'decode_tps') / get(ll, prompt, 'decode_tps'):.2f}x"
+              "  (target >= 1)")
+    print(f"  TTFT, long prompt: {get(w, 'long', 'ttft_ms') / get(ll, 'long', 'ttft_ms'):.2f}x  (target <= 1)")
+    print(f"  peak RSS: {float(w['peak_rss_mb']) / float(ll['peak_rss_mb']):.2f}x  (target <= 1.5)")  # type: ignore[arg-type]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", choices=ENGINES, help="run one engine (the parent runs each in a child)")
+    parser.add_argument("--fidelity", action="store_true", help="run the fidelity child only")
     parser.add_argument("--engines", default=",".join(ENGINES))
     args = parser.parse_args()
     if args.engine:
         child(args.engine)
         return
-    rows = []
-    for engine in args.engines.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--engine", engine], capture_output=True, text=True)
-        if proc.returncode:
-            print(f"{engine}: failed\n{proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-            continue
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    if args.fidelity:
+        fidelity()
+        return
+    rows = [r for r in (run_child("--engine", e) for e in args.engines.split(",")) if r is not None]
     cols = f"{'prompt':>8}{'TTFT ms':>10}{'decode tok/s':>14}"
-    print(f"greedy, {NEW_TOKENS} new tokens, best of 2, torch threads = cores")
+    print(f"greedy, {NEW_TOKENS} new tokens, best of 2, {THREADS} threads each, KV cache = prompt + new tokens")
     print(f"{'engine':<14}{cols}{cols}{'peak RSS MB':>14}")
     for r in rows:
         s, lg = r["short"], r["long"]
         print(
-            f"{r['engine']:<14}{s['prompt_tokens']:>8}{s['ttft_ms']:>10}{s['decode_tps']:>14}"
-            f"{lg['prompt_tokens']:>8}{lg['ttft_ms']:>10}{lg['decode_tps']:>14}{r['peak_rss_mb']:>14}"
+            f"{r['engine']:<14}{s['prompt_tokens']:>8}{s['ttft_ms']:>10}{s['decode_tps']:>14}"  # type: ignore[index]
+            f"{lg['prompt_tokens']:>8}{lg['ttft_ms']:>10}{lg['decode_tps']:>14}{r['peak_rss_mb']:>14}"  # type: ignore[index]
         )
+    print_ratios(rows)
+    fid = run_child("--fidelity") if "llama.cpp" in args.engines else None
+    if fid is not None:
+        print(f"max |Δlogit| vs webchat float32 (prompt end + {FIDELITY_STEPS} teacher-forced tokens):")
+        for prompt in ("short", "long"):
+            f = fid[prompt]
+            print(f"  {prompt}: webchat {fid['weights']} {f['webchat']:.2e}   llama.cpp {f['llama.cpp']:.2e} "  # type: ignore[index]
+                  f"(top-1 differs on {f['llama_top1_flips']} of {FIDELITY_STEPS})")  # type: ignore[index]
 
 
 if __name__ == "__main__":

@@ -40,6 +40,14 @@ if [ "$has_cuda" = 1 ]; then  # CuPy for the CUDA major version torch was built 
 fi
 "${pip[@]}" install -e ".${extras:+[$extras]}"
 
+# webchat's C++ CPU kernels (quantized matmul, decode step): g++ and ninja, built once into $WEBCHAT_HOME/build.
+if ! command -v g++ >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null || true
+fi
+.venv/bin/python -m webchat.qkernels \
+  || echo "setup.sh: the C++ kernels did not build; webchat will run the float32 weights on the CPU" >&2
+
 if [ "$with_tests" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   $sudo apt-get update -qq

@@ -46,7 +46,7 @@ def ptx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def test_every_op_has_a_source() -> None:
     assert {"rms_norm", "rope", "silu_mul", "kv_append", "attention", "sampling", "kv_write",
-            "paged_attention"} <= set(SOURCES)
+            "paged_attention", "qgemv"} <= set(SOURCES)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

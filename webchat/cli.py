@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from webchat.weights import add_weight_arguments
+
 # subcommand → module with add_arguments(parser) and main(args) -> int
 SUBCOMMANDS = {
     "serve": ("webchat.server", "serve the browser chat (default: the pulled SmolLM2-135M-Instruct)"),
@@ -22,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled SmolLM2)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_weight_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -35,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     path = args.model or ensure_default_model()
     check_model_folder(path)  # config and tokenizer, before the weights load
     device = resolve_device(args.device)
-    model = load_model(path, device, resolve_dtype(None, device))
+    model = load_model(path, device, resolve_dtype(None, device), weights=args.weights, quantize=args.quantize)
     tok = Tokenizer.from_dir(path)
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     cache = model.new_cache(len(ids) + args.max_new_tokens)

@@ -1,4 +1,8 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face-style model folder (float32 safetensors + tokenizer)."""
+"""Convert a llama-architecture GGUF file into a Hugging Face-style model folder (float32 safetensors + tokenizer).
+
+Beside model.safetensors (float32, what transformers loads) it writes quantized.safetensors: the same tensors with
+Q4_0/Q4_1/Q8_0 matrices kept as their ggml blocks (docs/quant.md), which webchat runs on the CPU by default.
+"""
 
 from __future__ import annotations
 
@@ -37,6 +41,16 @@ GLOBAL_MAP = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+QUANT_FILE = "quantized.safetensors"
+QUANT_KEY = "webchat.quant"  # safetensors metadata: JSON {tensor name: "q4_0" | "q4_1" | "q8_0"}
+QUANT_LAYOUT_KEY = "webchat.quant.layout"
+QUANT_LAYOUT = "ggml-blocks-v1"  # uint8 (rows, cols / 32 * block bytes), each row its blocks in ggml's byte order
+KEPT_QUANTIZED = {
+    gguf.GGMLQuantizationType.Q4_0: "q4_0",
+    gguf.GGMLQuantizationType.Q4_1: "q4_1",
+    gguf.GGMLQuantizationType.Q8_0: "q8_0",
+}
 
 # llama.cpp's `tokenizer.ggml.pre` -> the Hugging Face pre-tokenizer that splits text the same way
 LLAMA3_PATTERN = (
@@ -152,16 +166,22 @@ def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
     return table[".".join(hf_name.split(".")[-2:])]
 
 
-def read_tensors(reader: gguf.GGUFReader, h: Hyper) -> dict[str, np.ndarray]:
-    """All tensors dequantized to float32, HF names, [out, in] shapes, q/k rows un-permuted."""
+def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False) -> dict[str, np.ndarray]:
+    """All tensors with HF names, [out, in] shapes, q/k rows un-permuted: float32, or with keep_quantized the
+    Q4_0/Q4_1/Q8_0 matrices as uint8 (out, in / 32 * block bytes) blocks (see quantized_types for which)."""
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         want = expected_shape(name, h)
-        if tuple(w.shape) != want:
-            raise ConversionError(f"tensor {t.name!r}: expected shape {want}, got {tuple(w.shape)}")
-        if ".q_proj." in name:
+        if keep_quantized and t.tensor_type in KEPT_QUANTIZED:
+            w = np.asarray(t.data, dtype=np.uint8)
+            shape = tuple(gguf.quants.quant_shape_from_byte_shape(w.shape, t.tensor_type))
+        else:
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            shape = tuple(w.shape)
+        if shape != want:
+            raise ConversionError(f"tensor {t.name!r}: expected shape {want}, got {shape}")
+        if ".q_proj." in name:  # a row permutation: whole quantized rows move unchanged
             w = unpermute_rows(w, h.n_heads)
         elif ".k_proj." in name:
             w = unpermute_rows(w, h.n_kv_heads)
@@ -172,6 +192,29 @@ def read_tensors(reader: gguf.GGUFReader, h: Hyper) -> dict[str, np.ndarray]:
         if name not in out:
             raise ConversionError(f"GGUF file lacks the tensor for {name!r}")
     return out
+
+
+def quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
+    """{HF tensor name: "q4_1", ...} for the tensors read_tensors(keep_quantized=True) keeps as blocks."""
+    kept = [t for t in reader.tensors if t.tensor_type in KEPT_QUANTIZED]
+    return {hf_tensor_name(t.name): KEPT_QUANTIZED[t.tensor_type] for t in kept}
+
+
+def write_quantized(reader: gguf.GGUFReader, h: Hyper, out_dir: Path) -> None:
+    """out_dir/quantized.safetensors (docs/quant.md), written to a temp name and renamed into place."""
+    tensors = read_tensors(reader, h, keep_quantized=True)
+    meta = {"format": "pt", QUANT_KEY: json.dumps(quantized_types(reader)), QUANT_LAYOUT_KEY: QUANT_LAYOUT}
+    tmp = out_dir / f".{QUANT_FILE}.tmp"
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(out_dir / QUANT_FILE)
+
+
+def add_quantized(gguf_path: Path, out_dir: Path) -> None:
+    """Add quantized.safetensors to a folder converted before it existed (same GGUF, same names)."""
+    reader = gguf.GGUFReader(gguf_path)
+    meta = _Meta(reader)
+    arch = str(meta.get("general.architecture"))
+    write_quantized(reader, read_hyper(meta, arch, len(meta.need("tokenizer.ggml.tokens"))), out_dir)
 
 
 def pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -256,7 +299,8 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json."""
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json, and
+    quantized.safetensors where the GGUF holds Q4_0/Q4_1/Q8_0 matrices."""
     reader = gguf.GGUFReader(gguf_path)
     meta = _Meta(reader)
     arch = meta.get("general.architecture")
@@ -273,6 +317,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    if quantized_types(reader):
+        write_quantized(reader, h, out_dir)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = model_config(meta, h, tied, bias)
     _write_json(out_dir / "config.json", config)

@@ -1,16 +1,25 @@
-"""Load a Hugging Face-style model folder (config.json + safetensors) into webchat's Transformer."""
+"""Load a Hugging Face-style model folder (config.json + safetensors) into webchat's Transformer.
+
+Weights: the folder's quantized.safetensors (ggml blocks, docs/quant.md) on the CPU when present, else the float
+tensors; `weights="float32"` forces the float ones, `quantize="q8_0"|"q4_0"` quantizes float tensors at load.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from webchat import qkernels
 from webchat.config import ModelArgs
+from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.model import Transformer
+from webchat.quant import QTYPES, QEmbedding, QLinear, quantize, swap_modules
+from webchat.weights import QUANTIZE, WEIGHTS
 
 # checkpoint name → ours (gpt-fast's weight_map); {} is the layer index
 WEIGHT_MAP = {
@@ -63,19 +72,33 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    weights: str = "auto", quantize: str | None = None,
 ) -> Transformer:
-    """Build the model on the meta device, then assign every checkpoint tensor, checking names and shapes."""
+    """Build the model on the meta device, swap in quantized modules, then assign every tensor, checking names and
+    shapes. See the module docstring for `weights` and `quantize`."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     device = torch.device(device)
     args = ModelArgs.from_dir(path)
+    kernels, quantized = _choose_weights(path, device, dtype, weights, quantize)
+    if quantized and quantize is None:
+        tensors, qtypes = _read_quantized(path)
+    elif quantized and quantize is not None:
+        tensors, qtypes = _quantize_tensors(_read_tensors(path), quantize)
+    else:
+        tensors, qtypes = _read_tensors(path), {}
     with torch.device("meta"):
         model = Transformer(args)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
+    ours_qtypes = {_map_name(name): qt for name, qt in qtypes.items()}
+    modules = {name.removesuffix(".weight"): qt for name, qt in ours_qtypes.items() if name is not None}
+    if args.tie_embeddings and "tok_embeddings" in modules:
+        modules["output"] = modules["tok_embeddings"]
+    swap_modules(model, modules, kernels)
+    expected = {name: (p.shape, p.dtype) for name, p in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
-    for ckpt_name, tensor in _read_tensors(path):
+    for ckpt_name, tensor in tensors:
         ours = _map_name(ckpt_name)
         if ours is None:
             raise ModelLoadError(f"{path}: unexpected tensor {ckpt_name!r} for {args.arch}")
@@ -83,11 +106,11 @@ def load_model(
             continue
         if ours not in expected:
             raise ModelLoadError(f"{path}: tensor {ckpt_name!r} does not fit the config ({args.n_layers} layers)")
-        if tuple(tensor.shape) != tuple(expected[ours]):
-            raise ModelLoadError(
-                f"{path}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[ours])}"
-            )
-        state[ours] = tensor.to(device=device, dtype=dtype)
+        shape, want_dtype = expected[ours]
+        if tuple(tensor.shape) != tuple(shape):
+            got = tuple(tensor.shape)
+            raise ModelLoadError(f"{path}: tensor {ckpt_name!r} has shape {got}, expected {tuple(shape)}")
+        state[ours] = tensor if want_dtype == torch.uint8 else tensor.to(device=device, dtype=dtype)
     if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
     missing = sorted(set(expected) - set(state))
@@ -102,7 +125,66 @@ def load_model(
         from webchat.cuda_backend import enable_cuda_backend
 
         enable_cuda_backend(model)
+    # webchat.quant.fused_ops(kernels) (C++ rms_norm, add_rms_norm, rope, silu_mul) is not installed here: the paged
+    # engine's ops table (PagedTorchOps) owns those ops now and can take them over
     return model
+
+
+def weights_name(model: torch.nn.Module) -> str:
+    """What the matrices run as: "q4_1" (the commonest quantized type among them), or the float dtype."""
+    kinds = [m.qtype for m in model.modules() if isinstance(m, QLinear | QEmbedding)]
+    if kinds:
+        return max(sorted(set(kinds)), key=kinds.count)
+    return str(model.norm.weight.dtype).removeprefix("torch.")  # type: ignore[union-attr]
+
+
+def _choose_weights(
+    path: Path, device: torch.device, dtype: torch.dtype, weights: str, quantize: str | None
+) -> tuple[Any, bool]:
+    """(the C++ kernels or None, whether to load quantized weights)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if quantize is not None and weights == "float32":
+        raise ValueError("--quantize and --weights float32 contradict each other; pick one")
+    cpu_f32 = device.type == "cpu" and dtype == torch.float32
+    has_file = (path / QUANT_FILE).is_file()
+    asked = quantize is not None or weights == "quantized"
+    wanted = asked or (weights == "auto" and has_file)
+    if asked and not cpu_f32:
+        raise ValueError(f"quantized weights run on the CPU in float32; got device {device} and dtype {dtype}")
+    if weights == "quantized" and quantize is None and not has_file:
+        raise ValueError(f"{path} has no {QUANT_FILE}; quantize at load with --quantize {'|'.join(QUANTIZE)}")
+    kernels = qkernels.try_load() if device.type == "cpu" else None
+    return kernels, wanted and cpu_f32 and kernels is not None
+
+
+def _read_quantized(path: Path) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    with safe_open(str(path / QUANT_FILE), framework="pt") as f:
+        meta = f.metadata() or {}
+        if QUANT_KEY not in meta:
+            raise ModelLoadError(f"{path / QUANT_FILE}: metadata lacks {QUANT_KEY!r} (see docs/quant.md)")
+        qtypes: dict[str, str] = json.loads(meta[QUANT_KEY])
+        tensors = [(name, f.get_tensor(name)) for name in f.keys() if not IGNORED.match(name)]
+    bad = sorted({qt for qt in qtypes.values() if qt not in QTYPES})
+    if bad:
+        raise ModelLoadError(f"{path / QUANT_FILE}: quantized type(s) {bad}; webchat runs {', '.join(QTYPES)}")
+    return tensors, qtypes
+
+
+def _quantize_tensors(
+    tensors: list[tuple[str, torch.Tensor]], qtype: str
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """Matrices of the layers to qtype, the embedding (and an untied head) to q8_0; K % 32 != 0 stays float."""
+    out, qtypes = [], {}
+    for name, t in tensors:
+        ours = _map_name(name) or ""
+        kind = qtype if ours.startswith("layers.") else "q8_0"
+        if t.dim() == 2 and t.shape[1] % 32 == 0 and ours.endswith("weight") and "norm" not in ours:
+            t, qtypes[name] = quantize(t, kind), kind
+        out.append((name, t))
+    return out, qtypes
 
 
 def _map_name(name: str) -> str | None:

@@ -120,7 +120,7 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+        return self.norm.weight.dtype  # the embedding may be quantized (uint8 blocks, webchat.quant)
 
     def setup_rope(self, n_positions: int) -> None:
         """Precompute cos/sin (n_positions, head_dim/2) in float32 on the model's device."""

@@ -113,6 +113,7 @@ class Hello(_Strict):
     dtype: str
     speculative: list[str]
     max_alternatives: int = MAX_ALTERNATIVES
+    weights: str = "float32"  # what the matrices run as: "q4_1", "q8_0", ... (ggml blocks) or the float dtype
 
 
 class Queued(_Strict):

@@ -16,7 +16,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from webchat.convert import convert_gguf
+from webchat.convert import QUANT_FILE, add_quantized, convert_gguf
 from webchat.paths import (
     DEFAULT_GGUF_NAME,
     default_gguf_path,
@@ -179,7 +179,12 @@ def ensure_default_model(home: Path | None = None, force: bool = False) -> Path:
     home = home if home is not None else webchat_home()
     target = default_model_dir(home)
     if not force and is_complete(target):
-        ensure_default_gguf(home)  # kept beside the folder for llama.cpp and references; a no-op when present
+        gguf_path = ensure_default_gguf(home)  # kept beside the folder for llama.cpp and references
+        if not (target / QUANT_FILE).is_file():  # converted before quantized weights were kept: add them
+            with _locked(home):
+                if not (target / QUANT_FILE).is_file():
+                    _log(f"adding {QUANT_FILE} to {target}")
+                    add_quantized(gguf_path, target)
         return target
     with _locked(home):
         if not force and is_complete(target):  # another process finished while we waited

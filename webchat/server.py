@@ -46,6 +46,7 @@ from webchat.limits import (
 from webchat.outbox import Outbox, SendClock
 from webchat.speculative import MODES
 from webchat.trim import fit_history
+from webchat.weights import add_weight_arguments
 from webchat.worker import Job, StreamingGenerator, Worker
 
 log = logging.getLogger("webchat.server")
@@ -63,6 +64,8 @@ class ServerConfig:
     speculative: str = "none"  # the mode for requests that name none
     device: str = "auto"
     dtype: str | None = None  # None: float32 on the CPU, float16 on CUDA
+    weights: str = "auto"  # webchat.loader.WEIGHTS: the folder's quantized blocks on the CPU where present
+    quantize: str | None = None  # q8_0 | q4_0: quantize float weights at load
     host: str = "127.0.0.1"
     port: int = 8000
     max_sessions: int = 64  # connections whose KV pages are kept between turns (idle ones cost only their pages)
@@ -96,6 +99,7 @@ class Runtime:
     draft_model: Any = None
     default_mode: str = "none"
     engine: Any = None  # webchat.engine.Engine: one KV pool and one batched forward for every connection
+    weights: str = "float32"  # webchat.loader.weights_name: "q4_1", "float32", ...
 
     def new_generator(self) -> StreamingGenerator:
         from webchat.generator import Generator
@@ -110,21 +114,23 @@ class Runtime:
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
-                       dtype=self.dtype, speculative=list(self.modes))
+                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights)
 
 
 def load_runtime(config: ServerConfig) -> Runtime:
     """Load the model (and draft) once onto the configured device."""
     from webchat.folder_check import check_model_folder
-    from webchat.loader import load_model, resolve_device, resolve_dtype
+    from webchat.loader import load_model, resolve_device, resolve_dtype, weights_name
     from webchat.tokenizer import Tokenizer
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = Tokenizer.from_dir(config.model_dir)  # checked before the weights load
     check_model_folder(config.model_dir)
-    model = load_model(config.model_dir, device, dtype)
-    draft = load_model(config.draft_dir, device, dtype) if config.draft_dir is not None else None
+    model = load_model(config.model_dir, device, dtype, weights=config.weights, quantize=config.quantize)
+    draft = None
+    if config.draft_dir is not None:
+        draft = load_model(config.draft_dir, device, dtype, weights=config.weights, quantize=config.quantize)
     context = min(model.args.max_seq_len, config.max_seq_len or model.args.max_seq_len)
     modes = [m for m in MODES if m != "draft" or draft is not None]
     if config.speculative not in modes:
@@ -136,7 +142,7 @@ def load_runtime(config: ServerConfig) -> Runtime:
                     pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
     return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name, device=str(device),
                    dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes, draft_model=draft,
-                   default_mode=config.speculative, engine=engine)
+                   default_mode=config.speculative, engine=engine, weights=weights_name(model))
 
 
 # ---------------------------------------------------------------- security
@@ -366,7 +372,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         previous_handler = loop.get_exception_handler()
         loop.set_exception_handler(AcceptErrorLog())
         if runtime is None:
-            print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}) ready at {display_url(config)}", flush=True)
+            print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}, weights {rt.weights}) ready at "
+                  f"{display_url(config)}", flush=True)
         try:
             yield {"runtime": rt, "worker": worker, "config": config}
         finally:
@@ -457,6 +464,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="default: float32 on the CPU, float16 on CUDA")
+    add_weight_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-sessions", type=_positive, default=64,
@@ -504,7 +512,7 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
                         stall_timeout=args.stall_timeout, access_token=args.access_token,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
-                        kv_pool=args.kv_pool, api_key=args.api_key)
+                        kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize)
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:

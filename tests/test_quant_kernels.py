@@ -1,0 +1,105 @@
+"""The C++ CPU kernels against plain references: dequantize-then-matmul in float64, and webchat.ops.TorchOps.
+
+Every code path this CPU can run (scalar, avx2, avx512) is forced in turn; shapes are odd on purpose: one output row,
+one block per row, output rows not a multiple of the 16-row tile, activation rows not a multiple of 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from webchat import qkernels
+from webchat.ops import TorchOps
+from webchat.quant import QTYPES, dequantize, quantize
+
+# (M activation rows, N output rows, K) — K is always whole blocks of 32
+SHAPES = [(1, 1, 32), (1, 192, 576), (3, 7, 96), (5, 33, 160), (4, 16, 64), (9, 40, 1536), (70, 17, 64)]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Any:
+    try:
+        return qkernels.load()
+    except qkernels.KernelsUnavailable as exc:
+        pytest.skip(f"no C++ toolchain here: {exc}")
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def path(request: pytest.FixtureRequest, kernels: Any) -> Iterator[str]:
+    name = str(request.param)
+    if name not in qkernels.available_paths():
+        pytest.skip(f"this CPU cannot run the {name} path (it runs {qkernels.available_paths()})")
+    kernels.set_path(qkernels.PATHS[name])
+    yield name
+    kernels.set_path(-1)
+
+
+def reference(x: torch.Tensor, wq: torch.Tensor, qtype: str) -> torch.Tensor:
+    return (x.double() @ dequantize(wq, qtype).double().T).float()
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_qmatmul_matches_dequantize_then_matmul(kernels: Any, path: str, qtype: str, shape: tuple[int, ...]) -> None:
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    wq = quantize(torch.randn(n, k, generator=gen), qtype)
+    x = torch.randn(m, k, generator=gen)
+    got = kernels.qmatmul(x, wq, QTYPES[qtype][0], k)
+    want = reference(x, wq, qtype)
+    # float32 accumulation in another order: error ~ eps * sqrt(K) * |x||w|, far below 1e-4 of the scale here
+    tol = 2e-6 * k**0.5 * float(want.abs().max().clamp(min=1.0))
+    assert got.shape == (m, n)
+    assert (got - want).abs().max().item() <= tol, f"{path} {qtype} {shape}: max error above {tol:.1e}"
+
+
+def test_bias_and_strided_input(kernels: Any) -> None:
+    gen = torch.Generator().manual_seed(1)
+    wq = quantize(torch.randn(48, 64, generator=gen), "q4_1")
+    x = torch.randn(6, 128, generator=gen)[:, ::2]  # not contiguous
+    bias = torch.randn(48, generator=gen)
+    got = kernels.qmatmul(x, wq, QTYPES["q4_1"][0], 64, bias)
+    assert torch.allclose(got, reference(x, wq, "q4_1") + bias, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_dequantize_is_bit_exact_to_gguf(kernels: Any, qtype: str) -> None:
+    wq = quantize(torch.randn(37, 96, generator=torch.Generator().manual_seed(2)), qtype)
+    assert torch.equal(kernels.dequantize(wq, QTYPES[qtype][0], 96), dequantize(wq, qtype))
+    ids = torch.tensor([36, 0, 5, 5])
+    assert torch.equal(kernels.dequantize(wq, QTYPES[qtype][0], 96, ids), dequantize(wq, qtype)[ids])
+
+
+def test_wrong_inputs_are_refused_by_name(kernels: Any) -> None:
+    wq = quantize(torch.randn(8, 64), "q8_0")
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        kernels.qmatmul(torch.randn(1, 64, dtype=torch.float64), wq, QTYPES["q8_0"][0], 64)
+    with pytest.raises(RuntimeError, match="rows must hold 68 bytes for K=64, got 40"):
+        kernels.qmatmul(torch.randn(1, 64), quantize(torch.randn(8, 64), "q4_1"), QTYPES["q8_0"][0], 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.qmatmul(torch.randn(1, 48), wq, QTYPES["q8_0"][0], 48)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.dequantize(wq, QTYPES["q8_0"][0], 64, torch.tensor([8]))
+
+
+@pytest.mark.parametrize("t,d", [(1, 576), (7, 37)])
+def test_fused_ops_match_torch_ops(kernels: Any, t: int, d: int) -> None:
+    gen = torch.Generator().manual_seed(t + d)
+    x, r, w = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen), torch.randn(d, generator=gen)
+    assert torch.allclose(kernels.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5), atol=1e-5)
+    y, res = kernels.add_rms_norm(x, r, w, 1e-5)
+    y_ref, res_ref = TorchOps.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(res, res_ref) and torch.allclose(y, y_ref, atol=1e-5)
+    assert torch.allclose(kernels.silu_mul(x, r), TorchOps.silu_mul(x, r), atol=1e-6)
+
+
+def test_fused_rope_matches_torch_ops(kernels: Any) -> None:
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(5, 9, 64, generator=gen), torch.randn(5, 3, 64, generator=gen)
+    ang = torch.randn(5, 32, generator=gen)
+    got, want = kernels.rope(q, k, ang.cos(), ang.sin()), TorchOps.rope(q, k, ang.cos(), ang.sin())
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want, strict=True))

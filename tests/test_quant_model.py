@@ -1,0 +1,192 @@
+"""Quantized models end to end: loading (folder, --quantize, old folders), the C++ decode step, and fidelity to the
+float32 model built from the same dequantized weights (tiny model always; the real default model under real_model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from webchat import qkernels
+from webchat.convert import QUANT_FILE, QUANT_KEY
+from webchat.generator import GenerationRequest, Generator
+from webchat.loader import load_model, weights_name
+from webchat.model import Transformer
+from webchat.quant import QLinear, dequantize, quantize
+from webchat.sampling import SamplingSettings
+from webchat.tokenizer import Tokenizer
+
+GREEDY = SamplingSettings(temperature=0.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def needs_kernels() -> None:
+    try:
+        qkernels.load()
+    except qkernels.KernelsUnavailable as exc:
+        pytest.skip(f"no C++ toolchain here: {exc}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def dequantized_folder(src: Path, dst: Path, qtype: str) -> Path:
+    """src with every matrix quantized to qtype (q8_0 for embedding and head) and back: the float32 twin."""
+    shutil.copytree(src, dst)
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        ts = {n: f.get_tensor(n) for n in f.keys()}
+    for n, t in ts.items():
+        if t.dim() == 2:
+            kind = qtype if ".layers." in n else "q8_0"
+            ts[n] = dequantize(quantize(t, kind), kind)
+    save_file(ts, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def greedy(model: Transformer, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens and the (n, vocab) logits they came from; decode steps one token at a time."""
+    cache, x, out, rows = model.new_cache(len(prompt) + n), prompt, [], []
+    for _ in range(n):
+        logits = cache.feed(model, x)[-1]
+        rows.append(logits)
+        out.append(int(logits.argmax()))
+        x = [out[-1]]
+    return out, torch.stack(rows)
+
+
+def prefill(model: Transformer, ids: list[int]) -> torch.Tensor:
+    return model.new_cache(len(ids)).feed(model, ids, all_logits=True)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_quantize_at_load_matches_dequantized_float_model(tiny_model_dir: Path, tmp_path: Path, qtype: str) -> None:
+    q = load_model(tiny_model_dir, quantize=qtype)
+    f = load_model(dequantized_folder(tiny_model_dir, tmp_path / "f", qtype))
+    assert weights_name(q) == qtype and weights_name(f) == "float32"
+    assert isinstance(q.layers[0].attention.wq, QLinear)
+    prompt = [1, 20, 30, 40, 50, 60]
+    full_q, full_f = prefill(q, prompt), prefill(f, prompt)
+    assert (full_q - full_f).abs().max().item() <= 1e-4
+    (ids_q, rows_q), (ids_f, rows_f) = greedy(q, prompt, 24), greedy(f, prompt, 24)
+    assert ids_q == ids_f
+    assert (rows_q - rows_f).abs().max().item() <= 1e-4
+
+
+def test_folder_without_quantized_file_runs_float(tiny_model_dir: Path) -> None:
+    assert not (tiny_model_dir / QUANT_FILE).exists()
+    assert weights_name(load_model(tiny_model_dir)) == "float32"
+    with pytest.raises(ValueError, match="has no quantized.safetensors; quantize at load with --quantize"):
+        load_model(tiny_model_dir, weights="quantized")
+    with pytest.raises(ValueError, match="quantize must be one of q8_0, q4_0, got 'q5_k'"):
+        load_model(tiny_model_dir, quantize="q5_k")
+    with pytest.raises(ValueError, match="run on the CPU in float32; got device cpu and dtype torch.bfloat16"):
+        load_model(tiny_model_dir, dtype=torch.bfloat16, quantize="q8_0")
+
+
+def test_bfloat16_on_a_quantized_folder_falls_back_to_float(tiny_model_dir: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    write_quantized_folder(folder)
+    assert weights_name(load_model(folder)) == "q8_0"
+    assert weights_name(load_model(folder, dtype=torch.bfloat16)) == "bfloat16"
+    assert weights_name(load_model(folder, weights="float32")) == "float32"
+
+
+def write_quantized_folder(folder: Path) -> None:
+    """quantized.safetensors in the documented layout (docs/quant.md), as the converter writes it."""
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        ts = {n: f.get_tensor(n) for n in f.keys()}
+    types = {n: "q8_0" for n, t in ts.items() if t.dim() == 2}
+    ts.update({n: quantize(ts[n], "q8_0") for n in types})
+    save_file(ts, str(folder / QUANT_FILE), metadata={"format": "pt", QUANT_KEY: json.dumps(types)})
+
+
+# ----------------------------------------------------------------------------------------------- the real model
+FIDELITY = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three primes."}],
+    [{"role": "user", "content": "Explain 🚀 and 🎉 emoji in one sentence each. 😀"}],
+    [{"role": "user", "content": "Translate to English: Привет, как дела? こんにちは、元気ですか？"}],
+    [{"role": "user", "content": "Write a Python function that reverses a string, café-style naïve code."}],
+]
+
+
+@pytest.fixture(scope="module")
+def real(real_model_dir: Path) -> tuple[Transformer, Transformer, Tokenizer]:
+    return load_model(real_model_dir), load_model(real_model_dir, weights="float32"), Tokenizer.from_dir(real_model_dir)
+
+
+@pytest.mark.real_model
+def test_real_quantized_file_is_the_gguf_blocks(real_model_dir: Path) -> None:
+    with safe_open(str(real_model_dir / QUANT_FILE), framework="pt") as q, \
+            safe_open(str(real_model_dir / "model.safetensors"), framework="pt") as f:  # fmt: skip
+        types = json.loads(q.metadata()[QUANT_KEY])
+        assert types["model.embed_tokens.weight"] == "q8_0"
+        assert sum(t == "q4_1" for t in types.values()) == 210
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
+                     "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"):  # fmt: skip
+            assert torch.equal(dequantize(q.get_tensor(name), types[name]), f.get_tensor(name)), name
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("idx", range(len(FIDELITY)))
+def test_real_quantized_matches_float32_on_fidelity_prompts(real: tuple[Any, Any, Tokenizer], idx: int) -> None:
+    q, f, tok = real
+    assert weights_name(q) == "q4_1"
+    ids = tok.encode(tok.apply_chat_template(FIDELITY[idx], add_generation_prompt=True))
+    full = (prefill(q, ids) - prefill(f, ids)).abs().max()
+    assert full.item() <= 1e-3, f"prefill max |Δlogit| {full.item():.2e}"
+    (ids_q, rows_q), (ids_f, rows_f) = greedy(q, ids, 32), greedy(f, ids, 32)
+    first = next((i for i, (a, b) in enumerate(zip(ids_q, ids_f, strict=True)) if a != b), None)
+    assert ids_q == ids_f, f"first difference at token {first}"
+    assert (rows_q - rows_f).abs().max().item() <= 1e-3
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("mode", ["self", "ngram", "draft"])
+def test_real_quantized_greedy_identical_in_every_speculative_mode(real: tuple[Any, Any, Tokenizer], mode: str) -> None:
+    q, f, tok = real
+    text = "Fix the typo and repeat it: 'The quick brown fox jumps ovre the lazy dog near the river bank.'"
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+    def run(model: Any, spec: str, draft: Any = None) -> list[int]:
+        gen = Generator(model, tok, max_seq_len=256, draft_model=draft)
+        gen.begin_stream(GenerationRequest(prompt_ids=prompt, stop_token_ids=[], settings=GREEDY, max_new_tokens=24,
+                                           speculative=spec))
+        out: list[int] = []
+        while True:
+            res = gen.stream()
+            out += res.token_ids
+            if res.eos:
+                return out
+
+    assert run(q, mode, draft=q if mode == "draft" else None) == run(f, "none")
+
+
+@pytest.mark.real_model
+def test_pull_adds_the_quantized_file_to_an_older_folder(real_model_dir: Path, tmp_path: Path) -> None:
+    from webchat import pull
+    from webchat.paths import default_gguf_path, default_model_dir
+
+    home = tmp_path / "home"
+    old = default_model_dir(home)
+    old.mkdir(parents=True)
+    for p in real_model_dir.iterdir():  # what a pull before quantized weights left: everything but QUANT_FILE
+        if p.name != QUANT_FILE:
+            os.link(p, old / p.name)
+    default_gguf_path(home).parent.mkdir(parents=True)
+    os.link(default_gguf_path(), default_gguf_path(home))
+    assert pull.ensure_default_model(home) == old
+    assert (old / QUANT_FILE).is_file() and weights_name(load_model(old)) == "q4_1"

@@ -1,0 +1,70 @@
+// Shared by the quantized-matmul sources: block formats, the job a thread works on, float16 decoding.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace wq {
+
+enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type numbers (gguf.GGMLQuantizationType)
+enum Path { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+
+template <int QT> struct BlockOf;
+template <> struct BlockOf<Q4_0> { static constexpr int bytes = 18; };
+template <> struct BlockOf<Q4_1> { static constexpr int bytes = 20; };
+template <> struct BlockOf<Q8_0> { static constexpr int bytes = 34; };
+
+inline int64_t block_bytes(int64_t qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0; }
+
+// one call: y rows [0, m) of width ldy, x rows of stride ldx, xsum (m, k/32), w rows of row_bytes
+struct Job {
+  const float* x;
+  int64_t ldx;
+  const float* xsum;
+  const uint8_t* w;
+  int64_t row_bytes;
+  int m;
+  int64_t k;
+  int qtype;
+  float* y;
+  int64_t ldy;
+};
+
+// IEEE half -> float without F16C (the scalar path must run on any x86-64)
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) man <<= 1, --exp;
+      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+extern int g_path;
+int best_path();
+int path();
+struct MatRef {  // one matrix of a qgemv_multi call and where its output goes
+  const uint8_t* w;
+  int64_t n, row_bytes;
+  int qtype;
+  float* y;
+};
+void qgemv_multi(const float* x, int64_t k, const MatRef* mats, int count, float* xsum2);
+void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
+                 float* xsum2, float* y);
+
+}  // namespace wq

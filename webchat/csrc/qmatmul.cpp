@@ -1,0 +1,287 @@
+// Quantized matmul for ggml's block formats with float32 activations and float32 accumulation (docs/quant.md).
+//
+//   y[m, n] = sum_k x[m, k] * w[n, k],   w[n, k] = dequant(block k/32 of row n)[k % 32]
+//   Q4_0 (18 B): f16 d, 16 B nibbles;          w = d * (q - 8)
+//   Q4_1 (20 B): f16 d, f16 m, 16 B nibbles;   w = d * q + m
+//   Q8_0 (34 B): f16 d, 32 x int8;             w = d * q
+// Nibble j of a block (j < 16) is byte j & 0xF; element j + 16 is byte j >> 4 (ggml's order).
+// Per block: y += d * sum(q * x) + m * sum(x); the integer q is widened to float, never the activations narrowed,
+// so the result is the float32 product with the dequantized weights up to the order of the float additions.
+//
+// Three code paths, chosen at run time (__builtin_cpu_supports) or forced by set_path(): scalar (any x86-64),
+// AVX2+FMA+F16C, AVX-512F+BW. Threads: at::parallel_for, so the work runs on torch's own OpenMP pool (one runtime,
+// no oversubscription). Rows of x are processed four at a time so each decoded weight block feeds up to 4 FMAs.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+
+#include "qcommon.h"
+
+namespace wq {
+
+int g_path = -1;  // -1: not chosen yet; PATH_SCALAR, PATH_AVX2, PATH_AVX512
+
+int best_path() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return PATH_AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return PATH_AVX2;
+  return PATH_SCALAR;
+}
+
+int path() {
+  if (g_path < 0) g_path = best_path();
+  return g_path;
+}
+
+// ---------------------------------------------------------------- scalar (reference order: one block at a time)
+template <int QT>
+static void rows_scalar(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t nb = j.k / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    for (int r = 0; r < j.m; ++r) {
+      const float* x = j.x + r * j.ldx;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * BlockOf<QT>::bytes;
+        const float* xb = x + b * 32;
+        float dot = 0.f;
+        if (QT == Q8_0) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+          for (int i = 0; i < 32; ++i) dot += float(q[i]) * xb[i];
+          acc += half_to_float(blk) * dot;
+        } else {
+          const uint8_t* q = blk + (QT == Q4_1 ? 4 : 2);
+          for (int i = 0; i < 16; ++i) dot += float(q[i] & 15) * xb[i] + float(q[i] >> 4) * xb[i + 16];
+          const float d = half_to_float(blk);
+          const float mn = QT == Q4_1 ? half_to_float(blk + 2) : -8.f * d;
+          acc += d * dot + mn * j.xsum[(r * nb + b) * 2 + 1];
+        }
+      }
+      j.y[r * j.ldy + n] = acc;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AVX2: 8 lanes, 4 vectors per block
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+AVX2_TARGET static inline float f16_avx2(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// the 32 weights of one block as 4 x 8 floats (q, not yet scaled). Q4: two zero-extending loads of 8 bytes each
+// (bytes j and j + 8), then & 15 gives elements j, j + 8 and >> 4 gives j + 16, j + 24: 2 shuffles per block, not 6.
+template <int QT>
+AVX2_TARGET static inline void decode_avx2(const uint8_t* blk, __m256 w[4]) {
+  if (QT == Q8_0) {
+    const uint8_t* q = blk + 2;
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
+  } else {
+    const uint8_t* q = blk + (QT == Q4_1 ? 4 : 2);
+    const __m256i mask = _mm256_set1_epi32(15);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  }
+}
+
+// (d, m) of a block as floats in lanes 0 and 1: one 4-byte load, one conversion
+template <int QT>
+AVX2_TARGET static inline __m128 scales_avx2(const uint8_t* blk) {
+  int32_t raw;
+  std::memcpy(&raw, blk, 4);
+  __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(QT == Q4_1 ? raw : raw & 0xffff));
+  if (QT == Q4_0) dm = _mm_mul_ps(dm, _mm_setr_ps(1.f, 0.f, 0.f, 0.f));
+  return dm;
+}
+
+template <int QT, int R>
+AVX2_TARGET static void rows_avx2_r(const Job& j, int r0, int64_t n0, int64_t n1) {
+  const int64_t nb = j.k / 32;
+  const float* x[R];
+  const float* xs[R];  // xsum2: (0, sum x) pairs per block, so lane 1 of an FMA with (d, m) adds m * sum(x)
+  for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx, xs[r] = j.xsum + (r0 + r) * nb * 2;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    __m256 acc[R];
+    __m128 macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * BlockOf<QT>::bytes;
+      __m256 w[4];
+      decode_avx2<QT>(blk, w);
+      const __m128 dm = scales_avx2<QT>(blk);
+      const __m256 vd = _mm256_broadcastss_ps(dm);
+      // Q4_0: w = d*q - 8d, so its "m" is -8d: (d, m) = (d, -8d)
+      const __m128 dmm = QT == Q4_0 ? _mm_mul_ps(_mm_moveldup_ps(dm), _mm_setr_ps(1.f, -8.f, 0.f, 0.f)) : dm;
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x[r] + b * 32;
+        __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+        p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), p);
+        p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), p);
+        p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), p);
+        acc[r] = _mm256_fmadd_ps(vd, p, acc[r]);
+        if (QT != Q8_0)
+          macc[r] = _mm_fmadd_ps(dmm, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xs[r] + 2 * b))),
+                                 macc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float m[4];
+      _mm_storeu_ps(m, macc[r]);
+      j.y[(r0 + r) * j.ldy + n] = hsum256(acc[r]) + m[1];
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512: 16 lanes, 2 vectors per block
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+
+template <int QT>
+AVX512_TARGET static inline void decode_avx512(const uint8_t* blk, __m512 w[2]) {
+  if (QT == Q8_0) {
+    const uint8_t* q = blk + 2;
+    for (int i = 0; i < 2; ++i)
+      w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+  }
+}
+
+template <int QT, int R>
+AVX512_TARGET static void rows_avx512_r(const Job& j, int r0, int64_t n0, int64_t n1) {
+  const int64_t nb = j.k / 32;
+  const float* x[R];
+  for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    __m512 acc[R];
+    float macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * BlockOf<QT>::bytes;
+      __m512 w[2];
+      decode_avx512<QT>(blk, w);
+      const float d = f16_avx2(blk);
+      const __m512 vd = _mm512_set1_ps(d);
+      float mn = 0.f;
+      if (QT == Q4_1) mn = f16_avx2(blk + 2);
+      if (QT == Q4_0) mn = -8.f * d;
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x[r] + b * 32;
+        __m512 p = _mm512_mul_ps(w[0], _mm512_loadu_ps(xb));
+        p = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), p);
+        acc[r] = _mm512_fmadd_ps(vd, p, acc[r]);
+        if (QT != Q8_0) macc[r] += mn * j.xsum[((r0 + r) * nb + b) * 2 + 1];
+      }
+    }
+    for (int r = 0; r < R; ++r) j.y[(r0 + r) * j.ldy + n] = _mm512_reduce_add_ps(acc[r]) + macc[r];
+  }
+}
+
+// ---------------------------------------------------------------- dispatch over row groups of 4
+template <int QT>
+static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
+  if (p == PATH_SCALAR) return rows_scalar<QT>(j, n0, n1);
+  for (int64_t t0 = n0; t0 < n1; t0 += 16) {  // 16 weight rows stay in L1 while every group of 4 x rows passes
+    const int64_t t1 = t0 + 16 < n1 ? t0 + 16 : n1;
+    for (int r0 = 0; r0 < j.m; r0 += 4) {
+      const int rr = j.m - r0 < 4 ? j.m - r0 : 4;
+      if (p == PATH_AVX512) {
+        switch (rr) {
+          case 1: rows_avx512_r<QT, 1>(j, r0, t0, t1); break;
+          case 2: rows_avx512_r<QT, 2>(j, r0, t0, t1); break;
+          case 3: rows_avx512_r<QT, 3>(j, r0, t0, t1); break;
+          default: rows_avx512_r<QT, 4>(j, r0, t0, t1); break;
+        }
+      } else {
+        switch (rr) {
+          case 1: rows_avx2_r<QT, 1>(j, r0, t0, t1); break;
+          case 2: rows_avx2_r<QT, 2>(j, r0, t0, t1); break;
+          case 3: rows_avx2_r<QT, 3>(j, r0, t0, t1); break;
+          default: rows_avx2_r<QT, 4>(j, r0, t0, t1); break;
+        }
+      }
+    }
+  }
+}
+
+static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
+  switch (j.qtype) {
+    case Q4_0: return rows<Q4_0>(j, n0, n1, p);
+    case Q4_1: return rows<Q4_1>(j, n0, n1, p);
+    default: return rows<Q8_0>(j, n0, n1, p);
+  }
+}
+
+// xsum2[r, b] = (0, sum of x[r, 32b .. 32b+31]): the zero-point term of Q4_0/Q4_1, shared by every output row
+static void block_sums(const float* x, int64_t m, int64_t k, float* xsum2) {
+  for (int64_t i = 0; i < m * (k / 32); ++i) {
+    float s = 0.f;
+    for (int t = 0; t < 32; ++t) s += x[i * 32 + t];
+    xsum2[2 * i] = 0.f;
+    xsum2[2 * i + 1] = s;
+  }
+}
+
+// y (m, n) = x (m, k) @ dequant(w (n, row_bytes))^T; xsum2 (m, k/32, 2) scratch
+void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
+                 float* xsum2, float* y) {
+  const int64_t nb = k / 32;
+  block_sums(x, m, k, xsum2);
+  const int p = path();
+  const int64_t rows_in_flight = m < 4 ? m : 4;
+  for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time keep x in L2 while w streams
+    const Job j{x + m0 * k, k, xsum2 + m0 * nb * 2, w, row_bytes, static_cast<int>(m - m0 < 64 ? m - m0 : 64),
+                k, qtype, y + m0 * n, n};
+    // grain: enough rows that a task streams >= ~16 KB of weights, at least 8 rows
+    const int64_t grain = std::max<int64_t>(8, 16384 / (row_bytes * rows_in_flight));
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) { run_rows(j, n0, n1, p); });
+  }
+}
+
+// y_i (1, n_i) = x (1, k) @ dequant(w_i)^T for several matrices sharing x (q/k/v, gate/up): one parallel region
+// over all their rows together, one pass of block sums
+void qgemv_multi(const float* x, int64_t k, const MatRef* mats, int count, float* xsum2) {
+  block_sums(x, 1, k, xsum2);
+  const int p = path();
+  int64_t total = 0, row_bytes = mats[0].row_bytes;
+  for (int i = 0; i < count; ++i) total += mats[i].n;
+  const int64_t grain = std::max<int64_t>(8, 16384 / row_bytes);
+  at::parallel_for(0, total, grain, [&](int64_t b, int64_t e) {
+    int64_t base = 0;
+    for (int i = 0; i < count; ++i) {
+      const MatRef& mr = mats[i];
+      const int64_t lo = std::max(b, base), hi = std::min(e, base + mr.n);
+      if (lo < hi) {
+        const Job j{x, k, xsum2, mr.w, mr.row_bytes, 1, k, mr.qtype, mr.y, mr.n};
+        run_rows(j, lo - base, hi - base, p);
+      }
+      base += mr.n;
+    }
+  });
+}
+
+}  // namespace wq

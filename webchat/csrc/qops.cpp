@@ -1,0 +1,290 @@
+// Dequantization, fused float32 elementwise ops for one decode step, and the Python bindings (docs/quant.md).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "qcommon.h"
+#include "qstep.h"
+
+namespace wq {
+
+inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
+  const int64_t bb = block_bytes(qtype);
+  TORCH_CHECK(bb > 0, "qtype must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ", qtype);
+  TORCH_CHECK(k > 0 && k % 32 == 0, "K must be a positive multiple of 32 (the block size), got ", k);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous(),
+              "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.size(1) == k / 32 * bb, "w rows must hold ", k / 32 * bb, " bytes for K=", k, ", got ", w.size(1));
+}
+
+// y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]
+torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
+                      const c10::optional<torch::Tensor>& bias) {
+  check_weight(w, qtype, k);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (M, ", k, "), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "x must be float32 on the CPU, got ",
+              x.scalar_type(), " on ", x.device());
+  const torch::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), n = w.size(0);
+  torch::Tensor y = torch::empty({m, n}, xc.options());
+  if (m == 0 || n == 0) return y;
+  torch::Tensor xsum2 = torch::empty({m, k / 32, 2}, xc.options());
+  qmatmul_raw(xc.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype),
+              xsum2.data_ptr<float>(), y.data_ptr<float>());
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+// out[k] for one row: w = d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1)
+static void dequant_row(const uint8_t* row, int64_t qtype, int64_t k, float* out) {
+  const int64_t bb = block_bytes(qtype);
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half_to_float(blk);
+    float* o = out + b * 32;
+    if (qtype == Q8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int i = 0; i < 32; ++i) o[i] = d * float(q[i]);
+    } else {
+      const uint8_t* q = blk + (qtype == Q4_1 ? 4 : 2);
+      const float m = qtype == Q4_1 ? half_to_float(blk + 2) : 0.f;
+      const float off = qtype == Q4_1 ? 0.f : 8.f;
+      for (int i = 0; i < 16; ++i) {
+        o[i] = d * (float(q[i] & 15) - off) + m;
+        o[i + 16] = d * (float(q[i] >> 4) - off) + m;
+      }
+    }
+  }
+}
+
+// (len(ids), K) float32 rows ids of w; ids None: every row (the whole matrix)
+torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k, const c10::optional<torch::Tensor>& ids) {
+  check_weight(w, qtype, k);
+  torch::Tensor idx;
+  if (ids.has_value()) {
+    idx = ids->to(torch::kInt64).contiguous();
+    TORCH_CHECK(idx.dim() == 1, "ids must be 1-D, got ", idx.sizes());
+  }
+  const int64_t n = ids.has_value() ? idx.size(0) : w.size(0), rows = w.size(0);
+  const int64_t* ip = ids.has_value() ? idx.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; ip != nullptr && i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "id ", ip[i], " is out of range [0, ", rows, ")");
+  torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) dequant_row(wp + (ip ? ip[i] : i) * w.size(1), qtype, k, op + i * k);
+  });
+  return out;
+}
+
+static void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+// y = x * w / sqrt(mean(x*x) + eps) per row of x (T, D); with residual: r' = x + r first, normalise r'
+static void norm_rows(const float* x, const float* r, const float* w, float* y, float* rout, int64_t t, int64_t d,
+                      double eps) {
+  at::parallel_for(0, t, 16, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const float* xi = x + i * d;
+      float* yi = y + i * d;
+      const float* src = xi;
+      if (r != nullptr) {
+        float* ri = rout + i * d;
+        for (int64_t c = 0; c < d; ++c) ri[c] = r[i * d + c] + xi[c];
+        src = ri;
+      }
+      float ss = 0.f;
+      for (int64_t c = 0; c < d; ++c) ss += src[c] * src[c];
+      const float inv = 1.f / std::sqrt(ss / float(d) + float(eps));
+      for (int64_t c = 0; c < d; ++c) yi[c] = w[c] * (src[c] * inv);
+    }
+  });
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  const int64_t d = w.numel();
+  TORCH_CHECK(x.size(-1) == d, "x must end in ", d, ", got ", x.sizes());
+  torch::Tensor y = torch::empty_like(x);
+  norm_rows(x.data_ptr<float>(), nullptr, w.data_ptr<float>(), y.data_ptr<float>(), nullptr, x.numel() / d, d, eps);
+  return y;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                                      const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(residual, "residual");
+  check_f32(w, "w");
+  const int64_t d = w.numel();
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.size(-1) == d, "x and residual must be (T, ", d, "), got ",
+              x.sizes(), " and ", residual.sizes());
+  torch::Tensor y = torch::empty_like(x), r = torch::empty_like(x);
+  norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(),
+            r.data_ptr<float>(), x.numel() / d, d, eps);
+  return {y, r};
+}
+
+// rotate_half RoPE on (T, heads, hd) with cos/sin (T, hd/2): o1 = x1*c - x2*s, o2 = x2*c + x1*s
+static torch::Tensor rope_one(const torch::Tensor& x, const float* c, const float* s) {
+  torch::Tensor o = torch::empty_like(x);
+  const int64_t t = x.size(0), h = x.size(1), hd = x.size(2), half = hd / 2;
+  const float* xp = x.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t j = 0; j < h; ++j) {
+      const float* xi = xp + (i * h + j) * hd;
+      float* oi = op + (i * h + j) * hd;
+      const float* ci = c + i * half;
+      const float* si = s + i * half;
+      for (int64_t e = 0; e < half; ++e) {
+        const float x1 = xi[e], x2 = xi[e + half];
+        oi[e] = x1 * ci[e] - x2 * si[e];
+        oi[e + half] = x2 * ci[e] + x1 * si[e];
+      }
+    }
+  return o;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> rope(const torch::Tensor& q, const torch::Tensor& k,
+                                              const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
+  check_f32(c, "cos");
+  check_f32(s, "sin");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
+                  c.size(0) == q.size(0) && c.size(1) * 2 == q.size(2) && s.sizes() == c.sizes(),
+              "rope expects q (T, H, hd), k (T, KV, hd), cos/sin (T, hd/2), got ", q.sizes(), " ", k.sizes(), " ",
+              c.sizes());
+  return {rope_one(q, c.data_ptr<float>(), s.data_ptr<float>()), rope_one(k, c.data_ptr<float>(), s.data_ptr<float>())};
+}
+
+// y = silu(g) * u = g / (1 + exp(-g)) * u
+torch::Tensor silu_mul(const torch::Tensor& g, const torch::Tensor& u) {
+  check_f32(g, "gate");
+  check_f32(u, "up");
+  TORCH_CHECK(g.sizes() == u.sizes(), "gate and up must have one shape, got ", g.sizes(), " and ", u.sizes());
+  torch::Tensor y = torch::empty_like(g);
+  const float* gp = g.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, g.numel(), 8192, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) yp[i] = gp[i] / (1.f + std::exp(-gp[i])) * up[i];
+  });
+  return y;
+}
+
+int64_t set_path(int64_t p) {
+  TORCH_CHECK(p >= -1 && p <= PATH_AVX512, "path must be -1 (best), 0 (scalar), 1 (avx2) or 2 (avx512), got ", p);
+  TORCH_CHECK(p <= best_path(), "path ", p, " needs instructions this CPU lacks (best here: ", best_path(), ")");
+  g_path = p < 0 ? best_path() : static_cast<int>(p);
+  return g_path;
+}
+
+// The decode step (qstep.cpp) with the tensors it points into kept alive here.
+class Step {
+ public:
+  // dims: dim, n_heads, n_kv, head_dim, ffn; per layer norms (attn, ffn), mats (wq wk wv wo w1 w3 w2) with their
+  // qtypes, biases (q, k, v; an empty tensor for none)
+  Step(std::vector<int64_t> dims, double eps, torch::Tensor emb, int64_t emb_qtype, torch::Tensor head,
+       int64_t head_qtype, torch::Tensor final_norm, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> mats,
+       std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases) {
+    TORCH_CHECK(dims.size() == 5, "dims must be (dim, n_heads, n_kv, head_dim, ffn), got ", dims.size(), " values");
+    m_.dim = dims[0], m_.n_heads = dims[1], m_.n_kv = dims[2], m_.head_dim = dims[3], m_.ffn = dims[4];
+    m_.eps = static_cast<float>(eps);
+    const size_t n_layers = norms.size() / 2;
+    TORCH_CHECK(norms.size() == 2 * n_layers && mats.size() == 7 * n_layers && qtypes.size() == mats.size() &&
+                    biases.size() == 3 * n_layers,
+                "per layer: 2 norms, 7 matrices with 7 qtypes, 3 biases; got ", norms.size(), ", ", mats.size(), ", ",
+                qtypes.size(), ", ", biases.size());
+    m_.emb = mat(emb, emb_qtype, m_.dim, torch::Tensor());
+    m_.head = mat(head, head_qtype, m_.dim, torch::Tensor());
+    m_.final_norm = vec(final_norm, m_.dim);
+    const int64_t qd = m_.n_heads * m_.head_dim;
+    const int64_t ks[7] = {m_.dim, m_.dim, m_.dim, qd, m_.dim, m_.dim, m_.ffn};
+    for (size_t i = 0; i < n_layers; ++i) {
+      Layer L;
+      L.attn_norm = vec(norms[2 * i], m_.dim);
+      L.ffn_norm = vec(norms[2 * i + 1], m_.dim);
+      Mat* slots[7] = {&L.wq, &L.wk, &L.wv, &L.wo, &L.w1, &L.w3, &L.w2};
+      for (int j = 0; j < 7; ++j)
+        *slots[j] = mat(mats[7 * i + j], qtypes[7 * i + j], ks[j], j < 3 ? biases[3 * i + j] : torch::Tensor());
+      m_.layers.push_back(L);
+    }
+  }
+
+  torch::Tensor step(int64_t token, int64_t pos, const std::vector<torch::Tensor>& ck,
+                     const std::vector<torch::Tensor>& cv, const torch::Tensor& cos, const torch::Tensor& sin) {
+    TORCH_CHECK(token >= 0 && token < m_.emb.n, "token ", token, " is out of range [0, ", m_.emb.n, ")");
+    TORCH_CHECK(ck.size() == m_.layers.size() && cv.size() == ck.size(), "cache must have ", m_.layers.size(),
+                " layers, got ", ck.size());
+    const int64_t cap = ck[0].size(1);
+    TORCH_CHECK(pos >= 0 && pos < cap, "position ", pos, " is outside the cache of ", cap);
+    std::vector<float*> kp, vp;
+    for (size_t i = 0; i < ck.size(); ++i) {
+      for (const torch::Tensor* t : {&ck[i], &cv[i]}) {
+        check_f32(*t, "cache");
+        TORCH_CHECK(t->dim() == 3 && t->size(0) == m_.n_kv && t->size(1) == cap && t->size(2) == m_.head_dim,
+                    "cache tensors must be (", m_.n_kv, ", ", cap, ", ", m_.head_dim, "), got ", t->sizes());
+      }
+      kp.push_back(ck[i].data_ptr<float>());
+      vp.push_back(cv[i].data_ptr<float>());
+    }
+    check_f32(cos, "cos");
+    check_f32(sin, "sin");
+    TORCH_CHECK(cos.numel() == m_.head_dim / 2 && sin.numel() == cos.numel(), "cos/sin must hold ", m_.head_dim / 2,
+                " values, got ", cos.numel());
+    torch::Tensor logits = torch::empty({1, m_.head.n}, torch::dtype(torch::kFloat32));
+    m_.step(token, pos, kp.data(), vp.data(), cap, cos.data_ptr<float>(), sin.data_ptr<float>(),
+            logits.data_ptr<float>());
+    return logits;
+  }
+
+ private:
+  StepModel m_;
+  std::vector<torch::Tensor> keep_;
+
+  Mat mat(const torch::Tensor& w, int64_t qtype, int64_t k, const torch::Tensor& bias) {
+    check_weight(w, qtype, k);
+    keep_.push_back(w);
+    Mat m;
+    m.w = w.data_ptr<uint8_t>(), m.n = w.size(0), m.k = k, m.row_bytes = w.size(1), m.qtype = static_cast<int>(qtype);
+    if (bias.defined() && bias.numel() > 0) m.bias = vec(bias, m.n);
+    return m;
+  }
+
+  const float* vec(const torch::Tensor& t, int64_t n) {
+    check_f32(t, "vector");
+    TORCH_CHECK(t.numel() == n, "expected ", n, " values, got ", t.numel());
+    keep_.push_back(t);
+    return t.data_ptr<float>();
+  }
+};
+
+}  // namespace wq
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qmatmul", &wq::qmatmul, "y = x @ dequant(w).T (+ bias), float32", py::arg("x"), py::arg("w"),
+        py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none());
+  m.def("dequantize", &wq::dequantize, "float32 rows of a quantized matrix", py::arg("w"), py::arg("qtype"),
+        py::arg("k"), py::arg("ids") = py::none());
+  m.def("rms_norm", &wq::rms_norm);
+  m.def("add_rms_norm", &wq::add_rms_norm);
+  m.def("rope", &wq::rope);
+  m.def("silu_mul", &wq::silu_mul);
+  m.def("set_path", &wq::set_path, "force a code path (-1 best, 0 scalar, 1 avx2, 2 avx512); returns the one set");
+  m.def("path", &wq::path);
+  m.def("best_path", &wq::best_path);
+  py::class_<wq::Step>(m, "Step")
+      .def(py::init<std::vector<int64_t>, double, torch::Tensor, int64_t, torch::Tensor, int64_t, torch::Tensor,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
+                    std::vector<torch::Tensor>>())
+      .def("step", &wq::Step::step, py::call_guard<py::gil_scoped_release>());
+}
