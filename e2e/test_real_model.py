@@ -16,12 +16,14 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 
 QUESTION = "What is the capital of France? Answer, then describe the city in a few sentences."
+# the stopped run needs a reply long enough to still stream when Stop is clicked: the quantized model is fast
+LONG_QUESTION = "Write a long story, at least five paragraphs, about a day in Paris."
 
 
-def start_with_heatmap(chat: ChatPage) -> None:
+def start_with_heatmap(chat: ChatPage, question: str, max_new_tokens: int) -> None:
     chat.page.get_by_test_id("heatmap-toggle").check()
-    chat.set_settings(temperature="0", max_new_tokens="60", alternatives="5")
-    chat.send(QUESTION)
+    chat.set_settings(temperature="0", max_new_tokens=str(max_new_tokens), alternatives="5")
+    chat.send(question)
     tokens = chat.last_reply().get_by_test_id("token")
     chat.wait_until("a dozen tokens streamed in", lambda: tokens.count() >= 12, timeout_s=120)
     assert chat.reply_state() == "streaming", "the reply ended before the mid-stream screenshot"
@@ -35,11 +37,14 @@ def test_real_model_streams_a_true_answer_with_its_heatmap(
 ) -> None:
     chat = new_page(real_server, color_scheme=scheme)
     expect(chat.page.get_by_test_id("model-name")).to_have_text("SmolLM2-135M-Instruct")
-    start_with_heatmap(chat)
+    if scheme == "dark":  # the light run checks the whole answer; this one stops mid-stream
+        start_with_heatmap(chat, LONG_QUESTION, 500)
+    else:
+        start_with_heatmap(chat, QUESTION, 60)
     shot = artifacts / f"e2e-midstream-heatmap-{scheme}.png"
     chat.page.screenshot(path=str(shot))
     assert shot.stat().st_size > 10_000
-    if scheme == "dark":  # the light run checks the whole answer; this one stops to save time
+    if scheme == "dark":
         chat.page.get_by_test_id("stop").click()
         chat.wait_done(timeout_ms=5_000)
         assert chat.request_frames("done")[-1]["reason"] == "cancelled"
