@@ -149,7 +149,8 @@ function updateButtons() {
 function applyHello(hello) {
   $("model-name").textContent = hello.model;
   document.title = `webchat · ${hello.model}`;
-  $("model-info").textContent = `${hello.device} · ${hello.dtype} · context ${hello.context_length}`;
+  const quantized = hello.weights && hello.weights !== hello.dtype ? ` · ${hello.weights} weights` : "";
+  $("model-info").textContent = `${hello.device} · ${hello.dtype}${quantized} · context ${hello.context_length}`;
   settings.setServerLimits(hello);
 }
 

@@ -4,7 +4,7 @@
 /**
  * @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnState
  * @typedef {{type: "hello", v: number, model: string, context_length: number, device: string, dtype: string,
- *            speculative: string[], max_alternatives: number}} Hello
+ *            weights?: string, speculative: string[], max_alternatives: number}} Hello
  * @typedef {{id: number, text: string, p: number, rank: number, top: {id: number, text: string, p: number}[],
  *            sampled_p?: number | null}} WireToken
  * @typedef {{type: "queued", id: string, position: number}
