@@ -128,6 +128,7 @@ def test_markdown_streams_renders_and_survives_reload(scripted: tuple[ChatPage, 
     chat.page.screenshot(path=str(artifacts / "markdown-done-desktop.png"))
     chat.page.set_viewport_size({"width": 390, "height": 844})
     chat.last_reply().scroll_into_view_if_needed()
+    chat.page.wait_for_timeout(400)  # the sidebar slides out of a narrow viewport (a 0.15 s transition)
     chat.page.screenshot(path=str(artifacts / "markdown-done-phone.png"))
     chat.page.set_viewport_size({"width": 1280, "height": 900})
     chat.page.reload()
