@@ -145,10 +145,10 @@ def fidelity() -> None:
     for name, ids in prompts_of(model_dir).items():
         c_ref, c_ours = ref.new_cache(len(ids) + FIDELITY_STEPS), ours.new_cache(len(ids) + FIDELITY_STEPS)
         llm.reset()
-        x, feed, d_ours, d_llama, flips = torch.tensor(ids), list(ids), 0.0, 0.0, 0
+        feed, d_ours, d_llama, flips = list(ids), 0.0, 0.0, 0
         for _ in range(FIDELITY_STEPS):
-            want = ref(x, c_ref, last_only=True)[-1]
-            got = ours(x, c_ours, last_only=True)[-1]
+            want = c_ref.feed(ref, feed)[-1]
+            got = c_ours.feed(ours, feed)[-1]
             llm.eval(feed)
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), (vocab,))
             theirs = torch.from_numpy(row.copy())
@@ -156,7 +156,7 @@ def fidelity() -> None:
             d_llama = max(d_llama, (theirs - want).abs().max().item())
             flips += int(theirs.argmax() != want.argmax())
             nxt = int(want.argmax())
-            x, feed = torch.tensor([nxt]), [nxt]
+            feed = [nxt]
         result[name] = {"webchat": d_ours, "llama.cpp": d_llama, "llama_top1_flips": flips}
     print(json.dumps(result))
 
