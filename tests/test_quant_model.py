@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_fidelity import PROMPTS as FIDELITY  # tests/ is on sys.path under pytest
 
 from webchat import qkernels
 from webchat.convert import QUANT_FILE, QUANT_KEY
@@ -114,15 +115,6 @@ def write_quantized_folder(folder: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- the real model
-FIDELITY = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three primes."}],
-    [{"role": "user", "content": "Explain 🚀 and 🎉 emoji in one sentence each. 😀"}],
-    [{"role": "user", "content": "Translate to English: Привет, как дела? こんにちは、元気ですか？"}],
-    [{"role": "user", "content": "Write a Python function that reverses a string, café-style naïve code."}],
-]
-
-
 @pytest.fixture(scope="module")
 def real(real_model_dir: Path) -> tuple[Transformer, Transformer, Tokenizer]:
     return load_model(real_model_dir), load_model(real_model_dir, weights="float32"), Tokenizer.from_dir(real_model_dir)
