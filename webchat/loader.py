@@ -125,8 +125,10 @@ def load_model(
         from webchat.cuda_backend import enable_cuda_backend
 
         enable_cuda_backend(model)
-    # webchat.quant.fused_ops(kernels) (C++ rms_norm, add_rms_norm, rope, silu_mul) is not installed here: the paged
-    # engine's ops table (PagedTorchOps) owns those ops now and can take them over
+    else:  # the forward of up to 64 tokens as one C++ call (webchat.cpu_step), quantized or float32 matrices
+        from webchat.cpu_step import enable_cpu_step
+
+        enable_cpu_step(model, kernels)
     return model
 
 

@@ -6,7 +6,7 @@
 
 namespace wq {
 
-enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type numbers (gguf.GGMLQuantizationType)
+enum QType { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type numbers (gguf.GGMLQuantizationType)
 enum Path { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 template <int QT> struct BlockOf;
@@ -57,13 +57,15 @@ inline float half_to_float(const uint8_t* p) {
 extern int g_path;
 int best_path();
 int path();
-struct MatRef {  // one matrix of a qgemv_multi call and where its output goes
-  const uint8_t* w;
+struct MatRef {  // one matrix of a qmatmul_multi call and where its output goes (rows of n floats)
+  const uint8_t* w;  // F32: float rows of k (row_bytes = 4k)
   int64_t n, row_bytes;
   int qtype;
   float* y;
 };
-void qgemv_multi(const float* x, int64_t k, const MatRef* mats, int count, float* xsum2);
+// y_i (m, n_i) = x (m, k) @ W_i^T for matrices sharing x and k (q/k/v, gate/up): one parallel region over all
+// their output rows; xsum2 scratch (m, k/32, 2)
+void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, float* xsum2);
 void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
                  float* xsum2, float* y);
 

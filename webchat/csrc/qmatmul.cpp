@@ -201,15 +201,57 @@ AVX512_TARGET static void rows_avx512_r(const Job& j, int r0, int64_t n0, int64_
   }
 }
 
+// ---------------------------------------------------------------- float32 rows (the float path's matrices)
+template <int R>
+AVX2_TARGET static void rows_f32_avx2_r(const Job& j, int r0, int64_t n0, int64_t n1) {
+  const int64_t k = j.k, k8 = k / 8 * 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* w = reinterpret_cast<const float*>(j.w + n * j.row_bytes);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k8; c += 8) {
+      const __m256 wv = _mm256_loadu_ps(w + c);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(j.x + (r0 + r) * j.ldx + c), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = hsum256(acc[r]);
+      for (int64_t c = k8; c < k; ++c) s += w[c] * j.x[(r0 + r) * j.ldx + c];
+      j.y[(r0 + r) * j.ldy + n] = s;
+    }
+  }
+}
+
+static void rows_f32_scalar(const Job& j, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* w = reinterpret_cast<const float*>(j.w + n * j.row_bytes);
+    for (int r = 0; r < j.m; ++r) {
+      const float* x = j.x + r * j.ldx;
+      float s = 0.f;
+      for (int64_t c = 0; c < j.k; ++c) s += w[c] * x[c];
+      j.y[r * j.ldy + n] = s;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- dispatch over row groups of 4
 template <int QT>
 static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
-  if (p == PATH_SCALAR) return rows_scalar<QT>(j, n0, n1);
+  if (p == PATH_SCALAR) {
+    if constexpr (QT == F32) return rows_f32_scalar(j, n0, n1);
+    else return rows_scalar<QT>(j, n0, n1);
+  }
   for (int64_t t0 = n0; t0 < n1; t0 += 16) {  // 16 weight rows stay in L1 while every group of 4 x rows passes
     const int64_t t1 = t0 + 16 < n1 ? t0 + 16 : n1;
     for (int r0 = 0; r0 < j.m; r0 += 4) {
       const int rr = j.m - r0 < 4 ? j.m - r0 : 4;
-      if (p == PATH_AVX512) {
+      if constexpr (QT == F32) {  // AVX2 serves both vector paths: a float row is bandwidth-bound either way
+        switch (rr) {
+          case 1: rows_f32_avx2_r<1>(j, r0, t0, t1); break;
+          case 2: rows_f32_avx2_r<2>(j, r0, t0, t1); break;
+          case 3: rows_f32_avx2_r<3>(j, r0, t0, t1); break;
+          default: rows_f32_avx2_r<4>(j, r0, t0, t1); break;
+        }
+      } else if (p == PATH_AVX512) {
         switch (rr) {
           case 1: rows_avx512_r<QT, 1>(j, r0, t0, t1); break;
           case 2: rows_avx512_r<QT, 2>(j, r0, t0, t1); break;
@@ -230,6 +272,7 @@ static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
 
 static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   switch (j.qtype) {
+    case F32: return rows<F32>(j, n0, n1, p);
     case Q4_0: return rows<Q4_0>(j, n0, n1, p);
     case Q4_1: return rows<Q4_1>(j, n0, n1, p);
     default: return rows<Q8_0>(j, n0, n1, p);
@@ -238,50 +281,52 @@ static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
 
 // xsum2[r, b] = (0, sum of x[r, 32b .. 32b+31]): the zero-point term of Q4_0/Q4_1, shared by every output row
 static void block_sums(const float* x, int64_t m, int64_t k, float* xsum2) {
-  for (int64_t i = 0; i < m * (k / 32); ++i) {
-    float s = 0.f;
-    for (int t = 0; t < 32; ++t) s += x[i * 32 + t];
-    xsum2[2 * i] = 0.f;
-    xsum2[2 * i + 1] = s;
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * 32;
+      float s = 0.f;
+      for (int t = 0; t < 32; ++t) s += xb[t];
+      xsum2[(r * nb + b) * 2] = 0.f;
+      xsum2[(r * nb + b) * 2 + 1] = s;
+    }
+}
+
+void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, float* xsum2) {
+  const int64_t nb = k / 32;
+  bool zero_points = false;
+  int64_t total = 0, max_row_bytes = 0;
+  for (int i = 0; i < count; ++i) {
+    zero_points |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1;
+    total += mats[i].n;
+    max_row_bytes = std::max(max_row_bytes, mats[i].row_bytes);
+  }
+  if (zero_points) block_sums(x, m, k, xsum2);
+  const int p = path();
+  for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time keep x in L2 while w streams
+    const int mm = static_cast<int>(m - m0 < 64 ? m - m0 : 64);
+    // grain: enough rows that a task streams >= ~16 KB of weights, at least 8 rows
+    const int64_t grain = std::max<int64_t>(8, 16384 / (max_row_bytes * std::min(mm, 4)));
+    at::parallel_for(0, total, grain, [&](int64_t b, int64_t e) {
+      int64_t base = 0;
+      for (int i = 0; i < count; ++i) {
+        const MatRef& mr = mats[i];
+        const int64_t lo = std::max(b, base), hi = std::min(e, base + mr.n);
+        if (lo < hi) {
+          const Job j{x + m0 * k, k, xsum2 + m0 * nb * 2, mr.w, mr.row_bytes, mm, k, mr.qtype, mr.y + m0 * mr.n, mr.n};
+          run_rows(j, lo - base, hi - base, p);
+        }
+        base += mr.n;
+      }
+    });
   }
 }
 
 // y (m, n) = x (m, k) @ dequant(w (n, row_bytes))^T; xsum2 (m, k/32, 2) scratch
 void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
                  float* xsum2, float* y) {
-  const int64_t nb = k / 32;
-  block_sums(x, m, k, xsum2);
-  const int p = path();
-  const int64_t rows_in_flight = m < 4 ? m : 4;
-  for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time keep x in L2 while w streams
-    const Job j{x + m0 * k, k, xsum2 + m0 * nb * 2, w, row_bytes, static_cast<int>(m - m0 < 64 ? m - m0 : 64),
-                k, qtype, y + m0 * n, n};
-    // grain: enough rows that a task streams >= ~16 KB of weights, at least 8 rows
-    const int64_t grain = std::max<int64_t>(8, 16384 / (row_bytes * rows_in_flight));
-    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) { run_rows(j, n0, n1, p); });
-  }
-}
-
-// y_i (1, n_i) = x (1, k) @ dequant(w_i)^T for several matrices sharing x (q/k/v, gate/up): one parallel region
-// over all their rows together, one pass of block sums
-void qgemv_multi(const float* x, int64_t k, const MatRef* mats, int count, float* xsum2) {
-  block_sums(x, 1, k, xsum2);
-  const int p = path();
-  int64_t total = 0, row_bytes = mats[0].row_bytes;
-  for (int i = 0; i < count; ++i) total += mats[i].n;
-  const int64_t grain = std::max<int64_t>(8, 16384 / row_bytes);
-  at::parallel_for(0, total, grain, [&](int64_t b, int64_t e) {
-    int64_t base = 0;
-    for (int i = 0; i < count; ++i) {
-      const MatRef& mr = mats[i];
-      const int64_t lo = std::max(b, base), hi = std::min(e, base + mr.n);
-      if (lo < hi) {
-        const Job j{x, k, xsum2, mr.w, mr.row_bytes, 1, k, mr.qtype, mr.y, mr.n};
-        run_rows(j, lo - base, hi - base, p);
-      }
-      base += mr.n;
-    }
-  });
+  const MatRef r{w, n, row_bytes, qtype, y};
+  qmatmul_multi(x, m, k, &r, 1, xsum2);
 }
 
 }  // namespace wq

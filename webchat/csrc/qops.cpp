@@ -188,16 +188,19 @@ int64_t set_path(int64_t p) {
   return g_path;
 }
 
-// The decode step (qstep.cpp) with the tensors it points into kept alive here.
+// The batched forward (qstep.cpp) with the tensors it points into kept alive here.
 class Step {
  public:
   // dims: dim, n_heads, n_kv, head_dim, ffn; per layer norms (attn, ffn), mats (wq wk wv wo w1 w3 w2) with their
-  // qtypes, biases (q, k, v; an empty tensor for none)
+  // qtypes (0: float32 (n, k)), biases (q, k, v; an empty tensor for none)
   Step(std::vector<int64_t> dims, double eps, torch::Tensor emb, int64_t emb_qtype, torch::Tensor head,
        int64_t head_qtype, torch::Tensor final_norm, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> mats,
        std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases) {
     TORCH_CHECK(dims.size() == 5, "dims must be (dim, n_heads, n_kv, head_dim, ffn), got ", dims.size(), " values");
     m_.dim = dims[0], m_.n_heads = dims[1], m_.n_kv = dims[2], m_.head_dim = dims[3], m_.ffn = dims[4];
+    TORCH_CHECK(m_.n_kv > 0 && m_.n_heads % m_.n_kv == 0 && m_.n_heads / m_.n_kv <= 64 && m_.head_dim % 2 == 0,
+                "heads must be a multiple (at most 64x) of kv heads and head_dim even, got ", m_.n_heads, ", ",
+                m_.n_kv, ", ", m_.head_dim);
     m_.eps = static_cast<float>(eps);
     const size_t n_layers = norms.size() / 2;
     TORCH_CHECK(norms.size() == 2 * n_layers && mats.size() == 7 * n_layers && qtypes.size() == mats.size() &&
@@ -207,43 +210,74 @@ class Step {
     m_.emb = mat(emb, emb_qtype, m_.dim, torch::Tensor());
     m_.head = mat(head, head_qtype, m_.dim, torch::Tensor());
     m_.final_norm = vec(final_norm, m_.dim);
-    const int64_t qd = m_.n_heads * m_.head_dim;
+    const int64_t qd = m_.n_heads * m_.head_dim, kvd = m_.n_kv * m_.head_dim;
     const int64_t ks[7] = {m_.dim, m_.dim, m_.dim, qd, m_.dim, m_.dim, m_.ffn};
+    const int64_t ns[7] = {qd, kvd, kvd, m_.dim, m_.ffn, m_.ffn, m_.dim};
     for (size_t i = 0; i < n_layers; ++i) {
       Layer L;
       L.attn_norm = vec(norms[2 * i], m_.dim);
       L.ffn_norm = vec(norms[2 * i + 1], m_.dim);
       Mat* slots[7] = {&L.wq, &L.wk, &L.wv, &L.wo, &L.w1, &L.w3, &L.w2};
-      for (int j = 0; j < 7; ++j)
+      for (int j = 0; j < 7; ++j) {
         *slots[j] = mat(mats[7 * i + j], qtypes[7 * i + j], ks[j], j < 3 ? biases[3 * i + j] : torch::Tensor());
+        TORCH_CHECK(slots[j]->n == ns[j], "layer ", i, " matrix ", j, " has ", slots[j]->n, " rows, expected ", ns[j]);
+      }
       m_.layers.push_back(L);
     }
   }
 
-  torch::Tensor step(int64_t token, int64_t pos, const std::vector<torch::Tensor>& ck,
-                     const std::vector<torch::Tensor>& cv, const torch::Tensor& cos, const torch::Tensor& sin) {
-    TORCH_CHECK(token >= 0 && token < m_.emb.n, "token ", token, " is out of range [0, ", m_.emb.n, ")");
-    TORCH_CHECK(ck.size() == m_.layers.size() && cv.size() == ck.size(), "cache must have ", m_.layers.size(),
-                " layers, got ", ck.size());
-    const int64_t cap = ck[0].size(1);
-    TORCH_CHECK(pos >= 0 && pos < cap, "position ", pos, " is outside the cache of ", cap);
+  // logits (R, vocab) of a webchat.batch.Batch through the first n_layers layers, k/v written into the pool
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions, const torch::Tensor& slots,
+                        const torch::Tensor& query_start, const torch::Tensor& block_tables,
+                        const torch::Tensor& logit_rows, const std::vector<torch::Tensor>& k,
+                        const std::vector<torch::Tensor>& v, const torch::Tensor& cos, const torch::Tensor& sin,
+                        int64_t n_layers) {
+    TORCH_CHECK(n_layers >= 1 && n_layers <= static_cast<int64_t>(m_.layers.size()), "n_layers must be in [1, ",
+                m_.layers.size(), "], got ", n_layers);
+    const int64_t T = tokens.numel();
+    for (const torch::Tensor* t : {&tokens, &positions, &slots, &logit_rows})
+      TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->is_contiguous() && t->device().is_cpu(),
+                  "tokens, positions, slot_mapping and logit_rows must be contiguous 1-D int64 CPU tensors");
+    TORCH_CHECK(T > 0 && positions.numel() == T && slots.numel() == T, "tokens, positions and slot_mapping must hold ",
+                "the same number (>0) of rows, got ", T, ", ", positions.numel(), ", ", slots.numel());
+    for (const torch::Tensor* t : {&query_start, &block_tables})
+      TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->device().is_cpu(),
+                  "query_start and block_tables must be contiguous int32 CPU tensors");
+    TORCH_CHECK(block_tables.dim() == 2 && query_start.dim() == 1 && query_start.numel() == block_tables.size(0) + 1,
+                "block_tables must be (B, width) and query_start (B + 1), got ", block_tables.sizes(), " and ",
+                query_start.sizes());
+    TORCH_CHECK(static_cast<int64_t>(k.size()) >= n_layers && v.size() == k.size(), "the pool has ", k.size(),
+                " layers, the forward needs ", n_layers);
+    const int64_t num_pages = k[0].size(0), ps = k[0].dim() == 4 ? k[0].size(1) : 0;
     std::vector<float*> kp, vp;
-    for (size_t i = 0; i < ck.size(); ++i) {
-      for (const torch::Tensor* t : {&ck[i], &cv[i]}) {
-        check_f32(*t, "cache");
-        TORCH_CHECK(t->dim() == 3 && t->size(0) == m_.n_kv && t->size(1) == cap && t->size(2) == m_.head_dim,
-                    "cache tensors must be (", m_.n_kv, ", ", cap, ", ", m_.head_dim, "), got ", t->sizes());
+    for (int64_t i = 0; i < n_layers; ++i) {
+      for (const torch::Tensor* t : {&k[i], &v[i]}) {
+        check_f32(*t, "KV pool");
+        TORCH_CHECK(t->dim() == 4 && t->size(0) == num_pages && t->size(1) == ps && t->size(2) == m_.n_kv &&
+                        t->size(3) == m_.head_dim,
+                    "KV pool tensors must be (", num_pages, ", ", ps, ", ", m_.n_kv, ", ", m_.head_dim, "), got ",
+                    t->sizes());
       }
-      kp.push_back(ck[i].data_ptr<float>());
-      vp.push_back(cv[i].data_ptr<float>());
+      kp.push_back(k[i].data_ptr<float>());
+      vp.push_back(v[i].data_ptr<float>());
     }
     check_f32(cos, "cos");
     check_f32(sin, "sin");
-    TORCH_CHECK(cos.numel() == m_.head_dim / 2 && sin.numel() == cos.numel(), "cos/sin must hold ", m_.head_dim / 2,
-                " values, got ", cos.numel());
-    torch::Tensor logits = torch::empty({1, m_.head.n}, torch::dtype(torch::kFloat32));
-    m_.step(token, pos, kp.data(), vp.data(), cap, cos.data_ptr<float>(), sin.data_ptr<float>(),
-            logits.data_ptr<float>());
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) * 2 == m_.head_dim && sin.sizes() == cos.sizes(),
+                "cos/sin must be (positions, ", m_.head_dim / 2, "), got ", cos.sizes(), " and ", sin.sizes());
+    BatchView bv;
+    bv.tokens = tokens.data_ptr<int64_t>(), bv.positions = positions.data_ptr<int64_t>();
+    bv.slots = slots.data_ptr<int64_t>(), bv.t = T;
+    bv.query_start = query_start.data_ptr<int32_t>(), bv.b = block_tables.size(0);
+    bv.block_tables = block_tables.data_ptr<int32_t>(), bv.width = block_tables.size(1);
+    bv.logit_rows = logit_rows.data_ptr<int64_t>(), bv.r = logit_rows.numel();
+    check_batch(bv, num_pages, ps, cos.size(0));
+    torch::Tensor logits = torch::empty({bv.r, m_.head.n}, torch::dtype(torch::kFloat32));
+    PoolView pv{kp.data(), vp.data(), ps};
+    {
+      py::gil_scoped_release nogil;
+      m_.forward(bv, pv, cos.data_ptr<float>(), sin.data_ptr<float>(), n_layers, logits.data_ptr<float>());
+    }
     return logits;
   }
 
@@ -251,11 +285,40 @@ class Step {
   StepModel m_;
   std::vector<torch::Tensor> keep_;
 
+  // every index the forward follows stays inside its tensor: a bad batch is an error, never a wild write
+  void check_batch(const BatchView& bv, int64_t num_pages, int64_t ps, int64_t rope_rows) const {
+    TORCH_CHECK(bv.query_start[0] == 0 && bv.query_start[bv.b] == bv.t, "query_start must run from 0 to ", bv.t);
+    for (int64_t b = 0; b < bv.b; ++b) {
+      TORCH_CHECK(bv.query_start[b] < bv.query_start[b + 1], "sequence ", b, " has no rows in query_start");
+      for (int64_t j = 0; j < bv.width; ++j) {
+        const int32_t page = bv.block_tables[b * bv.width + j];
+        TORCH_CHECK(page >= 0 && page < num_pages, "block table page ", page, " is outside the pool of ", num_pages);
+      }
+      for (int64_t t = bv.query_start[b]; t < bv.query_start[b + 1]; ++t)
+        TORCH_CHECK(bv.positions[t] >= 0 && bv.positions[t] < rope_rows && bv.positions[t] / ps < bv.width,
+                    "position ", bv.positions[t], " of row ", t, " is outside its block table or the rope table");
+    }
+    for (int64_t t = 0; t < bv.t; ++t) {
+      TORCH_CHECK(bv.tokens[t] >= 0 && bv.tokens[t] < m_.emb.n, "token ", bv.tokens[t], " is out of range [0, ",
+                  m_.emb.n, ")");
+      TORCH_CHECK(bv.slots[t] >= 0 && bv.slots[t] < num_pages * ps, "slot ", bv.slots[t], " is outside the pool");
+    }
+    for (int64_t r = 0; r < bv.r; ++r)
+      TORCH_CHECK(bv.logit_rows[r] >= 0 && bv.logit_rows[r] < bv.t, "logit row ", bv.logit_rows[r], " out of range");
+  }
+
   Mat mat(const torch::Tensor& w, int64_t qtype, int64_t k, const torch::Tensor& bias) {
-    check_weight(w, qtype, k);
-    keep_.push_back(w);
     Mat m;
-    m.w = w.data_ptr<uint8_t>(), m.n = w.size(0), m.k = k, m.row_bytes = w.size(1), m.qtype = static_cast<int>(qtype);
+    if (qtype == F32) {
+      check_f32(w, "a float matrix");
+      TORCH_CHECK(w.dim() == 2 && w.size(1) == k, "a float matrix must be (n, ", k, "), got ", w.sizes());
+      m.w = reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), m.row_bytes = k * 4;
+    } else {
+      check_weight(w, qtype, k);
+      m.w = w.data_ptr<uint8_t>(), m.row_bytes = w.size(1);
+    }
+    keep_.push_back(w);
+    m.n = w.size(0), m.k = k, m.qtype = static_cast<int>(qtype);
     if (bias.defined() && bias.numel() > 0) m.bias = vec(bias, m.n);
     return m;
   }
@@ -286,5 +349,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<int64_t>, double, torch::Tensor, int64_t, torch::Tensor, int64_t, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                     std::vector<torch::Tensor>>())
-      .def("step", &wq::Step::step, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &wq::Step::forward);
 }

@@ -1,20 +1,169 @@
-// One decode step of a Llama-family model in C++: every layer for one token at position pos, float32 activations,
-// quantized matrices through qmatmul_raw. The same maths as webchat.model.Transformer.layers_forward:
-//   h = x + attn(rms_norm(x)), x' = h + w2(silu(w1 y) * w3 y) with y = rms_norm(h); logits = head(rms_norm(x_L))
-// Only the Python overhead around ~10 small ops per layer goes away; the numbers are float32 throughout.
+// The model's forward over a ragged batch on the paged KV cache, as one C++ call. The same maths as
+// webchat.model.Transformer.layers_forward with webchat.ops.PagedTorchOps:
+//   h = x + wo(attn(rope(wq y), rope(wk y), wv y)) with y = rms_norm(x);  x' = h + w2(silu(w1 y) * w3 y) with
+//   y = rms_norm(h);  logits = head(rms_norm(x_L)) for the logit rows only.
+// Every row is computed on its own (its matmul accumulations, its norm, its attention over its own sequence), so a
+// row's numbers do not depend on what else is in the batch. What goes away is the Python and dispatch overhead
+// around ~15 small ops per layer; the numbers are float32 throughout.
+#include "qstep.h"
+
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <utility>
 #include <vector>
 
 #include "qcommon.h"
-#include "qstep.h"
 
 namespace wq {
+
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+AVX2_FN static float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+AVX2_FN static void axpy_avx2(float* y, float a, const float* x, int64_t n) {  // y += a * x
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+static float dot_scalar(const float* a, const float* b, int64_t n) {
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+static void axpy_scalar(float* y, float a, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), within ~2 ulp of
+// std::exp for x in [-87.3, 88.7]; outside it the result saturates (to ~1e-38 and ~1.6e38), never NaN or inf
+AVX2_FN static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// x[i] = exp(x[i] - shift); returns the sum
+AVX2_FN static float exp_sum_avx2(float* x, int64_t n, float shift) {
+  const __m256 vs = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vs));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r += (x[i] = std::exp(x[i] - shift));
+  return r;
+}
+
+// g[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u
+AVX2_FN static void silu_mul_avx2(float* g, const float* u, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+static float exp_sum_scalar(float* x, int64_t n, float shift) {
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += (x[i] = std::exp(x[i] - shift));
+  return r;
+}
+
+static void silu_mul_scalar(float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// One query head's attention with hd = 8 * NV: scores four keys at a time (four independent FMA chains, reduced
+// together), softmax, then o = sum_p w_p v_p with o held in NV registers. k/v of position pos sit at
+// pages[pos / ps] * ps * kvd + (pos % ps) * kvd of the layer's pool (plus the kv head's offset, already in kc/vc).
+template <int NV>
+AVX2_FN static void attend_head_avx2(const float* q, const float* kc, const float* vc, const int32_t* pages, int64_t ps,
+                                     int64_t kvd, int64_t len, float scale, float* p, float* o) {
+  __m256 qv[NV];
+  for (int c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  const __m128 vscale = _mm_set1_ps(scale);
+  float mx = -INFINITY;
+  for (int64_t pos0 = 0; pos0 < len; pos0 += ps) {
+    const float* kp = kc + int64_t(pages[pos0 / ps]) * ps * kvd;
+    const int64_t n = std::min(ps, len - pos0);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const float* k0 = kp + i * kvd;
+      __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+      __m256 a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + kvd));
+      __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 2 * kvd));
+      __m256 a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 3 * kvd));
+      for (int c = 1; c < NV; ++c) {
+        a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + kvd + 8 * c), a1);
+        a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 2 * kvd + 8 * c), a2);
+        a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 3 * kvd + 8 * c), a3);
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 r = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vscale);
+      _mm_storeu_ps(p + pos0 + i, r);
+    }
+    for (; i < n; ++i) {
+      const float* k0 = kp + i * kvd;
+      __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+      for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a);
+      __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+      t = _mm_add_ss(t, _mm_movehdup_ps(t));
+      p[pos0 + i] = _mm_cvtss_f32(t) * scale;
+    }
+  }
+  for (int64_t i = 0; i < len; ++i) mx = std::max(mx, p[i]);
+  const __m256 inv = _mm256_set1_ps(1.f / exp_sum_avx2(p, len, mx));
+  __m256 ov[NV];
+  for (int c = 0; c < NV; ++c) ov[c] = _mm256_setzero_ps();
+  for (int64_t pos0 = 0; pos0 < len; pos0 += ps) {
+    const float* vp = vc + int64_t(pages[pos0 / ps]) * ps * kvd;
+    for (int64_t i = 0, n = std::min(ps, len - pos0); i < n; ++i) {
+      const __m256 w = _mm256_broadcast_ss(p + pos0 + i);
+      for (int c = 0; c < NV; ++c) ov[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + i * kvd + 8 * c), ov[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(ov[c], inv));
+}
 
 // y = w * x / sqrt(mean(x*x) + eps)
 static void rms_norm_row(const float* x, const float* w, float* y, int64_t d, float eps) {
@@ -37,88 +186,14 @@ static void rope_heads(float* x, int64_t heads, int64_t hd, const float* c, cons
   }
 }
 
-void StepModel::linear(const Mat& m, const float* x, float* y) const {
-  const MatRef r{m.w, m.n, m.row_bytes, m.qtype, y};
-  qgemv_multi(x, m.k, &r, 1, xsum2_.data());
-  if (m.bias != nullptr)
-    for (int64_t i = 0; i < m.n; ++i) y[i] += m.bias[i];
-}
-
-// y_i = x @ m_i^T (+ bias_i) for matrices sharing x and K, in one parallel region
-void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x) const {
-  MatRef refs[4];
-  int count = 0;
-  for (const auto& my : mys) refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype,
-                                                    my.second};
-  qgemv_multi(x, mys.begin()->first->k, refs, count, xsum2_.data());
-  for (const auto& my : mys)
-    if (my.first->bias != nullptr)
-      for (int64_t i = 0; i < my.first->n; ++i) my.second[i] += my.first->bias[i];
-}
-
-// o (H, hd) = softmax(q k^T / sqrt(hd)) v over cache positions [0, len) of each head's kv group
-void StepModel::attend(const float* q, const float* ck, const float* cv, int64_t cap, int64_t len, float* o) const {
-  const int64_t group = n_heads / n_kv;
-  const float scale = 1.f / std::sqrt(float(head_dim));
-  at::parallel_for(0, n_heads, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> p(len);
-    for (int64_t h = h0; h < h1; ++h) {
-      const float* qh = q + h * head_dim;
-      const float* kh = ck + (h / group) * cap * head_dim;  // (cap, hd) of this head's kv group
-      const float* vh = cv + (h / group) * cap * head_dim;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) {
-        float s = 0.f;
-        for (int64_t e = 0; e < head_dim; ++e) s += qh[e] * kh[t * head_dim + e];
-        p[t] = s * scale;
-        mx = std::max(mx, p[t]);
-      }
-      float sum = 0.f;
-      for (int64_t t = 0; t < len; ++t) sum += (p[t] = std::exp(p[t] - mx));
-      float* oh = o + h * head_dim;
-      for (int64_t e = 0; e < head_dim; ++e) oh[e] = 0.f;
-      for (int64_t t = 0; t < len; ++t) {
-        const float pt = p[t] / sum;
-        for (int64_t e = 0; e < head_dim; ++e) oh[e] += pt * vh[t * head_dim + e];
-      }
-    }
-  });
-}
-
-void StepModel::step(int64_t token, int64_t pos, float* const* cache_k, float* const* cache_v, int64_t cap,
-                     const float* cos, const float* sin, float* logits) {
-  const int64_t d = dim, qd = n_heads * head_dim, kvd = n_kv * head_dim;
-  const int64_t widest = std::max({d, qd, ffn, head.k});
-  xsum2_.resize(widest / 32 * 2 + 2);
-  std::vector<float> x(d), y(std::max(d, qd)), q(qd), k(kvd), v(kvd), o(qd), g(ffn), u(ffn), out(d);
-  dequant_row(emb, token, x.data());
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const Layer& L = layers[i];
-    rms_norm_row(x.data(), L.attn_norm, y.data(), d, eps);
-    linears({{&L.wq, q.data()}, {&L.wk, k.data()}, {&L.wv, v.data()}}, y.data());
-    rope_heads(q.data(), n_heads, head_dim, cos, sin);
-    rope_heads(k.data(), n_kv, head_dim, cos, sin);
-    for (int64_t h = 0; h < n_kv; ++h) {  // cache (n_kv, cap, hd) <- k, v at pos
-      std::copy_n(k.data() + h * head_dim, head_dim, cache_k[i] + (h * cap + pos) * head_dim);
-      std::copy_n(v.data() + h * head_dim, head_dim, cache_v[i] + (h * cap + pos) * head_dim);
-    }
-    attend(q.data(), cache_k[i], cache_v[i], cap, pos + 1, o.data());
-    linear(L.wo, o.data(), out.data());
-    for (int64_t c = 0; c < d; ++c) x[c] += out[c];
-    rms_norm_row(x.data(), L.ffn_norm, y.data(), d, eps);
-    linears({{&L.w1, g.data()}, {&L.w3, u.data()}}, y.data());
-    for (int64_t c = 0; c < ffn; ++c) g[c] = g[c] / (1.f + std::exp(-g[c])) * u[c];  // silu(g) * u
-    linear(L.w2, g.data(), out.data());
-    for (int64_t c = 0; c < d; ++c) x[c] += out[c];
-  }
-  rms_norm_row(x.data(), final_norm, y.data(), d, eps);
-  linear(head, y.data(), logits);
-}
-
-// one row of a quantized matrix as floats
-void StepModel::dequant_row(const Mat& m, int64_t row, float* out) const {
+// one row of a matrix as floats (the embedding lookup)
+static void dequant_row(const Mat& m, int64_t row, float* out) {
   const uint8_t* r = m.w + row * m.row_bytes;
-  const int bb = m.qtype == Q4_0 ? 18 : m.qtype == Q4_1 ? 20 : 34;
+  if (m.qtype == F32) {
+    std::memcpy(out, r, m.k * sizeof(float));
+    return;
+  }
+  const int64_t bb = block_bytes(m.qtype);
   for (int64_t b = 0; b < m.k / 32; ++b) {
     const uint8_t* blk = r + b * bb;
     const float dd = half_to_float(blk);
@@ -136,6 +211,102 @@ void StepModel::dequant_row(const Mat& m, int64_t row, float* out) const {
       }
     }
   }
+}
+
+// y_i (m, n_i) = x (m, k) @ W_i^T (+ bias_i) for matrices sharing x and k, in one parallel region
+void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m) {
+  MatRef refs[4];
+  int count = 0;
+  for (const auto& my : mys)
+    refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype, my.second};
+  qmatmul_multi(x, m, mys.begin()->first->k, refs, count, xsum2_.data());
+  for (const auto& my : mys)
+    if (my.first->bias != nullptr)
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < my.first->n; ++i) my.second[r * my.first->n + i] += my.first->bias[i];
+}
+
+// o_ (T, H, hd): row t of sequence b, query head h attends softmax(q k^T / sqrt(hd)) v over positions
+// [0, positions[t]] of b, read page by page through its block table, with kv head h / (H / n_kv)
+void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, int64_t ps) {
+  const int64_t g = n_heads / n_kv, hd = head_dim, qd = n_heads * hd, kvd = n_kv * hd;
+  const float scale = 1.f / std::sqrt(float(hd));
+  const bool vec = path() >= PATH_AVX2;
+  at::parallel_for(0, bv.t * n_heads, 1, [&](int64_t a, int64_t e) {
+    static thread_local std::vector<float> p;
+    for (int64_t task = a; task < e; ++task) {
+      const int64_t t = task / n_heads, h = task % n_heads, len = bv.positions[t] + 1, off = (h / g) * hd;
+      const int32_t* pages = bv.block_tables + seq_of_[t] * bv.width;
+      if (static_cast<int64_t>(p.size()) < len) p.resize(len);
+      const float* q = q_.data() + t * qd + h * hd;
+      float* o = o_.data() + t * qd + h * hd;
+      if (vec && (hd == 64 || hd == 128)) {
+        if (hd == 64) attend_head_avx2<8>(q, kc + off, vc + off, pages, ps, kvd, len, scale, p.data(), o);
+        else attend_head_avx2<16>(q, kc + off, vc + off, pages, ps, kvd, len, scale, p.data(), o);
+        continue;
+      }
+      float mx = -INFINITY;
+      for (int64_t pos0 = 0; pos0 < len; pos0 += ps) {
+        const float* kp = kc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
+        for (int64_t i = 0, n = std::min(ps, len - pos0); i < n; ++i) {
+          const float sc = (vec ? dot_avx2(q, kp + i * kvd, hd) : dot_scalar(q, kp + i * kvd, hd)) * scale;
+          p[pos0 + i] = sc;
+          mx = std::max(mx, sc);
+        }
+      }
+      const float inv = 1.f / (vec ? exp_sum_avx2(p.data(), len, mx) : exp_sum_scalar(p.data(), len, mx));
+      std::fill(o, o + hd, 0.f);
+      for (int64_t pos0 = 0; pos0 < len; pos0 += ps) {
+        const float* vp = vc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
+        for (int64_t i = 0, n = std::min(ps, len - pos0); i < n; ++i) {
+          if (vec) axpy_avx2(o, p[pos0 + i] * inv, vp + i * kvd, hd);
+          else axpy_scalar(o, p[pos0 + i] * inv, vp + i * kvd, hd);
+        }
+      }
+    }
+  });
+}
+
+void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin,
+                        int64_t n_layers, float* logits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t T = bv.t, d = dim, qd = n_heads * head_dim, kvd = n_kv * head_dim, half = head_dim / 2;
+  const int64_t widest = std::max({d, qd, ffn});
+  const int64_t rows = std::max(T, bv.r);
+  x_.resize(T * d), y_.resize(rows * std::max(d, qd)), q_.resize(T * qd), k_.resize(T * kvd), v_.resize(T * kvd);
+  o_.resize(T * qd), g_.resize(T * ffn), u_.resize(T * ffn), out_.resize(T * d);
+  xsum2_.resize(rows * (widest / 32 + 1) * 2);
+  seq_of_.resize(T);
+  for (int64_t b = 0; b < bv.b; ++b)
+    for (int64_t t = bv.query_start[b]; t < bv.query_start[b + 1]; ++t) seq_of_[t] = b;
+  float *x = x_.data(), *y = y_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data(), *o = o_.data();
+  float *g = g_.data(), *u = u_.data(), *out = out_.data();
+
+  for (int64_t t = 0; t < T; ++t) dequant_row(emb, bv.tokens[t], x + t * d);
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const Layer& L = layers[i];
+    for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.attn_norm, y + t * d, d, eps);
+    linears({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, y, T);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cos + bv.positions[t] * half;
+      const float* s = sin + bv.positions[t] * half;
+      rope_heads(q + t * qd, n_heads, head_dim, c, s);
+      rope_heads(k + t * kvd, n_kv, head_dim, c, s);
+      std::memcpy(kv.k[i] + bv.slots[t] * kvd, k + t * kvd, kvd * sizeof(float));
+      std::memcpy(kv.v[i] + bv.slots[t] * kvd, v + t * kvd, kvd * sizeof(float));
+    }
+    attend(bv, kv.k[i], kv.v[i], kv.page_size);
+    linears({{&L.wo, out}}, o, T);
+    for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
+    for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.ffn_norm, y + t * d, d, eps);
+    linears({{&L.w1, g}, {&L.w3, u}}, y, T);
+    if (path() >= PATH_AVX2) silu_mul_avx2(g, u, T * ffn);
+    else silu_mul_scalar(g, u, T * ffn);
+    linears({{&L.w2, out}}, g, T);
+    for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
+  }
+  for (int64_t r = 0; r < bv.r; ++r) rms_norm_row(x + bv.logit_rows[r] * d, final_norm, y + r * d, d, eps);
+  linears({{&head, logits}}, y, bv.r);
 }
 
 }  // namespace wq
