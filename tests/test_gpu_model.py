@@ -15,7 +15,15 @@ from test_golden import GOLDEN_GREEDY, GOLDEN_PROMPT, greedy  # tests/ is on sys
 from test_kernels import ScalarReads
 
 from webchat.batch import Batch, make_batch
-from webchat.cuda_backend import GraphShape, enable_cuda_backend, fill, graph_shape, graphable, static_batch
+from webchat.cuda_backend import (
+    GraphRunner,
+    GraphShape,
+    enable_cuda_backend,
+    fill,
+    graph_shape,
+    graphable,
+    static_batch,
+)
 from webchat.generator import GenerationRequest, Generator
 from webchat.loader import load_model
 from webchat.ops import PagedTorchOps
@@ -113,10 +121,10 @@ def test_batched_paged_steps_keep_the_golden_output_and_each_sequence_alone(tiny
     assert together == [paged_greedy(model, [p], 12, chunk=3, page_size=8)[0] for p in prompts]
 
 
-def test_cpu_models_stay_on_torch_ops(tiny_model_dir: Path) -> None:
+def test_cpu_models_stay_off_the_cuda_backend(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir)
     assert enable_cuda_backend(model) is False
-    assert isinstance(model.ops, PagedTorchOps) and model.runner is None
+    assert isinstance(model.ops, PagedTorchOps) and not isinstance(model.runner, GraphRunner)
     batch = make_batch([([1], 0, [1], [-1])], 4)
     assert not graphable(model, batch, Pool.for_model(model, 4, 4))
 

@@ -91,7 +91,7 @@ def test_folder_without_quantized_file_runs_float(tiny_model_dir: Path) -> None:
     assert weights_name(load_model(tiny_model_dir)) == "float32"
     with pytest.raises(ValueError, match="has no quantized.safetensors; quantize at load with --quantize"):
         load_model(tiny_model_dir, weights="quantized")
-    with pytest.raises(ValueError, match="quantize must be one of q8_0, q4_0, got 'q5_k'"):
+    with pytest.raises(ValueError, match="quantize must be one of q8_0, q4_1, q4_0, got 'q5_k'"):
         load_model(tiny_model_dir, quantize="q5_k")
     with pytest.raises(ValueError, match="run on the CPU in float32; got device cpu and dtype torch.bfloat16"):
         load_model(tiny_model_dir, dtype=torch.bfloat16, quantize="q8_0")

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from webchat.batch import Batch
-from webchat.model import PagedKV, Transformer
+from webchat.model import Block, PagedKV, Transformer
 from webchat.quant import QTYPES, QEmbedding, QLinear
 
 log = logging.getLogger("webchat.cpu_step")
@@ -50,9 +50,9 @@ class CpuStep:
         qtypes: list[int] = []
         norms: list[torch.Tensor] = []
         biases: list[torch.Tensor] = []
-        for layer in model.layers:
-            att, ff = layer.attention, layer.feed_forward  # type: ignore[union-attr]
-            norms += [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]  # type: ignore[union-attr]
+        for layer in cast(list[Block], list(model.layers)):
+            att, ff = layer.attention, layer.feed_forward
+            norms += [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
             for m in (att.wq, att.wk, att.wv, att.wo, ff.w1, ff.w3, ff.w2):
                 wt = _matrix(m)
                 if wt is None:

@@ -1,4 +1,4 @@
-"""Build (once, cached) and load webchat's C++ CPU kernels: quantized matmul and fused float32 ops (docs/quant.md).
+"""Build (once, cached) and load webchat's C++ CPU kernels: quantized matmul and the forward (docs/quant.md).
 
 Built with torch's C++ extension loader (g++ and ninja) so the kernels run on torch's own OpenMP thread pool through
 `at::parallel_for`: one OpenMP runtime in the process, torch.set_num_threads governs both. `python -m webchat.qkernels`
@@ -55,7 +55,7 @@ def _missing_tool() -> str | None:
 
 @functools.cache
 def load(verbose: bool = False) -> Any:
-    """The compiled module (qmatmul, dequantize, rms_norm, add_rms_norm, rope, silu_mul, set_path, path)."""
+    """The compiled module (qmatmul, dequantize, Step, set_path, path, best_path)."""
     from torch.utils import cpp_extension
 
     tool = _missing_tool()

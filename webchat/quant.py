@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from webchat.ops import TorchOps
-
 # name → (ggml type number, bytes per block of 32 weights)
 QTYPES: dict[str, tuple[int, int]] = {"q4_0": (2, 18), "q4_1": (3, 20), "q8_0": (8, 34)}
 BLOCK = 32
@@ -105,49 +103,3 @@ def dequantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
 
     kind = gguf.GGMLQuantizationType[qtype.upper()]
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(w.numpy(), kind), dtype=np.float32))
-
-
-def _fast(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
-
-
-def fused_ops(kernels: Any) -> type[TorchOps]:
-    """TorchOps with rms_norm, add_rms_norm, rope and silu_mul as single C++ calls on contiguous float32 CPU tensors."""
-
-    class FusedCpuOps(TorchOps):
-        name = "cpu-fused"
-
-        @staticmethod
-        def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-            if not _fast(x, w):
-                return TorchOps.rms_norm(x, w, eps)
-            y: torch.Tensor = kernels.rms_norm(x, w, eps)
-            return y
-
-        @staticmethod
-        def add_rms_norm(
-            x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            if not _fast(x, residual, w):
-                return TorchOps.add_rms_norm(x, residual, w, eps)
-            y, r = kernels.add_rms_norm(x, residual, w, eps)
-            return y, r
-
-        @staticmethod
-        def rope(
-            q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            if not _fast(q, k) or cos.dtype != torch.float32 or cos.device.type != "cpu":
-                return TorchOps.rope(q, k, cos, sin)
-            q2, k2 = kernels.rope(q, k, cos, sin)
-            return q2, k2
-
-        @staticmethod
-        def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            if not _fast(gate, up):
-                return TorchOps.silu_mul(gate, up)
-            y: torch.Tensor = kernels.silu_mul(gate, up)
-            return y
-
-    return FusedCpuOps
-

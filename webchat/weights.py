@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 WEIGHTS = ("auto", "quantized", "float32")  # auto: the folder's quantized.safetensors on the CPU in float32
-QUANTIZE = ("q8_0", "q4_0")  # matrices to this at load; the embedding and a tied head to q8_0
+QUANTIZE = ("q8_0", "q4_1", "q4_0")  # matrices to this at load; the embedding and a tied head to q8_0
 
 
 def add_weight_arguments(parser: argparse.ArgumentParser) -> None:

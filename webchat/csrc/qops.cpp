@@ -1,4 +1,4 @@
-// Dequantization, fused float32 elementwise ops for one decode step, and the Python bindings (docs/quant.md).
+// Dequantization, the batched forward's owner (class Step) and the Python bindings (docs/quant.md).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -84,101 +84,6 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k, const
 static void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(), name,
               " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
-}
-
-// y = x * w / sqrt(mean(x*x) + eps) per row of x (T, D); with residual: r' = x + r first, normalise r'
-static void norm_rows(const float* x, const float* r, const float* w, float* y, float* rout, int64_t t, int64_t d,
-                      double eps) {
-  at::parallel_for(0, t, 16, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) {
-      const float* xi = x + i * d;
-      float* yi = y + i * d;
-      const float* src = xi;
-      if (r != nullptr) {
-        float* ri = rout + i * d;
-        for (int64_t c = 0; c < d; ++c) ri[c] = r[i * d + c] + xi[c];
-        src = ri;
-      }
-      float ss = 0.f;
-      for (int64_t c = 0; c < d; ++c) ss += src[c] * src[c];
-      const float inv = 1.f / std::sqrt(ss / float(d) + float(eps));
-      for (int64_t c = 0; c < d; ++c) yi[c] = w[c] * (src[c] * inv);
-    }
-  });
-}
-
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  check_f32(x, "x");
-  check_f32(w, "w");
-  const int64_t d = w.numel();
-  TORCH_CHECK(x.size(-1) == d, "x must end in ", d, ", got ", x.sizes());
-  torch::Tensor y = torch::empty_like(x);
-  norm_rows(x.data_ptr<float>(), nullptr, w.data_ptr<float>(), y.data_ptr<float>(), nullptr, x.numel() / d, d, eps);
-  return y;
-}
-
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                                                      const torch::Tensor& w, double eps) {
-  check_f32(x, "x");
-  check_f32(residual, "residual");
-  check_f32(w, "w");
-  const int64_t d = w.numel();
-  TORCH_CHECK(x.sizes() == residual.sizes() && x.size(-1) == d, "x and residual must be (T, ", d, "), got ",
-              x.sizes(), " and ", residual.sizes());
-  torch::Tensor y = torch::empty_like(x), r = torch::empty_like(x);
-  norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(),
-            r.data_ptr<float>(), x.numel() / d, d, eps);
-  return {y, r};
-}
-
-// rotate_half RoPE on (T, heads, hd) with cos/sin (T, hd/2): o1 = x1*c - x2*s, o2 = x2*c + x1*s
-static torch::Tensor rope_one(const torch::Tensor& x, const float* c, const float* s) {
-  torch::Tensor o = torch::empty_like(x);
-  const int64_t t = x.size(0), h = x.size(1), hd = x.size(2), half = hd / 2;
-  const float* xp = x.data_ptr<float>();
-  float* op = o.data_ptr<float>();
-  for (int64_t i = 0; i < t; ++i)
-    for (int64_t j = 0; j < h; ++j) {
-      const float* xi = xp + (i * h + j) * hd;
-      float* oi = op + (i * h + j) * hd;
-      const float* ci = c + i * half;
-      const float* si = s + i * half;
-      for (int64_t e = 0; e < half; ++e) {
-        const float x1 = xi[e], x2 = xi[e + half];
-        oi[e] = x1 * ci[e] - x2 * si[e];
-        oi[e + half] = x2 * ci[e] + x1 * si[e];
-      }
-    }
-  return o;
-}
-
-std::tuple<torch::Tensor, torch::Tensor> rope(const torch::Tensor& q, const torch::Tensor& k,
-                                              const torch::Tensor& cos, const torch::Tensor& sin) {
-  check_f32(q, "q");
-  check_f32(k, "k");
-  const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
-  check_f32(c, "cos");
-  check_f32(s, "sin");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
-                  c.size(0) == q.size(0) && c.size(1) * 2 == q.size(2) && s.sizes() == c.sizes(),
-              "rope expects q (T, H, hd), k (T, KV, hd), cos/sin (T, hd/2), got ", q.sizes(), " ", k.sizes(), " ",
-              c.sizes());
-  return {rope_one(q, c.data_ptr<float>(), s.data_ptr<float>()), rope_one(k, c.data_ptr<float>(), s.data_ptr<float>())};
-}
-
-// y = silu(g) * u = g / (1 + exp(-g)) * u
-torch::Tensor silu_mul(const torch::Tensor& g, const torch::Tensor& u) {
-  check_f32(g, "gate");
-  check_f32(u, "up");
-  TORCH_CHECK(g.sizes() == u.sizes(), "gate and up must have one shape, got ", g.sizes(), " and ", u.sizes());
-  torch::Tensor y = torch::empty_like(g);
-  const float* gp = g.data_ptr<float>();
-  const float* up = u.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, g.numel(), 8192, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) yp[i] = gp[i] / (1.f + std::exp(-gp[i])) * up[i];
-  });
-  return y;
 }
 
 int64_t set_path(int64_t p) {
@@ -338,10 +243,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none());
   m.def("dequantize", &wq::dequantize, "float32 rows of a quantized matrix", py::arg("w"), py::arg("qtype"),
         py::arg("k"), py::arg("ids") = py::none());
-  m.def("rms_norm", &wq::rms_norm);
-  m.def("add_rms_norm", &wq::add_rms_norm);
-  m.def("rope", &wq::rope);
-  m.def("silu_mul", &wq::silu_mul);
   m.def("set_path", &wq::set_path, "force a code path (-1 best, 0 scalar, 1 avx2, 2 avx512); returns the one set");
   m.def("path", &wq::path);
   m.def("best_path", &wq::best_path);

@@ -1,0 +1,207 @@
+"""The C++ forward (webchat.cpu_step, csrc/qstep.cpp) against the PyTorch path it stands in for: the same logits and
+the same k/v on mixed ragged batches (prefill chunks, verify rows, decodes across page boundaries), a row's numbers
+independent of the rest of the batch, on each code path this CPU runs, float32 and quantized matrices alike."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from webchat import qkernels
+from webchat.batch import make_batch
+from webchat.cache import KVPool, PageTable
+from webchat.cpu_step import MAX_ROWS, CpuStep, enable_cpu_step
+from webchat.loader import load_model
+from webchat.model import Transformer
+from webchat.tiny import make_tiny_weights, tiny_config
+
+PAGE = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels() -> object:
+    try:
+        return qkernels.load()
+    except qkernels.KernelsUnavailable as exc:
+        pytest.skip(f"no C++ toolchain here: {exc}")
+
+
+@pytest.fixture(params=qkernels.PATHS, autouse=False)
+def code_path(request: pytest.FixtureRequest, kernels: object) -> Iterator[str]:
+    name = request.param
+    if name not in qkernels.available_paths():
+        pytest.skip(f"this CPU cannot run the {name} path")
+    qkernels.load().set_path(qkernels.PATHS[name])
+    yield name
+    qkernels.load().set_path(-1)
+
+
+# shapes: (hidden, ffn, heads, kv heads, head_dim, arch). hd 64 and 128 take the vectorised attention, 16 and 32
+# the generic one; GQA 1:1, 2:1, 4:1; Qwen2's q/k/v biases
+SHAPES = {
+    "hd16-gqa2": (64, 128, 4, 2, 16, "LlamaForCausalLM"),
+    "hd64-gqa2": (128, 256, 4, 2, 64, "LlamaForCausalLM"),
+    "hd128-mha": (256, 256, 2, 2, 128, "LlamaForCausalLM"),
+    "hd32-gqa4-qwen2-bias": (128, 192, 8, 2, 32, "Qwen2ForCausalLM"),
+}
+
+
+def model_dir(root: Path, tiny_model_dir: Path, shape: str) -> Path:
+    out = root / shape
+    if out.exists():
+        return out
+    shutil.copytree(tiny_model_dir, out)
+    dim, ffn, heads, kv, hd, arch = SHAPES[shape]
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(hidden_size=dim, intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=kv,
+               head_dim=hd, architectures=[arch], model_type="qwen2" if "Qwen2" in arch else "llama")
+    base = tiny_config(cfg["vocab_size"])
+    base.update(hidden_size=dim, intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd)
+    weights = make_tiny_weights(base, seed=3)
+    if "Qwen2" in arch:
+        g = torch.Generator().manual_seed(4)
+        for i in range(cfg["num_hidden_layers"]):
+            for proj, n in (("q", heads), ("k", kv), ("v", kv)):
+                weights[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = torch.randn(n * hd, generator=g) * 0.5
+    save_file(weights, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def shapes_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cpu-step-shapes")
+
+
+def clone(pool: KVPool) -> KVPool:
+    twin = KVPool.__new__(KVPool)
+    twin.__dict__.update(pool.__dict__)
+    twin.k, twin.v = [t.clone() for t in pool.k], [t.clone() for t in pool.v]
+    return twin
+
+
+def eager(model: Transformer, spec: list[tuple[list[int], int, list[int], list[int]]], pool: KVPool) -> torch.Tensor:
+    runner, model.runner = model.runner, None
+    try:
+        return model(make_batch(spec, PAGE), pool)
+    finally:
+        model.runner = runner
+
+
+def setup_sequences(model: Transformer) -> tuple[KVPool, list[PageTable], list[list[int]]]:
+    """Three sequences with 15, 33 and 0 tokens already cached (through the PyTorch path)."""
+    pool = model.new_pool(40 * PAGE, PAGE)
+    gen = torch.Generator().manual_seed(5)
+    history = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (15, 33, 0)]
+    tables = []
+    for ids in history:
+        table = PageTable(pool)
+        table.ensure(80)
+        tables.append(table)
+        if ids:
+            eager(model, [(ids, 0, table.pages, [-1])], pool)
+    return pool, tables, history
+
+
+def mixed_spec(tables: list[PageTable]) -> list[tuple[list[int], int, list[int], list[int]]]:
+    """A decode at position 15 (the first slot of a new page), a 4-token verify at 33 with every row's logits,
+    and a 20-token prefill chunk from position 0 with its last row's logits."""
+    return [([7], 15, tables[0].pages, [-1]), ([9, 10, 11, 12], 33, tables[1].pages, [0, 1, 2, 3]),
+            (list(range(40, 60)), 0, tables[2].pages, [-1])]
+
+
+@pytest.mark.parametrize("weights", ["float32", "q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cpp_forward_matches_the_pytorch_path(tiny_model_dir: Path, shapes_root: Path, shape: str, weights: str,
+                                             code_path: str) -> None:
+    path = model_dir(shapes_root, tiny_model_dir, shape)
+    model = load_model(path, weights="float32") if weights == "float32" else load_model(path, quantize=weights)
+    assert isinstance(model.runner, CpuStep)
+    pool, tables, _ = setup_sequences(model)
+    twin = clone(pool)
+    spec = mixed_spec(tables)
+    calls = model.runner.calls
+    ours = model(make_batch(spec, PAGE), pool)
+    assert model.runner.calls == calls + 1
+    ref = eager(model, spec, twin)
+    assert ours.shape == ref.shape == (6, model.args.vocab_size)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    # every token's k/v landed in its slot, as the PyTorch path writes it (unwritten slots hold whatever was there)
+    slots = torch.tensor([t.pages[p // PAGE] * PAGE + p % PAGE for t, n in zip(tables, (16, 37, 20), strict=True)
+                          for p in range(n)])
+    for layer in range(model.args.n_layers):
+        for ours_kv, ref_kv in ((pool.k[layer], twin.k[layer]), (pool.v[layer], twin.v[layer])):
+            flat = ours_kv.flatten(0, 1).index_select(0, slots), ref_kv.flatten(0, 1).index_select(0, slots)
+            torch.testing.assert_close(*flat, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["hd64-gqa2", "hd32-gqa4-qwen2-bias"])
+def test_a_rows_logits_do_not_depend_on_the_batch(tiny_model_dir: Path, shapes_root: Path, shape: str,
+                                                  code_path: str) -> None:
+    """Each sequence alone gives bit-identical logits to the same sequence inside the mixed batch."""
+    model = load_model(model_dir(shapes_root, tiny_model_dir, shape), quantize="q4_1")
+    pool, tables, _ = setup_sequences(model)
+    twin = clone(pool)
+    spec = mixed_spec(tables)
+    together = model(make_batch(spec, PAGE), pool)
+    alone = torch.cat([model(make_batch([s], PAGE), twin) for s in spec])
+    assert torch.equal(together, alone)
+
+
+def test_self_draft_truncation_runs_in_cpp_and_matches(tiny_model_dir: Path, shapes_root: Path) -> None:
+    model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q8_0")
+    small = model.truncated(1)
+    assert isinstance(model.runner, CpuStep)
+    pool, tables, _ = setup_sequences(small)
+    twin = clone(pool)
+    spec = mixed_spec(tables)
+    calls = model.runner.calls
+    ours = small(make_batch(spec, PAGE), pool)
+    assert model.runner.calls == calls + 1
+    torch.testing.assert_close(ours, eager(small, spec, twin), atol=2e-4, rtol=1e-4)
+
+
+def test_long_chunks_take_the_pytorch_path(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    assert isinstance(model.runner, CpuStep)
+    cache = model.new_cache(256)
+    calls = model.runner.calls
+    cache.feed(model, list(range(3, 3 + MAX_ROWS + 1)))
+    assert model.runner.calls == calls  # 65 rows: a GEMM-sized chunk, run by PyTorch
+    cache.feed(model, [5])
+    assert model.runner.calls == calls + 1
+
+
+def test_a_bad_batch_is_an_error_not_a_wild_write(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    assert isinstance(model.runner, CpuStep)
+    pool = model.new_pool(4 * PAGE, PAGE)
+    table = PageTable(pool)
+    table.ensure(8)
+    good = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)
+    for field, value, message in [("slot_mapping", [1, 10_000], "slot 10000 is outside the pool"),
+                                  ("tokens", [5, 100_000], "token 100000 is out of range"),
+                                  ("positions", [0, 400], "position 400 of row 1 is outside"),
+                                  ("logit_rows", [7], "logit row 7 out of range")]:
+        bad = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)
+        setattr(bad, field, torch.tensor(value, dtype=torch.long))
+        with pytest.raises(RuntimeError, match=message):
+            model(bad, pool)
+    assert model(good, pool).shape == (1, model.args.vocab_size)  # and it still runs
+
+
+def test_switched_off_by_environment(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEBCHAT_CPU_STEP", "0")
+    model = load_model(tiny_model_dir)
+    assert model.runner is None
+    assert not enable_cpu_step(model, qkernels.load())
+    monkeypatch.setenv("WEBCHAT_CPU_STEP", "1")
+    assert enable_cpu_step(model, qkernels.load()) and isinstance(model.runner, CpuStep)
+    assert not enable_cpu_step(model, None)  # no kernels: the PyTorch path
