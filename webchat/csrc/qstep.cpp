@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -111,58 +112,50 @@ static void silu_mul_scalar(float* g, const float* u, int64_t n) {
   for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-// One query head's attention with hd = 8 * NV: scores four keys at a time (four independent FMA chains, reduced
-// together), softmax, then o = sum_p w_p v_p with o held in NV registers. k/v of position pos sit at
-// pages[pos / ps] * ps * kvd + (pos % ps) * kvd of the layer's pool (plus the kv head's offset, already in kc/vc).
+// Attention kernels for one query head, hd = 8 * NV. k/v of the n keys of a page sit kvd floats apart.
+// s[i] = scale * q . k_i, four keys at a time (four independent FMA chains, reduced together)
 template <int NV>
-AVX2_FN static void attend_head_avx2(const float* q, const float* kc, const float* vc, const int32_t* pages, int64_t ps,
-                                     int64_t kvd, int64_t len, float scale, float* p, float* o) {
+AVX2_FN static void score_keys_avx2(const float* q, const float* kp, int64_t kvd, int64_t n, float scale, float* s) {
   __m256 qv[NV];
   for (int c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
   const __m128 vscale = _mm_set1_ps(scale);
-  float mx = -INFINITY;
-  for (int64_t pos0 = 0; pos0 < len; pos0 += ps) {
-    const float* kp = kc + int64_t(pages[pos0 / ps]) * ps * kvd;
-    const int64_t n = std::min(ps, len - pos0);
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-      const float* k0 = kp + i * kvd;
-      __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-      __m256 a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + kvd));
-      __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 2 * kvd));
-      __m256 a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 3 * kvd));
-      for (int c = 1; c < NV; ++c) {
-        a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + kvd + 8 * c), a1);
-        a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 2 * kvd + 8 * c), a2);
-        a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 3 * kvd + 8 * c), a3);
-      }
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m128 r = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vscale);
-      _mm_storeu_ps(p + pos0 + i, r);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* k0 = kp + i * kvd;
+    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+    __m256 a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + kvd));
+    __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 2 * kvd));
+    __m256 a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 3 * kvd));
+    for (int c = 1; c < NV; ++c) {
+      a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
+      a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + kvd + 8 * c), a1);
+      a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 2 * kvd + 8 * c), a2);
+      a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 3 * kvd + 8 * c), a3);
     }
-    for (; i < n; ++i) {
-      const float* k0 = kp + i * kvd;
-      __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-      for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a);
-      __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-      t = _mm_add_ss(t, _mm_movehdup_ps(t));
-      p[pos0 + i] = _mm_cvtss_f32(t) * scale;
-    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(s + i, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vscale));
   }
-  for (int64_t i = 0; i < len; ++i) mx = std::max(mx, p[i]);
-  const __m256 inv = _mm256_set1_ps(1.f / exp_sum_avx2(p, len, mx));
+  for (; i < n; ++i) {
+    const float* k0 = kp + i * kvd;
+    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+    for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a);
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    s[i] = _mm_cvtss_f32(t) * scale;
+  }
+}
+
+// o += sum_i w[i] v_i, with o held in NV registers across the page
+template <int NV>
+AVX2_FN static void accumulate_avx2(float* o, const float* w, const float* vp, int64_t kvd, int64_t n) {
   __m256 ov[NV];
-  for (int c = 0; c < NV; ++c) ov[c] = _mm256_setzero_ps();
-  for (int64_t pos0 = 0; pos0 < len; pos0 += ps) {
-    const float* vp = vc + int64_t(pages[pos0 / ps]) * ps * kvd;
-    for (int64_t i = 0, n = std::min(ps, len - pos0); i < n; ++i) {
-      const __m256 w = _mm256_broadcast_ss(p + pos0 + i);
-      for (int c = 0; c < NV; ++c) ov[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + i * kvd + 8 * c), ov[c]);
-    }
+  for (int c = 0; c < NV; ++c) ov[c] = _mm256_loadu_ps(o + 8 * c);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 bw = _mm256_broadcast_ss(w + i);
+    for (int c = 0; c < NV; ++c) ov[c] = _mm256_fmadd_ps(bw, _mm256_loadu_ps(vp + i * kvd + 8 * c), ov[c]);
   }
-  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(ov[c], inv));
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + 8 * c, ov[c]);
 }
 
 // y = w * x / sqrt(mean(x*x) + eps)
@@ -227,44 +220,87 @@ void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys
 }
 
 // o_ (T, H, hd): row t of sequence b, query head h attends softmax(q k^T / sqrt(hd)) v over positions
-// [0, positions[t]] of b, read page by page through its block table, with kv head h / (H / n_kv)
+// [0, positions[t]] of b, with kv head h / (H / n_kv). The work comes in units of (sequence, query heads, rows):
+// a decoding sequence's one row makes a unit per query head, split evenly over the threads in order (neighbouring
+// heads share their kv head's pages in cache); a prefill or verify chunk makes units of up to 8 rows with every query
+// head of one kv group, so a page's keys and values are read once for all of them, taken by the threads as they go,
+// heaviest first. Each row's sums run in the same order whatever else is in the batch.
 void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, int64_t ps) {
   const int64_t g = n_heads / n_kv, hd = head_dim, qd = n_heads * hd, kvd = n_kv * hd;
   const float scale = 1.f / std::sqrt(float(hd));
   const bool vec = path() >= PATH_AVX2;
-  at::parallel_for(0, bv.t * n_heads, 1, [&](int64_t a, int64_t e) {
-    static thread_local std::vector<float> p;
-    for (int64_t task = a; task < e; ++task) {
-      const int64_t t = task / n_heads, h = task % n_heads, len = bv.positions[t] + 1, off = (h / g) * hd;
-      const int32_t* pages = bv.block_tables + seq_of_[t] * bv.width;
-      if (static_cast<int64_t>(p.size()) < len) p.resize(len);
-      const float* q = q_.data() + t * qd + h * hd;
-      float* o = o_.data() + t * qd + h * hd;
-      if (vec && (hd == 64 || hd == 128)) {
-        if (hd == 64) attend_head_avx2<8>(q, kc + off, vc + off, pages, ps, kvd, len, scale, p.data(), o);
-        else attend_head_avx2<16>(q, kc + off, vc + off, pages, ps, kvd, len, scale, p.data(), o);
-        continue;
-      }
-      float mx = -INFINITY;
-      for (int64_t pos0 = 0; pos0 < len; pos0 += ps) {
-        const float* kp = kc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
-        for (int64_t i = 0, n = std::min(ps, len - pos0); i < n; ++i) {
-          const float sc = (vec ? dot_avx2(q, kp + i * kvd, hd) : dot_scalar(q, kp + i * kvd, hd)) * scale;
-          p[pos0 + i] = sc;
-          mx = std::max(mx, sc);
-        }
-      }
-      const float inv = 1.f / (vec ? exp_sum_avx2(p.data(), len, mx) : exp_sum_scalar(p.data(), len, mx));
-      std::fill(o, o + hd, 0.f);
-      for (int64_t pos0 = 0; pos0 < len; pos0 += ps) {
-        const float* vp = vc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
-        for (int64_t i = 0, n = std::min(ps, len - pos0); i < n; ++i) {
-          if (vec) axpy_avx2(o, p[pos0 + i] * inv, vp + i * kvd, hd);
-          else axpy_scalar(o, p[pos0 + i] * inv, vp + i * kvd, hd);
-        }
+  const int nv = vec && hd == 64 ? 8 : vec && hd == 128 ? 16 : 0;  // a register kernel, or the generic loops
+  constexpr int64_t ROWS = 8;
+  struct Unit {
+    int64_t b, h0, heads, r0, rows, lmax;
+  };
+  std::vector<Unit> single, chunks;
+  for (int64_t b = 0; b < bv.b; ++b) {
+    const int64_t lo = bv.query_start[b], hi = bv.query_start[b + 1];
+    if (hi - lo == 1) {
+      for (int64_t h = 0; h < n_heads; ++h) single.push_back(Unit{b, h, 1, lo, 1, bv.positions[lo] + 1});
+      continue;
+    }
+    for (int64_t r0 = lo; r0 < hi; r0 += ROWS) {
+      const int64_t rows = std::min(ROWS, hi - r0), lmax = bv.positions[r0 + rows - 1] + 1;  // positions rise
+      for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax});
+    }
+  }
+  std::stable_sort(chunks.begin(), chunks.end(),
+                   [](const Unit& x, const Unit& y) { return x.rows * x.lmax > y.rows * y.lmax; });
+  auto run = [&](const Unit& U) {
+    static thread_local std::vector<float> sc, inv;
+    const int64_t n_rows = U.heads * U.rows, lmax = U.lmax, off = (U.h0 / g) * hd;
+    if (static_cast<int64_t>(sc.size()) < n_rows * lmax) sc.resize(n_rows * lmax);
+    if (static_cast<int64_t>(inv.size()) < n_rows) inv.resize(n_rows);
+    const int32_t* pages = bv.block_tables + U.b * bv.width;
+    // query row j of the unit: head h0 + j / rows, token r0 + j % rows
+    auto len = [&](int64_t j) { return bv.positions[U.r0 + j % U.rows] + 1; };
+    auto q = [&](int64_t j) { return q_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
+    auto o = [&](int64_t j) { return o_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
+    for (int64_t pos0 = 0; pos0 < lmax; pos0 += ps) {  // scores
+      const float* kp = kc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
+      for (int64_t j = 0; j < n_rows; ++j) {
+        const int64_t n = std::min(ps, len(j) - pos0);
+        float* s = sc.data() + j * lmax + pos0;
+        if (nv == 8) score_keys_avx2<8>(q(j), kp, kvd, n, scale, s);
+        else if (nv == 16) score_keys_avx2<16>(q(j), kp, kvd, n, scale, s);
+        else
+          for (int64_t i = 0; i < n; ++i)
+            s[i] = (vec ? dot_avx2(q(j), kp + i * kvd, hd) : dot_scalar(q(j), kp + i * kvd, hd)) * scale;
       }
     }
-  });
+    for (int64_t j = 0; j < n_rows; ++j) {  // softmax numerators and 1 / their sum
+      float* s = sc.data() + j * lmax;
+      const float mx = *std::max_element(s, s + len(j));
+      inv[j] = 1.f / (vec ? exp_sum_avx2(s, len(j), mx) : exp_sum_scalar(s, len(j), mx));
+      std::fill(o(j), o(j) + hd, 0.f);
+    }
+    for (int64_t pos0 = 0; pos0 < lmax; pos0 += ps) {  // o = sum p v
+      const float* vp = vc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
+      for (int64_t j = 0; j < n_rows; ++j) {
+        const int64_t n = std::min(ps, len(j) - pos0);
+        const float* w = sc.data() + j * lmax + pos0;
+        if (nv == 8) accumulate_avx2<8>(o(j), w, vp, kvd, n);
+        else if (nv == 16) accumulate_avx2<16>(o(j), w, vp, kvd, n);
+        else
+          for (int64_t i = 0; i < n; ++i)
+            vec ? axpy_avx2(o(j), w[i], vp + i * kvd, hd) : axpy_scalar(o(j), w[i], vp + i * kvd, hd);
+      }
+    }
+    for (int64_t j = 0; j < n_rows; ++j)
+      for (int64_t c = 0; c < hd; ++c) o(j)[c] *= inv[j];
+  };
+  if (!single.empty())
+    at::parallel_for(0, static_cast<int64_t>(single.size()), 1, [&](int64_t a, int64_t e) {
+      for (int64_t u = a; u < e; ++u) run(single[u]);
+    });
+  if (!chunks.empty()) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t u = next++; u < static_cast<int64_t>(chunks.size()); u = next++) run(chunks[u]);
+    });
+  }
 }
 
 void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin,
@@ -276,9 +312,6 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
   x_.resize(T * d), y_.resize(rows * std::max(d, qd)), q_.resize(T * qd), k_.resize(T * kvd), v_.resize(T * kvd);
   o_.resize(T * qd), g_.resize(T * ffn), u_.resize(T * ffn), out_.resize(T * d);
   xsum2_.resize(rows * (widest / 32 + 1) * 2);
-  seq_of_.resize(T);
-  for (int64_t b = 0; b < bv.b; ++b)
-    for (int64_t t = bv.query_start[b]; t < bv.query_start[b + 1]; ++t) seq_of_[t] = b;
   float *x = x_.data(), *y = y_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data(), *o = o_.data();
   float *g = g_.data(), *u = u_.data(), *out = out_.data();
 

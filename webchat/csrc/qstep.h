@@ -58,7 +58,6 @@ struct StepModel {
  private:
   std::mutex mu_;
   std::vector<float> x_, y_, q_, k_, v_, o_, g_, u_, out_, xsum2_;
-  std::vector<int64_t> seq_of_;
   void linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m);
   void attend(const BatchView& bv, const float* kc, const float* vc, int64_t page_size);
 };
