@@ -101,14 +101,16 @@ async def clients(url: str, n: int, tokens: int, alternatives: int, eos_ids: lis
     return list(runs), time.perf_counter() - t0
 
 
-def direct(runtime: Runtime, tokens: int, alternatives: int, eos_ids: list[int]) -> tuple[float, float]:
+def direct(runtime: Runtime, tokens: int, alternatives: int, eos_ids: list[int],
+           messages: list[dict[str, str]] | None = None) -> tuple[float, float]:
     """The generator alone, no server: (decode tokens/s, time to first token ms)."""
     from webchat.generator import GenerationRequest
     from webchat.sampling import SamplingSettings
 
     gen = runtime.new_generator()
     settings = SamplingSettings(temperature=0.0, token_bias={t: -100.0 for t in eos_ids})
-    gen.begin_stream(GenerationRequest(prompt_ids=runtime.encode_chat([{"role": "user", "content": PROMPT}]),
+    messages = messages or [{"role": "user", "content": PROMPT}]
+    gen.begin_stream(GenerationRequest(prompt_ids=runtime.encode_chat(messages),
                                        settings=settings, max_new_tokens=tokens, return_probs=alternatives > 0,
                                        top_alts=alternatives))
     while not (res := gen.stream()).eos:
@@ -240,7 +242,9 @@ def memory_probe(model: Path, sessions: int, max_sessions: int, turn_tokens: int
                           max_queue=max(sessions, 1), max_seq_len=4096)
     runtime = load_runtime(config)
     eos_ids = list(runtime.tokenizer.stop_token_ids)
-    direct(runtime, 8, 0, eos_ids)  # warm-up: the allocator's working set for a step
+    # warm-up: the allocator's working set for a decode step (the C++ forward) and for a prefill chunk of more than 64
+    # tokens (the PyTorch path), as the turns below take both
+    direct(runtime, 8, 0, eos_ids, chat(sessions, 10))
     runtime.engine.reset()
     base = rss_mb()
     tokens = 0
