@@ -5,12 +5,14 @@
 //   Q4_1 (20 B): f16 d, f16 m, 16 B nibbles;   w = d * q + m
 //   Q8_0 (34 B): f16 d, 32 x int8;             w = d * q
 // Nibble j of a block (j < 16) is byte j & 0xF; element j + 16 is byte j >> 4 (ggml's order).
-// Per block: y += d * sum(q * x) + m * sum(x); the integer q is widened to float, never the activations narrowed,
-// so the result is the float32 product with the dequantized weights up to the order of the float additions.
+// The integer q is widened to float, never the activations narrowed, so the result is the float32 product with the
+// dequantized weights up to the order of the float additions. AVX2 dequantizes each block to floats exactly as
+// dequantize() writes them and takes the dot product; scalar and AVX-512 use y += d * sum(q * x) + m * sum(x).
 //
 // Three code paths, chosen at run time (__builtin_cpu_supports) or forced by set_path(): scalar (any x86-64),
 // AVX2+FMA+F16C, AVX-512F+BW. Threads: at::parallel_for, so the work runs on torch's own OpenMP pool (one runtime,
-// no oversubscription). Rows of x are processed four at a time so each decoded weight block feeds up to 4 FMAs.
+// no oversubscription). Rows of x go through a 16-row tile of w in groups (8 on AVX2, 4 on AVX-512), so each
+// decoded weight block feeds a group's rows; each row's sums run in the same order whatever the group.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -104,52 +106,48 @@ AVX2_TARGET static inline void decode_avx2(const uint8_t* blk, __m256 w[4]) {
   }
 }
 
-// (d, m) of a block as floats in lanes 0 and 1: one 4-byte load, one conversion
+// the block's 32 weights as floats, dequantized exactly as dequantize() writes them: d * q (Q8_0), d * (q - 8)
+// (Q4_0), d * q + m (Q4_1)
 template <int QT>
-AVX2_TARGET static inline __m128 scales_avx2(const uint8_t* blk) {
+AVX2_TARGET static inline void dequant_avx2(const uint8_t* blk, __m256 w[4]) {
+  decode_avx2<QT>(blk, w);
   int32_t raw;
   std::memcpy(&raw, blk, 4);
-  __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(QT == Q4_1 ? raw : raw & 0xffff));
-  if (QT == Q4_0) dm = _mm_mul_ps(dm, _mm_setr_ps(1.f, 0.f, 0.f, 0.f));
-  return dm;
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(QT == Q4_1 ? raw : raw & 0xffff));  // (d, m) in lanes 0, 1
+  const __m256 vd = _mm256_broadcastss_ps(dm);
+  const __m256 vm = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+  for (int i = 0; i < 4; ++i) {
+    if (QT == Q4_0) w[i] = _mm256_sub_ps(w[i], _mm256_set1_ps(8.f));
+    w[i] = _mm256_mul_ps(w[i], vd);
+    if (QT == Q4_1) w[i] = _mm256_add_ps(w[i], vm);
+  }
 }
 
+// y[r, n] for R rows of x against weight rows [n0, n1): each block is dequantized once and feeds R rows. Per row and
+// block, p = w . x over 32 lanes is added to the row's accumulator: the same order for any R, so a row's result does
+// not depend on how many rows share the call.
 template <int QT, int R>
 AVX2_TARGET static void rows_avx2_r(const Job& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nb = j.k / 32;
   const float* x[R];
-  const float* xs[R];  // xsum2: (0, sum x) pairs per block, so lane 1 of an FMA with (d, m) adds m * sum(x)
-  for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx, xs[r] = j.xsum + (r0 + r) * nb * 2;
+  for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
     __m256 acc[R];
-    __m128 macc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * BlockOf<QT>::bytes;
       __m256 w[4];
-      decode_avx2<QT>(blk, w);
-      const __m128 dm = scales_avx2<QT>(blk);
-      const __m256 vd = _mm256_broadcastss_ps(dm);
-      // Q4_0: w = d*q - 8d, so its "m" is -8d: (d, m) = (d, -8d)
-      const __m128 dmm = QT == Q4_0 ? _mm_mul_ps(_mm_moveldup_ps(dm), _mm_setr_ps(1.f, -8.f, 0.f, 0.f)) : dm;
+      dequant_avx2<QT>(row + b * BlockOf<QT>::bytes, w);
       for (int r = 0; r < R; ++r) {
         const float* xb = x[r] + b * 32;
         __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
         p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), p);
         p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), p);
         p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), p);
-        acc[r] = _mm256_fmadd_ps(vd, p, acc[r]);
-        if (QT != Q8_0)
-          macc[r] = _mm_fmadd_ps(dmm, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xs[r] + 2 * b))),
-                                 macc[r]);
+        acc[r] = _mm256_add_ps(acc[r], p);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      float m[4];
-      _mm_storeu_ps(m, macc[r]);
-      j.y[(r0 + r) * j.ldy + n] = hsum256(acc[r]) + m[1];
-    }
+    for (int r = 0; r < R; ++r) j.y[(r0 + r) * j.ldy + n] = hsum256(acc[r]);
   }
 }
 
@@ -242,8 +240,9 @@ static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
   }
   for (int64_t t0 = n0; t0 < n1; t0 += 16) {  // 16 weight rows stay in L1 while every group of 4 x rows passes
     const int64_t t1 = t0 + 16 < n1 ? t0 + 16 : n1;
-    for (int r0 = 0; r0 < j.m; r0 += 4) {
-      const int rr = j.m - r0 < 4 ? j.m - r0 : 4;
+    const int group = p == PATH_AVX2 && QT != F32 ? 8 : 4;  // x rows per pass over the tile
+    for (int r0 = 0; r0 < j.m; r0 += group) {
+      const int rr = j.m - r0 < group ? j.m - r0 : group;
       if constexpr (QT == F32) {  // AVX2 serves both vector paths: a float row is bandwidth-bound either way
         switch (rr) {
           case 1: rows_f32_avx2_r<1>(j, r0, t0, t1); break;
@@ -263,7 +262,11 @@ static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
           case 1: rows_avx2_r<QT, 1>(j, r0, t0, t1); break;
           case 2: rows_avx2_r<QT, 2>(j, r0, t0, t1); break;
           case 3: rows_avx2_r<QT, 3>(j, r0, t0, t1); break;
-          default: rows_avx2_r<QT, 4>(j, r0, t0, t1); break;
+          case 4: rows_avx2_r<QT, 4>(j, r0, t0, t1); break;
+          case 5: rows_avx2_r<QT, 5>(j, r0, t0, t1); break;
+          case 6: rows_avx2_r<QT, 6>(j, r0, t0, t1); break;
+          case 7: rows_avx2_r<QT, 7>(j, r0, t0, t1); break;
+          default: rows_avx2_r<QT, 8>(j, r0, t0, t1); break;
         }
       }
     }
