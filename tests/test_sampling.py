@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from webchat.sampling import Sampler, SamplingSettings, SettingsError
+from webchat.sampling import RowAsk, Sampler, SamplingSettings, SettingsError, sample_batch
 
 PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
 
@@ -168,3 +168,43 @@ def test_seed_reproduces_and_differs() -> None:
 def test_random_seed_when_none() -> None:
     assert Sampler(SamplingSettings(), 4).seed != Sampler(SamplingSettings(), 4).seed
     assert not math.isnan(Sampler(SamplingSettings(), 4).seed)
+
+
+# one batched call (webchat.sampling.sample_batch) gives each row what its own sampler gives it alone
+MIXED_ROWS = [
+    (SamplingSettings(temperature=0.0), 0, False),
+    (SamplingSettings(temperature=0.0, token_bias={3: 30.0, 7: -100.0}), 5, True),
+    (SamplingSettings(temperature=0.8, seed=11), 0, False),
+    (SamplingSettings(temperature=1.2, top_k=0, top_p=0.9, min_p=0.0, seed=12), 5, True),
+    (SamplingSettings(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, seed=13), 20, True),
+    (SamplingSettings(temperature=0.0, presence_penalty=1.0, token_bias={9: 2.0}), 3, True),
+    (SamplingSettings(temperature=1.0, typical_p=0.8, token_bias={1: 5.0}, seed=14), 0, True),
+    (SamplingSettings(temperature=0.0), 20, False),
+]
+
+
+def test_sample_batch_equals_each_row_alone() -> None:
+    vocab, gen = 300, torch.Generator().manual_seed(0)
+    history = torch.randint(0, vocab, (40,), generator=gen).tolist()
+    batched = [Sampler(s, vocab) for s, _, _ in MIXED_ROWS]
+    alone = [Sampler(s, vocab) for s, _, _ in MIXED_ROWS]
+    for b, a in zip(batched, alone, strict=True):  # unseeded rows: the same stream for both copies
+        a.rng.manual_seed(b.seed)
+    for _ in range(6):  # several steps: each row's random stream advances once per sampled token, in both
+        logits = torch.randn(len(MIXED_ROWS), vocab, generator=gen) * 4
+        asks = [RowAsk(sm, history, top_alts=k, want_probs=probs, want_logits=i == 3)
+                for i, (sm, (_, k, probs)) in enumerate(zip(batched, MIXED_ROWS, strict=True))]
+        got = sample_batch(logits, asks)
+        for i, (sm, (_, k, probs)) in enumerate(zip(alone, MIXED_ROWS, strict=True)):
+            want = sm.sample(logits[i], history, top_alts=k, want_probs=probs, want_logits=i == 3)
+            assert (got[i].token, got[i].prob, got[i].sampled_prob, got[i].rank, got[i].top) == (
+                want.token, want.prob, want.sampled_prob, want.rank, want.top), f"row {i}"
+            assert (got[i].logits is None) == (want.logits is None)
+            if want.logits is not None:
+                assert torch.equal(got[i].logits, want.logits)
+        history = history + [got[0].token]
+
+
+def test_sample_batch_refuses_a_row_count_mismatch() -> None:
+    with pytest.raises(ValueError, match="2 asks for 3 logits rows"):
+        sample_batch(torch.zeros(3, 10), [RowAsk(Sampler(SamplingSettings(), 10), [])] * 2)

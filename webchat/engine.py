@@ -27,7 +27,7 @@ from webchat.config import ModelArgs
 from webchat.detok import IncrementalDecoder
 from webchat.events import Stats, TokenInfo
 from webchat.gpu.sampler import make_sampler
-from webchat.sampling import MAX_TOP_ALTS, Choice
+from webchat.sampling import MAX_TOP_ALTS, Choice, RowAsk, sample_batch
 from webchat.sequence import GenerationRequest, Sequence, StartInfo, StreamResult, add
 from webchat.speculative import MODES, Drafter, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab, common_prefix
 from webchat.stops import StopHolder
@@ -218,10 +218,8 @@ class Engine:
             offsets = [] if not r.sample else list(range(len(r.feed))) if r.drafts else [-1]
             spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, offsets))
         logits = self.model(make_batch(spec, self.pool.page_size, self.model.device), self.pool)  # (R, vocab)
-        fast = [_fast_greedy(r.seq) for r in rows]
-        greedy = logits.argmax(-1).tolist() if any(fast) else []  # one call for every plain greedy row
-        at = 0
-        for r, is_fast in zip(rows, fast, strict=True):
+        at, todo = 0, []  # (row, its first logits row, how many it samples, its results)
+        for r in rows:
             seq, out = r.seq, StreamResult()
             seq.n_cached += len(r.feed)
             n_rows = 0 if not r.sample else len(r.feed) if r.drafts else 1
@@ -229,20 +227,29 @@ class Engine:
                 seq.stats.prefill_ms = (time.perf_counter() - seq.t_begin) * 1000
                 if len(seq.tokens) >= seq.limit:
                     seq.end(out, "context_full", None)
-            if r.sample and not seq.done:
-                picks = greedy[at : at + n_rows] if is_fast else None
-                self._verify(seq, out, r.drafts, logits[at : at + n_rows], picks)
+            todo.append((r, at, n_rows if not seq.done else 0, out))
             at += n_rows
-            seq.table.register(seq.tokens, seq.n_cached)
-            self._post(seq, out)
+        # every sampling sequence's first row in one call; a verify row after it is sampled only if the draft
+        # before it was accepted, so each random stream draws exactly what it would alone
+        sampling = [(r, first) for r, first, n, _ in todo if n]
+        firsts = sample_batch(logits[torch.tensor([first for _, first in sampling], dtype=torch.long,
+                                                  device=logits.device)],
+                              [self._ask(r.seq) for r, _ in sampling]) if sampling else []
+        choice = iter(firsts)
+        for r, first, n, out in todo:
+            if n:
+                self._verify(r.seq, out, r.drafts, logits[first : first + n], next(choice))
+            r.seq.table.register(r.seq.tokens, r.seq.n_cached)
+            self._post(r.seq, out)
 
     def _verify(self, seq: Sequence, out: StreamResult, drafts: list[int], logits: torch.Tensor,
-                greedy: list[int] | None) -> None:
-        """Sample row i (i = 0..len(drafts)); keep going while the sample equals draft i (exllamav2's rule)."""
+                first: Choice) -> None:
+        """Row 0's sample is `first`; sample row i (i = 1..len(drafts)) while the previous sample equals draft i - 1
+        (exllamav2's rule)."""
         base = seq.n_cached - len(drafts)  # tokens[:base] are in the cache for good (the fed pending token included)
         accepted = 0
         for i in range(len(drafts) + 1):
-            choice = Choice(greedy[i]) if greedy is not None else self._sample(seq, logits[i])
+            choice = first if i == 0 else self._sample(seq, logits[i])
             self._emit(seq, out, choice)
             if seq.done or i == len(drafts) or choice.token != drafts[i]:
                 break
@@ -252,10 +259,15 @@ class Engine:
             seq.n_cached = base + accepted  # pending + accepted drafts; the last sample is the new pending token
             seq.table.truncate(seq.n_cached)
 
-    def _sample(self, seq: Sequence, row: torch.Tensor) -> Choice:
+    @staticmethod
+    def _ask(seq: Sequence) -> RowAsk:
         req = seq.req
-        return seq.sampler.sample(row, seq.tokens, top_alts=req.top_alts if req.return_probs else 0,
-                                  want_probs=req.return_probs, want_logits=req.return_logits)
+        return RowAsk(seq.sampler, seq.tokens, top_alts=req.top_alts if req.return_probs else 0,
+                      want_probs=req.return_probs, want_logits=req.return_logits)
+
+    def _sample(self, seq: Sequence, row: torch.Tensor) -> Choice:
+        a = self._ask(seq)
+        return seq.sampler.sample(row, a.history, a.top_alts, a.want_probs, a.want_logits)
 
     def _emit(self, seq: Sequence, out: StreamResult, c: Choice) -> None:
         """Append the sampled token; end the sequence when a stop condition holds."""
@@ -343,9 +355,3 @@ class Engine:
             else:
                 self._drafters[key] = NgramDrafter()
         return self._drafters[key]
-
-
-def _fast_greedy(seq: Sequence) -> bool:
-    """Argmax of the raw row is the whole answer: greedy, no bias or penalty, nothing described."""
-    s, req = seq.sampler.settings, seq.req
-    return s.greedy and not s.token_bias and not s.penalised and not req.return_probs and not req.return_logits

@@ -223,3 +223,75 @@ def _describe(choice: Choice, raw: torch.Tensor, top_alts: int) -> None:
     if top_alts > 0:
         vals, idx = torch.topk(logp, top_alts)
         choice.top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.exp().tolist(), strict=True)]
+
+
+@dataclass
+class RowAsk:
+    """What one logits row of a batch wants: its sequence's sampler and history, and how much to describe."""
+
+    sampler: Sampler
+    history: list[int]
+    top_alts: int = 0
+    want_probs: bool = False
+    want_logits: bool = False
+
+
+def sample_batch(logits: torch.Tensor, asks: list[RowAsk]) -> list[Choice]:
+    """One call for a batch's rows: logits (N, vocab), row i sampled with asks[i]'s settings and its own random stream.
+
+    Each Choice equals what asks[i].sampler.sample(logits[i], ...) returns, token and numbers alike: a row's result
+    does not depend on the batch. The work that needs no per-row state runs once for all rows: token bias, the
+    greedy argmax, and the description (log-softmax, rank, top alternatives, one top-k per distinct k). Penalties and
+    random draws stay per row, each from its sampler's own generator (one uniform per sampled token). Samplers of
+    another kind (the CUDA sampler) and logits off the CPU are sampled row by row.
+    """
+    if logits.shape[0] != len(asks):
+        raise ValueError(f"{len(asks)} asks for {logits.shape[0]} logits rows")
+    if logits.device.type != "cpu" or any(type(a.sampler) is not Sampler for a in asks):
+        return [a.sampler.sample(logits[i], a.history, a.top_alts, a.want_probs, a.want_logits)
+                for i, a in enumerate(asks)]
+    raw = logits.float()
+    x = raw
+    penalised = [i for i, a in enumerate(asks) if a.sampler.settings.penalised and a.history]
+    biased = [i for i, a in enumerate(asks) if a.sampler._bias is not None and i not in penalised]
+    if penalised or biased:
+        x = raw.clone()
+        if biased:
+            idx = torch.tensor(biased)
+            x[idx] = raw[idx] + torch.stack([b for i in biased if (b := asks[i].sampler._bias) is not None])
+        for i in penalised:
+            x[i] = asks[i].sampler._adjust(raw[i], asks[i].history)
+    greedy = [i for i, a in enumerate(asks) if a.sampler.settings.greedy]
+    tokens = [0] * len(asks)
+    sampled = [1.0] * len(asks)
+    if greedy:
+        picks = x[torch.tensor(greedy)].argmax(-1).tolist() if len(greedy) < len(asks) else x.argmax(-1).tolist()
+        for i, t in zip(greedy, picks, strict=True):
+            tokens[i] = t
+    for i, a in enumerate(asks):
+        if not a.sampler.settings.greedy:
+            tokens[i], sampled[i] = a.sampler._draw(x[i])
+    choices = [Choice(token=tokens[i], sampled_prob=sampled[i] if a.want_probs or a.top_alts else None)
+               for i, a in enumerate(asks)]
+    described = [i for i, a in enumerate(asks) if a.want_probs or a.top_alts]
+    if described:
+        _describe_rows(choices, raw, described, [min(asks[i].top_alts, MAX_TOP_ALTS) for i in described])
+    for i, a in enumerate(asks):
+        if a.want_logits:
+            choices[i].logits = raw[i].detach().cpu().clone()
+    return choices
+
+
+def _describe_rows(choices: list[Choice], raw: torch.Tensor, rows: list[int], ks: list[int]) -> None:
+    """_describe for several rows of raw at once: prob, rank and top alternatives."""
+    idx = torch.tensor(rows)
+    logp = torch.log_softmax(raw.index_select(0, idx), dim=-1)  # (D, vocab)
+    chosen = logp.gather(1, torch.tensor([[choices[i].token] for i in rows]))  # (D, 1)
+    probs, ranks = chosen.exp()[:, 0].tolist(), ((logp > chosen).sum(-1) + 1).tolist()
+    for j, i in enumerate(rows):
+        choices[i].prob, choices[i].rank = probs[j], int(ranks[j])
+    for k in sorted(set(ks) - {0}):
+        at = [j for j, kj in enumerate(ks) if kj == k]
+        vals, top = torch.topk(logp[torch.tensor(at)], k)
+        for j, vs, ts in zip(at, vals.exp().tolist(), top.tolist(), strict=True):
+            choices[rows[j]].top = [(int(t), float(v)) for t, v in zip(ts, vs, strict=True)]
