@@ -345,7 +345,7 @@ def test_an_access_token_guards_every_route_and_the_page_gets_a_cookie(config: S
 def test_off_loopback_an_access_token_is_enough(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from webchat.server import add_arguments, main
+    from webchat.serve import add_arguments, main
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -514,7 +514,7 @@ def test_serve_command_warns_off_loopback_and_prints_the_url(
 ) -> None:
     import argparse
 
-    from webchat.server import add_arguments, main
+    from webchat.serve import add_arguments, main
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

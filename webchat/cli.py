@@ -12,7 +12,7 @@ from webchat.weights import add_weight_arguments
 
 # subcommand → module with add_arguments(parser) and main(args) -> int
 SUBCOMMANDS = {
-    "serve": ("webchat.server", "serve the browser chat (default: the pulled SmolLM2-135M-Instruct)"),
+    "serve": ("webchat.serve", "serve the browser chat (default: the pulled SmolLM2-135M-Instruct)"),
     "chat": ("webchat.chat_cli", "chat in the terminal; Ctrl-C stops the reply, not the program"),
     "pull": ("webchat.pull", "fetch and convert the default model into the cache"),
     "complete": ("webchat.cli", "one greedy completion of a chat message, printed when it is done"),
