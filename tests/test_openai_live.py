@@ -4,99 +4,27 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import Live, serve  # tests/ is on sys.path under pytest
 from websockets.sync.client import connect as sync_connect
 
-from webchat.server import Runtime, ServerConfig, create_app, load_runtime
-from webchat.worker import StreamingGenerator
+from webchat.server import Runtime, ServerConfig, load_runtime
 
 pytestmark = pytest.mark.timeout(180)
 PROMPT = [{"role": "user", "content": "Tell me about the quick brown fox."}]
 
 
-@dataclass
-class Counted:
-    """A generator that sleeps `delay` per step and counts the stream() calls made after cancel()."""
-
-    gen: StreamingGenerator
-    delay: float = 0.0
-    cancelled: bool = False
-    calls_after_cancel: int = 0
-
-    def begin_stream(self, request: Any) -> Any:
-        return self.gen.begin_stream(request)
-
-    def stream(self) -> Any:
-        self.calls_after_cancel += self.cancelled
-        time.sleep(self.delay)
-        return self.gen.stream()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self.gen.cancel()
-
-
-@dataclass
-class Live:
-    url: str
-    app: Any
-    generators: list[Counted] = field(default_factory=list)
-
-    def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
-                             **kwargs)
-
-    def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = httpx.get(f"{self.url}/healthz").json()
-        return result
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextmanager
-def serve(config: ServerConfig, runtime: Runtime, delay: float = 0.0) -> Iterator[Live]:
-    """uvicorn in a thread, every generator wrapped in Counted; yields once it answers, stops it afterwards."""
-    port = free_port()
-    rt = replace(runtime)
-    generators: list[Counted] = []
-
-    def new_generator() -> StreamingGenerator:
-        generators.append(Counted(runtime.new_generator(), delay))
-        return generators[-1]
-
-    rt.new_generator = new_generator  # type: ignore[method-assign]
-    app = create_app(replace(config, port=port), runtime=rt)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio",
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), f"uvicorn did not start on port {port}"
-        time.sleep(0.02)
-    try:
-        yield Live(f"http://127.0.0.1:{port}", app, generators)
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "uvicorn did not shut down"
+def openai_client(live: Live, **kwargs: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +76,7 @@ def assert_logprobs_match(content: list[Any], ws_tokens: list[dict[str, Any]], t
 
 # ---------------------------------------------------------------- what a client sees
 def test_models_lists_the_served_model(live: Live, runtime: Runtime) -> None:
-    client = live.client()
+    client = openai_client(live)
     models = client.models.list()
     assert [m.id for m in models.data] == [runtime.model_name]
     assert client.models.retrieve(runtime.model_name).id == runtime.model_name
@@ -158,7 +86,7 @@ def test_models_lists_the_served_model(live: Live, runtime: Runtime) -> None:
 
 def test_chat_whole_and_streamed_equal_the_websocket_with_logprobs(live: Live, runtime: Runtime) -> None:
     want_text, ws_tokens, done = websocket_reply(live.url, PROMPT, 12, alternatives=3)
-    client = live.client()
+    client = openai_client(live)
     whole = client.chat.completions.create(model=runtime.model_name, messages=PROMPT,  # type: ignore[arg-type]
                                            temperature=0, max_tokens=12, logprobs=True, top_logprobs=3)
     choice = whole.choices[0]
@@ -186,7 +114,7 @@ def test_chat_whole_and_streamed_equal_the_websocket_with_logprobs(live: Live, r
 
 def test_stream_without_logprobs_or_usage(live: Live, runtime: Runtime) -> None:
     want_text, _, _ = websocket_reply(live.url, PROMPT, 10, alternatives=0)
-    chunks = list(live.client().chat.completions.create(model=runtime.model_name, messages=PROMPT,  # type: ignore
+    chunks = list(openai_client(live).chat.completions.create(model=runtime.model_name, messages=PROMPT,  # type: ignore
                                                         temperature=0, max_tokens=10, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
     assert all(c.choices[0].logprobs is None and c.usage is None for c in chunks)
@@ -194,7 +122,7 @@ def test_stream_without_logprobs_or_usage(live: Live, runtime: Runtime) -> None:
 
 
 def test_content_parts_are_joined_like_one_string(live: Live, runtime: Runtime) -> None:
-    client = live.client()
+    client = openai_client(live)
     parts = [{"type": "text", "text": "Tell me about"}, {"type": "text", "text": "the fox."}]
     a = client.chat.completions.create(model=runtime.model_name, temperature=0, max_tokens=8,
                                        messages=[{"role": "user", "content": parts}])  # type: ignore[list-item]
@@ -205,7 +133,7 @@ def test_content_parts_are_joined_like_one_string(live: Live, runtime: Runtime) 
 
 
 def test_stop_string_ends_with_stop_and_cuts_the_text(live: Live, runtime: Runtime) -> None:
-    client = live.client()
+    client = openai_client(live)
     full = client.chat.completions.create(model=runtime.model_name, messages=PROMPT, temperature=0,  # type: ignore
                                           max_tokens=24).choices[0].message.content
     assert full is not None and len(full) > 8
@@ -225,7 +153,7 @@ def test_stop_string_ends_with_stop_and_cuts_the_text(live: Live, runtime: Runti
 
 
 def test_seed_makes_sampling_reproducible(live: Live, runtime: Runtime) -> None:
-    client = live.client()
+    client = openai_client(live)
 
     def sample(seed: int) -> str:
         reply = client.chat.completions.create(model=runtime.model_name, messages=PROMPT,  # type: ignore[arg-type]
@@ -241,7 +169,7 @@ def test_completions_read_the_prompt_as_text_or_ids(live: Live, runtime: Runtime
     from webchat.generator import GenerationRequest
     from webchat.sampling import SamplingSettings
 
-    client = live.client()
+    client = openai_client(live)
     prompt = "Hello <|im_end|> world"
     ids = runtime.tokenizer.encode_text(prompt)
     assert len(ids) > len(runtime.tokenizer.encode(prompt))  # the marker's text is characters, not one control id
@@ -309,7 +237,7 @@ def test_invalid_requests_are_400_naming_the_field(live: Live, runtime: Runtime,
 
 
 def test_each_error_status(live: Live, runtime: Runtime) -> None:
-    client = live.client()
+    client = openai_client(live)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=runtime.model_name, messages=PROMPT, n=3)  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError) as missing:
@@ -358,11 +286,11 @@ def test_api_key(config: ServerConfig, runtime: Runtime) -> None:
     with serve(replace(config, api_key="s3cret"), runtime) as live:
         for key in ("wrong", "s3cret-and-more"):
             with pytest.raises(openai.AuthenticationError):
-                live.client(api_key=key).models.list()
+                openai_client(live, api_key=key).models.list()
         response = post(live, "/v1/chat/completions", chat_body(runtime))
         assert "no Authorization header" in assert_error(response, 401, "invalid_api_key")
         assert response.headers["www-authenticate"] == "Bearer"
-        reply = live.client(api_key="s3cret").chat.completions.create(model=runtime.model_name, messages=PROMPT,
+        reply = openai_client(live, api_key="s3cret").chat.completions.create(model=runtime.model_name, messages=PROMPT,
                                                                       max_tokens=3)  # type: ignore[arg-type]
         assert reply.usage is not None and reply.usage.completion_tokens == 3
 
@@ -375,14 +303,14 @@ def test_queue_full_is_429_and_shared_with_the_websocket(config: ServerConfig, r
             while json.loads(ws.recv(10))["type"] != "chunk":
                 pass
             with pytest.raises(openai.RateLimitError) as busy:
-                live.client().chat.completions.create(model=runtime.model_name, messages=PROMPT)  # type: ignore
+                openai_client(live).chat.completions.create(model=runtime.model_name, messages=PROMPT)  # type: ignore
             assert busy.value.code == "busy"
             assert_error(post(live, "/v1/completions", {"model": runtime.model_name, "prompt": "x", "stream": True}),
                          429, "busy")
             ws.send(json.dumps({"type": "stop", "id": "w"}))
             while json.loads(ws.recv(10))["type"] != "done":
                 pass
-        reply = live.client().completions.create(model=runtime.model_name, prompt="Hi", max_tokens=2)
+        reply = openai_client(live).completions.create(model=runtime.model_name, prompt="Hi", max_tokens=2)
         assert reply.choices[0].finish_reason == "length"
 
 
@@ -396,7 +324,7 @@ def test_shutting_down_is_503(config: ServerConfig, runtime: Runtime) -> None:
             tail = [line for line in lines if line.startswith("data:")]
         assert tail[-1] == "data: [DONE]" and json.loads(tail[-2][5:])["error"]["code"] == "shutting_down"
         with pytest.raises(openai.InternalServerError) as down:
-            live.client().chat.completions.create(model=runtime.model_name, messages=PROMPT)  # type: ignore
+            openai_client(live).chat.completions.create(model=runtime.model_name, messages=PROMPT)  # type: ignore
         assert down.value.status_code == 503 and down.value.code == "shutting_down"
 
 
@@ -421,14 +349,14 @@ def test_a_disconnected_stream_frees_its_slot_within_one_step(config: ServerConf
         assert health["sessions"] == 0, health
         (gen,) = live.generators
         assert gen.cancelled and gen.calls_after_cancel <= 1  # the step in progress, or the next one, ends it
-        reply = live.client().chat.completions.create(model=runtime.model_name, messages=PROMPT, max_tokens=3)
+        reply = openai_client(live).chat.completions.create(model=runtime.model_name, messages=PROMPT, max_tokens=3)
         assert reply.choices[0].finish_reason == "length"  # the slot is free for the next request
 
 
 def test_a_client_that_gives_up_waiting_cancels_its_generation(config: ServerConfig, runtime: Runtime) -> None:
     with serve(replace(config, max_sessions=1), runtime, delay=0.03) as live:
         with pytest.raises(openai.APITimeoutError):
-            live.client(timeout=0.5).chat.completions.create(model=runtime.model_name, messages=PROMPT,
+            openai_client(live, timeout=0.5).chat.completions.create(model=runtime.model_name, messages=PROMPT,
                                                              max_tokens=200)  # type: ignore[arg-type]
         assert wait_idle(live)["sessions"] == 0
         (gen,) = live.generators
@@ -440,7 +368,7 @@ def test_api_and_websocket_streams_interleave(config: ServerConfig, runtime: Run
     times: dict[str, list[float]] = {"api": [], "ws": []}
 
     def api_client(live: Live) -> None:
-        for chunk in live.client().chat.completions.create(model=runtime.model_name, messages=PROMPT,
+        for chunk in openai_client(live).chat.completions.create(model=runtime.model_name, messages=PROMPT,
                                                            max_tokens=30, stream=True):  # type: ignore
             if chunk.choices and chunk.choices[0].delta.content:
                 times["api"].append(time.monotonic())
