@@ -94,19 +94,18 @@ def eager(model: Transformer, spec: list[tuple[list[int], int, list[int], list[i
         model.runner = runner
 
 
-def setup_sequences(model: Transformer) -> tuple[KVPool, list[PageTable], list[list[int]]]:
+def setup_sequences(model: Transformer) -> tuple[KVPool, list[PageTable]]:
     """Three sequences with 15, 33 and 0 tokens already cached (through the PyTorch path)."""
     pool = model.new_pool(40 * PAGE, PAGE)
     gen = torch.Generator().manual_seed(5)
-    history = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (15, 33, 0)]
     tables = []
-    for ids in history:
+    for ids in [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (15, 33, 0)]:
         table = PageTable(pool)
         table.ensure(80)
         tables.append(table)
         if ids:
             eager(model, [(ids, 0, table.pages, [-1])], pool)
-    return pool, tables, history
+    return pool, tables
 
 
 def mixed_spec(tables: list[PageTable]) -> list[tuple[list[int], int, list[int], list[int]]]:
@@ -116,20 +115,28 @@ def mixed_spec(tables: list[PageTable]) -> list[tuple[list[int], int, list[int],
             (list(range(40, 60)), 0, tables[2].pages, [-1])]
 
 
+def run_both(model: Transformer, owner: Transformer) -> tuple[torch.Tensor, torch.Tensor, KVPool, KVPool,
+                                                              list[PageTable]]:
+    """The mixed batch through the C++ forward (owner's runner, checked to have run) and through the PyTorch path,
+    on twin pools: (ours, reference, our pool, its twin, the tables)."""
+    runner = owner.runner
+    assert isinstance(runner, CpuStep)
+    pool, tables = setup_sequences(model)
+    twin = clone(pool)
+    spec = mixed_spec(tables)
+    calls = runner.calls
+    ours = model(make_batch(spec, PAGE), pool)
+    assert runner.calls == calls + 1
+    return ours, eager(model, spec, twin), pool, twin, tables
+
+
 @pytest.mark.parametrize("weights", ["float32", "q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cpp_forward_matches_the_pytorch_path(tiny_model_dir: Path, shapes_root: Path, shape: str, weights: str,
                                              code_path: str) -> None:
     path = model_dir(shapes_root, tiny_model_dir, shape)
     model = load_model(path, weights="float32") if weights == "float32" else load_model(path, quantize=weights)
-    assert isinstance(model.runner, CpuStep)
-    pool, tables, _ = setup_sequences(model)
-    twin = clone(pool)
-    spec = mixed_spec(tables)
-    calls = model.runner.calls
-    ours = model(make_batch(spec, PAGE), pool)
-    assert model.runner.calls == calls + 1
-    ref = eager(model, spec, twin)
+    ours, ref, pool, twin, tables = run_both(model, model)
     assert ours.shape == ref.shape == (6, model.args.vocab_size)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
@@ -147,7 +154,7 @@ def test_a_rows_logits_do_not_depend_on_the_batch(tiny_model_dir: Path, shapes_r
                                                   code_path: str) -> None:
     """Each sequence alone gives bit-identical logits to the same sequence inside the mixed batch."""
     model = load_model(model_dir(shapes_root, tiny_model_dir, shape), quantize="q4_1")
-    pool, tables, _ = setup_sequences(model)
+    pool, tables = setup_sequences(model)
     twin = clone(pool)
     spec = mixed_spec(tables)
     together = model(make_batch(spec, PAGE), pool)
@@ -157,15 +164,8 @@ def test_a_rows_logits_do_not_depend_on_the_batch(tiny_model_dir: Path, shapes_r
 
 def test_self_draft_truncation_runs_in_cpp_and_matches(tiny_model_dir: Path, shapes_root: Path) -> None:
     model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q8_0")
-    small = model.truncated(1)
-    assert isinstance(model.runner, CpuStep)
-    pool, tables, _ = setup_sequences(small)
-    twin = clone(pool)
-    spec = mixed_spec(tables)
-    calls = model.runner.calls
-    ours = small(make_batch(spec, PAGE), pool)
-    assert model.runner.calls == calls + 1
-    torch.testing.assert_close(ours, eager(small, spec, twin), atol=2e-4, rtol=1e-4)
+    ours, ref, *_ = run_both(model.truncated(1), model)  # the first layer only, on the full model's C++ step
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
 def test_long_chunks_take_the_pytorch_path(tiny_model_dir: Path) -> None:
