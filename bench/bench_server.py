@@ -315,8 +315,9 @@ from webchat.sampling import SamplingSettings
 from webchat.tokenizer import Tokenizer
 import webchat
 
-model_dir, tokens, repeats, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
+model_dir, tokens, repeats, prompt, weights = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+model = load_model(model_dir, weights=weights) if weights else load_model(model_dir)  # older code: no weights=
+tok = Tokenizer.from_dir(model_dir)
 ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
 settings = SamplingSettings(temperature=0.0, token_bias={t: -100.0 for t in tok.stop_token_ids})
 gen, tps = Generator(model, tok, max_seq_len=1024), []
@@ -329,19 +330,21 @@ print(json.dumps({"src": webchat.__file__, "tps": tps[1:]}))
 """
 
 
-def single_stream_vs(model: Path, other_src: Path, tokens: int, rounds: int) -> None:
-    """Decode tok/s of one stream, this checkout vs other_src (e.g. /work/main), alternating processes."""
+def single_stream_vs(model: Path, other_src: Path, tokens: int, rounds: int, weights: str = "") -> None:
+    """Decode tok/s of one stream, this checkout (with `weights` if given) vs other_src, alternating processes."""
     here = Path(__file__).resolve().parent.parent
     rows: dict[str, list[float]] = {"this checkout": [], str(other_src): []}
     srcs = {"this checkout": here, str(other_src): other_src}
     for _ in range(rounds):
         for label, src in srcs.items():
-            got = subprocess_json(["-c", PROBE, str(model), str(tokens), "2", PROMPT], env={"PYTHONPATH": str(src)},
-                                  cwd="/")
+            here_weights = weights if src == here else ""
+            got = subprocess_json(["-c", PROBE, str(model), str(tokens), "2", PROMPT, here_weights],
+                                  env={"PYTHONPATH": str(src)}, cwd="/")
             if not str(got["src"]).startswith(str(src)):
                 raise RuntimeError(f"the probe for {src} imported webchat from {got['src']}")
             rows[label] += got["tps"]  # type: ignore[arg-type]
-    print(f"\n## Single stream decode, {tokens} tokens, greedy ({rounds} rounds x 2 runs, processes alternating)")
+    print(f"\n## Single stream decode, {tokens} tokens, greedy ({rounds} rounds x 2 runs, processes alternating; "
+          f"this checkout's weights: {weights or 'default'})")
     print("| code | median tok/s | min / max |")
     print("|---|---|---|")
     for label, tps in rows.items():
@@ -415,6 +418,8 @@ def main() -> None:
                         help="comma list of: single, sse, concurrent, engine (no-stall, memory), memory")
     parser.add_argument("--compare-src", type=Path, default=None,
                         help="another checkout (e.g. /work/main) whose single-stream decode to compare with")
+    parser.add_argument("--compare-weights", default="", choices=["", "auto", "float32", "quantized"],
+                        help="this checkout's --weights in the --compare-src run (float32: the engine alone)")
     parser.add_argument("--long-words", type=int, default=120, help="filler repeats of the no-stall prompt (~25 tok)")
     parser.add_argument("--probe-memory", default=None, help=argparse.SUPPRESS)  # "sessions,max_sessions"
     parser.add_argument("--api-only", action="store_true", help="only the OpenAI API (SSE) beside websocket table")
@@ -451,7 +456,7 @@ def main() -> None:
     if "engine" in sections or "memory" in sections:
         memory_table(args.model)
     if args.compare_src is not None:
-        single_stream_vs(args.model, args.compare_src, args.tokens, args.repeats)
+        single_stream_vs(args.model, args.compare_src, args.tokens, args.repeats, args.compare_weights)
 
 
 if __name__ == "__main__":
