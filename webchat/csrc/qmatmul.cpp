@@ -6,8 +6,8 @@
 //   Q8_0 (34 B): f16 d, 32 x int8;             w = d * q
 // Nibble j of a block (j < 16) is byte j & 0xF; element j + 16 is byte j >> 4 (ggml's order).
 // The integer q is widened to float, never the activations narrowed, so the result is the float32 product with the
-// dequantized weights up to the order of the float additions. AVX2 dequantizes each block to floats exactly as
-// dequantize() writes them and takes the dot product; scalar and AVX-512 use y += d * sum(q * x) + m * sum(x).
+// dequantized weights up to the order of the float additions. AVX2 dequantizes each block to floats (one fused
+// multiply-add per weight) and takes the dot product; scalar and AVX-512 use y += d * sum(q * x) + m * sum(x).
 //
 // Three code paths, chosen at run time (__builtin_cpu_supports) or forced by set_path(): scalar (any x86-64),
 // AVX2+FMA+F16C, AVX-512F+BW. Threads: at::parallel_for, so the work runs on torch's own OpenMP pool (one runtime,
@@ -106,8 +106,8 @@ AVX2_TARGET static inline void decode_avx2(const uint8_t* blk, __m256 w[4]) {
   }
 }
 
-// the block's 32 weights as floats, dequantized exactly as dequantize() writes them: d * q (Q8_0), d * (q - 8)
-// (Q4_0), d * q + m (Q4_1)
+// the block's 32 weights as floats: d * q (Q8_0), d * q - 8d (Q4_0), d * q + m (Q4_1), each one fused multiply-add,
+// so within half an ulp of what dequantize() writes
 template <int QT>
 AVX2_TARGET static inline void dequant_avx2(const uint8_t* blk, __m256 w[4]) {
   decode_avx2<QT>(blk, w);
@@ -115,12 +115,12 @@ AVX2_TARGET static inline void dequant_avx2(const uint8_t* blk, __m256 w[4]) {
   std::memcpy(&raw, blk, 4);
   const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(QT == Q4_1 ? raw : raw & 0xffff));  // (d, m) in lanes 0, 1
   const __m256 vd = _mm256_broadcastss_ps(dm);
-  const __m256 vm = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-  for (int i = 0; i < 4; ++i) {
-    if (QT == Q4_0) w[i] = _mm256_sub_ps(w[i], _mm256_set1_ps(8.f));
-    w[i] = _mm256_mul_ps(w[i], vd);
-    if (QT == Q4_1) w[i] = _mm256_add_ps(w[i], vm);
+  if (QT == Q8_0) {
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], vd);
+    return;
   }
+  const __m256 vm = QT == Q4_1 ? _mm256_broadcastss_ps(_mm_movehdup_ps(dm)) : _mm256_mul_ps(vd, _mm256_set1_ps(-8.f));
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(w[i], vd, vm);
 }
 
 // y[r, n] for R rows of x against weight rows [n0, n1): each block is dequantized once and feeds R rows. Per row and
