@@ -2,11 +2,12 @@
 
 Each engine runs in its own child process so that its peak memory (VmHWM) is its own, with 2 threads (torch's
 intra-op threads, llama.cpp's n_threads). Greedy, a fixed number of new tokens (stop tokens ignored), a warm-up run
-first; `--rounds N` (default 3) runs the engines' children in turn N times and keeps each engine's best round, so
-the machine's noise (up to 30% between runs here) falls on every engine alike. webchat's KV cache is sized to prompt + new tokens, not the model's 8192 context. `webchat` runs the folder's
-quantized Q4_1 blocks (docs/quant.md), `webchat-f32` the float32 weights. A last child measures fidelity: the max
-|Δlogit| of webchat q4_1 and of llama.cpp against webchat's float32 model (the same dequantized weights), at the end
-of each prompt and over the reference's next greedy tokens fed to all three.
+first; `--rounds N` (default 3) runs the engines' children in turn N times and keeps each engine's best round, so the
+machine's noise (up to 30% between runs here) falls on every engine alike. webchat's KV cache is sized to prompt +
+new tokens, not the model's 8192 context. `webchat` runs the folder's quantized Q4_1 blocks (docs/quant.md),
+`webchat-f32` the float32 weights. A last child measures fidelity: the max |Δlogit| of webchat q4_1 and of llama.cpp
+against webchat's float32 model (the same dequantized weights), at the end of each prompt and over the reference's
+next greedy tokens fed to all three.
 Run: `.venv/bin/python bench/bench_cpu.py` (llama.cpp needs the `bench` extra: `.venv/bin/pip install -e .[bench]`,
 which compiles llama.cpp for about 12 minutes).
 """

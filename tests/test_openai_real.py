@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_openai_live import PROMPT, Live, assert_logprobs_match, serve, websocket_reply  # tests/ is on sys.path
+from live_server import Live, serve  # tests/ is on sys.path under pytest
+from test_openai_live import PROMPT, assert_logprobs_match, openai_client, websocket_reply
 
 from webchat.server import Runtime, ServerConfig, load_runtime
 
@@ -41,7 +42,7 @@ def test_greedy_chat_equals_the_websocket(live: Live, runtime: Runtime, speculat
     plain_text, plain_tokens, _ = reference
     want_text, ws_tokens, done = websocket_reply(live.url, PROMPT, TOKENS, alternatives=5, speculative=speculative)
     assert want_text == plain_text and len(want_text) > 20
-    reply = live.client().chat.completions.create(
+    reply = openai_client(live).chat.completions.create(
         model=runtime.model_name, messages=PROMPT, temperature=0, max_tokens=TOKENS,  # type: ignore[arg-type]
         logprobs=True, top_logprobs=5, extra_body={"speculative": speculative})
     choice = reply.choices[0]
@@ -56,7 +57,7 @@ def test_greedy_chat_equals_the_websocket(live: Live, runtime: Runtime, speculat
 def test_streamed_chat_equals_the_websocket(live: Live, runtime: Runtime,
                                            reference: tuple[str, list[dict[str, Any]], dict[str, Any]]) -> None:
     want_text, ws_tokens, _ = reference
-    chunks = list(live.client().chat.completions.create(
+    chunks = list(openai_client(live).chat.completions.create(
         model=runtime.model_name, messages=PROMPT, temperature=0, max_tokens=TOKENS,  # type: ignore[arg-type]
         logprobs=True, top_logprobs=5, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
