@@ -232,9 +232,10 @@ class Engine:
         # every sampling sequence's first row in one call; a verify row after it is sampled only if the draft
         # before it was accepted, so each random stream draws exactly what it would alone
         sampling = [(r, first) for r, first, n, _ in todo if n]
-        firsts = sample_batch(logits[torch.tensor([first for _, first in sampling], dtype=torch.long,
-                                                  device=logits.device)],
-                              [self._ask(r.seq) for r, _ in sampling]) if sampling else []
+        at_rows = [first for _, first in sampling]
+        rows_first = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when no drafts
+            torch.tensor(at_rows, dtype=torch.long, device=logits.device)]
+        firsts = sample_batch(rows_first, [self._ask(r.seq) for r, _ in sampling]) if sampling else []
         choice = iter(firsts)
         for r, first, n, out in todo:
             if n:

@@ -256,9 +256,10 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk]) -> list[Choice]:
     biased = [i for i, a in enumerate(asks) if a.sampler._bias is not None and i not in penalised]
     if penalised or biased:
         x = raw.clone()
-        if biased:
-            idx = torch.tensor(biased)
-            x[idx] = raw[idx] + torch.stack([b for i in biased if (b := asks[i].sampler._bias) is not None])
+        for i in biased:  # only the biased ids (adding 0.0 elsewhere changes nothing): no (N, vocab) temporaries
+            bias = asks[i].sampler.settings.token_bias
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            x[i, ids] = raw[i, ids] + torch.tensor(list(bias.values()), dtype=raw.dtype)
         for i in penalised:
             x[i] = asks[i].sampler._adjust(raw[i], asks[i].history)
     greedy = [i for i, a in enumerate(asks) if a.sampler.settings.greedy]
