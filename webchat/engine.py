@@ -229,28 +229,33 @@ class Engine:
                     seq.end(out, "context_full", None)
             todo.append((r, at, n_rows if not seq.done else 0, out))
             at += n_rows
-        # every sampling sequence's first row in one call; a verify row after it is sampled only if the draft
-        # before it was accepted, so each random stream draws exactly what it would alone
-        sampling = [(r, first) for r, first, n, _ in todo if n]
-        at_rows = [first for _, first in sampling]
-        rows_first = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when no drafts
+        # one call samples every sequence's first row, and a greedy sequence's verify rows too (they draw nothing);
+        # a sampled sequence's verify row is sampled only once the draft before it is accepted, so each random
+        # stream draws exactly what it would alone
+        at_rows: list[int] = []
+        asks: list[RowAsk] = []
+        for r, first, n, _ in todo:
+            k = n if r.seq.sampler.settings.greedy else min(n, 1)
+            at_rows += range(first, first + k)
+            asks += [self._ask(r.seq)] * k
+        picked = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when every row is asked
             torch.tensor(at_rows, dtype=torch.long, device=logits.device)]
-        firsts = sample_batch(rows_first, [self._ask(r.seq) for r, _ in sampling]) if sampling else []
-        choice = iter(firsts)
+        choices = iter(sample_batch(picked, asks) if asks else [])
         for r, first, n, out in todo:
             if n:
-                self._verify(r.seq, out, r.drafts, logits[first : first + n], next(choice))
+                k = n if r.seq.sampler.settings.greedy else 1
+                self._verify(r.seq, out, r.drafts, logits[first : first + n], [next(choices) for _ in range(k)])
             r.seq.table.register(r.seq.tokens, r.seq.n_cached)
             self._post(r.seq, out)
 
     def _verify(self, seq: Sequence, out: StreamResult, drafts: list[int], logits: torch.Tensor,
-                first: Choice) -> None:
-        """Row 0's sample is `first`; sample row i (i = 1..len(drafts)) while the previous sample equals draft i - 1
-        (exllamav2's rule)."""
+                sampled: list[Choice]) -> None:
+        """Take row i's sample (i = 0..len(drafts)) while the previous one equals draft i - 1 (exllamav2's rule); rows
+        past `sampled` (the rows sampled already) are sampled here, only when reached."""
         base = seq.n_cached - len(drafts)  # tokens[:base] are in the cache for good (the fed pending token included)
         accepted = 0
         for i in range(len(drafts) + 1):
-            choice = first if i == 0 else self._sample(seq, logits[i])
+            choice = sampled[i] if i < len(sampled) else self._sample(seq, logits[i])
             self._emit(seq, out, choice)
             if seq.done or i == len(drafts) or choice.token != drafts[i]:
                 break
