@@ -120,6 +120,26 @@ def test_stop_takes_effect_within_one_step(config: ServerConfig, runtime: Runtim
         assert msg["id"] == "again" and msg["reason"] in ("max_new_tokens", "stop_token")
 
 
+def test_fast_tokens_reach_the_page_paced_and_whole(config: ServerConfig, runtime: Runtime) -> None:
+    """However fast the model runs, a connection gets at most one chunk per CHUNK_INTERVAL (the rest merge into the
+    next one), and every token arrives, in order: a page never falls behind a backlog of messages."""
+    from webchat.server import CHUNK_INTERVAL
+
+    with serve(config, runtime) as live, sync_connect(live.ws_url) as ws:
+        assert json.loads(ws.recv(10))["type"] == "hello"
+        ws.send(gen_msg("f", "Tell me a long story.", max_new_tokens=200, alternatives=1))
+        times, text, tokens = [], "", 0
+        while (msg := json.loads(ws.recv(10)))["type"] != "done":
+            if msg["type"] == "chunk":
+                times.append(time.monotonic())
+                text += msg["text"]
+                tokens += len(msg["tokens"])
+        assert tokens == msg["stats"]["new_tokens"] and text == direct_greedy(runtime, "Tell me a long story.", 200)
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        assert len(times) < tokens or min(gaps) >= CHUNK_INTERVAL * 0.5, (len(times), tokens, min(gaps))
+        assert sorted(gaps)[len(gaps) // 2] >= CHUNK_INTERVAL * 0.8, f"median gap {sorted(gaps)[len(gaps) // 2]:.4f} s"
+
+
 KILLED_CLIENT = textwrap.dedent(
     """
     import json, sys

@@ -188,6 +188,9 @@ def static_version(static_dir: Path) -> str:
 # ---------------------------------------------------------------- one websocket
 CLOSE_POLICY = 1008  # close code: the peer does not read its replies, or sends nothing but invalid frames
 MAX_BAD_FRAMES = 256  # frames in a row that get an error reply before the connection is closed (a flood)
+# seconds between a connection's chunk messages: tokens that come faster merge into the next one, so a page gets at
+# most ~100 chunks a second however fast the model runs, and its Stop never waits behind a backlog of them
+CHUNK_INTERVAL = 0.01
 
 
 class Connection:
@@ -227,11 +230,14 @@ class Connection:
 
     async def _send_loop(self) -> None:
         while True:
-            for msg in await self.outbox.take():
+            items = await self.outbox.take()
+            for msg in items:
                 self.clock.since = time.monotonic()
                 await self.ws.send_text(p.dump(msg))  # waits while uvicorn's write buffer is over its high-water mark
                 self.clock.since = None
                 self.outbox.sent(msg)
+            if any(isinstance(msg, p.Chunk) for msg in items):
+                await asyncio.sleep(CHUNK_INTERVAL)  # chunks pushed meanwhile merge in the outbox
 
     async def _receive_loop(self) -> None:
         while True:
