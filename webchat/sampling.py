@@ -216,13 +216,7 @@ def typical_mask(p: torch.Tensor, mass: float) -> torch.Tensor:
 
 def _describe(choice: Choice, raw: torch.Tensor, top_alts: int) -> None:
     """Fill prob, rank and top alternatives from the raw logits (softmax over the whole row)."""
-    logp = torch.log_softmax(raw, dim=-1)
-    chosen = logp[choice.token]
-    choice.prob = float(chosen.exp())
-    choice.rank = int((logp > chosen).sum()) + 1
-    if top_alts > 0:
-        vals, idx = torch.topk(logp, top_alts)
-        choice.top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.exp().tolist(), strict=True)]
+    _describe_rows([choice], raw.reshape(1, -1), [0], [top_alts])
 
 
 @dataclass
@@ -284,15 +278,16 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk]) -> list[Choice]:
 
 
 def _describe_rows(choices: list[Choice], raw: torch.Tensor, rows: list[int], ks: list[int]) -> None:
-    """_describe for several rows of raw at once: prob, rank and top alternatives."""
-    idx = torch.tensor(rows)
-    logp = torch.log_softmax(raw.index_select(0, idx), dim=-1)  # (D, vocab)
-    chosen = logp.gather(1, torch.tensor([[choices[i].token] for i in rows]))  # (D, 1)
+    """Fill prob, rank and top alternatives (ks[j] of them) of choices[i] for rows i of raw (N, vocab), all at once:
+    softmax over each whole raw row, one top-k call per distinct k."""
+    dev = raw.device
+    logp = torch.log_softmax(raw.index_select(0, torch.tensor(rows, device=dev)), dim=-1)  # (D, vocab)
+    chosen = logp.gather(1, torch.tensor([[choices[i].token] for i in rows], device=dev))  # (D, 1)
     probs, ranks = chosen.exp()[:, 0].tolist(), ((logp > chosen).sum(-1) + 1).tolist()
     for j, i in enumerate(rows):
         choices[i].prob, choices[i].rank = probs[j], int(ranks[j])
     for k in sorted(set(ks) - {0}):
         at = [j for j, kj in enumerate(ks) if kj == k]
-        vals, top = torch.topk(logp[torch.tensor(at)], k)
+        vals, top = torch.topk(logp[torch.tensor(at, device=dev)], k)
         for j, vs, ts in zip(at, vals.exp().tolist(), top.tolist(), strict=True):
             choices[rows[j]].top = [(int(t), float(v)) for t, v in zip(ts, vs, strict=True)]
