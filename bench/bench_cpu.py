@@ -58,7 +58,7 @@ def time_stream(step_iter: Callable[[], object]) -> tuple[float, float]:
 
 
 def webchat_runner(model_dir: Path, gguf: Path, weights: str = "auto") -> Callable[[list[int]], Callable[[], object]]:
-    from webchat.loader import load_model
+    from webchat.model.loader import load_model
 
     model = load_model(model_dir, weights=weights)
 
@@ -123,7 +123,7 @@ RUNNERS = {"webchat": webchat_runner, "webchat-1t": webchat_runner, "webchat-f32
 
 
 def prompts_of(model_dir: Path) -> dict[str, list[int]]:
-    from webchat.tokenizer import Tokenizer
+    from webchat.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     return {name: tok.encode(tok.apply_chat_template(m)) for name, m in (("short", SHORT), ("long", LONG))}
@@ -135,7 +135,7 @@ def fidelity() -> None:
     import numpy as np
     import torch
 
-    from webchat.loader import load_model, weights_name
+    from webchat.model.loader import load_model, weights_name
     from webchat.pull import default_gguf_path, ensure_default_model
 
     torch.set_num_threads(THREADS)

@@ -7,8 +7,8 @@ webchat's model on plain PyTorch ops (eager), and Hugging Face transformers (eag
 Floor: a decode step must read every weight it multiplies by (all layer matrices, the final norm and the head; one
 embedding row) and the whole KV cache so far; bytes/token over the device-to-device copy bandwidth measured here
 (2 x bytes / time of a 1 GiB copy, read + write) is the least time a token can take.
-A batch of B sequences decodes in one forward per step (webchat.batch on a paged pool): the weights are read once per
-step, so the floor grows almost B-fold while the KV caches stay small.
+A batch of B sequences decodes in one forward per step (webchat.model.batch on a paged pool): the weights are read once
+per step, so the floor grows almost B-fold while the KV caches stay small.
 Run on a CUDA machine: `.venv/bin/python bench/bench_gpu.py` (`--dry-run` checks the script on the CPU, tiny shapes).
 """
 
@@ -95,8 +95,8 @@ def bytes_per_token(model: Any, position: float) -> float:
 def time_webchat(model: Any, prompt: list[int], n_new: int, batch: int = 1) -> float:
     """Aggregate decode tokens/s of `batch` sequences stepped together (one forward per step) over n_new greedy
     steps after their prompts; a warm-up pass first on the same pool."""
-    from webchat.batch import make_batch
-    from webchat.cache import PAGE_SIZE, PageTable
+    from webchat.model.batch import make_batch
+    from webchat.model.kv_cache import PAGE_SIZE, PageTable
 
     device = model.device
     pool = model.new_pool(batch * PAGE_SIZE * -(-(len(prompt) + n_new + 1) // PAGE_SIZE))
@@ -146,9 +146,9 @@ def random_pair(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -
     """A randomly initialised transformers Llama and webchat's Transformer sharing its weight tensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from webchat.config import ModelArgs
-    from webchat.loader import _map_name
-    from webchat.model import Transformer
+    from webchat.model.config import ModelArgs
+    from webchat.model.loader import _map_name
+    from webchat.model.transformer import Transformer
 
     full = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, hidden_act="silu", **cfg)
     with torch.device(device):
@@ -174,8 +174,8 @@ def random_pair(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -
 def folder_pair(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
-    from webchat.cuda_backend import disable_cuda_backend
-    from webchat.loader import load_model
+    from webchat.kernels.cuda.graphs import disable_cuda_backend
+    from webchat.model.loader import load_model
 
     ours = load_model(path, device, dtype)
     disable_cuda_backend(ours)  # bench() switches engines itself
@@ -185,7 +185,7 @@ def folder_pair(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[A
 
 def bench(name: str, pair: tuple[Any, Any], prompt_len: int, n_new: int, bandwidth: float,
           batches: list[int]) -> list[Row]:
-    from webchat.cuda_backend import disable_cuda_backend, enable_cuda_backend
+    from webchat.kernels.cuda.graphs import disable_cuda_backend, enable_cuda_backend
 
     ours, hf = pair
     g = torch.Generator().manual_seed(0)

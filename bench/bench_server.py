@@ -29,7 +29,7 @@ from pathlib import Path
 import uvicorn
 import websockets
 
-from webchat.server import Runtime, ServerConfig, create_app, load_runtime
+from webchat.serve.app import Runtime, ServerConfig, create_app, load_runtime
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 
@@ -104,8 +104,8 @@ async def clients(url: str, n: int, tokens: int, alternatives: int, eos_ids: lis
 def direct(runtime: Runtime, tokens: int, alternatives: int, eos_ids: list[int],
            messages: list[dict[str, str]] | None = None) -> tuple[float, float]:
     """The generator alone, no server: (decode tokens/s, time to first token ms)."""
-    from webchat.generator import GenerationRequest
-    from webchat.sampling import SamplingSettings
+    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sampling import SamplingSettings
 
     gen = runtime.new_generator()
     settings = SamplingSettings(temperature=0.0, token_bias={t: -100.0 for t in eos_ids})
@@ -236,7 +236,7 @@ def peak_rss_mb() -> float:
 def memory_probe(model: Path, sessions: int, max_sessions: int, turn_tokens: int) -> dict[str, float]:
     """In a fresh process: RSS after loading (and one warm-up request), then `sessions` connections each finishing
     one conversation of about turn_tokens tokens and staying connected; peak RSS and KV bytes of those turns."""
-    from webchat.cache import kv_bytes_per_token
+    from webchat.model.kv_cache import kv_bytes_per_token
 
     config = ServerConfig(model_dir=model, device="cpu", port=free_port(), max_sessions=max_sessions,
                           max_queue=max(sessions, 1), max_seq_len=4096)
@@ -309,10 +309,10 @@ def memory_table(model: Path) -> None:
 
 PROBE = """
 import json, sys
-from webchat.generator import GenerationRequest, Generator
-from webchat.loader import load_model
-from webchat.sampling import SamplingSettings
-from webchat.tokenizer import Tokenizer
+from webchat.engine.generator import GenerationRequest, Generator
+from webchat.model.loader import load_model
+from webchat.engine.sampling import SamplingSettings
+from webchat.text.tokenizer import Tokenizer
 import webchat
 
 model_dir, tokens, repeats, prompt, weights = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from webchat.generator import GenerationRequest, Generator
-from webchat.sampling import SamplingSettings
+from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.sampling import SamplingSettings
 
 PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than a century. Every night its keeper "
              "climbed the narrow stairs, cleaned the great lens and lit the lamp, so that ships could find their "
@@ -59,9 +59,9 @@ def main() -> None:
     ap.add_argument("--self-layers", type=int, nargs="+", default=[7, 20])
     args = ap.parse_args()
 
-    from webchat.loader import load_model
+    from webchat.model.loader import load_model
     from webchat.pull import ensure_default_model
-    from webchat.tokenizer import Tokenizer
+    from webchat.text.tokenizer import Tokenizer
 
     path = args.model or ensure_default_model()
     model, tok = load_model(path), Tokenizer.from_dir(path)

@@ -45,7 +45,7 @@ if ! command -v g++ >/dev/null 2>&1; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null || true
 fi
-.venv/bin/python -m webchat.qkernels \
+.venv/bin/python -m webchat.kernels.cpu.build \
   || echo "setup.sh: the C++ kernels did not build; webchat will run the float32 weights on the CPU" >&2
 
 if [ "$with_tests" = 1 ] && ! command -v chromium >/dev/null 2>&1; then

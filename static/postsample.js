@@ -2,7 +2,7 @@
 /**
  * For replies whose tokens lack the server's `sampled_p` (stored before it was sent, or null on the wire):
  * the probability a token had after the sampling settings (temperature, top-k, top-p, min-p), estimated from the
- * model's top alternatives as webchat/sampling.py draws: q_i ∝ p_i^(1/T) over the kept candidates, where top-k keeps
+ * model's top alternatives as webchat/engine/sampling.py draws: q_i ∝ p_i^(1/T) over the kept candidates, where top-k keeps
  * the k most likely, top-p those with mass strictly above them < top_p · Σ, min-p those with q ≥ min_p · q_max.
  * Exact (penalties and token bias aside) when the kept set and its mass are known from the listed alternatives (top-k
  * within the list, or min-p cutting inside it without top-p); otherwise an estimate that leaves the unseen out.

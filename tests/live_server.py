@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from webchat.server import Runtime, ServerConfig, create_app
-from webchat.worker import StreamingGenerator
+from webchat.serve.app import Runtime, ServerConfig, create_app
+from webchat.serve.worker import StreamingGenerator
 
 
 @dataclass

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 import webchat.pull as pull
 from webchat.convert import ConversionError, convert_gguf, permute_rows, unpermute_rows
 from webchat.paths import default_gguf_path, default_model_dir
-from webchat.tokenizer import BYTE_DECODER, Tokenizer
+from webchat.text.tokenizer import BYTE_DECODER, Tokenizer
 
 TINY = {"n_layers": 2, "dim": 16, "n_heads": 4, "n_kv": 2, "head_dim": 4, "ffn": 24}
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

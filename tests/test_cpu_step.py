@@ -1,5 +1,5 @@
-"""The C++ forward (webchat.cpu_step, csrc/qstep.cpp) against the PyTorch path it stands in for: the same logits and
-the same k/v on mixed ragged batches (prefill chunks, verify rows, decodes across page boundaries), a row's numbers
+"""The C++ forward (webchat.kernels.cpu.step, csrc/qstep.cpp) against the PyTorch path it stands in for: the same logits
+and the same k/v on mixed ragged batches (prefill chunks, verify rows, decodes across page boundaries), a row's numbers
 independent of the rest of the batch, on each code path this CPU runs, float32 and quantized matrices alike."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from webchat import qkernels
-from webchat.batch import make_batch
-from webchat.cache import KVPool, PageTable
-from webchat.cpu_step import MAX_ROWS, CpuStep, enable_cpu_step
-from webchat.loader import load_model
-from webchat.model import Transformer
+from webchat.kernels.cpu import build as qkernels
+from webchat.kernels.cpu.step import MAX_ROWS, CpuStep, enable_cpu_step
+from webchat.model.batch import make_batch
+from webchat.model.kv_cache import KVPool, PageTable
+from webchat.model.loader import load_model
+from webchat.model.transformer import Transformer
 from webchat.tiny import make_tiny_weights, tiny_config
 
 PAGE = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from webchat.detok import IncrementalDecoder, decode_all
+from webchat.text.detok import IncrementalDecoder, decode_all
 
 
 def _table(chunks: list[bytes]) -> dict[int, bytes]:

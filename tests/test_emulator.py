@@ -1,4 +1,4 @@
-"""The CPU kernel emulator (gpu/emulator.py) itself: it finds the barrier bugs a GPU would hang on or hide, its
+"""The CPU kernel emulator (kernels/cuda/emulator.py) itself: it finds the barrier bugs a GPU would hang on or hide, its
 thread order exposes a missing barrier, the kernels give the same bits in either order, and its half conversion
 rounds like torch."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from webchat.gpu.emulator import EmulatedKernelError, EmulatedModule, EmulatorUnavailable, emulated_launcher
-from webchat.gpu.ops import CudaOps, KernelInputError, ptr
 
-from webchat.ops import TorchOps
+from webchat.kernels.cuda.emulator import EmulatedKernelError, EmulatedModule, EmulatorUnavailable, emulated_launcher
+from webchat.kernels.cuda.ops import CudaOps, KernelInputError, ptr
+from webchat.model.ops import TorchOps
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def emulator() -> None:
 
 
 def compile_kernels(label: str, body: str) -> EmulatedModule:
-    from webchat.gpu.loader import GPU_DIR
+    from webchat.kernels.cuda.loader import GPU_DIR
 
     return EmulatedModule(label, (GPU_DIR / "common.cuh").read_text() + "\n" + body)
 

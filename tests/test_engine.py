@@ -12,15 +12,15 @@ import pytest
 import torch
 from test_fidelity import PROMPTS as FIDELITY_PROMPTS  # tests/ is on sys.path under pytest
 
-from webchat import events as ev
-from webchat.batch import make_batch
-from webchat.cache import SeqCache
-from webchat.engine import Engine
-from webchat.generator import GenerationRequest, Generator
-from webchat.loader import load_model
-from webchat.sampling import SamplingSettings
-from webchat.tokenizer import Tokenizer
-from webchat.worker import Job, Worker
+from webchat.engine import events as ev
+from webchat.engine.engine import Engine
+from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.sampling import SamplingSettings
+from webchat.model.batch import make_batch
+from webchat.model.kv_cache import SeqCache
+from webchat.model.loader import load_model
+from webchat.serve.worker import Job, Worker
+from webchat.text.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)
 MODES = ["none", "ngram", "self", "draft"]

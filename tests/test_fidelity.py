@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.loader import load_model
-from webchat.model import Transformer
-from webchat.tokenizer import Tokenizer
+from webchat.model.loader import load_model
+from webchat.model.transformer import Transformer
+from webchat.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real_model
 

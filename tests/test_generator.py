@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.batch import Batch
-from webchat.cache import KVPool
 from webchat.chat_cli import loop as chat_loop
-from webchat.detok import decode_all
-from webchat.generator import GenerationRequest, Generator, StreamResult
-from webchat.loader import load_model
-from webchat.sampling import SamplingSettings
+from webchat.engine.generator import GenerationRequest, Generator, StreamResult
+from webchat.engine.sampling import SamplingSettings
+from webchat.model.batch import Batch
+from webchat.model.kv_cache import KVPool
+from webchat.model.loader import load_model
+from webchat.text.detok import decode_all
+from webchat.text.tokenizer import Tokenizer
 from webchat.tiny import make_tiny_model
-from webchat.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)
 PROMPT = [{"role": "user", "content": "Hello world! How are you today? The quick brown fox jumps over the lazy dog."}]

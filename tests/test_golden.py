@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from webchat.loader import load_model
-from webchat.model import Transformer
+from webchat.model.loader import load_model
+from webchat.model.transformer import Transformer
 
 GOLDEN_PROMPT = [1, 20, 30, 40, 50, 60]
 # Pinned from the float32 CPU path; a change here is a change in the model's maths.

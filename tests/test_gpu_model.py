@@ -1,6 +1,7 @@
 """The whole model on the CUDA backend (CudaOps kernels, CUDA graphs): golden output, agreement with the CPU float32
 path, reproducible seeded sampling. On machines without a GPU the same kernels run through the CPU emulator
-(gpu/emulator.py): the model's use of them, device-side positions included, is checked everywhere; graphs are not."""
+(kernels/cuda/emulator.py): the model's use of them, device-side positions included, is checked everywhere; graphs are
+not."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 from test_golden import GOLDEN_GREEDY, GOLDEN_PROMPT, greedy  # tests/ is on sys.path under pytest
 from test_kernels import ScalarReads
 
-from webchat.batch import Batch, make_batch
-from webchat.cuda_backend import (
+from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.sampling import SamplingSettings
+from webchat.kernels.cuda.graphs import (
     GraphRunner,
     GraphShape,
     enable_cuda_backend,
@@ -24,11 +26,10 @@ from webchat.cuda_backend import (
     graphable,
     static_batch,
 )
-from webchat.generator import GenerationRequest, Generator
-from webchat.loader import load_model
-from webchat.ops import PagedTorchOps
-from webchat.sampling import SamplingSettings
-from webchat.tokenizer import Tokenizer
+from webchat.model.batch import Batch, make_batch
+from webchat.model.loader import load_model
+from webchat.model.ops import PagedTorchOps
+from webchat.text.tokenizer import Tokenizer
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
@@ -63,8 +64,8 @@ def run_ids(gen: Generator, **kw: Any) -> list[int]:
 
 @dataclass
 class Pool:
-    """A paged KV cache (webchat.cuda_backend.PagedKV): per layer (num_pages, page_size, n_kv, hd), pages handed out
-    in scrambled order, page 0 never."""
+    """A paged KV cache (webchat.kernels.cuda.graphs.PagedKV): per layer (num_pages, page_size, n_kv, hd), pages handed
+    out in scrambled order, page 0 never."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -146,8 +147,8 @@ def test_graph_shapes_are_buckets(b: int, t: int, width: int, shape: GraphShape 
 
 
 def emulated_model(path: Path) -> Any:
-    from webchat.gpu import CudaOps
-    from webchat.gpu.emulator import EmulatorUnavailable, emulated_launcher
+    from webchat.kernels.cuda import CudaOps
+    from webchat.kernels.cuda.emulator import EmulatorUnavailable, emulated_launcher
 
     model = load_model(path)
     try:

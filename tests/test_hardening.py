@@ -18,12 +18,12 @@ import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from webchat import protocol as p
-from webchat.chat_encode import TemplateBudgetError, budget
 from webchat.folder_check import ModelFolderError, check_model_folder
-from webchat.server import Outbox, Runtime, ServerConfig, create_app, load_runtime
-from webchat.tokenizer import Tokenizer, render_chat_template
-from webchat.trim import fit_history
+from webchat.serve import protocol as p
+from webchat.serve.app import Outbox, Runtime, ServerConfig, create_app, load_runtime
+from webchat.text.chat_encode import TemplateBudgetError, budget
+from webchat.text.tokenizer import Tokenizer, render_chat_template
+from webchat.text.trim import fit_history
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -345,7 +345,7 @@ def test_an_access_token_guards_every_route_and_the_page_gets_a_cookie(config: S
 def test_off_loopback_an_access_token_is_enough(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from webchat.serve import add_arguments, main
+    from webchat.serve.main import add_arguments, main
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from webchat.limits import AcceptErrorLog
+from webchat.serve.limits import AcceptErrorLog
 
 pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parent.parent

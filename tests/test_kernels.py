@@ -1,6 +1,6 @@
-"""Each CUDA kernel against its PyTorch reference (webchat.ops.TorchOps) on fresh random inputs, outputs poisoned
+"""Each CUDA kernel against its PyTorch reference (webchat.model.ops.TorchOps) on fresh random inputs, outputs poisoned
 beforehand (NaN, with NaN guards on either side), on the GPU and on any machine through the CPU emulator
-(gpu/emulator.py); and, on any machine, the wrappers' input checks and launch geometry."""
+(kernels/cuda/emulator.py); and, on any machine, the wrappers' input checks and launch geometry."""
 
 from __future__ import annotations
 
@@ -13,21 +13,21 @@ import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from webchat.gpu import CudaOps, KernelInputError, KernelUnavailable, kernel_source
-from webchat.gpu import ops as gops
-from webchat.gpu.emulator import EmulatorUnavailable, emulated_launcher
-from webchat.gpu.loader import GPU_DIR
-from webchat.gpu.sampler import CudaSampler, make_sampler, plan_adjust, plan_count
 
-from webchat.ops import TorchOps
-from webchat.sampling import Choice, Sampler, SamplingSettings
+from webchat.engine.sampling import Choice, Sampler, SamplingSettings
+from webchat.kernels.cuda import CudaOps, KernelInputError, KernelUnavailable, kernel_source
+from webchat.kernels.cuda import ops as gops
+from webchat.kernels.cuda.emulator import EmulatorUnavailable, emulated_launcher
+from webchat.kernels.cuda.loader import GPU_DIR
+from webchat.kernels.cuda.sampler import CudaSampler, make_sampler, plan_adjust, plan_count
+from webchat.model.ops import TorchOps
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (rtol, atol): about two units in the last place of each dtype
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float32: (1e-5, 1e-5)}
 ATTN_TOL = {torch.float16: (4e-3, 2e-3), torch.bfloat16: (3e-2, 1.6e-2), torch.float32: (1e-4, 2e-5)}
-# where the kernels run: on the GPU through CuPy, and everywhere through the CPU emulator (gpu/emulator.py)
+# where the kernels run: on the GPU through CuPy, and everywhere through the CPU emulator (kernels/cuda/emulator.py)
 BACKENDS = [pytest.param("cuda", marks=pytest.mark.gpu), "emulated"]
 
 
@@ -344,7 +344,7 @@ def test_kernel_source_maps_lines_back_to_the_files(name: str) -> None:
     assert first.startswith("// ") and "=" in first, f"{name}.cu must open with a one-line formula, got {first!r}"
 
 
-# ---- sampling: gpu/sampling.cu + webchat.gpu.sampler against webchat.sampling ----
+# ---- sampling: kernels/cuda/sampling.cu + webchat.kernels.cuda.sampler against webchat.engine.sampling ----
 
 SAMPLING_CASES = [
     SamplingSettings(temperature=0.0),

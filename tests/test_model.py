@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from webchat.batch import make_batch
-from webchat.config import ModelConfigError
-from webchat.loader import ModelLoadError, load_model
+from webchat.model.batch import make_batch
+from webchat.model.config import ModelConfigError
+from webchat.model.loader import ModelLoadError, load_model
 from webchat.tiny import make_tiny_model, make_tiny_weights, tiny_config
 
 
@@ -164,7 +164,7 @@ def test_tiny_model_is_made_in_a_fresh_folder(tmp_path: Path) -> None:
 
 
 def test_transformers5_rope_parameters_are_read() -> None:
-    from webchat.config import ModelArgs
+    from webchat.model.config import ModelArgs
 
     cfg = {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

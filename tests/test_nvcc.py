@@ -1,5 +1,5 @@
-"""Every gpu/*.cu compiles with nvcc for sm_80 and sm_90, as NVRTC will see it; CudaOps passes each kernel exactly the
-parameters its PTX entry declares. Needs nvcc (on CI and the dev machines), not a GPU."""
+"""Every kernels/cuda/*.cu compiles with nvcc for sm_80 and sm_90, as NVRTC will see it; CudaOps passes each kernel
+exactly the parameters its PTX entry declares. Needs nvcc (on CI and the dev machines), not a GPU."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from webchat.gpu import loader
-from webchat.gpu.ops import CudaOps, Launch
-from webchat.gpu.sampler import CudaSampler
 
-from webchat.batch import make_batch
-from webchat.sampling import SamplingSettings
+from webchat.engine.sampling import SamplingSettings
+from webchat.kernels.cuda import loader
+from webchat.kernels.cuda.ops import CudaOps, Launch
+from webchat.kernels.cuda.sampler import CudaSampler
+from webchat.model.batch import make_batch
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: the CUDA compile checks did not run")

@@ -1,6 +1,6 @@
-"""Every gpu/*.cu compiles with NVRTC, the compiler CuPy calls at run time, from the exact text gpu/loader.py hands it
-and with its options: unlike nvcc, NVRTC includes no CUDA headers. Needs libnvrtc (the nvidia-cuda-nvrtc wheel of the
-test extra, or a CUDA toolkit's), not a GPU."""
+"""Every kernels/cuda/*.cu compiles with NVRTC, the compiler CuPy calls at run time, from the exact text
+kernels/cuda/loader.py hands it and with its options: unlike nvcc, NVRTC includes no CUDA headers. Needs libnvrtc (the
+nvidia-cuda-nvrtc wheel of the test extra, or a CUDA toolkit's), not a GPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from test_nvcc import SOURCES, broken_silu_mul  # tests/ is on sys.path under pytest
-from webchat.gpu import loader
+
+from webchat.kernels.cuda import loader
 
 
 def find_nvrtc() -> ctypes.CDLL | None:

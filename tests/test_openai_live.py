@@ -17,7 +17,7 @@ import pytest
 from live_server import Live, serve  # tests/ is on sys.path under pytest
 from websockets.sync.client import connect as sync_connect
 
-from webchat.server import Runtime, ServerConfig, load_runtime
+from webchat.serve.app import Runtime, ServerConfig, load_runtime
 
 pytestmark = pytest.mark.timeout(180)
 PROMPT = [{"role": "user", "content": "Tell me about the quick brown fox."}]
@@ -166,8 +166,8 @@ def test_seed_makes_sampling_reproducible(live: Live, runtime: Runtime) -> None:
 
 
 def test_completions_read_the_prompt_as_text_or_ids(live: Live, runtime: Runtime) -> None:
-    from webchat.generator import GenerationRequest
-    from webchat.sampling import SamplingSettings
+    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sampling import SamplingSettings
 
     client = openai_client(live)
     prompt = "Hello <|im_end|> world"

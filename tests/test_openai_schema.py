@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from webchat import events as ev
-from webchat.openai_format import Reply, logprob, merge
-from webchat.openai_schema import OPENAI_DEFAULTS, APIError, ChatRequest, CompletionRequest, parse
-from webchat.sampling import SamplingSettings
-from webchat.tokenizer import Tokenizer
+from webchat.engine import events as ev
+from webchat.engine.sampling import SamplingSettings
+from webchat.serve.openai.format import Reply, logprob, merge
+from webchat.serve.openai.schema import OPENAI_DEFAULTS, APIError, ChatRequest, CompletionRequest, parse
+from webchat.text.tokenizer import Tokenizer
 
 CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]'
 
@@ -139,7 +139,7 @@ def test_merge_joins_consecutive_tokens_only() -> None:
 def test_api_key_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from webchat.serve import add_arguments, config_from_args
+    from webchat.serve.main import add_arguments, config_from_args
 
     def key(argv: list[str]) -> str | None:
         parser = argparse.ArgumentParser()

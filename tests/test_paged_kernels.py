@@ -1,7 +1,8 @@
-"""The paged-cache kernels (gpu/kv_write.cu, gpu/paged_attention.cu) against webchat.ops.PagedTorchOps on fresh random
-data: pages in scattered order, ragged lengths across page boundaries, GQA, decode rows, a chunked-prefill row set, a
-verify row set (1+k tokens) and padding rows; every input and output inside NaN guards, and the cache's unused slots
-NaN, so any read outside a sequence's keys shows. On the GPU and everywhere through the CPU emulator."""
+"""The paged-cache kernels (kernels/cuda/kv_write.cu, kernels/cuda/paged_attention.cu) against
+webchat.model.ops.PagedTorchOps on fresh random data: pages in scattered order, ragged lengths across page boundaries,
+GQA, decode rows, a chunked-prefill row set, a verify row set (1+k tokens) and padding rows; every input and output
+inside NaN guards, and the cache's unused slots NaN, so any read outside a sequence's keys shows. On the GPU and
+everywhere through the CPU emulator."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import math
 import pytest
 import torch
 from test_kernels import ATTN_TOL, BACKENDS, DTYPES, Recorder, ScalarReads, backend_ops, close, guards_intact, poisoned
-from webchat.gpu import CudaOps, KernelInputError
-from webchat.gpu import ops as gops
-from webchat.gpu.emulator import emulated_launcher
 
-from webchat.batch import Batch, make_batch
-from webchat.ops import PagedTorchOps
+from webchat.kernels.cuda import CudaOps, KernelInputError
+from webchat.kernels.cuda import ops as gops
+from webchat.kernels.cuda.emulator import emulated_launcher
+from webchat.model.batch import Batch, make_batch
+from webchat.model.ops import PagedTorchOps
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

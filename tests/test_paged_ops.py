@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from webchat.batch import make_batch
-from webchat.ops import PagedTorchOps, TorchOps
+from webchat.model.batch import make_batch
+from webchat.model.ops import PagedTorchOps, TorchOps
 
 
 def test_paged_attention_matches_contiguous_per_sequence() -> None:

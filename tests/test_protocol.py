@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
-from webchat import protocol as p
-from webchat.server import Runtime, ServerConfig, create_app, load_runtime
-from webchat.worker import StreamingGenerator
+from webchat.serve import protocol as p
+from webchat.serve.app import Runtime, ServerConfig, create_app, load_runtime
+from webchat.serve.worker import StreamingGenerator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,8 +117,8 @@ def connect(c: TestClient, stack: ExitStack, **kwargs: Any) -> Any:
 
 
 def direct_greedy(runtime: Runtime, max_new_tokens: int, alternatives: int = 0) -> str:
-    from webchat.generator import GenerationRequest
-    from webchat.sampling import SamplingSettings
+    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sampling import SamplingSettings
 
     gen = runtime.new_generator()
     gen.begin_stream(GenerationRequest(prompt_ids=runtime.encode_chat(USER), settings=SamplingSettings(temperature=0.0),
@@ -491,7 +491,7 @@ def test_outbox_merges_chunks_of_a_slow_reader() -> None:
 
 
 async def outbox_merges() -> None:
-    from webchat.server import Outbox
+    from webchat.serve.app import Outbox
 
     box = Outbox()
     tok = p.TokenOut(id=1, text="a", p=0.5, rank=1, top=[])
@@ -514,7 +514,7 @@ def test_serve_command_warns_off_loopback_and_prints_the_url(
 ) -> None:
     import argparse
 
-    from webchat.serve import add_arguments, main
+    from webchat.serve.main import add_arguments, main
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -550,7 +550,7 @@ def test_wire_settings_mirror_sampling_settings() -> None:
 
     from annotated_types import Ge, Gt, Le
 
-    from webchat.sampling import SamplingSettings, SettingsError
+    from webchat.engine.sampling import SamplingSettings, SettingsError
 
     internal = {f.name: f for f in dataclasses.fields(SamplingSettings)}
     assert list(p.WireSettings.model_fields) == list(internal)
@@ -573,8 +573,8 @@ def test_wire_settings_mirror_sampling_settings() -> None:
 # ---------------------------------------------------------------- continue a partial assistant message
 def test_continue_goes_on_from_the_partial_reply(client: TestClient, stack: ExitStack, runtime: Runtime) -> None:
     """A reply continued from its first part is the greedy continuation of the prompt that ends in that part."""
-    from webchat.generator import GenerationRequest
-    from webchat.sampling import SamplingSettings
+    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sampling import SamplingSettings
 
     ws = connect(client, stack)
     _, first = run_to_end_after_send(ws, generate("whole", max_new_tokens=12, alternatives=1))

@@ -1,14 +1,14 @@
-"""gpu/qgemv.cu against dequantize-then-matmul, on the GPU (CuPy) and everywhere on the CPU emulator."""
+"""kernels/cuda/qgemv.cu against dequantize-then-matmul, on the GPU (CuPy) and everywhere on the CPU emulator."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from test_kernels import BACKENDS, backend_ops  # tests/ is on sys.path under pytest
-from webchat.gpu.ops import CudaOps, KernelInputError
-from webchat.gpu.qgemv import plan_qgemv, qgemv
 
-from webchat.quant import QTYPES, dequantize, quantize
+from webchat.kernels.cuda.ops import CudaOps, KernelInputError
+from webchat.kernels.cuda.qgemv import plan_qgemv, qgemv
+from webchat.model.quant import QTYPES, dequantize, quantize
 
 # float32 accumulation in another order, then one rounding to the output dtype
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float32: (2e-5, 2e-5)}

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from webchat import qkernels
-from webchat.quant import QTYPES, dequantize, quantize
+from webchat.kernels.cpu import build as qkernels
+from webchat.model.quant import QTYPES, dequantize, quantize
 
 # (M activation rows, N output rows, K) — K is always whole blocks of 32
 SHAPES = [(1, 1, 32), (1, 192, 576), (3, 7, 96), (5, 33, 160), (4, 16, 64), (9, 40, 1536), (70, 17, 64)]

@@ -16,14 +16,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_fidelity import PROMPTS as FIDELITY  # tests/ is on sys.path under pytest
 
-from webchat import qkernels
 from webchat.convert import QUANT_FILE, QUANT_KEY
-from webchat.generator import GenerationRequest, Generator
-from webchat.loader import load_model, weights_name
-from webchat.model import Transformer
-from webchat.quant import QLinear, dequantize, quantize
-from webchat.sampling import SamplingSettings
-from webchat.tokenizer import Tokenizer
+from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.sampling import SamplingSettings
+from webchat.kernels.cpu import build as qkernels
+from webchat.model.loader import load_model, weights_name
+from webchat.model.quant import QLinear, dequantize, quantize
+from webchat.model.transformer import Transformer
+from webchat.text.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from webchat.sampling import RowAsk, Sampler, SamplingSettings, SettingsError, sample_batch
+from webchat.engine.sampling import RowAsk, Sampler, SamplingSettings, SettingsError, sample_batch
 
 PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
 
@@ -170,7 +170,7 @@ def test_random_seed_when_none() -> None:
     assert not math.isnan(Sampler(SamplingSettings(), 4).seed)
 
 
-# one batched call (webchat.sampling.sample_batch) gives each row what its own sampler gives it alone
+# one batched call (webchat.engine.sampling.sample_batch) gives each row what its own sampler gives it alone
 MIXED_ROWS = [
     (SamplingSettings(temperature=0.0), 0, False),
     (SamplingSettings(temperature=0.0, token_bias={3: 30.0, 7: -100.0}), 5, True),

@@ -22,7 +22,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as sync_connect
 from websockets.typing import Origin
 
-from webchat.server import Runtime, ServerConfig, load_runtime
+from webchat.serve.app import Runtime, ServerConfig, load_runtime
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,8 +43,8 @@ def gen_msg(rid: str, content: str, max_new_tokens: int = 24, **extra: Any) -> s
 
 
 def direct_greedy(runtime: Runtime, content: str, max_new_tokens: int) -> str:
-    from webchat.generator import GenerationRequest
-    from webchat.sampling import SamplingSettings
+    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sampling import SamplingSettings
 
     gen = runtime.new_generator()
     gen.begin_stream(GenerationRequest(prompt_ids=runtime.encode_chat([{"role": "user", "content": content}]),
@@ -123,7 +123,7 @@ def test_stop_takes_effect_within_one_step(config: ServerConfig, runtime: Runtim
 def test_fast_tokens_reach_the_page_paced_and_whole(config: ServerConfig, runtime: Runtime) -> None:
     """However fast the model runs, a connection gets at most one chunk per CHUNK_INTERVAL (the rest merge into the
     next one), and every token arrives, in order: a page never falls behind a backlog of messages."""
-    from webchat.server import CHUNK_INTERVAL
+    from webchat.serve.app import CHUNK_INTERVAL
 
     with serve(config, runtime) as live, sync_connect(live.ws_url) as ws:
         assert json.loads(ws.recv(10))["type"] == "hello"

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.generator import GenerationRequest, Generator, StreamResult
-from webchat.loader import load_model
-from webchat.sampling import SamplingSettings
-from webchat.speculative import DraftVocabError, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
+from webchat.engine.generator import GenerationRequest, Generator, StreamResult
+from webchat.engine.sampling import SamplingSettings
+from webchat.engine.speculative import DraftVocabError, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
+from webchat.model.loader import load_model
+from webchat.text.tokenizer import Tokenizer
 from webchat.tiny import make_tiny_model
-from webchat.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)
 TOP3 = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from webchat.stops import StopHolder
+from webchat.text.stops import StopHolder
 
 ALPHABET = "ab\n<>/ é"
 

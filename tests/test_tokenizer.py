@@ -14,7 +14,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from webchat.tokenizer import Tokenizer, render_chat_template
+from webchat.text.tokenizer import Tokenizer, render_chat_template
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -11,10 +11,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from webchat.events import Stats
-from webchat.generator import GenerationRequest, Generator
-from webchat.sampling import SamplingSettings, SettingsError
-from webchat.speculative import MODES
+from webchat.engine.events import Stats
+from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.sampling import SamplingSettings, SettingsError
+from webchat.engine.speculative import MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,9 +64,9 @@ def reply(gen: Generator, request: GenerationRequest, out: TextIO) -> tuple[str,
 
 def main(args: argparse.Namespace) -> int:
     from webchat.folder_check import check_model_folder
-    from webchat.loader import load_model, resolve_device, resolve_dtype
+    from webchat.model.loader import load_model, resolve_device, resolve_dtype
     from webchat.pull import ensure_default_model
-    from webchat.tokenizer import Tokenizer
+    from webchat.text.tokenizer import Tokenizer
 
     try:
         settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from webchat.weights import add_weight_arguments
+from webchat.model.weights import add_weight_arguments
 
 # subcommand → module with add_arguments(parser) and main(args) -> int
 SUBCOMMANDS = {
-    "serve": ("webchat.serve", "serve the browser chat (default: the pulled SmolLM2-135M-Instruct)"),
+    "serve": ("webchat.serve.main", "serve the browser chat (default: the pulled SmolLM2-135M-Instruct)"),
     "chat": ("webchat.chat_cli", "chat in the terminal; Ctrl-C stops the reply, not the program"),
     "pull": ("webchat.pull", "fetch and convert the default model into the cache"),
     "complete": ("webchat.cli", "one greedy completion of a chat message, printed when it is done"),
@@ -31,9 +31,9 @@ def main(args: argparse.Namespace) -> int:
     """`webchat complete`: chat-template the prompt, then greedy-decode through the KV cache."""
 
     from webchat.folder_check import check_model_folder
-    from webchat.loader import load_model, resolve_device, resolve_dtype
+    from webchat.model.loader import load_model, resolve_device, resolve_dtype
     from webchat.pull import ensure_default_model
-    from webchat.tokenizer import Tokenizer
+    from webchat.text.tokenizer import Tokenizer
 
     path = args.model or ensure_default_model()
     check_model_folder(path)  # config and tokenizer, before the weights load

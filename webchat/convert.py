@@ -43,8 +43,8 @@ GLOBAL_MAP = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 QUANT_FILE = "quantized.safetensors"
-QUANT_KEY = "webchat.quant"  # safetensors metadata: JSON {tensor name: "q4_0" | "q4_1" | "q8_0"}
-QUANT_LAYOUT_KEY = "webchat.quant.layout"
+QUANT_KEY = "webchat.model.quant"  # safetensors metadata: JSON {tensor name: "q4_0" | "q4_1" | "q8_0"}
+QUANT_LAYOUT_KEY = "webchat.model.quant.layout"
 QUANT_LAYOUT = "ggml-blocks-v1"  # uint8 (rows, cols / 32 * block bytes), each row its blocks in ggml's byte order
 KEPT_QUANTIZED = {
     gguf.GGMLQuantizationType.Q4_0: "q4_0",

@@ -30,8 +30,8 @@ def read_json_file(path: Path) -> dict[str, Any]:
 
 def check_model_folder(folder: Path) -> None:
     """config.json, tokenizer.json and the tokenizer (with its chat template) load; the weights file is there."""
-    from webchat.config import ModelArgs, ModelConfigError
-    from webchat.tokenizer import Tokenizer
+    from webchat.model.config import ModelArgs, ModelConfigError
+    from webchat.text.tokenizer import Tokenizer
 
     if not folder.is_dir():
         raise ModelFolderError(f"{folder}: expected a model folder, found {'a file' if folder.exists() else 'nothing'}")

@@ -1,0 +1,371 @@
+"""The batched engine: every running sequence advances in one forward per step, on one paged KV pool.
+
+    engine.add(owner, request) -> (Sequence, StartInfo)       # joins at the next step
+    engine.step()                                              # one forward for all; results wait in engine.outbox
+
+Each step gathers, per running sequence, one decode token (plus up to k drafts to verify) or a prefill chunk, into
+one ragged Batch (webchat.model.batch); prefill chunks share a per-step token budget, smaller while others decode, so a
+long prompt does not stall running streams. After the forward each sequence samples, verifies and emits on its own; a
+finished one leaves at once and its pages stay with its owner (the connection's handle) for the next turn's prefix,
+until the pool needs them (least recently used first). The model never counts positions: n_cached advances here.
+Verification keeps exllamav2's rule (webchat.engine.generator): a draft is accepted only if it equals the main model's
+own sample, so speculation never changes the output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from webchat.engine.events import Stats, TokenInfo
+from webchat.engine.sampling import MAX_TOP_ALTS, Choice, RowAsk, sample_batch
+from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult, add
+from webchat.engine.speculative import (
+    MODES,
+    Drafter,
+    ModelDrafter,
+    NgramDrafter,
+    SelfDrafter,
+    check_vocab,
+    common_prefix,
+)
+from webchat.kernels.cuda.sampler import make_sampler
+from webchat.model.batch import Batch, make_batch
+from webchat.model.config import ModelArgs
+from webchat.model.kv_cache import PAGE_SIZE, KVPool, PageTable
+from webchat.text.detok import IncrementalDecoder
+from webchat.text.stops import StopHolder
+
+PREFILL_CHUNK = 256  # prompt tokens per step when no other sequence is decoding
+MIXED_CHUNK = 32  # prompt tokens per step while others decode (bounds their gap between tokens)
+
+
+class Model(Protocol):
+    """What the engine needs of webchat.model.transformer.Transformer."""
+
+    args: ModelArgs
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    def __call__(self, batch: Batch, kv: KVPool) -> torch.Tensor: ...
+    def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool: ...
+    def ensure_rope(self, n_positions: int) -> None: ...
+    def truncated(self, n_layers: int) -> Model: ...
+
+
+class Tokenizer(Protocol):
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+    def id_to_text(self, token_id: int) -> str: ...
+
+
+@dataclass
+class Retained:
+    """A finished turn's pages, kept for its owner's next turn: k/v of ids[i] at position i."""
+
+    table: PageTable
+    ids: list[int]
+
+
+@dataclass
+class _Row:
+    """One sequence's share of a step: feed tokens at position start; logits for the last or for all of them."""
+
+    seq: Sequence
+    feed: list[int]
+    drafts: list[int] = field(default_factory=list)
+    sample: bool = True  # False: a prefill chunk that does not finish the prompt
+
+
+class Engine:
+    """Owns the model and the KV pool; sequences come and go between steps (continuous batching)."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, max_seq_len: int | None = None,
+                 pool_tokens: int | None = None, page_size: int = PAGE_SIZE, draft_model: Model | None = None,
+                 self_draft_layers: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 mixed_chunk: int = MIXED_CHUNK) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        context = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
+        self.pool = model.new_pool(pool_tokens or context, page_size)
+        self.pool.evict = self._evict_idle
+        self.capacity = min(context, self.pool.usable_pages * page_size)  # positions one sequence may reach
+        model.ensure_rope(self.capacity)
+        if draft_model is not None:
+            check_vocab(model, draft_model)
+        self.draft_model = draft_model
+        self.self_draft = SelfDrafter(model, self_draft_layers or max(1, model.args.n_layers // 4), self.pool)
+        self.prefill_chunk, self.mixed_chunk = prefill_chunk, mixed_chunk
+        self.running: list[Sequence] = []
+        self.outbox: dict[Sequence, StreamResult] = {}
+        self.retained: OrderedDict[object, Retained] = OrderedDict()  # owner -> its last turn, oldest first
+        self._drafters: dict[tuple[int, str], Drafter] = {}
+        self._closing: list[object] = []  # owners gone (appended from any thread, handled on the engine's)
+        self.steps = 0
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def usable_pages(self) -> int:
+        return self.pool.usable_pages
+
+    def pages_for(self, req: GenerationRequest) -> int:
+        """Pages a request may come to hold (the worker admits requests while their sum fits the pool)."""
+        n = min(len(req.prompt_ids) + req.max_new_tokens, self.capacity)
+        return -(-n // self.pool.page_size) + 1  # +1: a copy-on-write page while its shared original is released
+
+    def add(self, owner: object, req: GenerationRequest) -> tuple[Sequence, StartInfo]:
+        """Check the request, reuse the longest cached prefix (the owner's last turn or shared pages), queue it."""
+        self._reap()
+        self._check(req)
+        prompt = list(req.prompt_ids)
+        for seq in self.running:
+            if seq.owner is owner:
+                raise RuntimeError("this handle already has a sequence running")
+        kept = self.retained.pop(owner, None)
+        own = min(common_prefix(kept.ids, prompt), len(prompt) - 1) if kept is not None else 0
+        shared = self.pool.lookup(prompt)
+        table = PageTable(self.pool)
+        if kept is not None and own >= min(len(shared) * self.pool.page_size, len(prompt) - 1):
+            table, reused = kept.table, own
+        else:
+            reused = min(len(shared) * self.pool.page_size, len(prompt) - 1)
+            table.adopt(shared)
+            if kept is not None:
+                kept.table.release()
+        table.truncate(reused)
+        sampler = make_sampler(req.settings, self.model.args.vocab_size, self.model.device)
+        stop_ids = self.tokenizer.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
+        seq = Sequence(req=req, sampler=sampler, decoder=IncrementalDecoder(self.tokenizer.token_bytes),
+                       holder=StopHolder(req.stop_strings), stop_ids=frozenset(stop_ids), tokens=prompt, table=table,
+                       stats=Stats(prompt_tokens=len(prompt), reused_tokens=reused),
+                       drafter=self._drafter(owner, req.speculative), limit=self.capacity, n_cached=reused,
+                       owner=owner)
+        self.running.append(seq)
+        return seq, StartInfo(prompt_tokens=len(prompt), reused_tokens=reused, seed=sampler.seed)
+
+    def close(self, owner: object) -> None:
+        """Thread-safe: the owner is gone; its running sequence ends and its pages go back at the next step."""
+        self._closing.append(owner)
+
+    def reset(self) -> None:
+        """Between runs: every idle owner's pages go back and cached prefixes are forgotten (a cold start)."""
+        self._reap()
+        while self._evict_idle():
+            pass
+        self.pool.forget()
+
+    def take(self, seq: Sequence) -> StreamResult | None:
+        return self.outbox.pop(seq, None)
+
+    def cached_ids(self, owner: object) -> list[int]:
+        """The tokens whose k/v the owner holds (its running sequence's or its last turn's)."""
+        for seq in self.running:
+            if seq.owner is owner:
+                return seq.tokens[: seq.n_cached]
+        kept = self.retained.get(owner)
+        return list(kept.ids) if kept is not None else []
+
+    def pool_info(self) -> dict[str, int]:
+        pool = self.pool
+        return {"pages": pool.usable_pages, "page_size": pool.page_size, "used_pages": pool.used_pages,
+                "page_bytes": pool.page_bytes, "running": len(self.running), "idle_sessions": len(self.retained)}
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> None:
+        """One forward for every running sequence; results merge into the outbox."""
+        self._reap()
+        rows: list[_Row] = []
+        decoding = [s for s in self.running if not s.prefilling]
+        budget = self.mixed_chunk if decoding else self.prefill_chunk
+        for seq in decoding + [s for s in self.running if s.prefilling]:
+            out = StreamResult()
+            if seq.cancel.is_set():
+                seq.end(out, "cancelled", None)
+            elif not seq.prefilling and len(seq.tokens) >= seq.limit:
+                seq.end(out, "context_full", None)
+            elif seq.prefilling:
+                unfed = len(seq.tokens) - seq.n_cached
+                n = min(unfed, budget)
+                if n > 0:
+                    budget -= n
+                    rows.append(_Row(seq, seq.tokens[seq.n_cached : seq.n_cached + n], sample=n == unfed))
+            else:
+                rows.append(self._decode_row(seq))
+            if out.eos:
+                self._post(seq, out)
+        if rows:
+            self._forward(rows)
+        self.running = [s for s in self.running if not s.done]
+        self.steps += 1
+
+    def _decode_row(self, seq: Sequence) -> _Row:
+        pending = seq.tokens[seq.n_cached :]
+        assert len(pending) == 1, f"a decoding sequence has one pending token, got {len(pending)}"
+        req = seq.req
+        k = min(req.draft_tokens, req.max_new_tokens - seq.stats.new_tokens - 1, seq.limit - len(seq.tokens) - 1)
+        drafts: list[int] = []
+        if seq.drafter is not None and k > 0:
+            seq.table.ensure(seq.n_cached + k + 1)
+            if isinstance(seq.drafter, SelfDrafter):
+                drafts = seq.drafter.draft_at(seq.tokens, k, seq.table.pages, seq.n_cached)[:k]
+            else:
+                drafts = seq.drafter.draft(seq.tokens, k)[:k]
+            seq.stats.drafted += len(drafts)
+        return _Row(seq, pending + drafts, drafts)
+
+    def _forward(self, rows: list[_Row]) -> None:
+        spec = []
+        for r in rows:
+            r.seq.table.ensure(r.seq.n_cached + len(r.feed))
+            offsets = [] if not r.sample else list(range(len(r.feed))) if r.drafts else [-1]
+            spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, offsets))
+        logits = self.model(make_batch(spec, self.pool.page_size, self.model.device), self.pool)  # (R, vocab)
+        at, todo = 0, []  # (row, its first logits row, how many it samples, its results)
+        for r in rows:
+            seq, out = r.seq, StreamResult()
+            seq.n_cached += len(r.feed)
+            n_rows = 0 if not r.sample else len(r.feed) if r.drafts else 1
+            if r.sample and seq.prefilling:
+                seq.stats.prefill_ms = (time.perf_counter() - seq.t_begin) * 1000
+                if len(seq.tokens) >= seq.limit:
+                    seq.end(out, "context_full", None)
+            todo.append((r, at, n_rows if not seq.done else 0, out))
+            at += n_rows
+        # one call samples every sequence's first row, and a greedy sequence's verify rows too (they draw nothing);
+        # a sampled sequence's verify row is sampled only once the draft before it is accepted, so each random
+        # stream draws exactly what it would alone
+        at_rows: list[int] = []
+        asks: list[RowAsk] = []
+        for r, first, n, _ in todo:
+            k = n if r.seq.sampler.settings.greedy else min(n, 1)
+            at_rows += range(first, first + k)
+            asks += [self._ask(r.seq)] * k
+        picked = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when every row is asked
+            torch.tensor(at_rows, dtype=torch.long, device=logits.device)]
+        choices = iter(sample_batch(picked, asks) if asks else [])
+        for r, first, n, out in todo:
+            if n:
+                k = n if r.seq.sampler.settings.greedy else 1
+                self._verify(r.seq, out, r.drafts, logits[first : first + n], [next(choices) for _ in range(k)])
+            r.seq.table.register(r.seq.tokens, r.seq.n_cached)
+            self._post(r.seq, out)
+
+    def _verify(self, seq: Sequence, out: StreamResult, drafts: list[int], logits: torch.Tensor,
+                sampled: list[Choice]) -> None:
+        """Take row i's sample (i = 0..len(drafts)) while the previous one equals draft i - 1 (exllamav2's rule); rows
+        past `sampled` (the rows sampled already) are sampled here, only when reached."""
+        base = seq.n_cached - len(drafts)  # tokens[:base] are in the cache for good (the fed pending token included)
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            choice = sampled[i] if i < len(sampled) else self._sample(seq, logits[i])
+            self._emit(seq, out, choice)
+            if seq.done or i == len(drafts) or choice.token != drafts[i]:
+                break
+            accepted += 1
+        seq.stats.accepted += accepted
+        if drafts:
+            seq.n_cached = base + accepted  # pending + accepted drafts; the last sample is the new pending token
+            seq.table.truncate(seq.n_cached)
+
+    @staticmethod
+    def _ask(seq: Sequence) -> RowAsk:
+        req = seq.req
+        return RowAsk(seq.sampler, seq.tokens, top_alts=req.top_alts if req.return_probs else 0,
+                      want_probs=req.return_probs, want_logits=req.return_logits)
+
+    def _sample(self, seq: Sequence, row: torch.Tensor) -> Choice:
+        a = self._ask(seq)
+        return seq.sampler.sample(row, a.history, a.top_alts, a.want_probs, a.want_logits)
+
+    def _emit(self, seq: Sequence, out: StreamResult, c: Choice) -> None:
+        """Append the sampled token; end the sequence when a stop condition holds."""
+        seq.tokens.append(c.token)
+        seq.stats.new_tokens += 1
+        if seq.stats.new_tokens == 1:
+            seq.t_first = time.perf_counter()
+            seq.stats.ttft_ms = (seq.t_first - seq.t_begin) * 1000
+        if c.token in seq.stop_ids:
+            seq.end(out, "stop_token", c.token)
+            return
+        info = TokenInfo(id=c.token, piece="", prob=c.prob, sampled_prob=c.sampled_prob, rank=c.rank,
+                         top=[(t, self.tokenizer.id_to_text(t), p) for t, p in c.top], logits=c.logits)
+        released = seq.holder.push(info, seq.decoder.push(c.token))
+        add(out, released.items)
+        if released.stop is not None:
+            seq.end(out, "stop_string", released.stop)
+        elif seq.stats.new_tokens >= seq.req.max_new_tokens:
+            seq.end(out, "max_new_tokens", None)
+
+    def _post(self, seq: Sequence, out: StreamResult) -> None:
+        if seq in self.outbox:
+            self.outbox[seq].merge(out)
+        else:
+            self.outbox[seq] = out
+        if seq.done:
+            self.retained[seq.owner] = Retained(seq.table, seq.tokens[: seq.n_cached])
+            self.retained.move_to_end(seq.owner)
+
+    # ------------------------------------------------------------------ pages
+    def _evict_idle(self) -> bool:
+        """Release the least recently used idle owner's pages (the pool calls this when it has none free)."""
+        if not self.retained:
+            return False
+        _, kept = self.retained.popitem(last=False)
+        kept.table.release()
+        return True
+
+    def _reap(self) -> None:
+        while self._closing:
+            owner = self._closing.pop()
+            for seq in self.running:
+                if seq.owner is owner and not seq.done:
+                    seq.end(StreamResult(), "cancelled", None)
+                    seq.table.release()
+                    self.outbox.pop(seq, None)
+            self.running = [s for s in self.running if not s.done]
+            kept = self.retained.pop(owner, None)
+            if kept is not None:
+                kept.table.release()
+            self._drafters = {key: d for key, d in self._drafters.items() if key[0] != id(owner)}
+
+    # ------------------------------------------------------------------ set-up
+    def _check(self, req: GenerationRequest) -> None:
+        vocab = self.model.args.vocab_size
+        ids = req.prompt_ids
+        if not ids:
+            raise ValueError("prompt_ids must hold at least one token, got none")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}], got {bad!r}")
+        if len(ids) > self.capacity:
+            raise ValueError(f"prompt is {len(ids)} tokens; the cache holds at most {self.capacity}")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {req.max_new_tokens}")
+        if not 0 <= req.top_alts <= MAX_TOP_ALTS:
+            raise ValueError(f"top_alts must be in [0, {MAX_TOP_ALTS}], got {req.top_alts}")
+        if req.draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be at least 1, got {req.draft_tokens}")
+        if req.speculative not in MODES:
+            raise ValueError(f"speculative must be one of {list(MODES)}, got {req.speculative!r}")
+        if req.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative 'draft' needs a draft model; this generator has none")
+
+    def _drafter(self, owner: object, mode: str) -> Drafter | None:
+        if mode == "none":
+            return None
+        if mode == "self":
+            return self.self_draft
+        key = (id(owner), mode)
+        if key not in self._drafters:
+            if mode == "draft":
+                assert self.draft_model is not None
+                self._drafters[key] = ModelDrafter(self.draft_model, self.capacity)
+            else:
+                self._drafters[key] = NgramDrafter()
+        return self._drafters[key]

@@ -1,0 +1,79 @@
+"""What the worker reports about one request: neutral events that each transport formats in its own adapter.
+
+    Queued(position)* → Started → Tokens* → Finished          (or Failed at any point)
+
+The websocket adapter is `webchat.serve.protocol.event_messages`; an HTTP API formats the same events its own way, so
+the transports cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TokenInfo:
+    """One emitted token. piece: the exact text it adds (the pieces of a result concatenate to its text).
+    prob/rank/top use softmax of the main model's raw logits; sampled_prob the distribution actually drawn from."""
+
+    id: int
+    piece: str
+    prob: float | None = None
+    sampled_prob: float | None = None
+    rank: int | None = None
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, display text, prob), prob descending
+    logits: torch.Tensor | None = None  # (vocab,) raw row when return_logits
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    new_tokens: int = 0  # sampled tokens, the stop token included
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_tps: float = 0.0  # (new_tokens - 1) / time from first token to the end
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass(frozen=True)
+class Queued:
+    """Waiting for a slot; position 1 is next."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    reused_tokens: int
+    trimmed_messages: int = 0  # oldest messages left out to fit the context (set by the transport, not the worker)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New text and the tokens that carry it (tokens hold probabilities only when the request asked for them)."""
+
+    text: str
+    tokens: list[TokenInfo]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # stop_token | stop_string | max_new_tokens | context_full | cancelled
+    trigger: str | None  # the stop token's text or the stop string
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ended without a result: code is one of webchat.serve.protocol.ERROR_CODES."""
+
+    code: str
+    message: str
+
+
+Event = Queued | Started | Tokens | Finished | Failed

@@ -1,0 +1,293 @@
+"""Sampling settings (one validated dataclass) and the torch sampler that turns a logits row into a token."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+MAX_TOP_ALTS = 20
+
+
+class SettingsError(ValueError):
+    """A sampling setting out of range; names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        super().__init__(f"{field} must be {allowed}, got {value!r}")
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+
+
+def _number(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False, integer: bool = False) -> None:
+    kind = "an integer" if integer else "a number"
+    allowed = f"{kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok_type:
+        raise SettingsError(name, value, allowed)
+    v = float(value)  # type: ignore[arg-type]
+    if math.isnan(v) or v > hi or v < lo or (lo_open and v == lo):
+        raise SettingsError(name, value, allowed)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to pick each token; validated once at construction (SettingsError names field, value and range).
+
+    Order applied to a logits row: token bias, repetition penalty, frequency/presence penalties, then
+    temperature (0 = greedy argmax), top-k, top-p, min-p, typical-p, renormalise, draw.
+    The penalties look at the last `repetition_range` tokens of the whole sequence (prompt + reply; 0 = all).
+    """
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    repetition_range: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    token_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _number("temperature", self.temperature, 0.0, 5.0)
+        _number("top_k", self.top_k, 0, 100_000, integer=True)
+        _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("typical_p", self.typical_p, 0.0, 1.0, lo_open=True)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        _number("repetition_range", self.repetition_range, 0, 1_000_000, integer=True)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if not isinstance(self.token_bias, dict):
+            raise SettingsError("token_bias", self.token_bias, "a mapping of token id to bias")
+        for tid, bias in self.token_bias.items():
+            _number("token_bias key", tid, 0, 10_000_000, integer=True)
+            _number(f"token_bias[{tid}]", bias, -100.0, 100.0)
+        if self.seed is not None:
+            _number("seed", self.seed, 0, 2**63 - 1, integer=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingSettings:
+        """Build from wire JSON: unknown keys are an error; token_bias keys may be strings of ints."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise SettingsError(unknown[0], d[unknown[0]], f"one of the settings {sorted(names)}")
+        d = dict(d)
+        if isinstance(d.get("token_bias"), dict):
+            try:
+                d["token_bias"] = {int(k): v for k, v in d["token_bias"].items()}
+            except ValueError as e:
+                raise SettingsError("token_bias", d["token_bias"], "a mapping of integer token id to bias") from e
+        return cls(**d)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+@dataclass
+class Choice:
+    """One sampled token and, when asked for, what the model thought of it.
+
+    prob: softmax(raw logits)[token]; sampled_prob: probability under the distribution actually drawn from
+    (after penalties, temperature and truncation; 1.0 when greedy); rank: 1-based under the raw logits;
+    top: [(id, prob)] by raw probability, descending.
+    """
+
+    token: int
+    prob: float | None = None
+    sampled_prob: float | None = None
+    rank: int | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+
+
+class Sampler:
+    """Draws tokens for one stream with its own seeded torch.Generator: exactly one uniform per sampled token."""
+
+    def __init__(self, settings: SamplingSettings, vocab_size: int) -> None:
+        bad = [t for t in settings.token_bias if t >= vocab_size]
+        if bad:
+            raise SettingsError("token_bias key", bad[0], f"a token id in [0, {vocab_size - 1}]")
+        self.settings = settings
+        self.vocab_size = vocab_size
+        self.seed = settings.seed if settings.seed is not None else secrets.randbits(63)
+        self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
+        self._bias: torch.Tensor | None = None
+        if settings.token_bias:
+            self._bias = torch.zeros(vocab_size)
+            for tid, b in settings.token_bias.items():
+                self._bias[tid] = b
+
+    def sample(self, logits: torch.Tensor, history: list[int], top_alts: int = 0, want_probs: bool = False,
+               want_logits: bool = False) -> Choice:
+        """logits: (vocab,) raw row for the next position; history: every token before it (prompt + reply)."""
+        raw = logits.float()
+        x = self._adjust(raw.cpu(), history)
+        token, sampled_prob = self._draw(x)
+        choice = Choice(token=token, sampled_prob=sampled_prob if want_probs or top_alts else None)
+        if want_probs or top_alts:
+            _describe(choice, raw, min(top_alts, MAX_TOP_ALTS))
+        if want_logits:
+            choice.logits = raw.detach().cpu().clone()
+        return choice
+
+    def _adjust(self, x: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """Token bias and penalties; returns a new (vocab,) row."""
+        s = self.settings
+        if self._bias is not None:
+            x = x + self._bias
+        if not s.penalised or not history:
+            return x
+        window = history[-s.repetition_range:] if s.repetition_range else history
+        ids = torch.tensor(window, dtype=torch.long)
+        counts = torch.bincount(ids, minlength=self.vocab_size)[: self.vocab_size].to(x.dtype)  # (vocab,)
+        seen = counts > 0
+        x = x.clone()
+        if s.repetition_penalty != 1.0:
+            # CTRL: positive logits divided, negative multiplied
+            x = torch.where(seen & (x > 0), x / s.repetition_penalty, x)
+            x = torch.where(seen & (x <= 0), x * s.repetition_penalty, x)
+        # OpenAI: logit -= frequency * count + presence * [count > 0]
+        return x - s.frequency_penalty * counts - s.presence_penalty * seen.to(x.dtype)
+
+    def _draw(self, x: torch.Tensor) -> tuple[int, float]:
+        if self.settings.greedy:
+            return int(torch.argmax(x)), 1.0
+        u = float(torch.rand((), generator=self.rng, dtype=torch.float64))  # one uniform per sampled token
+        token, sampled_prob = draw(x, self.settings, u)
+        return int(token), float(sampled_prob)
+
+
+def draw(x: torch.Tensor, s: SamplingSettings, u: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw for a uniform u in [0, 1) over the candidates the settings keep: (token, sampled_prob) as 0-d
+    tensors on x's device, without host syncs, so the same code serves the CPU and the GPU sampler."""
+    probs = torch.softmax(x / s.temperature, dim=-1)
+    if s.top_k and s.top_k < probs.numel():
+        vals, idx = torch.topk(probs, s.top_k)  # sorted descending
+    else:
+        vals, idx = torch.sort(probs, descending=True)
+    vals = truncate(vals, s)
+    cdf = torch.cumsum(vals.double(), dim=0)
+    total = cdf[-1]
+    pos = torch.searchsorted(cdf, (u * total).reshape(1), right=True).clamp_(max=vals.numel() - 1)  # (1,)
+    at = torch.arange(vals.numel(), device=vals.device)
+    pos = torch.where((vals > 0) & (at <= pos), at, 0).max().reshape(1)  # u rounded up onto total: last kept one
+    # index_select, not idx[pos]: indexing with a 0-d tensor reads it on the host (a sync per token on a GPU)
+    return idx.index_select(0, pos)[0], vals.index_select(0, pos)[0].double() / total
+
+
+def truncate(vals: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
+    """vals: candidate probabilities sorted descending; zero out what top-p, min-p and typical-p drop.
+
+    Written without host syncs, so the same code serves the CPU and the GPU sampler (webchat.kernels.cuda.sampler).
+    """
+    keep = torch.ones_like(vals, dtype=torch.bool)
+    if s.top_p < 1.0:
+        before = torch.cumsum(vals, 0) - vals  # mass strictly above each candidate
+        keep &= before < s.top_p * vals.sum()
+    if s.min_p > 0.0:
+        keep &= vals >= s.min_p * vals[0]
+    if s.typical_p < 1.0:
+        keep &= typical_mask(vals / vals.sum(), s.typical_p)
+    keep[0] = keep[0] | ~keep.any()  # the filters disagree on everything: fall back to the most likely token
+    return torch.where(keep, vals, torch.zeros_like(vals))
+
+
+def typical_mask(p: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling: keep the tokens with -log p closest to the entropy H until `mass` is covered."""
+    logp = torch.log(p.clamp_min(1e-30))
+    entropy = -(p * logp).sum()
+    order = torch.argsort((-logp - entropy).abs())
+    before = torch.cumsum(p[order], 0) - p[order]
+    return torch.zeros_like(p, dtype=torch.bool).scatter_(0, order, before < mass)
+
+
+def _describe(choice: Choice, raw: torch.Tensor, top_alts: int) -> None:
+    """Fill prob, rank and top alternatives from the raw logits (softmax over the whole row)."""
+    _describe_rows([choice], raw.reshape(1, -1), [0], [top_alts])
+
+
+@dataclass
+class RowAsk:
+    """What one logits row of a batch wants: its sequence's sampler and history, and how much to describe."""
+
+    sampler: Sampler
+    history: list[int]
+    top_alts: int = 0
+    want_probs: bool = False
+    want_logits: bool = False
+
+
+def sample_batch(logits: torch.Tensor, asks: list[RowAsk]) -> list[Choice]:
+    """One call for a batch's rows: logits (N, vocab), row i sampled with asks[i]'s settings and its own random stream.
+
+    Each Choice equals what asks[i].sampler.sample(logits[i], ...) returns, token and numbers alike: a row's result
+    does not depend on the batch. The work that needs no per-row state runs once for all rows: token bias, the
+    greedy argmax, and the description (log-softmax, rank, top alternatives, one top-k per distinct k). Penalties and
+    random draws stay per row, each from its sampler's own generator (one uniform per sampled token). Samplers of
+    another kind (the CUDA sampler) and logits off the CPU are sampled row by row.
+    """
+    if logits.shape[0] != len(asks):
+        raise ValueError(f"{len(asks)} asks for {logits.shape[0]} logits rows")
+    if logits.device.type != "cpu" or any(type(a.sampler) is not Sampler for a in asks):
+        return [a.sampler.sample(logits[i], a.history, a.top_alts, a.want_probs, a.want_logits)
+                for i, a in enumerate(asks)]
+    raw = logits.float()
+    x = raw
+    penalised = [i for i, a in enumerate(asks) if a.sampler.settings.penalised and a.history]
+    biased = [i for i, a in enumerate(asks) if a.sampler._bias is not None and i not in penalised]
+    if penalised or biased:
+        x = raw.clone()
+        for i in biased:  # only the biased ids (adding 0.0 elsewhere changes nothing): no (N, vocab) temporaries
+            bias = asks[i].sampler.settings.token_bias
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            x[i, ids] = raw[i, ids] + torch.tensor(list(bias.values()), dtype=raw.dtype)
+        for i in penalised:
+            x[i] = asks[i].sampler._adjust(raw[i], asks[i].history)
+    greedy = [i for i, a in enumerate(asks) if a.sampler.settings.greedy]
+    tokens = [0] * len(asks)
+    sampled = [1.0] * len(asks)
+    if greedy:
+        picks = x[torch.tensor(greedy)].argmax(-1).tolist() if len(greedy) < len(asks) else x.argmax(-1).tolist()
+        for i, t in zip(greedy, picks, strict=True):
+            tokens[i] = t
+    for i, a in enumerate(asks):
+        if not a.sampler.settings.greedy:
+            tokens[i], sampled[i] = a.sampler._draw(x[i])
+    choices = [Choice(token=tokens[i], sampled_prob=sampled[i] if a.want_probs or a.top_alts else None)
+               for i, a in enumerate(asks)]
+    described = [i for i, a in enumerate(asks) if a.want_probs or a.top_alts]
+    if described:
+        _describe_rows(choices, raw, described, [min(asks[i].top_alts, MAX_TOP_ALTS) for i in described])
+    for i, a in enumerate(asks):
+        if a.want_logits:
+            choices[i].logits = raw[i].detach().cpu().clone()
+    return choices
+
+
+def _describe_rows(choices: list[Choice], raw: torch.Tensor, rows: list[int], ks: list[int]) -> None:
+    """Fill prob, rank and top alternatives (ks[j] of them) of choices[i] for rows i of raw (N, vocab), all at once:
+    softmax over each whole raw row, one top-k call per distinct k."""
+    dev = raw.device
+    logp = torch.log_softmax(raw.index_select(0, torch.tensor(rows, device=dev)), dim=-1)  # (D, vocab)
+    chosen = logp.gather(1, torch.tensor([[choices[i].token] for i in rows], device=dev))  # (D, 1)
+    probs, ranks = chosen.exp()[:, 0].tolist(), ((logp > chosen).sum(-1) + 1).tolist()
+    for j, i in enumerate(rows):
+        choices[i].prob, choices[i].rank = probs[j], int(ranks[j])
+    for k in sorted(set(ks) - {0}):
+        at = [j for j, kj in enumerate(ks) if kj == k]
+        vals, top = torch.topk(logp[torch.tensor(at, device=dev)], k)
+        for j, vs, ts in zip(at, vals.exp().tolist(), top.tolist(), strict=True):
+            choices[rows[j]].top = [(int(t), float(v)) for t, v in zip(ts, vs, strict=True)]

@@ -1,0 +1,106 @@
+"""One request's state inside the engine, and the request/result types the generator handle speaks.
+
+A Sequence holds what belongs to one request (exllamav2's job): its tokens, sampler, incremental decoder, stop holder,
+stats, drafter and page table. `tokens` = prompt + sampled tokens; the pool holds k/v for tokens[:n_cached]; the
+last token is "pending" (sampled, not yet fed) once the prompt is in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from webchat.engine.events import Stats, TokenInfo
+from webchat.engine.sampling import Sampler, SamplingSettings
+from webchat.engine.speculative import Drafter
+from webchat.model.kv_cache import PageTable
+from webchat.text.detok import IncrementalDecoder
+from webchat.text.stops import StopHolder
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    settings: SamplingSettings = field(default_factory=SamplingSettings)
+    max_new_tokens: int = 256
+    stop_strings: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None  # None = tokenizer.stop_token_ids
+    return_probs: bool = False  # prob, sampled_prob, rank and `top_alts` alternatives per token
+    top_alts: int = 5
+    return_logits: bool = False
+    speculative: str = "none"  # one of speculative.MODES
+    draft_tokens: int = 4  # k drafted tokens verified per forward
+
+
+@dataclass
+class StartInfo:
+    prompt_tokens: int
+    reused_tokens: int
+    seed: int = 0  # the sampler's seed (chosen at random when settings.seed is None)
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list)
+    eos: bool = False
+    eos_reason: str | None = None  # stop_token | stop_string | max_new_tokens | context_full | cancelled
+    eos_trigger: int | str | None = None  # the stop token id or the stop string
+    stats: Stats | None = None  # at eos only
+
+    def merge(self, later: StreamResult) -> None:
+        """Append a later step's result (a handle not read for a while gets one result for several steps)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.tokens += later.tokens
+        if later.eos:
+            self.eos, self.eos_reason, self.eos_trigger, self.stats = True, later.eos_reason, later.eos_trigger, \
+                later.stats
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in the engine; identity-hashed (the engine keys results by it)."""
+
+    req: GenerationRequest
+    sampler: Sampler
+    decoder: IncrementalDecoder
+    holder: StopHolder[TokenInfo]
+    stop_ids: frozenset[int]
+    tokens: list[int]
+    table: PageTable
+    stats: Stats
+    drafter: Drafter | None
+    limit: int  # positions this sequence may reach (the context, or the pool if smaller)
+    n_cached: int = 0
+    owner: object = None  # the handle (connection) whose pages it keeps after it ends
+    t_begin: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+    done: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.stats.new_tokens == 0
+
+    def end(self, out: StreamResult, reason: str, trigger: int | str | None) -> None:
+        if reason != "stop_string":
+            add(out, self.holder.flush().items)
+        self.decoder.finish()
+        self.done = True
+        st = self.stats
+        if st.new_tokens > 1:
+            st.decode_tps = (st.new_tokens - 1) / max(time.perf_counter() - self.t_first, 1e-9)
+        if st.new_tokens == 0 and st.prefill_ms == 0.0:
+            st.prefill_ms = (time.perf_counter() - self.t_begin) * 1000
+        out.eos, out.eos_reason, out.eos_trigger, out.stats = True, reason, trigger, st
+
+
+def add(out: StreamResult, items: list[tuple[TokenInfo, str]]) -> None:
+    for info, piece in items:
+        info.piece = piece
+        out.text += piece
+        out.token_ids.append(info.id)
+        out.tokens.append(info)

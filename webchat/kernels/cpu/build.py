@@ -1,0 +1,105 @@
+"""Build (once, cached) and load webchat's C++ CPU kernels: quantized matmul and the forward (docs/quant.md).
+
+Built with torch's C++ extension loader (g++ and ninja) so the kernels run on torch's own OpenMP thread pool through
+`at::parallel_for`: one OpenMP runtime in the process, torch.set_num_threads governs both. `python -m
+webchat.kernels.cpu.build` builds them ahead of time (scripts/setup.sh does).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+from webchat.paths import webchat_home
+
+SOURCES = ("qmatmul.cpp", "qstep.cpp", "qops.cpp")
+CSRC = Path(__file__).parent / "csrc"
+PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
+# -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wall"]
+STALE_LOCK_S = 900  # a build takes 2-4 minutes on 2 cores
+
+
+class KernelsUnavailable(RuntimeError):
+    """The C++ kernels could not be built or loaded here (no compiler, no ninja, a build error)."""
+
+
+def build_name() -> str:
+    """webchat_q_<hash of where the sources are, the flags and torch's version>: one folder per checkout, in which
+    ninja rebuilds only what changed (torch's loader rechecks the sources on every load)."""
+    import torch
+
+    h = hashlib.sha256(f"{CSRC.resolve()} {torch.__version__} {' '.join(CFLAGS)}".encode())
+    return f"webchat_q_{h.hexdigest()[:12]}"
+
+
+def build_dir() -> Path:
+    return webchat_home() / "build" / build_name()
+
+
+def _missing_tool() -> str | None:
+    scripts = sysconfig.get_path("scripts")  # the venv's bin: pip's ninja lives there even when PATH lacks it
+    os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
+    for tool in (os.environ.get("CXX", "c++"), "ninja"):
+        if shutil.which(tool) is None:
+            return tool
+    return None
+
+
+@functools.cache
+def load(verbose: bool = False) -> Any:
+    """The compiled module (qmatmul, dequantize, Step, set_path, path, best_path)."""
+    from torch.utils import cpp_extension
+
+    tool = _missing_tool()
+    if tool is not None:
+        raise KernelsUnavailable(f"{tool!r} not found on PATH; install a C++ compiler and ninja (scripts/setup.sh)")
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / "lock"  # torch's build lock; a build killed mid-way leaves it behind and the next load waits forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    if not (out / f"{out.name}.so").is_file():
+        print(f"webchat: building the C++ kernels into {out} (once; a few minutes)", file=sys.stderr, flush=True)
+    try:
+        mod = cpp_extension.load(
+            name=out.name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=verbose,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # a compiler error, a failed link
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise KernelsUnavailable(f"building the C++ kernels in {out} failed: {last}") from exc
+    forced = os.environ.get("WEBCHAT_QPATH", "").strip()
+    if forced:
+        if forced not in PATHS:
+            raise KernelsUnavailable(f"WEBCHAT_QPATH must be one of {', '.join(PATHS)}, got {forced!r}")
+        mod.set_path(PATHS[forced])
+    return mod
+
+
+def try_load() -> Any | None:
+    """The module, or None after one line on stderr saying why (callers then take the float path)."""
+    try:
+        return load()
+    except KernelsUnavailable as exc:
+        print(f"webchat: C++ kernels unavailable, using float32 PyTorch ops: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
+def available_paths() -> list[str]:
+    """The code paths this CPU can run, scalar first (for tests that force each one)."""
+    best = int(load().best_path())
+    return [name for name, p in PATHS.items() if p <= best]
+
+
+if __name__ == "__main__":
+    mod = load(verbose="-v" in sys.argv)
+    names = {v: k for k, v in PATHS.items()}
+    print(f"webchat kernels built in {build_dir()}; code path here: {names[int(mod.path())]}")

@@ -1,0 +1,254 @@
+// Dequantization, the batched forward's owner (class Step) and the Python bindings (docs/quant.md).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "qcommon.h"
+#include "qstep.h"
+
+namespace wq {
+
+inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
+  const int64_t bb = block_bytes(qtype);
+  TORCH_CHECK(bb > 0, "qtype must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ", qtype);
+  TORCH_CHECK(k > 0 && k % 32 == 0, "K must be a positive multiple of 32 (the block size), got ", k);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous(),
+              "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.size(1) == k / 32 * bb, "w rows must hold ", k / 32 * bb, " bytes for K=", k, ", got ", w.size(1));
+}
+
+// y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]
+torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
+                      const c10::optional<torch::Tensor>& bias) {
+  check_weight(w, qtype, k);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (M, ", k, "), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "x must be float32 on the CPU, got ",
+              x.scalar_type(), " on ", x.device());
+  const torch::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), n = w.size(0);
+  torch::Tensor y = torch::empty({m, n}, xc.options());
+  if (m == 0 || n == 0) return y;
+  torch::Tensor xsum2 = torch::empty({m, k / 32, 2}, xc.options());
+  qmatmul_raw(xc.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype),
+              xsum2.data_ptr<float>(), y.data_ptr<float>());
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+// out[k] for one row: w = d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1)
+static void dequant_row(const uint8_t* row, int64_t qtype, int64_t k, float* out) {
+  const int64_t bb = block_bytes(qtype);
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half_to_float(blk);
+    float* o = out + b * 32;
+    if (qtype == Q8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int i = 0; i < 32; ++i) o[i] = d * float(q[i]);
+    } else {
+      const uint8_t* q = blk + (qtype == Q4_1 ? 4 : 2);
+      const float m = qtype == Q4_1 ? half_to_float(blk + 2) : 0.f;
+      const float off = qtype == Q4_1 ? 0.f : 8.f;
+      for (int i = 0; i < 16; ++i) {
+        o[i] = d * (float(q[i] & 15) - off) + m;
+        o[i + 16] = d * (float(q[i] >> 4) - off) + m;
+      }
+    }
+  }
+}
+
+// (len(ids), K) float32 rows ids of w; ids None: every row (the whole matrix)
+torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k, const c10::optional<torch::Tensor>& ids) {
+  check_weight(w, qtype, k);
+  torch::Tensor idx;
+  if (ids.has_value()) {
+    idx = ids->to(torch::kInt64).contiguous();
+    TORCH_CHECK(idx.dim() == 1, "ids must be 1-D, got ", idx.sizes());
+  }
+  const int64_t n = ids.has_value() ? idx.size(0) : w.size(0), rows = w.size(0);
+  const int64_t* ip = ids.has_value() ? idx.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; ip != nullptr && i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "id ", ip[i], " is out of range [0, ", rows, ")");
+  torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) dequant_row(wp + (ip ? ip[i] : i) * w.size(1), qtype, k, op + i * k);
+  });
+  return out;
+}
+
+static void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+int64_t set_path(int64_t p) {
+  TORCH_CHECK(p >= -1 && p <= PATH_AVX512, "path must be -1 (best), 0 (scalar), 1 (avx2) or 2 (avx512), got ", p);
+  TORCH_CHECK(p <= best_path(), "path ", p, " needs instructions this CPU lacks (best here: ", best_path(), ")");
+  g_path = p < 0 ? best_path() : static_cast<int>(p);
+  return g_path;
+}
+
+// The batched forward (qstep.cpp) with the tensors it points into kept alive here.
+class Step {
+ public:
+  // dims: dim, n_heads, n_kv, head_dim, ffn; per layer norms (attn, ffn), mats (wq wk wv wo w1 w3 w2) with their
+  // qtypes (0: float32 (n, k)), biases (q, k, v; an empty tensor for none)
+  Step(std::vector<int64_t> dims, double eps, torch::Tensor emb, int64_t emb_qtype, torch::Tensor head,
+       int64_t head_qtype, torch::Tensor final_norm, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> mats,
+       std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases) {
+    TORCH_CHECK(dims.size() == 5, "dims must be (dim, n_heads, n_kv, head_dim, ffn), got ", dims.size(), " values");
+    m_.dim = dims[0], m_.n_heads = dims[1], m_.n_kv = dims[2], m_.head_dim = dims[3], m_.ffn = dims[4];
+    TORCH_CHECK(m_.n_kv > 0 && m_.n_heads % m_.n_kv == 0 && m_.n_heads / m_.n_kv <= 64 && m_.head_dim % 2 == 0,
+                "heads must be a multiple (at most 64x) of kv heads and head_dim even, got ", m_.n_heads, ", ",
+                m_.n_kv, ", ", m_.head_dim);
+    m_.eps = static_cast<float>(eps);
+    const size_t n_layers = norms.size() / 2;
+    TORCH_CHECK(norms.size() == 2 * n_layers && mats.size() == 7 * n_layers && qtypes.size() == mats.size() &&
+                    biases.size() == 3 * n_layers,
+                "per layer: 2 norms, 7 matrices with 7 qtypes, 3 biases; got ", norms.size(), ", ", mats.size(), ", ",
+                qtypes.size(), ", ", biases.size());
+    m_.emb = mat(emb, emb_qtype, m_.dim, torch::Tensor());
+    m_.head = mat(head, head_qtype, m_.dim, torch::Tensor());
+    m_.final_norm = vec(final_norm, m_.dim);
+    const int64_t qd = m_.n_heads * m_.head_dim, kvd = m_.n_kv * m_.head_dim;
+    const int64_t ks[7] = {m_.dim, m_.dim, m_.dim, qd, m_.dim, m_.dim, m_.ffn};
+    const int64_t ns[7] = {qd, kvd, kvd, m_.dim, m_.ffn, m_.ffn, m_.dim};
+    for (size_t i = 0; i < n_layers; ++i) {
+      Layer L;
+      L.attn_norm = vec(norms[2 * i], m_.dim);
+      L.ffn_norm = vec(norms[2 * i + 1], m_.dim);
+      Mat* slots[7] = {&L.wq, &L.wk, &L.wv, &L.wo, &L.w1, &L.w3, &L.w2};
+      for (int j = 0; j < 7; ++j) {
+        *slots[j] = mat(mats[7 * i + j], qtypes[7 * i + j], ks[j], j < 3 ? biases[3 * i + j] : torch::Tensor());
+        TORCH_CHECK(slots[j]->n == ns[j], "layer ", i, " matrix ", j, " has ", slots[j]->n, " rows, expected ", ns[j]);
+      }
+      m_.layers.push_back(L);
+    }
+  }
+
+  // logits (R, vocab) of a webchat.model.batch.Batch through the first n_layers layers, k/v written into the pool
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions, const torch::Tensor& slots,
+                        const torch::Tensor& query_start, const torch::Tensor& block_tables,
+                        const torch::Tensor& logit_rows, const std::vector<torch::Tensor>& k,
+                        const std::vector<torch::Tensor>& v, const torch::Tensor& cos, const torch::Tensor& sin,
+                        int64_t n_layers) {
+    TORCH_CHECK(n_layers >= 1 && n_layers <= static_cast<int64_t>(m_.layers.size()), "n_layers must be in [1, ",
+                m_.layers.size(), "], got ", n_layers);
+    const int64_t T = tokens.numel();
+    for (const torch::Tensor* t : {&tokens, &positions, &slots, &logit_rows})
+      TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->is_contiguous() && t->device().is_cpu(),
+                  "tokens, positions, slot_mapping and logit_rows must be contiguous 1-D int64 CPU tensors");
+    TORCH_CHECK(T > 0 && positions.numel() == T && slots.numel() == T, "tokens, positions and slot_mapping must hold ",
+                "the same number (>0) of rows, got ", T, ", ", positions.numel(), ", ", slots.numel());
+    for (const torch::Tensor* t : {&query_start, &block_tables})
+      TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->device().is_cpu(),
+                  "query_start and block_tables must be contiguous int32 CPU tensors");
+    TORCH_CHECK(block_tables.dim() == 2 && query_start.dim() == 1 && query_start.numel() == block_tables.size(0) + 1,
+                "block_tables must be (B, width) and query_start (B + 1), got ", block_tables.sizes(), " and ",
+                query_start.sizes());
+    TORCH_CHECK(static_cast<int64_t>(k.size()) >= n_layers && v.size() == k.size(), "the pool has ", k.size(),
+                " layers, the forward needs ", n_layers);
+    const int64_t num_pages = k[0].size(0), ps = k[0].dim() == 4 ? k[0].size(1) : 0;
+    std::vector<float*> kp, vp;
+    for (int64_t i = 0; i < n_layers; ++i) {
+      for (const torch::Tensor* t : {&k[i], &v[i]}) {
+        check_f32(*t, "KV pool");
+        TORCH_CHECK(t->dim() == 4 && t->size(0) == num_pages && t->size(1) == ps && t->size(2) == m_.n_kv &&
+                        t->size(3) == m_.head_dim,
+                    "KV pool tensors must be (", num_pages, ", ", ps, ", ", m_.n_kv, ", ", m_.head_dim, "), got ",
+                    t->sizes());
+      }
+      kp.push_back(k[i].data_ptr<float>());
+      vp.push_back(v[i].data_ptr<float>());
+    }
+    check_f32(cos, "cos");
+    check_f32(sin, "sin");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) * 2 == m_.head_dim && sin.sizes() == cos.sizes(),
+                "cos/sin must be (positions, ", m_.head_dim / 2, "), got ", cos.sizes(), " and ", sin.sizes());
+    BatchView bv;
+    bv.tokens = tokens.data_ptr<int64_t>(), bv.positions = positions.data_ptr<int64_t>();
+    bv.slots = slots.data_ptr<int64_t>(), bv.t = T;
+    bv.query_start = query_start.data_ptr<int32_t>(), bv.b = block_tables.size(0);
+    bv.block_tables = block_tables.data_ptr<int32_t>(), bv.width = block_tables.size(1);
+    bv.logit_rows = logit_rows.data_ptr<int64_t>(), bv.r = logit_rows.numel();
+    check_batch(bv, num_pages, ps, cos.size(0));
+    torch::Tensor logits = torch::empty({bv.r, m_.head.n}, torch::dtype(torch::kFloat32));
+    PoolView pv{kp.data(), vp.data(), ps};
+    {
+      py::gil_scoped_release nogil;
+      m_.forward(bv, pv, cos.data_ptr<float>(), sin.data_ptr<float>(), n_layers, logits.data_ptr<float>());
+    }
+    return logits;
+  }
+
+ private:
+  StepModel m_;
+  std::vector<torch::Tensor> keep_;
+
+  // every index the forward follows stays inside its tensor: a bad batch is an error, never a wild write
+  void check_batch(const BatchView& bv, int64_t num_pages, int64_t ps, int64_t rope_rows) const {
+    TORCH_CHECK(bv.query_start[0] == 0 && bv.query_start[bv.b] == bv.t, "query_start must run from 0 to ", bv.t);
+    for (int64_t b = 0; b < bv.b; ++b) {
+      TORCH_CHECK(bv.query_start[b] < bv.query_start[b + 1], "sequence ", b, " has no rows in query_start");
+      for (int64_t j = 0; j < bv.width; ++j) {
+        const int32_t page = bv.block_tables[b * bv.width + j];
+        TORCH_CHECK(page >= 0 && page < num_pages, "block table page ", page, " is outside the pool of ", num_pages);
+      }
+      for (int64_t t = bv.query_start[b]; t < bv.query_start[b + 1]; ++t)
+        TORCH_CHECK(bv.positions[t] >= 0 && bv.positions[t] < rope_rows && bv.positions[t] / ps < bv.width,
+                    "position ", bv.positions[t], " of row ", t, " is outside its block table or the rope table");
+    }
+    for (int64_t t = 0; t < bv.t; ++t) {
+      TORCH_CHECK(bv.tokens[t] >= 0 && bv.tokens[t] < m_.emb.n, "token ", bv.tokens[t], " is out of range [0, ",
+                  m_.emb.n, ")");
+      TORCH_CHECK(bv.slots[t] >= 0 && bv.slots[t] < num_pages * ps, "slot ", bv.slots[t], " is outside the pool");
+    }
+    for (int64_t r = 0; r < bv.r; ++r)
+      TORCH_CHECK(bv.logit_rows[r] >= 0 && bv.logit_rows[r] < bv.t, "logit row ", bv.logit_rows[r], " out of range");
+  }
+
+  Mat mat(const torch::Tensor& w, int64_t qtype, int64_t k, const torch::Tensor& bias) {
+    Mat m;
+    if (qtype == F32) {
+      check_f32(w, "a float matrix");
+      TORCH_CHECK(w.dim() == 2 && w.size(1) == k, "a float matrix must be (n, ", k, "), got ", w.sizes());
+      m.w = reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), m.row_bytes = k * 4;
+    } else {
+      check_weight(w, qtype, k);
+      m.w = w.data_ptr<uint8_t>(), m.row_bytes = w.size(1);
+    }
+    keep_.push_back(w);
+    m.n = w.size(0), m.k = k, m.qtype = static_cast<int>(qtype);
+    if (bias.defined() && bias.numel() > 0) m.bias = vec(bias, m.n);
+    return m;
+  }
+
+  const float* vec(const torch::Tensor& t, int64_t n) {
+    check_f32(t, "vector");
+    TORCH_CHECK(t.numel() == n, "expected ", n, " values, got ", t.numel());
+    keep_.push_back(t);
+    return t.data_ptr<float>();
+  }
+};
+
+}  // namespace wq
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qmatmul", &wq::qmatmul, "y = x @ dequant(w).T (+ bias), float32", py::arg("x"), py::arg("w"),
+        py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none());
+  m.def("dequantize", &wq::dequantize, "float32 rows of a quantized matrix", py::arg("w"), py::arg("qtype"),
+        py::arg("k"), py::arg("ids") = py::none());
+  m.def("set_path", &wq::set_path, "force a code path (-1 best, 0 scalar, 1 avx2, 2 avx512); returns the one set");
+  m.def("path", &wq::path);
+  m.def("best_path", &wq::best_path);
+  py::class_<wq::Step>(m, "Step")
+      .def(py::init<std::vector<int64_t>, double, torch::Tensor, int64_t, torch::Tensor, int64_t, torch::Tensor,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
+                    std::vector<torch::Tensor>>())
+      .def("forward", &wq::Step::forward);
+}

@@ -1,0 +1,345 @@
+// The model's forward over a ragged batch on the paged KV cache, as one C++ call. The same maths as
+// webchat.model.transformer.Transformer.layers_forward with webchat.model.ops.PagedTorchOps:
+//   h = x + wo(attn(rope(wq y), rope(wk y), wv y)) with y = rms_norm(x);  x' = h + w2(silu(w1 y) * w3 y) with
+//   y = rms_norm(h);  logits = head(rms_norm(x_L)) for the logit rows only.
+// Every row is computed on its own (its matmul accumulations, its norm, its attention over its own sequence), so a
+// row's numbers do not depend on what else is in the batch. What goes away is the Python and dispatch overhead
+// around ~15 small ops per layer; the numbers are float32 throughout.
+#include "qstep.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <utility>
+#include <vector>
+
+#include "qcommon.h"
+
+namespace wq {
+
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+AVX2_FN static float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+AVX2_FN static void axpy_avx2(float* y, float a, const float* x, int64_t n) {  // y += a * x
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+static float dot_scalar(const float* a, const float* b, int64_t n) {
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+static void axpy_scalar(float* y, float a, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), within ~2 ulp of
+// std::exp for x in [-87.3, 88.7]; outside it the result saturates (to ~1e-38 and ~1.6e38), never NaN or inf
+AVX2_FN static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// x[i] = exp(x[i] - shift); returns the sum
+AVX2_FN static float exp_sum_avx2(float* x, int64_t n, float shift) {
+  const __m256 vs = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vs));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r += (x[i] = std::exp(x[i] - shift));
+  return r;
+}
+
+// g[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u
+AVX2_FN static void silu_mul_avx2(float* g, const float* u, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+static float exp_sum_scalar(float* x, int64_t n, float shift) {
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += (x[i] = std::exp(x[i] - shift));
+  return r;
+}
+
+static void silu_mul_scalar(float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// Attention kernels for one query head, hd = 8 * NV. k/v of the n keys of a page sit kvd floats apart.
+// s[i] = scale * q . k_i, four keys at a time (four independent FMA chains, reduced together)
+template <int NV>
+AVX2_FN static void score_keys_avx2(const float* q, const float* kp, int64_t kvd, int64_t n, float scale, float* s) {
+  __m256 qv[NV];
+  for (int c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  const __m128 vscale = _mm_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* k0 = kp + i * kvd;
+    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+    __m256 a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + kvd));
+    __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 2 * kvd));
+    __m256 a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 3 * kvd));
+    for (int c = 1; c < NV; ++c) {
+      a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
+      a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + kvd + 8 * c), a1);
+      a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 2 * kvd + 8 * c), a2);
+      a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 3 * kvd + 8 * c), a3);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(s + i, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vscale));
+  }
+  for (; i < n; ++i) {
+    const float* k0 = kp + i * kvd;
+    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+    for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a);
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    s[i] = _mm_cvtss_f32(t) * scale;
+  }
+}
+
+// o += sum_i w[i] v_i, with o held in NV registers across the page
+template <int NV>
+AVX2_FN static void accumulate_avx2(float* o, const float* w, const float* vp, int64_t kvd, int64_t n) {
+  __m256 ov[NV];
+  for (int c = 0; c < NV; ++c) ov[c] = _mm256_loadu_ps(o + 8 * c);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 bw = _mm256_broadcast_ss(w + i);
+    for (int c = 0; c < NV; ++c) ov[c] = _mm256_fmadd_ps(bw, _mm256_loadu_ps(vp + i * kvd + 8 * c), ov[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + 8 * c, ov[c]);
+}
+
+// y = w * x / sqrt(mean(x*x) + eps)
+static void rms_norm_row(const float* x, const float* w, float* y, int64_t d, float eps) {
+  float ss = 0.f;
+  for (int64_t c = 0; c < d; ++c) ss += x[c] * x[c];
+  const float inv = 1.f / std::sqrt(ss / float(d) + eps);
+  for (int64_t c = 0; c < d; ++c) y[c] = w[c] * (x[c] * inv);
+}
+
+// rotate_half RoPE on heads of hd: o1 = x1*c - x2*s, o2 = x2*c + x1*s, in place
+static void rope_heads(float* x, int64_t heads, int64_t hd, const float* c, const float* s) {
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* xh = x + h * hd;
+    for (int64_t e = 0; e < half; ++e) {
+      const float x1 = xh[e], x2 = xh[e + half];
+      xh[e] = x1 * c[e] - x2 * s[e];
+      xh[e + half] = x2 * c[e] + x1 * s[e];
+    }
+  }
+}
+
+// one row of a matrix as floats (the embedding lookup)
+static void dequant_row(const Mat& m, int64_t row, float* out) {
+  const uint8_t* r = m.w + row * m.row_bytes;
+  if (m.qtype == F32) {
+    std::memcpy(out, r, m.k * sizeof(float));
+    return;
+  }
+  const int64_t bb = block_bytes(m.qtype);
+  for (int64_t b = 0; b < m.k / 32; ++b) {
+    const uint8_t* blk = r + b * bb;
+    const float dd = half_to_float(blk);
+    float* o = out + b * 32;
+    if (m.qtype == Q8_0) {
+      const int8_t* qq = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int i = 0; i < 32; ++i) o[i] = dd * float(qq[i]);
+    } else {
+      const uint8_t* qq = blk + (m.qtype == Q4_1 ? 4 : 2);
+      const float mn = m.qtype == Q4_1 ? half_to_float(blk + 2) : 0.f;
+      const float off = m.qtype == Q4_1 ? 0.f : 8.f;
+      for (int i = 0; i < 16; ++i) {
+        o[i] = dd * (float(qq[i] & 15) - off) + mn;
+        o[i + 16] = dd * (float(qq[i] >> 4) - off) + mn;
+      }
+    }
+  }
+}
+
+// y_i (m, n_i) = x (m, k) @ W_i^T (+ bias_i) for matrices sharing x and k, in one parallel region
+void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m) {
+  MatRef refs[4];
+  int count = 0;
+  for (const auto& my : mys)
+    refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype, my.second};
+  qmatmul_multi(x, m, mys.begin()->first->k, refs, count, xsum2_.data());
+  for (const auto& my : mys)
+    if (my.first->bias != nullptr)
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < my.first->n; ++i) my.second[r * my.first->n + i] += my.first->bias[i];
+}
+
+// o_ (T, H, hd): row t of sequence b, query head h attends softmax(q k^T / sqrt(hd)) v over positions
+// [0, positions[t]] of b, with kv head h / (H / n_kv). The work comes in units of (sequence, query heads, rows):
+// a decoding sequence's one row makes a unit per query head, split evenly over the threads in order (neighbouring
+// heads share their kv head's pages in cache); a prefill or verify chunk makes units of up to 8 rows with every query
+// head of one kv group, so a page's keys and values are read once for all of them, taken by the threads as they go,
+// heaviest first. Each row's sums run in the same order whatever else is in the batch.
+void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, int64_t ps) {
+  const int64_t g = n_heads / n_kv, hd = head_dim, qd = n_heads * hd, kvd = n_kv * hd;
+  const float scale = 1.f / std::sqrt(float(hd));
+  const bool vec = path() >= PATH_AVX2;
+  const int nv = vec && hd == 64 ? 8 : vec && hd == 128 ? 16 : 0;  // a register kernel, or the generic loops
+  constexpr int64_t ROWS = 8;
+  struct Unit {
+    int64_t b, h0, heads, r0, rows, lmax;
+  };
+  std::vector<Unit> single, chunks;
+  for (int64_t b = 0; b < bv.b; ++b) {
+    const int64_t lo = bv.query_start[b], hi = bv.query_start[b + 1];
+    if (hi - lo == 1) {
+      for (int64_t h = 0; h < n_heads; ++h) single.push_back(Unit{b, h, 1, lo, 1, bv.positions[lo] + 1});
+      continue;
+    }
+    for (int64_t r0 = lo; r0 < hi; r0 += ROWS) {
+      const int64_t rows = std::min(ROWS, hi - r0), lmax = bv.positions[r0 + rows - 1] + 1;  // positions rise
+      for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax});
+    }
+  }
+  std::stable_sort(chunks.begin(), chunks.end(),
+                   [](const Unit& x, const Unit& y) { return x.rows * x.lmax > y.rows * y.lmax; });
+  auto run = [&](const Unit& U) {
+    static thread_local std::vector<float> sc, inv;
+    const int64_t n_rows = U.heads * U.rows, lmax = U.lmax, off = (U.h0 / g) * hd;
+    if (static_cast<int64_t>(sc.size()) < n_rows * lmax) sc.resize(n_rows * lmax);
+    if (static_cast<int64_t>(inv.size()) < n_rows) inv.resize(n_rows);
+    const int32_t* pages = bv.block_tables + U.b * bv.width;
+    // query row j of the unit: head h0 + j / rows, token r0 + j % rows
+    auto len = [&](int64_t j) { return bv.positions[U.r0 + j % U.rows] + 1; };
+    auto q = [&](int64_t j) { return q_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
+    auto o = [&](int64_t j) { return o_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
+    for (int64_t pos0 = 0; pos0 < lmax; pos0 += ps) {  // scores
+      const float* kp = kc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
+      for (int64_t j = 0; j < n_rows; ++j) {
+        const int64_t n = std::min(ps, len(j) - pos0);
+        float* s = sc.data() + j * lmax + pos0;
+        if (nv == 8) score_keys_avx2<8>(q(j), kp, kvd, n, scale, s);
+        else if (nv == 16) score_keys_avx2<16>(q(j), kp, kvd, n, scale, s);
+        else
+          for (int64_t i = 0; i < n; ++i)
+            s[i] = (vec ? dot_avx2(q(j), kp + i * kvd, hd) : dot_scalar(q(j), kp + i * kvd, hd)) * scale;
+      }
+    }
+    for (int64_t j = 0; j < n_rows; ++j) {  // softmax numerators and 1 / their sum
+      float* s = sc.data() + j * lmax;
+      const float mx = *std::max_element(s, s + len(j));
+      inv[j] = 1.f / (vec ? exp_sum_avx2(s, len(j), mx) : exp_sum_scalar(s, len(j), mx));
+      std::fill(o(j), o(j) + hd, 0.f);
+    }
+    for (int64_t pos0 = 0; pos0 < lmax; pos0 += ps) {  // o = sum p v
+      const float* vp = vc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
+      for (int64_t j = 0; j < n_rows; ++j) {
+        const int64_t n = std::min(ps, len(j) - pos0);
+        const float* w = sc.data() + j * lmax + pos0;
+        if (nv == 8) accumulate_avx2<8>(o(j), w, vp, kvd, n);
+        else if (nv == 16) accumulate_avx2<16>(o(j), w, vp, kvd, n);
+        else
+          for (int64_t i = 0; i < n; ++i)
+            vec ? axpy_avx2(o(j), w[i], vp + i * kvd, hd) : axpy_scalar(o(j), w[i], vp + i * kvd, hd);
+      }
+    }
+    for (int64_t j = 0; j < n_rows; ++j)
+      for (int64_t c = 0; c < hd; ++c) o(j)[c] *= inv[j];
+  };
+  if (!single.empty())
+    at::parallel_for(0, static_cast<int64_t>(single.size()), 1, [&](int64_t a, int64_t e) {
+      for (int64_t u = a; u < e; ++u) run(single[u]);
+    });
+  if (!chunks.empty()) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t u = next++; u < static_cast<int64_t>(chunks.size()); u = next++) run(chunks[u]);
+    });
+  }
+}
+
+void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin,
+                        int64_t n_layers, float* logits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t T = bv.t, d = dim, qd = n_heads * head_dim, kvd = n_kv * head_dim, half = head_dim / 2;
+  const int64_t widest = std::max({d, qd, ffn});
+  const int64_t rows = std::max(T, bv.r);
+  x_.resize(T * d), y_.resize(rows * std::max(d, qd)), q_.resize(T * qd), k_.resize(T * kvd), v_.resize(T * kvd);
+  o_.resize(T * qd), g_.resize(T * ffn), u_.resize(T * ffn), out_.resize(T * d);
+  xsum2_.resize(rows * (widest / 32 + 1) * 2);
+  float *x = x_.data(), *y = y_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data(), *o = o_.data();
+  float *g = g_.data(), *u = u_.data(), *out = out_.data();
+
+  for (int64_t t = 0; t < T; ++t) dequant_row(emb, bv.tokens[t], x + t * d);
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const Layer& L = layers[i];
+    for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.attn_norm, y + t * d, d, eps);
+    linears({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, y, T);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cos + bv.positions[t] * half;
+      const float* s = sin + bv.positions[t] * half;
+      rope_heads(q + t * qd, n_heads, head_dim, c, s);
+      rope_heads(k + t * kvd, n_kv, head_dim, c, s);
+      std::memcpy(kv.k[i] + bv.slots[t] * kvd, k + t * kvd, kvd * sizeof(float));
+      std::memcpy(kv.v[i] + bv.slots[t] * kvd, v + t * kvd, kvd * sizeof(float));
+    }
+    attend(bv, kv.k[i], kv.v[i], kv.page_size);
+    linears({{&L.wo, out}}, o, T);
+    for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
+    for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.ffn_norm, y + t * d, d, eps);
+    linears({{&L.w1, g}, {&L.w3, u}}, y, T);
+    if (path() >= PATH_AVX2) silu_mul_avx2(g, u, T * ffn);
+    else silu_mul_scalar(g, u, T * ffn);
+    linears({{&L.w2, out}}, g, T);
+    for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
+  }
+  for (int64_t r = 0; r < bv.r; ++r) rms_norm_row(x + bv.logit_rows[r] * d, final_norm, y + r * d, d, eps);
+  linears({{&head, logits}}, y, bv.r);
+}
+
+}  // namespace wq

@@ -1,0 +1,65 @@
+// The model's forward over a ragged batch on the paged KV cache, in C++: raw pointers into tensors that the
+// Python-side wrapper (qops.cpp, class Step) keeps alive. Same contract as webchat.model.transformer.Transformer.forward.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace wq {
+
+struct Mat {  // an (n, k) matrix: n rows of row_bytes, ggml type qtype (F32: float rows); bias (n) or nullptr
+  const uint8_t* w = nullptr;
+  int64_t n = 0, k = 0, row_bytes = 0;
+  int qtype = 0;
+  const float* bias = nullptr;
+};
+
+struct Layer {
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  Mat wq, wk, wv, wo, w1, w3, w2;
+};
+
+// webchat.model.batch.Batch: T new tokens of B sequences, flattened
+struct BatchView {
+  const int64_t* tokens = nullptr;     // (T)
+  const int64_t* positions = nullptr;  // (T) position of each token in its sequence
+  const int64_t* slots = nullptr;      // (T) page * page_size + offset its k/v go to
+  int64_t t = 0;
+  const int32_t* query_start = nullptr;  // (B + 1)
+  int64_t b = 0;
+  const int32_t* block_tables = nullptr;  // (B, width) page ids
+  int64_t width = 0;
+  const int64_t* logit_rows = nullptr;  // (R)
+  int64_t r = 0;
+};
+
+// webchat.model.kv_cache.KVPool: per layer k and v pages (num_pages, page_size, n_kv, hd)
+struct PoolView {
+  float* const* k = nullptr;
+  float* const* v = nullptr;
+  int64_t page_size = 0;
+};
+
+struct StepModel {
+  int64_t dim = 0, n_heads = 0, n_kv = 0, head_dim = 0, ffn = 0;
+  float eps = 0.f;
+  Mat emb, head;
+  const float* final_norm = nullptr;
+  std::vector<Layer> layers;
+
+  // logits (R, vocab) of the batch's logit rows through the first n_layers layers, after writing every token's k/v;
+  // cos/sin: rope tables (positions, head_dim/2). Calls are serialised (the scratch buffers are the model's).
+  void forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin, int64_t n_layers,
+               float* logits);
+
+ private:
+  std::mutex mu_;
+  std::vector<float> x_, y_, q_, k_, v_, o_, g_, u_, out_, xsum2_;
+  void linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m);
+  void attend(const BatchView& bv, const float* kc, const float* vc, int64_t page_size);
+};
+
+}  // namespace wq

@@ -1,0 +1,97 @@
+"""The CPU model's forward as one C++ call (kernels/cpu/csrc/qstep.cpp): the `model.runner` hook on the CPU.
+
+A decode step of the 135M model is ~30 layers x ~15 small ops; in PyTorch their dispatch costs as much as the
+matmuls. `CpuStep` hands the whole batch (tokens, positions, slot mapping, block tables, logit rows) and the paged
+pool to `Step.forward`, which runs every layer with the quantized (or float32) matrices, RoPE, the paged KV write and
+attention in C++ on torch's thread pool. Each row is computed on its own, so its logits do not depend on the batch.
+Batches of more than MAX_ROWS tokens (long prefill chunks) return None and run the PyTorch path, whose matmuls are
+GEMMs (webchat.model.quant.QLinear dequantizes a layer's matrix for them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from webchat.model.batch import Batch
+from webchat.model.quant import QTYPES, QEmbedding, QLinear
+from webchat.model.transformer import Block, PagedKV, Transformer
+
+log = logging.getLogger("webchat.kernels.cpu.step")
+
+MAX_ROWS = 64  # tokens per forward up to which the C++ step runs it
+F32 = 0  # ggml's type number for float32 rows
+
+
+def _matrix(m: nn.Module) -> tuple[torch.Tensor, int] | None:
+    """(weight, ggml type) of a QLinear/QEmbedding or a float32 Linear/Embedding; None for anything else."""
+    if isinstance(m, QLinear | QEmbedding):
+        return m.weight, QTYPES[m.qtype][0]
+    if isinstance(m, nn.Linear | nn.Embedding) and m.weight.dtype == torch.float32 and m.weight.is_contiguous():
+        return m.weight.detach(), F32
+    return None
+
+
+def _bias(m: nn.Module) -> torch.Tensor:
+    bias = getattr(m, "bias", None)
+    return torch.empty(0) if bias is None else bias.detach().float().contiguous()
+
+
+class CpuStep:
+    """model.runner(model, batch, kv) -> logits (R, vocab), or None where the PyTorch path runs the batch."""
+
+    def __init__(self, model: Transformer, kernels: Any) -> None:
+        a = model.args
+        mats: list[torch.Tensor] = []
+        qtypes: list[int] = []
+        norms: list[torch.Tensor] = []
+        biases: list[torch.Tensor] = []
+        for layer in cast(list[Block], list(model.layers)):
+            att, ff = layer.attention, layer.feed_forward
+            norms += [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
+            for m in (att.wq, att.wk, att.wv, att.wo, ff.w1, ff.w3, ff.w2):
+                wt = _matrix(m)
+                if wt is None:
+                    raise TypeError(f"{type(m).__name__} of dtype {m.weight.dtype} has no C++ path")
+                mats.append(wt[0])
+                qtypes.append(wt[1])
+            biases += [_bias(att.wq), _bias(att.wk), _bias(att.wv)]
+        emb, head = _matrix(model.tok_embeddings), _matrix(model.output)
+        if emb is None or head is None:
+            raise TypeError("the embedding and head must be quantized or float32 for the C++ path")
+        self.step = kernels.Step([a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim], a.norm_eps, emb[0], emb[1],
+                                 head[0], head[1], model.norm.weight.detach(), norms, mats, qtypes, biases)
+        self.embedding = model.tok_embeddings
+        self.layers = list(model.layers)
+        self.calls = 0
+
+    def __call__(self, model: Transformer, batch: Batch, kv: PagedKV) -> torch.Tensor | None:
+        n = len(model.layers)
+        if (batch.tokens.shape[0] > MAX_ROWS or model.tok_embeddings is not self.embedding
+                or n > len(self.layers) or model.layers[n - 1] is not self.layers[n - 1]
+                or kv.k[0].dtype != torch.float32):
+            return None  # a long prefill chunk, or another model sharing this hook
+        self.calls += 1
+        logits: torch.Tensor = self.step.forward(
+            batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,
+            batch.logit_rows, kv.k, kv.v, model.rope_cos, model.rope_sin, n)
+        return logits
+
+
+def enable_cpu_step(model: Transformer, kernels: Any) -> bool:
+    """Install CpuStep as the model's runner where it can run (CPU, float32 activations, kernels built)."""
+    if os.environ.get("WEBCHAT_CPU_STEP", "1") == "0":
+        log.info("WEBCHAT_CPU_STEP=0: the model runs on PyTorch ops")
+        return False
+    if kernels is None or model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    try:
+        model.runner = CpuStep(model, kernels)
+    except TypeError as e:
+        log.info("the C++ forward does not cover this model, PyTorch ops run it: %s", e)
+        return False
+    return True

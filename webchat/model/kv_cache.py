@@ -1,0 +1,242 @@
+"""The paged KV cache: one pool of fixed-size pages per layer, ref-counted, hashed so identical prefixes are shared.
+
+    pool.k[layer], pool.v[layer]: (num_pages, page_size, n_kv, hd); token p of a sequence lives in slot
+    table.pages[p // page_size] * page_size + p % page_size (webchat.model.batch). Page 0 is never handed out.
+
+A page whose page_size tokens are all computed is registered under (parent id, its tokens), parent id naming the
+registered page before it, so a lookup walks a prompt page by page and only an identical prefix matches (vLLM's
+prefix caching, exllamav2's hashed pages). Released pages (ref 0) keep their k/v and registration on the free list,
+oldest first, until they are handed out again; `evict` lets the owner release an idle session's pages under pressure.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from webchat.model.batch import Batch, make_batch
+from webchat.model.config import ModelArgs
+
+PAGE_SIZE = 16
+ROOT = 0  # the parent id of a sequence's first page
+
+
+class PoolExhausted(RuntimeError):
+    """No free page and nothing idle to evict (the caller admitted more than the pool holds)."""
+
+
+def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """k and v of every layer: 2 * n_layers * n_kv * hd * element size."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    """num_pages pages of page_size token slots per layer; page 0 is the padding page."""
+
+    def __init__(self, args: ModelArgs, num_pages: int, device: torch.device | str, dtype: torch.dtype,
+                 page_size: int = PAGE_SIZE) -> None:
+        if num_pages < 2 or page_size < 1:
+            raise ValueError(f"a pool needs at least 2 pages of at least 1 slot, got {num_pages} of {page_size}")
+        shape = (num_pages, page_size, args.n_kv_heads, args.head_dim)
+        # empty: pages nobody has written cost no resident memory, so RSS follows the pages in use; a slot is always
+        # written before it is read, except the padding page 0 (masked rows read it), zeroed so it holds no NaN
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        for t in self.k + self.v:
+            t[0].zero_()
+        self.page_size, self.num_pages = page_size, num_pages
+        self.page_bytes = page_size * kv_bytes_per_token(args, dtype)
+        self.ref = [0] * num_pages
+        self.free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))  # oldest first
+        self.ids: dict[int, int] = {}  # registered page -> its id (unique for the pool's life; parent of the next)
+        self.keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # registered page -> (parent id, tokens)
+        self.by_key: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._next_id = ROOT + 1
+        self.evict: Callable[[], bool] | None = None  # releases one idle holder's pages; False when none is left
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def used_pages(self) -> int:
+        """Pages some sequence or session holds (ref > 0)."""
+        return self.usable_pages - len(self.free)
+
+    def alloc(self) -> int:
+        """A fresh page (ref 1), evicting idle holders while none is free."""
+        while not self.free:
+            if self.evict is None or not self.evict():
+                raise PoolExhausted(f"all {self.usable_pages} KV pages are in use and none is idle")
+        page, _ = self.free.popitem(last=False)
+        self._unregister(page)
+        self.ref[page] = 1
+        return page
+
+    def hold(self, page: int) -> None:
+        if self.ref[page] == 0:
+            del self.free[page]
+        self.ref[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            assert self.ref[page] > 0, f"page {page} released more often than held"
+            self.ref[page] -= 1
+            if self.ref[page] == 0:
+                self.free[page] = None
+
+    def copy(self, src: int) -> int:
+        """A new page holding src's k/v (copy on write of a shared page)."""
+        dst = self.alloc()
+        for t in self.k + self.v:
+            t[dst].copy_(t[src])
+        return dst
+
+    def lookup(self, tokens: list[int]) -> list[int]:
+        """Registered pages holding tokens' longest prefix of whole pages (not held: call hold())."""
+        pages: list[int] = []
+        parent, ps = ROOT, self.page_size
+        for i in range(len(tokens) // ps):
+            page = self.by_key.get((parent, tuple(tokens[i * ps : (i + 1) * ps])))
+            if page is None:
+                break
+            pages.append(page)
+            parent = self.ids[page]
+        return pages
+
+    def register(self, page: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Record a full page's tokens; returns the id the next page chains from."""
+        if page in self.ids:
+            return self.ids[page]
+        key = (parent, tokens)
+        twin = self.by_key.get(key)
+        if twin is not None:  # the same prefix already computed in another page: chain through that one
+            return self.ids[twin]
+        self.ids[page], self.keys[page], self.by_key[key] = self._next_id, key, page
+        self._next_id += 1
+        return self.ids[page]
+
+    def forget(self) -> None:
+        """Drop the registrations of free pages: the next lookups find only prefixes held now (cold starts)."""
+        for page in list(self.free):
+            self._unregister(page)
+
+    def _unregister(self, page: int) -> None:
+        key = self.keys.pop(page, None)
+        if key is not None:
+            del self.by_key[key]
+            del self.ids[page]
+
+
+class PageTable:
+    """One sequence's pages and the registration chain of its full pages."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.pages: list[int] = []
+        self.chain: list[int] = []  # ids of the registered prefix: chain[i] for pages[i]
+
+    def adopt(self, pages: list[int]) -> None:
+        """Start from shared pages (a lookup's result), holding each."""
+        assert not self.pages
+        for page in pages:
+            self.pool.hold(page)
+        self.pages = list(pages)
+
+    def ensure(self, n_tokens: int) -> None:
+        """Enough pages for positions [0, n_tokens)."""
+        while len(self.pages) * self.pool.page_size < n_tokens:
+            self.pages.append(self.pool.alloc())
+
+    def truncate(self, n: int) -> None:
+        """Positions >= n will be rewritten: drop pages past them, make the page holding n private and unregistered."""
+        ps, pool = self.pool.page_size, self.pool
+        keep = -(-n // ps)
+        pool.release(self.pages[keep:])
+        del self.pages[keep:]
+        del self.chain[n // ps :]
+        if n % ps:
+            i = n // ps
+            page = self.pages[i]
+            if pool.ref[page] > 1:
+                self.pages[i] = pool.copy(page)
+                pool.release([page])
+            else:
+                pool._unregister(page)
+
+    def register(self, tokens: list[int], n_valid: int) -> None:
+        """Register every full page within the first n_valid tokens (their k/v are computed)."""
+        ps = self.pool.page_size
+        for i in range(len(self.chain), n_valid // ps):
+            parent = self.chain[-1] if self.chain else ROOT
+            self.chain.append(self.pool.register(self.pages[i], parent, tuple(tokens[i * ps : (i + 1) * ps])))
+
+    def release(self) -> None:
+        self.pool.release(self.pages)
+        self.pages, self.chain = [], []
+
+
+class SeqCache:
+    """One sequence on a pool of its own: the single-stream path (tests, the CLIs, a draft model's drafts)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.table = PageTable(pool)
+        self.ids: list[int] = []  # tokens whose k/v are in the pool, positions 0..length-1
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.usable_pages * self.pool.page_size
+
+    def feed(self, model: Callable[[Batch, KVPool], torch.Tensor], ids: list[int],
+             all_logits: bool = False) -> torch.Tensor:
+        """Run ids at positions length..; logits (len(ids) or 1, vocab) float32."""
+        start, t = self.length, len(ids)
+        if start + t > self.capacity:
+            raise ValueError(f"{t} tokens at position {start} overflow the cache of {self.capacity}")
+        self.table.ensure(start + t)
+        rows = list(range(t)) if all_logits else [-1]
+        batch = make_batch([(ids, start, self.table.pages, rows)], self.pool.page_size, self.pool.k[0].device)
+        logits = model(batch, self.pool)
+        self.ids.extend(ids)
+        return logits
+
+    def truncate(self, n: int) -> None:
+        """Rewind to n valid positions (rejected drafts, a new turn sharing a prefix)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        self.table.truncate(n)
+        del self.ids[n:]
+
+
+CPU_POOL_BYTES = 1 << 30  # default KV pool on the CPU: 1 GiB (untouched pages cost no resident memory)
+GPU_POOL_FRACTION = 0.5  # default on a GPU: half the memory free after loading the model
+
+
+def pool_tokens(spec: str | None, args: ModelArgs, dtype: torch.dtype, device: torch.device | str) -> int:
+    """Token slots of a pool sized by `spec`: "N" tokens, "N MiB"/"NMiB"/"N GiB", or None for the device default."""
+    per_token = kv_bytes_per_token(args, dtype)
+    if spec is None:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            return max(1, int(free * GPU_POOL_FRACTION) // per_token)
+        return max(1, CPU_POOL_BYTES // per_token)
+    text = spec.strip().replace(" ", "")
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if text.endswith(unit):
+            try:
+                n = float(text[: -len(unit)])
+            except ValueError:
+                break
+            if n > 0:
+                return max(1, int(n * scale) // per_token)
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise ValueError(f"KV pool size must be a positive token count or a size like 512MiB or 2GiB, got {spec!r}")

@@ -1,0 +1,215 @@
+"""Load a Hugging Face-style model folder (config.json + safetensors) into webchat's Transformer.
+
+Weights: the folder's quantized.safetensors (ggml blocks, docs/quant.md) on the CPU when present, else the float
+tensors; `weights="float32"` forces the float ones, `quantize="q8_0"|"q4_0"` quantizes float tensors at load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from webchat.convert import QUANT_FILE, QUANT_KEY
+from webchat.kernels.cpu import build as qkernels
+from webchat.model.config import ModelArgs
+from webchat.model.quant import QTYPES, QEmbedding, QLinear, quantize, swap_modules
+from webchat.model.transformer import Transformer
+from webchat.model.weights import QUANTIZE, WEIGHTS
+
+# checkpoint name → ours (gpt-fast's weight_map); {} is the layer index
+WEIGHT_MAP = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attention.wq.bias",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
+    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model folder that does not match its config: a missing, unexpected or mis-shaped tensor."""
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device (torch {torch.__version__})")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    dtype = DTYPES[name]
+    allowed = CUDA_DTYPES if device.type == "cuda" else CPU_DTYPES
+    if dtype not in allowed:
+        raise ValueError(f"dtype {name} is not supported on {device.type}; use one of {[str(d) for d in allowed]}")
+    return dtype
+
+
+def load_model(
+    path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    weights: str = "auto", quantize: str | None = None,
+) -> Transformer:
+    """Build the model on the meta device, swap in quantized modules, then assign every tensor, checking names and
+    shapes. See the module docstring for `weights` and `quantize`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    device = torch.device(device)
+    args = ModelArgs.from_dir(path)
+    kernels, quantized = _choose_weights(path, device, dtype, weights, quantize)
+    if quantized and quantize is None:
+        tensors, qtypes = _read_quantized(path)
+    elif quantized and quantize is not None:
+        tensors, qtypes = _quantize_tensors(_read_tensors(path), quantize)
+    else:
+        tensors, qtypes = _read_tensors(path), {}
+    with torch.device("meta"):
+        model = Transformer(args)
+    ours_qtypes = {_map_name(name): qt for name, qt in qtypes.items()}
+    modules = {name.removesuffix(".weight"): qt for name, qt in ours_qtypes.items() if name is not None}
+    if args.tie_embeddings and "tok_embeddings" in modules:
+        modules["output"] = modules["tok_embeddings"]
+    swap_modules(model, modules, kernels)
+    expected = {name: (p.shape, p.dtype) for name, p in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    for ckpt_name, tensor in tensors:
+        ours = _map_name(ckpt_name)
+        if ours is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {ckpt_name!r} for {args.arch}")
+        if ours == "output.weight" and args.tie_embeddings:
+            continue
+        if ours not in expected:
+            raise ModelLoadError(f"{path}: tensor {ckpt_name!r} does not fit the config ({args.n_layers} layers)")
+        shape, want_dtype = expected[ours]
+        if tuple(tensor.shape) != tuple(shape):
+            got = tuple(tensor.shape)
+            raise ModelLoadError(f"{path}: tensor {ckpt_name!r} has shape {got}, expected {tuple(shape)}")
+        state[ours] = tensor if want_dtype == torch.uint8 else tensor.to(device=device, dtype=dtype)
+    if args.tie_embeddings and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelLoadError(f"{path}: missing tensor(s) {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+    model.load_state_dict(state, assign=True, strict=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.eval()
+    model.setup_rope(args.max_seq_len)
+    if device.type == "cuda":  # CudaOps kernels and CUDA graphs where CuPy is installed (webchat.kernels.cuda.graphs)
+        from webchat.kernels.cuda.graphs import enable_cuda_backend
+
+        enable_cuda_backend(model)
+    else:  # the forward of up to 64 tokens as one C++ call (webchat.kernels.cpu.step), quantized or float32 matrices
+        from webchat.kernels.cpu.step import enable_cpu_step
+
+        enable_cpu_step(model, kernels)
+    return model
+
+
+def weights_name(model: torch.nn.Module) -> str:
+    """What the matrices run as: "q4_1" (the commonest quantized type among them), or the float dtype."""
+    kinds = [m.qtype for m in model.modules() if isinstance(m, QLinear | QEmbedding)]
+    if kinds:
+        return max(sorted(set(kinds)), key=kinds.count)
+    return str(model.norm.weight.dtype).removeprefix("torch.")  # type: ignore[union-attr]
+
+
+def _choose_weights(
+    path: Path, device: torch.device, dtype: torch.dtype, weights: str, quantize: str | None
+) -> tuple[Any, bool]:
+    """(the C++ kernels or None, whether to load quantized weights)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if quantize is not None and weights == "float32":
+        raise ValueError("--quantize and --weights float32 contradict each other; pick one")
+    cpu_f32 = device.type == "cpu" and dtype == torch.float32
+    has_file = (path / QUANT_FILE).is_file()
+    asked = quantize is not None or weights == "quantized"
+    wanted = asked or (weights == "auto" and has_file)
+    if asked and not cpu_f32:
+        raise ValueError(f"quantized weights run on the CPU in float32; got device {device} and dtype {dtype}")
+    if weights == "quantized" and quantize is None and not has_file:
+        raise ValueError(f"{path} has no {QUANT_FILE}; quantize at load with --quantize {'|'.join(QUANTIZE)}")
+    kernels = qkernels.try_load() if device.type == "cpu" else None
+    return kernels, wanted and cpu_f32 and kernels is not None
+
+
+def _read_quantized(path: Path) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    with safe_open(str(path / QUANT_FILE), framework="pt") as f:
+        meta = f.metadata() or {}
+        if QUANT_KEY not in meta:
+            raise ModelLoadError(f"{path / QUANT_FILE}: metadata lacks {QUANT_KEY!r} (see docs/quant.md)")
+        qtypes: dict[str, str] = json.loads(meta[QUANT_KEY])
+        tensors = [(name, f.get_tensor(name)) for name in f.keys() if not IGNORED.match(name)]
+    bad = sorted({qt for qt in qtypes.values() if qt not in QTYPES})
+    if bad:
+        raise ModelLoadError(f"{path / QUANT_FILE}: quantized type(s) {bad}; webchat runs {', '.join(QTYPES)}")
+    return tensors, qtypes
+
+
+def _quantize_tensors(
+    tensors: list[tuple[str, torch.Tensor]], qtype: str
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """Matrices of the layers to qtype, the embedding (and an untied head) to q8_0; K % 32 != 0 stays float."""
+    out, qtypes = [], {}
+    for name, t in tensors:
+        ours = _map_name(name) or ""
+        kind = qtype if ours.startswith("layers.") else "q8_0"
+        if t.dim() == 2 and t.shape[1] % 32 == 0 and ours.endswith("weight") and "norm" not in ours:
+            t, qtypes[name] = quantize(t, kind), kind
+        out.append((name, t))
+    return out, qtypes
+
+
+def _map_name(name: str) -> str | None:
+    if IGNORED.match(name):
+        return None
+    m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+    if m:
+        key = f"model.layers.{{}}.{m.group(2)}"
+        ours = WEIGHT_MAP.get(key)
+        return ours.format(m.group(1)) if ours else None
+    return WEIGHT_MAP.get(name)
+
+
+def _read_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors (or model.safetensors.index.json) in {path}")
+    out: list[tuple[str, torch.Tensor]] = []
+    for fname in files:
+        with safe_open(str(path / fname), framework="pt") as f:
+            out.extend((name, f.get_tensor(name)) for name in f.keys() if not IGNORED.match(name))
+    return out

@@ -1,0 +1,150 @@
+"""The model's hot ops in plain PyTorch: the CPU path, and the reference every CUDA kernel is tested against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from webchat.model.batch import Batch
+
+
+class TorchOps:
+    """Hot ops with the signatures webchat.kernels.cuda.CudaOps shares (docs/design.md)."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        # y = x * w / sqrt(mean(x*x) + eps), computed in float32 as Hugging Face does
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * y.to(x.dtype)
+
+    @staticmethod
+    def add_rms_norm(
+        x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # residual' = x + residual; y = rms_norm(residual')
+        residual = residual + x
+        return TorchOps.rms_norm(residual, w, eps), residual
+
+    @staticmethod
+    def rope(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q (T, n_heads, hd), k (T, n_kv, hd), cos/sin (T, hd/2); rotate_half pairs (i, i + hd/2):
+        # out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)  # (T, 1, hd)
+        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        # y = silu(gate) * up
+        return F.silu(gate) * up
+
+    @staticmethod
+    def kv_append(
+        cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> None:
+        # cache (n_kv, capacity, hd) ← k, v (T, n_kv, hd) at positions start..start+T-1
+        t = k.shape[0]
+        cache_k[:, start : start + t] = k.transpose(0, 1)
+        cache_v[:, start : start + t] = v.transpose(0, 1)
+
+    @staticmethod
+    def attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, start: int) -> torch.Tensor:
+        # o = softmax(q k^T / sqrt(hd) + causal) v over cache[:, :start+T]; q (T, H, hd) → o (T, H, hd)
+        t = q.shape[0]
+        end = start + t
+        k = cache_k[:, :end].unsqueeze(0)  # (1, n_kv, L, hd)
+        v = cache_v[:, :end].unsqueeze(0)
+        mask = None
+        if t > 1:
+            rows = torch.arange(start, end, device=q.device).unsqueeze(1)
+            mask = torch.arange(end, device=q.device).unsqueeze(0) <= rows  # (T, L)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)  # (T, H, hd)
+
+
+@dataclass
+class _AttnPlan:
+    """What paged_attention derives from a batch once and reuses in every layer."""
+
+    decode_rows: torch.Tensor  # (D,) rows that are the only new token of their sequence
+    decode_slots: torch.Tensor  # (D, Lmax) cache slots each reads, padded with slot 0
+    decode_mask: torch.Tensor | None  # (D, 1, 1, Lmax) True where a slot is real; None when none is padding
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (lo, hi, slots (L,), causal mask (t, L))
+
+
+class PagedTorchOps(TorchOps):
+    """The paged-cache ops of a ragged batch (webchat.model.batch.Batch), in plain PyTorch: the reference for
+    kernels/cuda/."""
+
+    @staticmethod
+    def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        # cache (num_pages, page_size, n_kv, hd) viewed as (slots, n_kv, hd); cache[slot_mapping[i]] = k[i], v[i]
+        n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # per sequence b: o = softmax(q k^T / sqrt(hd) + causal by position) v over its pages; q, o (T, H, hd).
+        # Single-token sequences go through one padded SDPA call; longer chunks one call each.
+        plan = batch.plan if isinstance(batch.plan, _AttnPlan) else _plan(batch, k_cache.shape[1])
+        batch.plan = plan
+        n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+        kf, vf = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)  # (slots, n_kv, hd)
+        out = torch.empty_like(q)
+        if plan.decode_rows.numel():
+            d, lmax = plan.decode_slots.shape
+            idx = plan.decode_slots.reshape(-1)
+            k = kf.index_select(0, idx).view(d, lmax, n_kv, hd).transpose(1, 2)  # (D, n_kv, Lmax, hd)
+            v = vf.index_select(0, idx).view(d, lmax, n_kv, hd).transpose(1, 2)
+            # the H / n_kv query heads sharing a kv head are g query rows of one head: (D, n_kv, g, hd)
+            qd = q.index_select(0, plan.decode_rows).view(d, n_kv, -1, hd)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask)  # (D, n_kv, g, hd)
+            out.index_copy_(0, plan.decode_rows, o.reshape(d, -1, hd))
+        for lo, hi, slots, mask in plan.prefill:
+            k = kf.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, L, hd)
+            v = vf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
+                                               enable_gqa=True)
+            out[lo:hi] = o.squeeze(0).transpose(0, 1)
+        return out
+
+
+def _plan(batch: Batch, page_size: int) -> _AttnPlan:
+    dev = batch.tokens.device
+    starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+    offsets = torch.arange(page_size, device=dev)
+    dec_rows: list[int] = []
+    dec_slots: list[torch.Tensor] = []
+    prefill = []
+    for b, length in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        pages = batch.block_tables[b, : -(-length // page_size)].long()
+        slots = (pages.unsqueeze(1) * page_size + offsets).reshape(-1)[:length]  # (L,) slots of positions 0..L-1
+        if hi - lo == 1:
+            dec_rows.append(lo)
+            dec_slots.append(slots)
+        else:
+            pos = batch.positions[lo:hi]
+            prefill.append((lo, hi, slots, torch.arange(length, device=dev).unsqueeze(0) <= pos.unsqueeze(1)))
+    lmax = max((len(s) for s in dec_slots), default=0)
+    mask = None
+    if any(len(s) != lmax for s in dec_slots):
+        mask = torch.stack([torch.arange(lmax, device=dev) < len(s) for s in dec_slots]).view(-1, 1, 1, lmax)
+    padded = [F.pad(s, (0, lmax - len(s))) for s in dec_slots]
+    return _AttnPlan(torch.tensor(dec_rows, dtype=torch.long, device=dev),
+                     torch.stack(padded) if padded else torch.zeros((0, 0), dtype=torch.long, device=dev), mask,
+                     prefill)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

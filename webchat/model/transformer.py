@@ -1,0 +1,214 @@
+"""A Llama-family transformer (Llama, Mistral, Qwen2) over a ragged batch on a paged KV cache, hot ops behind `ops`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import torch
+from torch import nn
+
+from webchat.model.batch import Batch
+from webchat.model.config import ModelArgs, ModelConfigError
+from webchat.model.kv_cache import PAGE_SIZE, KVPool, SeqCache
+from webchat.model.ops import PagedTorchOps
+
+
+class PagedKV(Protocol):
+    """Per layer k and v pages, each (num_pages, page_size, n_kv, hd): a webchat.model.kv_cache.KVPool."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+
+class Ops(Protocol):
+    """The hot ops the model calls (webchat.model.ops.PagedTorchOps; webchat.kernels.cuda.CudaOps on a GPU)."""
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+    def kv_write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        batch: Batch) -> torch.Tensor: ...
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        hd, bias = args.head_dim, args.qkv_bias
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, hd
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch,
+        rope: tuple[torch.Tensor, torch.Tensor], ops: Ops,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.wq(x).view(t, self.n_heads, self.head_dim)  # (T, H, hd)
+        k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)  # (T, n_kv, hd)
+        v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
+        q, k = ops.rope(q, k, *rope)
+        ops.kv_write(k_cache, v_cache, k, v, batch.slot_mapping)
+        o = ops.paged_attention(q, k_cache, v_cache, batch)  # (T, H, hd)
+        out: torch.Tensor = self.wo(o.reshape(t, self.n_heads * self.head_dim))
+        return out
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        out: torch.Tensor = self.w2(ops.silu_mul(self.w1(x), self.w3(x)))
+        return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim)
+        self.ffn_norm = RMSNorm(args.dim)
+
+
+Runner = Callable[["Transformer", Batch, PagedKV], "torch.Tensor | None"]
+
+
+class Transformer(nn.Module):
+    """model(batch, kv) -> float32 logits (R, vocab) of batch.logit_rows, after writing every token's k/v into kv.
+
+    Positions come in with the batch (rope rows gathered by batch.positions); the model never reads or advances
+    cache lengths: the caller (webchat.engine.engine) does, in one place.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.ops: Ops = PagedTorchOps()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.rope_cos = torch.empty(0)
+        self.rope_sin = torch.empty(0)
+        # CUDA backend hook (webchat.kernels.cuda.graphs): runner(model, batch, kv) -> logits, or None to run eagerly
+        self.runner: Runner | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype  # the embedding may be quantized (uint8 blocks, webchat.model.quant)
+
+    def setup_rope(self, n_positions: int) -> None:
+        """Precompute cos/sin (n_positions, head_dim/2) in float32 on the model's device."""
+        inv_freq = rope_inv_freq(self.args).to(self.device)
+        freqs = torch.outer(torch.arange(n_positions, device=self.device, dtype=torch.float32), inv_freq)
+        self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
+
+    def ensure_rope(self, n_positions: int) -> None:
+        if n_positions > self.rope_cos.shape[0]:
+            self.setup_rope(n_positions)
+
+    def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool:
+        """A KV pool for n_tokens positions (plus the padding page) on the model's device and dtype."""
+        ps = page_size or PAGE_SIZE
+        self.ensure_rope(min(max(n_tokens, 1), self.args.max_seq_len))
+        return KVPool(self.args, -(-n_tokens // ps) + 1, self.device, self.dtype, ps)
+
+    def new_cache(self, max_seq_len: int | None = None) -> SeqCache:
+        """One sequence's cache on a pool of its own: cache.feed(model, ids) runs the single-stream path."""
+        return SeqCache(self.new_pool(max_seq_len or self.args.max_seq_len))
+
+    def truncated(self, n_layers: int) -> Transformer:
+        """The first n_layers blocks plus the final norm and head, sharing weights (a self-draft model)."""
+        if not 0 < n_layers <= self.args.n_layers:
+            raise ValueError(f"n_layers must be in [1, {self.args.n_layers}], got {n_layers}")
+        small = copy.copy(self)
+        small._modules = dict(self._modules)
+        small._modules["layers"] = nn.ModuleList(list(self.layers)[:n_layers])
+        small.args = dataclasses.replace(self.args, n_layers=n_layers)
+        return small
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
+        if batch.tokens.dim() != 1 or batch.tokens.shape[0] == 0:
+            raise ValueError(f"batch tokens must be a non-empty 1-D tensor, got shape {tuple(batch.tokens.shape)}")
+        if len(kv.k) < len(self.layers):
+            raise ValueError(f"the KV cache has {len(kv.k)} layers, the model has {len(self.layers)}")
+        if batch.max_seq_len > self.rope_cos.shape[0]:
+            raise ValueError(f"position {batch.max_seq_len - 1} is past the rope table of {self.rope_cos.shape[0]}")
+        if self.runner is not None:
+            logits = self.runner(self, batch, kv)  # None: not a graphed step, run eagerly
+            if logits is not None:
+                return logits
+        return self.layers_forward(batch, kv)
+
+    def layers_forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
+        """Embedding, blocks, final norm and head; reads nothing on the host (graph-capturable with device ops)."""
+        ops, eps = self.ops, self.args.norm_eps
+        rope = (self.rope_cos.index_select(0, batch.positions), self.rope_sin.index_select(0, batch.positions))
+        residual = self.tok_embeddings(batch.tokens)  # (T, dim)
+        out: torch.Tensor | None = None
+        for i, layer in enumerate(cast(list[Block], list(self.layers))):
+            if out is None:
+                y = ops.rms_norm(residual, layer.attention_norm.weight, eps)
+            else:
+                y, residual = ops.add_rms_norm(out, residual, layer.attention_norm.weight, eps)
+            out = layer.attention(y, kv.k[i], kv.v[i], batch, rope, ops)
+            y, residual = ops.add_rms_norm(out, residual, layer.ffn_norm.weight, eps)
+            out = layer.feed_forward(y, ops)
+        assert out is not None
+        out, residual = out.index_select(0, batch.logit_rows), residual.index_select(0, batch.logit_rows)  # (R, dim)
+        y, _ = ops.add_rms_norm(out, residual, self.norm.weight, eps)
+        logits: torch.Tensor = self.output(y).float()  # (R, vocab)
+        return logits
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """inv_freq[i] = theta^(-2i/hd), adjusted for rope scaling of the `linear` or `llama3` kind."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ModelConfigError(f"unsupported rope_scaling type {kind!r}; webchat supports default, linear and llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,16 @@
+"""The --weights and --quantize choices, shared by the command lines and webchat.model.loader (no torch import here)."""
+
+from __future__ import annotations
+
+import argparse
+
+WEIGHTS = ("auto", "quantized", "float32")  # auto: the folder's quantized.safetensors on the CPU in float32
+QUANTIZE = ("q8_0", "q4_1", "q4_0")  # matrices to this at load; the embedding and a tied head to q8_0
+
+
+def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weights", default="auto", choices=WEIGHTS,
+                        help="auto (default): the model's quantized blocks on the CPU where the folder has them "
+                             "(docs/quant.md); float32: the float weights; quantized: insist on the blocks")
+    parser.add_argument("--quantize", default=None, choices=QUANTIZE,
+                        help="quantize a float model's matrices at load (CPU, float32 activations)")

@@ -1,0 +1,1 @@
+"""The server: the Starlette app, the device worker, the websocket protocol and limits, the OpenAI API."""

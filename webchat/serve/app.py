@@ -1,0 +1,455 @@
+"""`webchat serve`: the Starlette app (page, static files, info, websocket) over one model and one GPU worker."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import hashlib
+import ipaddress
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+import webchat
+from webchat.engine import events as ev
+from webchat.engine.speculative import MODES
+from webchat.serve import protocol as p
+from webchat.serve.limits import (
+    AcceptErrorLog,
+    ConnectionGuard,
+    HostCheck,
+    TokenCheck,
+    default_max_connections,
+)
+from webchat.serve.outbox import Outbox, SendClock
+from webchat.serve.worker import Job, StreamingGenerator, Worker
+from webchat.text.chat_encode import ContentRewritten
+from webchat.text.trim import fit_history
+
+log = logging.getLogger("webchat.serve.app")
+
+REPO_ROOT = Path(webchat.__file__).resolve().parent.parent
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+@dataclass
+class ServerConfig:
+    """Everything `webchat serve` is told; `create_app` reads only this."""
+
+    model_dir: Path
+    draft_dir: Path | None = None
+    speculative: str = "none"  # the mode for requests that name none
+    device: str = "auto"
+    dtype: str | None = None  # None: float32 on the CPU, float16 on CUDA
+    weights: str = "auto"  # webchat.model.loader.WEIGHTS: the folder's quantized blocks on the CPU where present
+    quantize: str | None = None  # q8_0 | q4_0: quantize float weights at load
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_sessions: int = 64  # connections whose KV pages are kept between turns (idle ones cost only their pages)
+    max_queue: int = 16
+    allow_origins: tuple[str, ...] = ()
+    max_seq_len: int | None = None  # cap on the context (KV-cache memory per session)
+    max_message_bytes: int = 1 << 20
+    kv_pool: str | None = None  # KV pool size: tokens or "512MiB"; None: 1 GiB on the CPU, half the free GPU memory
+    max_pending_bytes: int = 1 << 20  # a connection's output not yet written; past it the server stops reading it
+    stall_timeout: float = 30.0  # seconds output may stay past max_pending_bytes before the socket is closed
+    max_connections: int | None = None  # None: a quarter of the file limit (webchat.serve.limits)
+    handshake_timeout: float = 10.0  # seconds a socket has to finish its first HTTP request
+    trusted_hosts: tuple[str, ...] | None = None  # Host names HTTP routes answer; None: any (`serve` sets loopback)
+    access_token: str | None = None  # when set, every route needs it (webchat.serve.limits.TokenCheck)
+    api_key: str | None = None  # when set, the OpenAI API (/v1) needs `Authorization: Bearer <key>`
+    templates_dir: Path = REPO_ROOT / "templates"
+    static_dir: Path = REPO_ROOT / "static"
+
+
+@dataclass
+class Runtime:
+    """What the lifespan loads once: the model, its tokenizer, an optional draft model, and how to describe them."""
+
+    model: Any  # webchat.model.transformer.Transformer
+    tokenizer: Any  # webchat.text.tokenizer.Tokenizer
+    model_name: str
+    device: str
+    dtype: str
+    context_length: int
+    modes: list[str]
+    draft_model: Any = None
+    default_mode: str = "none"
+    engine: Any = None  # webchat.engine.engine.Engine: one KV pool and one batched forward for every connection
+    weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
+
+    def new_generator(self) -> StreamingGenerator:
+        from webchat.engine.generator import Generator
+
+        gen: StreamingGenerator = Generator(self.model, self.tokenizer, engine=self.engine)
+        return gen
+
+    def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False) -> list[int]:
+        """The prompt ids: message contents tokenized as text, only the template's markers are control ids."""
+        ids: list[int] = self.tokenizer.encode_chat(messages, continue_final=continue_final)
+        return ids
+
+    def hello(self) -> p.Hello:
+        return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
+                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights)
+
+
+def load_runtime(config: ServerConfig) -> Runtime:
+    """Load the model (and draft) once onto the configured device."""
+    from webchat.folder_check import check_model_folder
+    from webchat.model.loader import load_model, resolve_device, resolve_dtype, weights_name
+    from webchat.text.tokenizer import Tokenizer
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    tokenizer = Tokenizer.from_dir(config.model_dir)  # checked before the weights load
+    check_model_folder(config.model_dir)
+    model = load_model(config.model_dir, device, dtype, weights=config.weights, quantize=config.quantize)
+    draft = None
+    if config.draft_dir is not None:
+        draft = load_model(config.draft_dir, device, dtype, weights=config.weights, quantize=config.quantize)
+    context = min(model.args.max_seq_len, config.max_seq_len or model.args.max_seq_len)
+    modes = [m for m in MODES if m != "draft" or draft is not None]
+    if config.speculative not in modes:
+        raise ValueError(f"--speculative {config.speculative} is not available; choose one of {modes}")
+    from webchat.engine.engine import Engine
+    from webchat.model.kv_cache import pool_tokens
+
+    engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
+                    pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
+    return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name, device=str(device),
+                   dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes, draft_model=draft,
+                   default_mode=config.speculative, engine=engine, weights=weights_name(model))
+
+
+# ---------------------------------------------------------------- security
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def origin_allowed(origin: str | None, host_header: str | None, config: ServerConfig) -> bool:
+    """Same origin as the page (scheme://Host), or listed in --allow-origin. No Origin: not a browser, allowed.
+
+    Bound to loopback, the Host must also name a loopback address, so a DNS-rebinding page cannot pass as same-origin.
+    """
+    if origin is None:
+        return True
+    if origin in config.allow_origins:
+        return True
+    if host_header is None or origin.lower() not in (f"http://{host_header}".lower(), f"https://{host_header}".lower()):
+        return False
+    return not is_loopback(config.host) or is_loopback(urlsplit(origin).hostname or "")
+
+
+_SAFE_HOST = re.compile(r"^[A-Za-z0-9.\-:\[\]]{1,255}$")
+
+
+def content_security_policy(host_header: str | None) -> str:
+    """No inline script anywhere; the websocket may go back to the page's own host."""
+    ws = f" ws://{host_header} wss://{host_header}" if host_header and _SAFE_HOST.match(host_header) else ""
+    return ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+            f"connect-src 'self'{ws}; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+
+
+def static_version(static_dir: Path) -> str:
+    """A short hash of the static files' names, sizes and mtimes, for cache-busting query strings."""
+    digest = hashlib.sha256()
+    if static_dir.is_dir():
+        for path in sorted(static_dir.rglob("*")):
+            if path.is_file():
+                st = path.stat()
+                digest.update(f"{path.relative_to(static_dir)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return digest.hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- one websocket
+CLOSE_POLICY = 1008  # close code: the peer does not read its replies, or sends nothing but invalid frames
+MAX_BAD_FRAMES = 256  # frames in a row that get an error reply before the connection is closed (a flood)
+# seconds between a connection's chunk messages: tokens that come faster merge into the next one, so a page gets at
+# most ~100 chunks a second however fast the model runs, and its Stop never waits behind a backlog of them
+CHUNK_INTERVAL = 0.01
+
+
+class Connection:
+    """One browser tab: a receive task (generate, stop) beside a send loop (hello, worker messages, errors)."""
+
+    def __init__(self, websocket: WebSocket, runtime: Runtime, worker: Worker, config: ServerConfig,
+                 guard: ConnectionGuard | None = None) -> None:  # fmt: skip
+        self.ws, self.runtime, self.worker, self.config, self.guard = websocket, runtime, worker, config, guard
+        self.max_bytes = config.max_message_bytes
+        self.key = object()  # the worker's handle for this connection's session
+        self.current: str | None = None  # the id of the request in flight
+        self.outbox = Outbox(config.max_pending_bytes)
+        self.clock = SendClock()
+        self.bad_frames = 0  # frames in a row answered with an error
+
+    async def serve(self) -> None:
+        self.outbox.push(self.runtime.hello())
+        receiver = asyncio.create_task(self._receive_loop())
+        sender = asyncio.create_task(self._send_loop())
+        watchdog = asyncio.create_task(self._watch_stall())
+        try:
+            await asyncio.wait({receiver, sender, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # no await here: the handler returns at once, the tasks finish on their own
+            self.worker.close(self.key)  # drops a queued or running request, frees the KV cache
+            for task in (receiver, sender, watchdog):
+                task.add_done_callback(_log_failure)
+                task.cancel()
+
+    def deliver(self, request_id: str, want_tokens: bool, trimmed: int, event: ev.Event) -> None:
+        """A worker event for request `request_id`, on the event loop; `start` learns how many messages were trimmed."""
+        if isinstance(event, ev.Finished | ev.Failed) and request_id == self.current:
+            self.current = None
+        if isinstance(event, ev.Started) and trimmed:
+            event = dataclasses.replace(event, trimmed_messages=trimmed)
+        for msg in p.event_messages(request_id, event, want_tokens):
+            self.outbox.push(msg)
+
+    async def _send_loop(self) -> None:
+        while True:
+            items = await self.outbox.take()
+            for msg in items:
+                self.clock.since = time.monotonic()
+                await self.ws.send_text(p.dump(msg))  # waits while uvicorn's write buffer is over its high-water mark
+                self.clock.since = None
+                self.outbox.sent(msg)
+            if any(isinstance(msg, p.Chunk) for msg in items):
+                await asyncio.sleep(CHUNK_INTERVAL)  # chunks pushed meanwhile merge in the outbox
+
+    async def _receive_loop(self) -> None:
+        while True:
+            await self.outbox.room()  # past max_pending_bytes: read no more frames (backpressure)
+            frame = await self.ws.receive()
+            if frame["type"] == "websocket.disconnect":
+                return
+            raw = frame.get("text")
+            rid: str | None = None
+            try:
+                msg = p.parse_client_message(raw if raw is not None else frame.get("bytes") or b"", self.max_bytes)
+                rid = msg.id
+                if isinstance(msg, p.Stop):
+                    self.worker.cancel(self.key, msg.id)
+                else:
+                    await self._generate(msg)
+                self.bad_frames = 0
+                continue
+            except p.ProtocolError as exc:
+                self.outbox.push(exc.to_message())
+            except Exception as exc:  # a bug: report it, keep the connection
+                log.exception("handling a frame failed")
+                self.outbox.push(p.Error(id=rid, code="internal", message=f"{type(exc).__name__}: {exc}"))
+            self.bad_frames += 1
+            if self.bad_frames >= MAX_BAD_FRAMES:
+                await self._close(f"{self.bad_frames} invalid frames in a row")
+                return
+
+    async def _watch_stall(self) -> None:
+        """Returns (ending the connection and releasing its session) once one write has waited stall_timeout s."""
+        while not self.clock.stalled(self.config.stall_timeout):
+            await asyncio.sleep(min(1.0, self.config.stall_timeout / 4))
+        await self._close(f"replies unread for {self.config.stall_timeout:g} s ({self.outbox.pending} more bytes "
+                          "waiting)")
+
+    async def _close(self, reason: str) -> None:
+        """Close with 1008 and `reason`, at once if the peer does not read (serve() then releases its session)."""
+        log.warning("closing a websocket: %s", reason)
+        try:
+            await asyncio.wait_for(self.ws.close(code=CLOSE_POLICY, reason=reason[:120]), 1.0)
+        except (TimeoutError, RuntimeError, OSError):
+            pass
+        if self.guard is not None:
+            self.guard.abort_peer(self.ws.scope.get("client"))
+
+    async def _generate(self, msg: p.Generate) -> None:
+        if self.current is not None:
+            raise p.ProtocolError("busy_connection", f"request {self.current!r} is still running on this connection; "
+                                  "send stop or wait for its done", msg.id)
+        self.current = msg.id  # from here every error names this request and ends it
+        try:
+            request, n_prompt, trimmed = await self._prepare(msg)
+        except p.ProtocolError:
+            self.current = None
+            raise
+        except Exception as exc:
+            self.current = None
+            log.warning("preparing request %r failed: %s: %s", msg.id, type(exc).__name__, exc)
+            raise p.ProtocolError("internal", f"preparing the prompt failed: {type(exc).__name__}: {exc}",
+                                  msg.id) from None
+        deliver = functools.partial(self.deliver, msg.id, request.return_probs, trimmed)
+        self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=deliver,
+                               prompt_tokens=n_prompt))
+
+    async def _prepare(self, msg: p.Generate) -> tuple[Any, int, int]:
+        """Validate what pydantic cannot (mode, vocabulary, context), template, encode and trim the history: the
+        generator request, its prompt length and how many messages were left out."""
+        from webchat.engine.generator import GenerationRequest
+        from webchat.engine.sampling import SamplingSettings, SettingsError
+
+        rt = self.runtime
+        mode = msg.speculative if msg.speculative is not None else rt.default_mode
+        if mode not in rt.modes:
+            raise p.ProtocolError("bad_settings", f"speculative = {mode!r} is not available: allowed {rt.modes}",
+                                  msg.id)
+        bias = msg.settings.token_bias_ids()
+        vocab = rt.tokenizer.vocab_size
+        for tid in bias:
+            if tid >= vocab:
+                raise p.ProtocolError("bad_settings", f"settings.token_bias key {tid} is out of range: allowed "
+                                      f"0 <= value <= {vocab - 1} (the vocabulary)", msg.id)
+        try:
+            settings = SamplingSettings(**msg.settings.model_dump(exclude={"token_bias"}), token_bias=bias)
+        except SettingsError as exc:
+            raise p.ProtocolError("bad_settings", f"settings.{exc}", msg.id) from None
+        budget = max(rt.context_length - msg.max_new_tokens, 1)
+        try:
+            encode = functools.partial(rt.encode_chat, continue_final=msg.continue_)
+            fitted = await run_in_threadpool(fit_history, encode, [m.model_dump() for m in msg.messages], budget)
+        except (jinja2.TemplateError, ContentRewritten) as exc:
+            field = "continue" if msg.continue_ and isinstance(exc, ContentRewritten) else "messages"
+            raise p.ProtocolError("bad_message", f"field '{field}': the chat template failed on them: {exc}",
+                                  msg.id) from None
+        ids = fitted.ids
+        if len(ids) >= rt.context_length:  # not even one new token fits: the last message (and system) alone
+            raise p.ProtocolError("prompt_too_long", f"prompt is {len(ids)} tokens; the context of {rt.context_length} "
+                                  f"allows at most {rt.context_length - 1} (older messages are left out to fit, the "
+                                  "system prompt and the latest message are not)", msg.id)
+        # fitted.fits False: the prompt fits but max_new_tokens does not; the reply ends at `context_full`
+        request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=msg.max_new_tokens,
+                                    stop_strings=list(msg.stop), stop_token_ids=None,
+                                    return_probs=msg.alternatives > 0, top_alts=msg.alternatives,
+                                    return_logits=False, speculative=mode)
+        return request, len(ids), fitted.dropped
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, WebSocketDisconnect | OSError):
+        log.error("websocket handler failed", exc_info=exc)
+
+
+# ---------------------------------------------------------------- the app
+def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlette:
+    """The app; its lifespan loads the model (unless `runtime` is given) and starts the worker."""
+    from webchat.serve.openai.routes import OpenAIApi
+
+    templates = Jinja2Templates(directory=str(config.templates_dir))
+    version = static_version(config.static_dir)
+    guard = ConnectionGuard(config.max_connections or default_max_connections(), config.handshake_timeout)
+    api = OpenAIApi(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        rt = runtime if runtime is not None else await asyncio.to_thread(load_runtime, config)
+        worker = Worker(rt.new_generator, rt.tokenizer.id_to_text, asyncio.get_running_loop(),
+                        config.max_sessions, config.max_queue, pages=rt.engine)
+        worker.start()
+        loop = asyncio.get_running_loop()
+        previous_handler = loop.get_exception_handler()
+        loop.set_exception_handler(AcceptErrorLog())
+        if runtime is None:
+            print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}, weights {rt.weights}) ready at "
+                  f"{display_url(config)}", flush=True)
+        try:
+            yield {"runtime": rt, "worker": worker, "config": config}
+        finally:
+            loop.set_exception_handler(previous_handler)
+            api.close()
+            worker.stop()
+
+    async def index(request: Request) -> Response:
+        rt: Runtime = request.state.runtime
+        context = {"model_name": rt.model_name, "context_length": rt.context_length, "static_version": version}
+        response = templates.TemplateResponse(request, "index.html", context)
+        _secure_headers(response, request.headers.get("host"))
+        return response
+
+    async def info(request: Request) -> Response:
+        rt: Runtime = request.state.runtime
+        body = rt.hello().model_dump(exclude={"type"})
+        body.update(max_sessions=config.max_sessions, max_queue=config.max_queue, default_speculative=rt.default_mode)
+        if rt.engine is not None:
+            body["kv_pool"] = rt.engine.pool_info()
+        return JSONResponse(body)
+
+    async def healthz(request: Request) -> Response:
+        snap = request.state.worker.snapshot()
+        pool = request.state.runtime.engine.pool_info() if request.state.runtime.engine is not None else None
+        return JSONResponse({"status": "ok", "active": len(snap.active), "queued": len(snap.pending),
+                             "sessions": snap.sessions, "kv_pool": pool})
+
+    async def ws_endpoint(websocket: WebSocket) -> None:
+        origin, host = websocket.headers.get("origin"), websocket.headers.get("host")
+        if not origin_allowed(origin, host, config):
+            log.warning("refused a websocket from origin %r (host %r)", origin, host)
+            await _refuse(websocket, f"origin {origin!r} is not allowed; serve the page from this server "
+                                     "or pass --allow-origin")
+            return
+        await websocket.accept()
+        conn = Connection(websocket, websocket.state.runtime, websocket.state.worker, config, guard)
+        await conn.serve()
+
+    routes = [
+        Route("/", index),
+        Route("/api/info", info),
+        Route("/healthz", healthz),
+        WebSocketRoute("/ws", ws_endpoint),
+        *api.routes(),
+        Mount("/static", StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.guard = guard  # `serve` hands it to uvicorn's protocols (webchat.serve.limits)
+    if config.trusted_hosts is not None:
+        app.add_middleware(HostCheck, allowed=config.trusted_hosts)
+    if config.access_token:
+        app.add_middleware(TokenCheck, token=config.access_token, skip_prefix="/v1" if config.api_key else None)
+    app.state.openai = api
+    return app
+
+
+def _secure_headers(response: Response, host: str | None) -> None:
+    response.headers["Content-Security-Policy"] = content_security_policy(host)
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Frame-Options"] = "DENY"
+
+
+async def _refuse(websocket: WebSocket, message: str) -> None:
+    """403 before the handshake completes (a close before accept is a 403 in uvicorn too)."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(PlainTextResponse(message, status_code=403))
+    else:
+        await websocket.close(code=1008)
+
+
+def display_url(config: ServerConfig) -> str:
+    host = config.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.port}/"

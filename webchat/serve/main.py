@@ -1,0 +1,117 @@
+"""`webchat serve`: its flags, the server config they make, and the start-up checks before uvicorn runs the app."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from webchat.engine.speculative import MODES
+from webchat.model.weights import add_weight_arguments
+from webchat.serve.app import LOOPBACK_NAMES, ServerConfig, create_app, is_loopback
+from webchat.serve.limits import default_max_connections, guarded_protocols
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled SmolLM2)")
+    parser.add_argument("--draft", type=Path, default=None, help="draft model folder for speculative mode 'draft'")
+    parser.add_argument("--speculative", default="none", choices=list(MODES),
+                        help="the speculative mode for requests that name none (default: none)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                        help="default: float32 on the CPU, float16 on CUDA")
+    add_weight_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-sessions", type=_positive, default=64,
+                        help="connections whose KV pages are kept between turns (default 64)")
+    parser.add_argument("--kv-pool", default=None, metavar="SIZE",
+                        help="KV pool: tokens (32768) or memory (512MiB, 2GiB); default 1GiB on the CPU, half the "
+                             "free memory on a GPU")
+    parser.add_argument("--max-queue", type=_non_negative, default=16, help="requests waiting past that (default 16)")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="another page origin allowed to open the websocket, e.g. http://localhost:3000")
+    parser.add_argument("--max-seq-len", type=_positive, default=None,
+                        help="cap the context (and the KV-cache memory of each session); default: the model's")
+    parser.add_argument("--max-connections", type=_positive, default=None,
+                        help="open sockets at most (default: a quarter of the open-file limit, "
+                        f"{default_max_connections()} here)")
+    parser.add_argument("--handshake-timeout", type=float, default=10.0,
+                        help="seconds a socket has to finish its first HTTP request (default 10)")
+    parser.add_argument("--access-token", default=os.environ.get("WEBCHAT_TOKEN"),
+                        help="require this token on every route (open the page as /?token=TOKEN; API clients send "
+                        "'Authorization: Bearer TOKEN'); default: $WEBCHAT_TOKEN")
+    parser.add_argument("--stall-timeout", type=float, default=30.0,
+                        help="seconds a websocket may leave 1 MiB of replies unread before it is closed (default 30)")
+    parser.add_argument("--api-key", default=os.environ.get("WEBCHAT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1); default: $WEBCHAT_API_KEY")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
+    return ServerConfig(model_dir=model_dir, draft_dir=args.draft, speculative=args.speculative, device=args.device,
+                        dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
+                        max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
+                        max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
+                        stall_timeout=args.stall_timeout, access_token=args.access_token,
+                        trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
+                        kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize)
+
+
+def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
+    """Load the model and serve until Ctrl-C."""
+    if args.speculative == "draft" and args.draft is None:
+        print("webchat serve: --speculative draft needs --draft DIR", file=sys.stderr)
+        return 2
+    if args.model is None:
+        from webchat.pull import ensure_default_model
+
+        model_dir = ensure_default_model()
+    else:
+        model_dir = args.model
+    config = config_from_args(args, model_dir)
+    if not is_loopback(config.host):
+        if not config.allow_origins and not config.access_token:
+            print(f"webchat serve: refusing to bind to {config.host}, which is not loopback, without --allow-origin "
+                  "or --access-token: anyone on the network, and any web page, could then drive the model. Name the "
+                  f"page origins that may use it (e.g. --allow-origin http://{config.host}:{config.port}) or set an "
+                  "access token", file=sys.stderr)
+            return 2
+        print(f"webchat serve: WARNING: bound to {config.host}, not loopback: anyone who can reach this machine "
+              "can use the model. " + ("Only the OpenAI API (/v1) checks --api-key; the page and websocket do not."
+                                       if config.api_key else "There is no authentication (see --api-key)."),
+              file=sys.stderr)
+    from webchat.folder_check import check_model_folder
+
+    check_model_folder(model_dir)  # config and tokenizer, before the weights load
+    print(f"webchat: loading {model_dir} …", flush=True)
+    app = create_app(config)
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    http, ws = guarded_protocols(app.state.guard, AutoHTTPProtocol, WebSocketsSansIOProtocol)
+    try:
+        run(app, host=config.host, port=config.port, http=http, ws=ws, loop="asyncio",
+            backlog=min(2048, app.state.guard.max_connections), ws_max_size=4 * config.max_message_bytes,
+            timeout_graceful_shutdown=3, log_level="info")
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after its clean shutdown
+        pass
+    print("webchat: stopped", flush=True)
+    return 0

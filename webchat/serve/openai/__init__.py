@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request schema, routes, streaming and response formatting."""

@@ -1,0 +1,246 @@
+"""The OpenAI-compatible HTTP API (docs/api.md) on the worker the websocket uses: one queue, fair to both.
+
+    request → guard (Origin, API key, JSON body, size) → validate → encode → Job on the shared worker
+            → first event: Failed busy → 429 | else 200: JSON when the request ends, or SSE chunks as it goes
+A disconnect listener races the handler (as vLLM does): a client that leaves closes its job within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from webchat.engine import events as ev
+from webchat.serve.openai.format import Reply
+from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, parse
+from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
+from webchat.serve.worker import Job
+
+if TYPE_CHECKING:
+    from webchat.serve.app import ServerConfig
+
+log = logging.getLogger("webchat.openai")
+
+PATHS = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+class OpenAIApi:
+    """The /v1 routes over the app's runtime and worker (read from the lifespan state on each request)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        from webchat.serve.app import origin_allowed
+
+        self.config = config
+        self._origin_allowed = origin_allowed
+        self.created = int(time.time())
+        self.closing = False
+        self.live: set[Pending] = set()
+
+    def routes(self) -> list[BaseRoute]:
+        both = ["POST", "OPTIONS"]
+        return [
+            Route("/v1/models", self._endpoint(self.models), methods=["GET", "OPTIONS"]),
+            Route("/v1/models/{model:path}", self._endpoint(self.model), methods=["GET", "OPTIONS"]),
+            Route("/v1/chat/completions", self._endpoint(self.chat), methods=both),
+            Route("/v1/completions", self._endpoint(self.completions), methods=both),
+            Route("/v1/{rest:path}", self._endpoint(self.unknown), methods=ALL_METHODS),  # 404, or 405 on a known path
+        ]
+
+    def close(self) -> None:
+        """The server is shutting down: new requests get 503 and waiting ones end with that error."""
+        self.closing = True
+        for pending in list(self.live):
+            pending.deliver(ev.Failed("shutting_down", "the server is shutting down"))
+
+    # ------------------------------------------------------------ handlers
+    def _endpoint(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                self._guard(request)
+                if request.method == "OPTIONS":
+                    return self._preflight(request)
+                return await handler(request)
+            except APIError as exc:
+                return self._error(request, exc)
+
+        return endpoint
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card(request)]}, headers=self._cors(request))
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request, request.path_params["model"], None)
+        return JSONResponse(self._model_card(request), headers=self._cors(request))
+
+    async def unknown(self, request: Request) -> Response:
+        if request.url.path in PATHS:
+            raise APIError(405, f"{request.url.path} takes {PATHS[request.url.path]}, got {request.method}",
+                           "method_not_allowed")
+        raise APIError(404, f"no route {request.method} {request.url.path}; the API serves {sorted(PATHS)}",
+                       "unknown_url")
+
+    async def chat(self, request: Request) -> Response:
+        req: ChatRequest = parse(ChatRequest, await self._body(request))
+        req.check()
+        self._check_model(request, req.model, "model")
+        rt = request.state.runtime
+        try:
+            ids = await run_in_threadpool(rt.encode_chat, [m.for_template() for m in req.messages])
+        except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
+            raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
+                           "invalid_messages", "messages") from None
+        reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
+                      logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return await self._run(request, self._generation(rt, req, ids, req.limit(), reply, "messages"), reply,
+                               bool(req.stream))
+
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, await self._body(request))
+        req.check()
+        self._check_model(request, req.model, "model")
+        rt = request.state.runtime
+        prompt = req.one_prompt()
+        if isinstance(prompt, str):
+            ids = await run_in_threadpool(rt.tokenizer.encode_text, prompt)
+        else:
+            vocab = rt.tokenizer.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt token ids must be in [0, {vocab - 1}], got {bad}", "invalid_value",
+                               "prompt")
+            ids = list(prompt)
+        reply = Reply(chat=False, model=rt.model_name, tokenizer=rt.tokenizer, logprobs=req.logprobs,
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return await self._run(request, self._generation(rt, req, ids, req.max_tokens, reply, "prompt"), reply,
+                               bool(req.stream))
+
+    # ------------------------------------------------------------ one generation
+    def _generation(self, rt: Any, req: ChatRequest | CompletionRequest, ids: list[int], limit: int | None,
+                    reply: Reply, prompt_param: str) -> Any:  # fmt: skip
+        """The generator request; the prompt and the completion must fit the context together."""
+        from webchat.engine.generator import GenerationRequest
+
+        context = rt.context_length
+        if not ids:
+            raise APIError(400, "the prompt is empty: it encodes to no tokens", "invalid_value", prompt_param)
+        if limit is None:
+            limit = context - len(ids)
+        if limit < 1 or len(ids) + limit > context:
+            raise APIError(400, f"this model's context is {context} tokens; the request needs {len(ids) + limit} "
+                           f"({len(ids)} in the prompt, {limit} to generate)", "context_length_exceeded",
+                           prompt_param if limit < 1 else "max_tokens")
+        mode = req.speculative if req.speculative is not None else rt.default_mode
+        if mode not in rt.modes:
+            raise APIError(400, f"speculative = {mode!r} is not available: allowed {rt.modes}", "invalid_value",
+                           "speculative")
+        return GenerationRequest(prompt_ids=ids, settings=req.sampling(rt.tokenizer.vocab_size),
+                                 max_new_tokens=limit, stop_strings=req.stops(), stop_token_ids=None,
+                                 return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,
+                                 return_logits=False, speculative=mode)
+
+    async def _run(self, request: Request, gen_request: Any, reply: Reply, stream: bool) -> Response:
+        """Submit the job and answer: errors before the first event keep their status; streams begin at 200."""
+        if self.closing:
+            raise APIError(503, "the server is shutting down", "shutting_down")
+        pending = Pending(request.state.worker)
+        self.live.add(pending)
+        pending.worker.submit(Job(key=pending.key, request_id=reply.id, request=gen_request, deliver=pending.deliver,
+                                  prompt_tokens=len(gen_request.prompt_ids)))
+        watcher = asyncio.create_task(pending.watch(request.receive))
+        streaming = False
+        try:
+            events = await pending.next()
+            _raise_failure(events[0])
+            if stream:
+                streaming = True  # the stream's body ends the job
+                return EventStream(pending, watcher, reply, events, self._cors(request), self.live.discard)
+            while True:
+                for event in events:
+                    if event is GONE:
+                        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+                    _raise_failure(event)
+                    if isinstance(event, ev.Tokens):
+                        reply.add(event)
+                    elif isinstance(event, ev.Finished):
+                        return JSONResponse(reply.response(event), headers=self._cors(request))
+                events = await pending.next()
+        finally:
+            if not streaming:
+                pending.end(watcher)
+                self.live.discard(pending)
+
+    # ------------------------------------------------------------ checks
+    def _guard(self, request: Request) -> None:
+        """Origin first (a foreign page must not reach the model), then the API key when one is set."""
+        origin, host = request.headers.get("origin"), request.headers.get("host")
+        if not self._origin_allowed(origin, host, self.config):
+            log.warning("refused an API request from origin %r (host %r)", origin, host)
+            raise APIError(403, f"origin {origin!r} is not allowed; call the API from a non-browser client, this "
+                           "server's own page, or an origin passed with --allow-origin", "origin_not_allowed")
+        key = self.config.api_key
+        if key is not None and request.method != "OPTIONS":
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                got = "no Authorization header" if "authorization" not in request.headers else "a different key"
+                raise APIError(401, f"expected 'Authorization: Bearer <the --api-key>', got {got}", "invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        """The JSON body, refused unless sent as application/json (a form or text/plain from a page is not)."""
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            raise APIError(415, f"the body must be sent as Content-Type: application/json, got {ctype or 'none'!r}",
+                           "unsupported_media_type")
+        limit = self.config.max_message_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the body is {declared} bytes; the limit is {limit} bytes", "request_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise APIError(413, f"the body is over {limit} bytes, the limit", "request_too_large")
+        return bytes(body)
+
+    def _check_model(self, request: Request, name: str, param: str | None) -> None:
+        served = request.state.runtime.model_name
+        if name != served:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {served!r} (GET /v1/models)",
+                           "model_not_found", param)
+
+    def _model_card(self, request: Request) -> dict[str, Any]:
+        rt = request.state.runtime
+        return {"id": rt.model_name, "object": "model", "created": self.created, "owned_by": "webchat",
+                "context_length": rt.context_length}
+
+    def _cors(self, request: Request) -> dict[str, str]:
+        """CORS for origins passed with --allow-origin (same-origin pages need none; others are refused above)."""
+        origin = request.headers.get("origin")
+        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if origin in self.config.allow_origins else {}
+
+    def _preflight(self, request: Request) -> Response:
+        headers = {**self._cors(request), "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                   "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"}
+        return Response(status_code=204, headers=headers)
+
+    def _error(self, request: Request, exc: APIError) -> Response:
+        headers = self._cors(request)
+        if exc.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _raise_failure(event: ev.Event | None) -> None:
+    if isinstance(event, ev.Failed):
+        raise APIError(FAILED_STATUS.get(event.code, 400), event.message, event.code)

@@ -1,0 +1,248 @@
+"""The OpenAI API's request bodies (docs/api.md), validated strictly with pydantic, and its error shape."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from webchat.engine.sampling import MAX_TOP_ALTS, SamplingSettings, SettingsError
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 200
+MAX_BIAS = 1000
+# webchat's own defaults are tuned for chat (webchat.engine.sampling); the API keeps OpenAI's: plain sampling at T = 1
+OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _union(v: Any, handler: ValidatorFunctionWrapHandler, expected: str) -> Any:
+    """Validate a union field; its failure is one message naming what was expected, not one per member."""
+    try:
+        return handler(v)
+    except ValidationError:
+        raise PydanticCustomError("expected", "expected {expected}", {"expected": expected}) from None
+
+
+class TextPart(_Strict):
+    type: str
+    text: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise PydanticCustomError("part_type", "content parts of type {type} are not supported: webchat's models "
+                                      "read text only (type 'text')", {"type": repr(v)})
+        return v
+
+
+def _content_kind(v: Any) -> str | None:
+    return "text" if isinstance(v, str) else PARTS if isinstance(v, list) else None
+
+
+PARTS = "(parts)"  # the union tag of content given as parts; left out of error paths
+Content = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[TextPart], Tag(PARTS)],
+    Discriminator(_content_kind, custom_error_type="expected",
+                  custom_error_message="expected a string or a list of text parts"),
+]
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+    name: str | None = None  # accepted and ignored
+
+    def for_template(self) -> dict[str, str]:
+        """role/content as the chat template reads them: developer → system, text parts joined by newlines."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Request(_Strict):
+    """Fields both endpoints share; None everywhere means the default (clients often send explicit nulls)."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    user: str | None = None  # accepted and ignored
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_BIAS)] | None = None
+    # webchat's extensions (vLLM accepts its own the same way)
+    top_k: int | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    repetition_range: int | None = None
+    speculative: str | None = None
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _union(v, handler, "a string or a list of strings")
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"stop holds {len(stops)} strings; at most {MAX_STOPS} are allowed", "invalid_value",
+                           "stop")
+        for s in stops:
+            if not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise APIError(400, f"each stop string must be 1 to {MAX_STOP_CHARS} characters, got {len(s)}",
+                               "invalid_value", "stop")
+        return stops
+
+    def check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise APIError(400, f"n must be 1: webchat generates one choice per request, got {self.n}",
+                           "invalid_value", "n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "invalid_value", "stream_options")
+
+    def sampling(self, vocab_size: int) -> SamplingSettings:
+        """The sampling settings, OpenAI's defaults where a field is left out; ranges are SamplingSettings' own."""
+        names = ("temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "repetition_range",
+                 "frequency_penalty", "presence_penalty", "seed")
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias keys must be token ids (decimal strings) in [0, {vocab_size - 1}], "
+                               f"got {key!r}", "invalid_value", "logit_bias")
+            bias[int(key)] = value
+        try:
+            return SamplingSettings(**{**OPENAI_DEFAULTS, **given}, token_bias=bias)
+        except SettingsError as exc:
+            param = "logit_bias" if exc.field.startswith("token_bias") else exc.field
+            raise APIError(400, str(exc).replace("token_bias", "logit_bias"), "invalid_value", param) from None
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_ALTS)] | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, f"top_logprobs = {self.top_logprobs} needs logprobs: true, got logprobs = "
+                           f"{self.logprobs}", "invalid_value", "top_logprobs")
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(_Request):
+    prompt: Prompt
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_ALTS)] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _union(v, handler, "a string, a list of token ids, or a list holding one of either")
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise APIError(400, "echo: true is not supported, got echo = true", "unsupported_value", "echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported (no fill-in-the-middle), got a suffix", "unsupported_value",
+                           "suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of must be 1, got {self.best_of}", "invalid_value", "best_of")
+
+    def one_prompt(self) -> str | list[int]:
+        """The single prompt: text, or token ids; a list of several prompts is refused (one choice per request)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise APIError(400, f"prompt holds {len(p)} prompts; webchat takes one per request", "invalid_value",
+                               "prompt")
+            return p[0]
+        return p  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- parsing
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse(model: type[_Request], body: bytes) -> Any:
+    """Decode and validate a request body, or raise APIError 400 naming the field (`param`) and the problem."""
+    try:
+        obj = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(obj).__name__}", "invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise invalid(exc) from None
+
+
+def invalid(exc: ValidationError) -> APIError:
+    """The first error of a ValidationError as a 400: param = the field's dotted path."""
+    err = exc.errors(include_url=False)[0]
+    param = ".".join(str(part) for part in err["loc"] if part != PARTS)
+    if err["type"] == "missing":
+        return APIError(400, f"field '{param}' is required", "missing_required_parameter", param)
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"field '{param}' is not supported by webchat's API (docs/api.md lists the fields)",
+                        "unknown_parameter", param)
+    return APIError(400, f"field '{param}': {err['msg']}, got {_short(err.get('input'))}", "invalid_value", param)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,335 @@
+"""The websocket message types of docs/protocol.md (version 1), validated strictly with pydantic."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+import typing
+from typing import Annotated, Any, Literal
+
+import annotated_types as at
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+from webchat.engine import events as ev
+
+VERSION = 1
+MAX_ALTERNATIVES = 20
+ERROR_CODES = (
+    "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
+)
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- client → server
+class WireSettings(_Strict):
+    """Sampling settings on the wire: the names, defaults and ranges of webchat.engine.sampling.SamplingSettings."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=5.0)] = 0.7
+    top_k: Annotated[int, Field(ge=0, le=100_000)] = 40
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
+    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    repetition_range: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    token_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1000)] = Field(
+        default_factory=dict
+    )
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+
+    @field_validator("token_bias")
+    @classmethod
+    def _bias_keys_are_ids(cls, v: dict[str, float]) -> dict[str, float]:
+        for key in v:
+            if not key.isdigit():
+                raise PydanticCustomError("bad_token_id", "token_bias keys are token ids as decimal strings, got {key}",
+                                          {"key": repr(key)})
+        return v
+
+    def token_bias_ids(self) -> dict[int, float]:
+        return {int(k): b for k, b in self.token_bias.items()}
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+RequestId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class Generate(_Strict):
+    type: Literal["generate"]
+    id: RequestId
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1000)]
+    settings: WireSettings = Field(default_factory=WireSettings)
+    max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 512
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=16)] = Field(
+        default_factory=list
+    )
+    alternatives: Annotated[int, Field(ge=0, le=MAX_ALTERNATIVES)] = 0
+    speculative: str | None = None  # None: the server's default mode
+    continue_: bool = Field(default=False, alias="continue")  # the last message is a partial assistant reply
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _last_message_fits(self) -> Generate:
+        last = self.messages[-1]
+        if self.continue_ and (last.role != "assistant" or last.content.strip() == ""):
+            got = f"role {last.role!r}" if last.role != "assistant" else "an empty assistant message"
+            raise PydanticCustomError("last_not_user", "with continue the last message must be an assistant message "
+                                      "with text, got {got}", {"got": got})
+        if not self.continue_ and last.role != "user":
+            raise PydanticCustomError("last_not_user", "the last message must be from the user, got role {role}",
+                                      {"role": repr(last.role)})
+        return self
+
+
+class Stop(_Strict):
+    type: Literal["stop"]
+    id: RequestId
+
+
+ClientMessage = Generate | Stop
+_CLIENT_TYPES: dict[str, type[Generate] | type[Stop]] = {"generate": Generate, "stop": Stop}
+
+
+# ---------------------------------------------------------------- server → client
+class Hello(_Strict):
+    type: Literal["hello"] = "hello"
+    v: int = VERSION
+    model: str
+    context_length: int
+    device: str
+    dtype: str
+    speculative: list[str]
+    max_alternatives: int = MAX_ALTERNATIVES
+    weights: str = "float32"  # what the matrices run as: "q4_1", "q8_0", ... (ggml blocks) or the float dtype
+
+
+class Queued(_Strict):
+    type: Literal["queued"] = "queued"
+    id: str
+    position: int
+
+
+class Start(_Strict):
+    type: Literal["start"] = "start"
+    id: str
+    prompt_tokens: int
+    reused_tokens: int
+    trimmed_messages: int | None = None  # present when the oldest messages were left out to fit the context
+
+
+class Alternative(_Strict):
+    id: int
+    text: str
+    p: float
+
+
+class TokenOut(_Strict):
+    id: int
+    text: str
+    p: float
+    rank: int
+    top: list[Alternative]
+    sampled_p: float | None = None  # under the distribution drawn from (settings applied); None when unknown
+
+
+class Chunk(_Strict):
+    type: Literal["chunk"] = "chunk"
+    id: str
+    text: str
+    tokens: list[TokenOut] | None = None  # present only when the request asked for alternatives
+
+    def merged(self, later: Chunk) -> Chunk:
+        """This chunk followed by `later` (same request) as one chunk: texts joined, token lists concatenated."""
+        tokens = None if self.tokens is None and later.tokens is None else (self.tokens or []) + (later.tokens or [])
+        return Chunk.model_construct(type="chunk", id=self.id, text=self.text + later.text, tokens=tokens)
+
+
+class Stats(_Strict):
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    new_tokens: int = 0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_tps: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Done(_Strict):
+    type: Literal["done"] = "done"
+    id: str
+    reason: Literal["stop_token", "stop_string", "max_new_tokens", "context_full", "cancelled"]
+    trigger: str | None = None
+    stats: Stats
+
+
+class Error(_Strict):
+    type: Literal["error"] = "error"
+    id: str | None
+    code: Literal[
+        "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal"
+    ]
+    message: str
+
+
+ServerMessage = Hello | Queued | Start | Chunk | Done | Error
+
+
+# ---------------------------------------------------------------- the websocket adapter of the worker's events
+def event_messages(request_id: str, event: ev.Event, want_tokens: bool) -> list[ServerMessage]:
+    """A neutral worker event (webchat.engine.events) as this protocol's messages for request `request_id`."""
+    if isinstance(event, ev.Queued):
+        return [Queued(id=request_id, position=event.position)]
+    if isinstance(event, ev.Started):
+        return [Start(id=request_id, prompt_tokens=event.prompt_tokens, reused_tokens=event.reused_tokens,
+                      trimmed_messages=event.trimmed_messages or None)]
+    if isinstance(event, ev.Tokens):
+        if not event.text and not (want_tokens and event.tokens):
+            return []
+        tokens = [token_out(t) for t in event.tokens] if want_tokens else None
+        return [Chunk(id=request_id, text=event.text, tokens=tokens)]
+    if isinstance(event, ev.Finished):
+        return [Done(id=request_id, reason=event.reason, trigger=event.trigger,  # type: ignore[arg-type]
+                     stats=stats_out(event.stats))]
+    return [Error(id=request_id, code=event.code, message=event.message)]  # type: ignore[arg-type]
+
+
+def token_out(info: ev.TokenInfo) -> TokenOut:
+    """A generated token as the wire's token entry (`p`: softmax of the raw logits; rank 1-based)."""
+    top = [Alternative(id=int(tid), text=text, p=float(prob)) for tid, text, prob in info.top]
+    sampled = None if info.sampled_prob is None else float(info.sampled_prob)
+    return TokenOut(id=int(info.id), text=info.piece, p=float(info.prob or 0.0), rank=int(info.rank or 0), top=top,
+                    sampled_p=sampled)
+
+
+def stats_out(stats: ev.Stats) -> Stats:
+    return Stats(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens, new_tokens=stats.new_tokens,
+                 prefill_ms=float(stats.prefill_ms), ttft_ms=float(stats.ttft_ms), decode_tps=float(stats.decode_tps),
+                 drafted=stats.drafted, accepted=stats.accepted)
+
+
+def dump(msg: ServerMessage) -> str:
+    """The JSON text frame for a server message (`chunk.tokens` left out when not asked for)."""
+    if isinstance(msg, Chunk) and msg.tokens is None:
+        return msg.model_dump_json(exclude={"tokens"})
+    if isinstance(msg, Start) and msg.trimmed_messages is None:
+        return msg.model_dump_json(exclude={"trimmed_messages"})
+    return msg.model_dump_json()
+
+
+# ---------------------------------------------------------------- parsing and errors
+class ProtocolError(Exception):
+    """A client frame that gets an `error` reply; `id` ties it to a request where the frame named one."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        assert code in ERROR_CODES, code
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    def to_message(self) -> Error:
+        return Error(id=self.request_id, code=self.code, message=self.message)  # type: ignore[arg-type]
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
+    """Decode and validate one client frame, or raise ProtocolError with the code of docs/protocol.md."""
+    size = len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else len(text)
+    if size > max_bytes:
+        raise ProtocolError("too_large", f"frame is {size} bytes; the limit is {max_bytes} bytes")
+    if isinstance(text, bytes):
+        raise ProtocolError("bad_json", "expected a text frame holding a JSON object, got a binary frame")
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError("bad_json", f"frame is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_json", f"expected a JSON object, got {type(obj).__name__}")
+    rid = obj.get("id") if isinstance(obj.get("id"), str) and 0 < len(obj["id"]) <= 64 else None
+    kind = obj.get("type")
+    if kind not in _CLIENT_TYPES:
+        got = "no 'type' field" if "type" not in obj else f"type {kind!r}"
+        raise ProtocolError("bad_message", f"field 'type': expected one of {sorted(_CLIENT_TYPES)}, got {got}", rid)
+    try:
+        return _CLIENT_TYPES[kind].model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc, _CLIENT_TYPES[kind], rid) from None
+
+
+def validation_error(exc: ValidationError, model: type[BaseModel], request_id: str | None) -> ProtocolError:
+    """The first error of a ValidationError: `bad_settings` for a value out of range, else `bad_message`."""
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(part) for part in err["loc"]) or "messages"  # a whole-message check: the last message
+    if err["type"] in _RANGE_ERRORS:
+        allowed = describe_range(model, err["loc"])
+        return ProtocolError("bad_settings", f"{loc} = {err['input']!r} is out of range: allowed {allowed}", request_id)
+    if err["type"] == "missing":
+        return ProtocolError("bad_message", f"field '{loc}' is missing", request_id)
+    if err["type"] == "extra_forbidden":
+        return ProtocolError("bad_message", f"field '{loc}' is not part of the protocol", request_id)
+    if err["type"] in ("bad_token_id", "last_not_user"):
+        return ProtocolError("bad_message", f"field '{loc}': {err['msg']}", request_id)
+    shown = _short_repr(err.get("input"))
+    return ProtocolError("bad_message", f"field '{loc}': {err['msg']}, got {shown}", request_id)
+
+
+def _short_repr(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe_range(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """The bounds declared on the field at `loc`, e.g. '0.0 <= value <= 10.0'."""
+    metadata = _field_metadata(model, loc)
+    lo = next((f"{m.ge} <=" for m in metadata if isinstance(m, at.Ge)), None)
+    lo = lo or next((f"{m.gt} <" for m in metadata if isinstance(m, at.Gt)), None)
+    hi = next((f"<= {m.le}" for m in metadata if isinstance(m, at.Le)), None)
+    hi = hi or next((f"< {m.lt}" for m in metadata if isinstance(m, at.Lt)), None)
+    return " ".join(part for part in (lo, "value", hi) if part)
+
+
+def _field_metadata(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[Any]:
+    current: Any = model
+    metadata: list[Any] = []
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel) and isinstance(part, str):
+            if part not in current.model_fields:
+                return []
+            info = current.model_fields[part]
+            metadata, current = list(info.metadata), info.annotation
+        else:  # inside a dict or list: the element (value) type
+            args = getattr(current, "__args__", ())
+            current, metadata = (args[-1] if args else None), []
+        current, metadata = _unwrap(current, metadata)
+    return metadata
+
+
+def _unwrap(tp: Any, metadata: list[Any]) -> tuple[Any, list[Any]]:
+    """Strip Optional and Annotated from a type, collecting constraint objects (FieldInfo expanded)."""
+    while True:
+        args = [a for a in getattr(tp, "__args__", ()) if a is not type(None)]
+        if getattr(tp, "__metadata__", None):
+            for m in tp.__metadata__:
+                metadata.extend(m.metadata if isinstance(m, FieldInfo) else [m])
+            tp = tp.__origin__
+        elif typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+            tp = args[0]
+        else:
+            return tp, metadata
