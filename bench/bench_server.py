@@ -29,7 +29,9 @@ from pathlib import Path
 import uvicorn
 import websockets
 
-from webchat.serve.app import Runtime, ServerConfig, create_app, load_runtime
+from webchat.serve.app import create_app
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime, load_runtime
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 

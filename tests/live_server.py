@@ -14,7 +14,9 @@ from typing import Any
 import httpx
 import uvicorn
 
-from webchat.serve.app import Runtime, ServerConfig, create_app
+from webchat.serve.app import create_app
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime
 from webchat.serve.worker import StreamingGenerator
 
 

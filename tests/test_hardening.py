@@ -20,7 +20,10 @@ from starlette.websockets import WebSocketDisconnect
 
 from webchat.folder_check import ModelFolderError, check_model_folder
 from webchat.serve import protocol as p
-from webchat.serve.app import Outbox, Runtime, ServerConfig, create_app, load_runtime
+from webchat.serve.app import create_app
+from webchat.serve.config import ServerConfig
+from webchat.serve.outbox import Outbox
+from webchat.serve.runtime import Runtime, load_runtime
 from webchat.text.chat_encode import TemplateBudgetError, budget
 from webchat.text.tokenizer import Tokenizer, render_chat_template
 from webchat.text.trim import fit_history

@@ -17,7 +17,8 @@ import pytest
 from live_server import Live, serve  # tests/ is on sys.path under pytest
 from websockets.sync.client import connect as sync_connect
 
-from webchat.serve.app import Runtime, ServerConfig, load_runtime
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime, load_runtime
 
 pytestmark = pytest.mark.timeout(180)
 PROMPT = [{"role": "user", "content": "Tell me about the quick brown fox."}]

@@ -11,7 +11,8 @@ import pytest
 from live_server import Live, serve  # tests/ is on sys.path under pytest
 from test_openai_live import PROMPT, assert_logprobs_match, openai_client, websocket_reply
 
-from webchat.serve.app import Runtime, ServerConfig, load_runtime
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime, load_runtime
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(600)]
 TOKENS = 24

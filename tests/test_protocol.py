@@ -17,7 +17,9 @@ import pytest
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
 from webchat.serve import protocol as p
-from webchat.serve.app import Runtime, ServerConfig, create_app, load_runtime
+from webchat.serve.app import create_app
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime, load_runtime
 from webchat.serve.worker import StreamingGenerator
 
 pytestmark = pytest.mark.timeout(120)
@@ -491,7 +493,7 @@ def test_outbox_merges_chunks_of_a_slow_reader() -> None:
 
 
 async def outbox_merges() -> None:
-    from webchat.serve.app import Outbox
+    from webchat.serve.outbox import Outbox
 
     box = Outbox()
     tok = p.TokenOut(id=1, text="a", p=0.5, rank=1, top=[])

@@ -22,7 +22,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as sync_connect
 from websockets.typing import Origin
 
-from webchat.serve.app import Runtime, ServerConfig, load_runtime
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime, load_runtime
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,17 +5,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
-import ipaddress
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import jinja2
 from starlette.applications import Starlette
@@ -27,10 +21,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-import webchat
 from webchat.engine import events as ev
-from webchat.engine.speculative import MODES
 from webchat.serve import protocol as p
+from webchat.serve.config import ServerConfig, content_security_policy, origin_allowed, static_version
 from webchat.serve.limits import (
     AcceptErrorLog,
     ConnectionGuard,
@@ -38,152 +31,14 @@ from webchat.serve.limits import (
     TokenCheck,
     default_max_connections,
 )
+from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
-from webchat.serve.worker import Job, StreamingGenerator, Worker
+from webchat.serve.runtime import Runtime, load_runtime
+from webchat.serve.worker import Job, Worker
 from webchat.text.chat_encode import ContentRewritten
 from webchat.text.trim import fit_history
 
 log = logging.getLogger("webchat.serve.app")
-
-REPO_ROOT = Path(webchat.__file__).resolve().parent.parent
-LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
-
-
-@dataclass
-class ServerConfig:
-    """Everything `webchat serve` is told; `create_app` reads only this."""
-
-    model_dir: Path
-    draft_dir: Path | None = None
-    speculative: str = "none"  # the mode for requests that name none
-    device: str = "auto"
-    dtype: str | None = None  # None: float32 on the CPU, float16 on CUDA
-    weights: str = "auto"  # webchat.model.loader.WEIGHTS: the folder's quantized blocks on the CPU where present
-    quantize: str | None = None  # q8_0 | q4_0: quantize float weights at load
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_sessions: int = 64  # connections whose KV pages are kept between turns (idle ones cost only their pages)
-    max_queue: int = 16
-    allow_origins: tuple[str, ...] = ()
-    max_seq_len: int | None = None  # cap on the context (KV-cache memory per session)
-    max_message_bytes: int = 1 << 20
-    kv_pool: str | None = None  # KV pool size: tokens or "512MiB"; None: 1 GiB on the CPU, half the free GPU memory
-    max_pending_bytes: int = 1 << 20  # a connection's output not yet written; past it the server stops reading it
-    stall_timeout: float = 30.0  # seconds output may stay past max_pending_bytes before the socket is closed
-    max_connections: int | None = None  # None: a quarter of the file limit (webchat.serve.limits)
-    handshake_timeout: float = 10.0  # seconds a socket has to finish its first HTTP request
-    trusted_hosts: tuple[str, ...] | None = None  # Host names HTTP routes answer; None: any (`serve` sets loopback)
-    access_token: str | None = None  # when set, every route needs it (webchat.serve.limits.TokenCheck)
-    api_key: str | None = None  # when set, the OpenAI API (/v1) needs `Authorization: Bearer <key>`
-    templates_dir: Path = REPO_ROOT / "templates"
-    static_dir: Path = REPO_ROOT / "static"
-
-
-@dataclass
-class Runtime:
-    """What the lifespan loads once: the model, its tokenizer, an optional draft model, and how to describe them."""
-
-    model: Any  # webchat.model.transformer.Transformer
-    tokenizer: Any  # webchat.text.tokenizer.Tokenizer
-    model_name: str
-    device: str
-    dtype: str
-    context_length: int
-    modes: list[str]
-    draft_model: Any = None
-    default_mode: str = "none"
-    engine: Any = None  # webchat.engine.engine.Engine: one KV pool and one batched forward for every connection
-    weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
-
-    def new_generator(self) -> StreamingGenerator:
-        from webchat.engine.generator import Generator
-
-        gen: StreamingGenerator = Generator(self.model, self.tokenizer, engine=self.engine)
-        return gen
-
-    def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False) -> list[int]:
-        """The prompt ids: message contents tokenized as text, only the template's markers are control ids."""
-        ids: list[int] = self.tokenizer.encode_chat(messages, continue_final=continue_final)
-        return ids
-
-    def hello(self) -> p.Hello:
-        return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
-                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights)
-
-
-def load_runtime(config: ServerConfig) -> Runtime:
-    """Load the model (and draft) once onto the configured device."""
-    from webchat.folder_check import check_model_folder
-    from webchat.model.loader import load_model, resolve_device, resolve_dtype, weights_name
-    from webchat.text.tokenizer import Tokenizer
-
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    tokenizer = Tokenizer.from_dir(config.model_dir)  # checked before the weights load
-    check_model_folder(config.model_dir)
-    model = load_model(config.model_dir, device, dtype, weights=config.weights, quantize=config.quantize)
-    draft = None
-    if config.draft_dir is not None:
-        draft = load_model(config.draft_dir, device, dtype, weights=config.weights, quantize=config.quantize)
-    context = min(model.args.max_seq_len, config.max_seq_len or model.args.max_seq_len)
-    modes = [m for m in MODES if m != "draft" or draft is not None]
-    if config.speculative not in modes:
-        raise ValueError(f"--speculative {config.speculative} is not available; choose one of {modes}")
-    from webchat.engine.engine import Engine
-    from webchat.model.kv_cache import pool_tokens
-
-    engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
-                    pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
-    return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name, device=str(device),
-                   dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes, draft_model=draft,
-                   default_mode=config.speculative, engine=engine, weights=weights_name(model))
-
-
-# ---------------------------------------------------------------- security
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def origin_allowed(origin: str | None, host_header: str | None, config: ServerConfig) -> bool:
-    """Same origin as the page (scheme://Host), or listed in --allow-origin. No Origin: not a browser, allowed.
-
-    Bound to loopback, the Host must also name a loopback address, so a DNS-rebinding page cannot pass as same-origin.
-    """
-    if origin is None:
-        return True
-    if origin in config.allow_origins:
-        return True
-    if host_header is None or origin.lower() not in (f"http://{host_header}".lower(), f"https://{host_header}".lower()):
-        return False
-    return not is_loopback(config.host) or is_loopback(urlsplit(origin).hostname or "")
-
-
-_SAFE_HOST = re.compile(r"^[A-Za-z0-9.\-:\[\]]{1,255}$")
-
-
-def content_security_policy(host_header: str | None) -> str:
-    """No inline script anywhere; the websocket may go back to the page's own host."""
-    ws = f" ws://{host_header} wss://{host_header}" if host_header and _SAFE_HOST.match(host_header) else ""
-    return ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-            f"connect-src 'self'{ws}; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
-
-
-def static_version(static_dir: Path) -> str:
-    """A short hash of the static files' names, sizes and mtimes, for cache-busting query strings."""
-    digest = hashlib.sha256()
-    if static_dir.is_dir():
-        for path in sorted(static_dir.rglob("*")):
-            if path.is_file():
-                st = path.stat()
-                digest.update(f"{path.relative_to(static_dir)}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return digest.hexdigest()[:12]
-
 
 # ---------------------------------------------------------------- one websocket
 CLOSE_POLICY = 1008  # close code: the peer does not read its replies, or sends nothing but invalid frames
@@ -355,7 +210,6 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 # ---------------------------------------------------------------- the app
 def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlette:
     """The app; its lifespan loads the model (unless `runtime` is given) and starts the worker."""
-    from webchat.serve.openai.routes import OpenAIApi
 
     templates = Jinja2Templates(directory=str(config.templates_dir))
     version = static_version(config.static_dir)

@@ -12,7 +12,8 @@ import uvicorn
 
 from webchat.engine.speculative import MODES
 from webchat.model.weights import add_weight_arguments
-from webchat.serve.app import LOOPBACK_NAMES, ServerConfig, create_app, is_loopback
+from webchat.serve.app import create_app
+from webchat.serve.config import LOOPBACK_NAMES, ServerConfig, is_loopback
 from webchat.serve.limits import default_max_connections, guarded_protocols
 
 

@@ -12,7 +12,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 from starlette.concurrency import run_in_threadpool
@@ -21,13 +21,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from webchat.engine import events as ev
+from webchat.engine.sequence import GenerationRequest
+from webchat.serve.config import ServerConfig, origin_allowed
 from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, parse
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
+from webchat.serve.runtime import Runtime
 from webchat.serve.worker import Job
-
-if TYPE_CHECKING:
-    from webchat.serve.app import ServerConfig
 
 log = logging.getLogger("webchat.openai")
 
@@ -39,8 +39,6 @@ class OpenAIApi:
     """The /v1 routes over the app's runtime and worker (read from the lifespan state on each request)."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from webchat.serve.app import origin_allowed
-
         self.config = config
         self._origin_allowed = origin_allowed
         self.created = int(time.time())
@@ -127,11 +125,9 @@ class OpenAIApi:
                                bool(req.stream))
 
     # ------------------------------------------------------------ one generation
-    def _generation(self, rt: Any, req: ChatRequest | CompletionRequest, ids: list[int], limit: int | None,
-                    reply: Reply, prompt_param: str) -> Any:  # fmt: skip
+    def _generation(self, rt: Runtime, req: ChatRequest | CompletionRequest, ids: list[int], limit: int | None,
+                    reply: Reply, prompt_param: str) -> GenerationRequest:  # fmt: skip
         """The generator request; the prompt and the completion must fit the context together."""
-        from webchat.engine.generator import GenerationRequest
-
         context = rt.context_length
         if not ids:
             raise APIError(400, "the prompt is empty: it encodes to no tokens", "invalid_value", prompt_param)
@@ -150,7 +146,7 @@ class OpenAIApi:
                                  return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,
                                  return_logits=False, speculative=mode)
 
-    async def _run(self, request: Request, gen_request: Any, reply: Reply, stream: bool) -> Response:
+    async def _run(self, request: Request, gen_request: GenerationRequest, reply: Reply, stream: bool) -> Response:
         """Submit the job and answer: errors before the first event keep their status; streams begin at 200."""
         if self.closing:
             raise APIError(503, "the server is shutting down", "shutting_down")
