@@ -19,7 +19,8 @@ from webchat.engine.sampling import SamplingSettings
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import SeqCache
 from webchat.model.loader import load_model
-from webchat.serve.worker import Job, Worker
+from webchat.serve.backend import Job
+from webchat.serve.worker import Worker
 from webchat.text.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)

@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from webchat.engine import events as ev
 from webchat.serve import protocol as p
+from webchat.serve.backend import Job
 from webchat.serve.config import ServerConfig, content_security_policy, origin_allowed, static_version
 from webchat.serve.limits import (
     AcceptErrorLog,
@@ -34,7 +35,7 @@ from webchat.serve.limits import (
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
 from webchat.serve.runtime import Runtime, load_runtime
-from webchat.serve.worker import Job, Worker
+from webchat.serve.worker import Worker
 from webchat.text.chat_encode import ContentRewritten
 from webchat.text.trim import fit_history
 

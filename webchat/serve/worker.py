@@ -20,16 +20,14 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest, StartInfo, StreamResult
+from webchat.serve.backend import Job, Snapshot
 
 log = logging.getLogger("webchat.serve.worker")
-
-Deliver = Callable[[ev.Event], None]
-
 
 class StreamingGenerator(Protocol):
     """The part of webchat.engine.generator.Generator the worker uses (docs/design.md)."""
@@ -63,32 +61,8 @@ class Session:
     closed: bool = False
 
 
-@dataclass
-class Job:
-    """One `generate` request: the generator request, where its messages go, and its place in the schedule."""
-
-    key: Hashable  # the connection
-    request_id: str
-    request: GenerationRequest
-    deliver: Deliver  # runs on the event loop
-    prompt_tokens: int = 0
-    pages: int = 0  # KV pages reserved while active
-    position: int = 0  # last `queued` position sent; 0 = never queued
-    session: Session | None = None
-    started: bool = False
-    cancel_requested: bool = False
-    dropped: bool = False  # the client left: no more messages, no done
-
-
-@dataclass
-class Snapshot:
-    active: list[str] = field(default_factory=list)
-    pending: list[str] = field(default_factory=list)
-    sessions: int = 0
-
-
 class Worker:
-    """Schedules requests from many connections onto one device thread."""
+    """A Backend (webchat.serve.backend): schedules requests from many connections onto one device thread."""
 
     def __init__(
         self,

@@ -22,12 +22,12 @@ from starlette.routing import BaseRoute, Route
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest
+from webchat.serve.backend import Job
 from webchat.serve.config import ServerConfig, origin_allowed
 from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, parse
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
 from webchat.serve.runtime import Runtime
-from webchat.serve.worker import Job
 
 log = logging.getLogger("webchat.openai")
 

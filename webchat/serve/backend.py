@@ -1,0 +1,64 @@
+"""The engine seam: what both front ends (the websocket in webchat.serve.app, `/v1` in webchat.serve.openai.routes)
+hand a request to, and what comes back.
+
+A front end builds a `Job` (the prompt as token ids *and* as chat messages, the sampling request, and `deliver`,
+which runs on the event loop with each neutral event of webchat.engine.events) and gives it to a `Backend`. Two
+implementations: webchat.serve.worker.Worker drives the local batched engine on the device thread; a remote
+OpenAI-compatible engine (vLLM, SGLang, llama.cpp's server) is the other. Front ends never know which one runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from webchat.engine import events as ev
+from webchat.engine.sequence import GenerationRequest
+
+if TYPE_CHECKING:
+    from webchat.serve.worker import Session
+
+Deliver = Callable[[ev.Event], None]
+
+
+@dataclass
+class Job:
+    """One `generate` request: the generator request, where its messages go, and its place in the schedule."""
+
+    key: Hashable  # the connection (websocket) or the API request: one session, at most one job at a time
+    request_id: str
+    request: GenerationRequest
+    deliver: Deliver  # runs on the event loop
+    prompt_tokens: int = 0
+    client: Hashable = None  # who is asking, for fair admission: a websocket connection, an API key or a peer address
+    messages: list[dict[str, str]] | None = None  # the chat the prompt ids were encoded from (None: a raw prompt)
+    continue_final: bool = False  # the last message is an assistant prefix to continue
+    # the worker's bookkeeping
+    pages: int = 0  # KV pages reserved while active
+    position: int = 0  # last `queued` position sent; 0 = never queued
+    session: Session | None = None
+    started: bool = False
+    cancel_requested: bool = False
+    dropped: bool = False  # the client left: no more messages, no done
+
+
+@dataclass
+class Snapshot:
+    active: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    sessions: int = 0
+
+
+class Backend(Protocol):
+    """Where jobs run. Every method is called from the event loop and never blocks on the model."""
+
+    def start(self) -> None: ...
+    def stop(self, timeout: float = 10.0) -> None: ...
+    def submit(self, job: Job) -> None:
+        """Queue a job; answers through job.deliver (`busy`/`busy_connection` failures included)."""
+    def cancel(self, key: Hashable, request_id: str) -> None:
+        """`stop`: the job ends at its next step with `done` cancelled."""
+    def close(self, key: Hashable) -> None:
+        """The connection is gone: drop its job and free its session."""
+    def snapshot(self) -> Snapshot: ...
