@@ -38,7 +38,18 @@ WEIGHT_MAP = {
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",  # Qwen3, Gemma 3
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
 }
+# Gemma 2/3 name their four norms differently: post_attention_layernorm is the attention output's norm
+GEMMA_MAP = {
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.attention_post_norm.weight",
+    "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.ffn_post_norm.weight",
+}
+# Phi-3's fused matrices, split by rows at load into the Llama names: qkv_proj → q, k, v; gate_up_proj → gate, up
+FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+         "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -86,12 +97,12 @@ def load_model(
     if quantized and quantize is None:
         tensors, qtypes = _read_quantized(path)
     elif quantized and quantize is not None:
-        tensors, qtypes = _quantize_tensors(_read_tensors(path), quantize)
+        tensors, qtypes = _quantize_tensors(_prepare(_read_tensors(path), args), quantize, args)
     else:
-        tensors, qtypes = _read_tensors(path), {}
+        tensors, qtypes = _prepare(_read_tensors(path), args), {}
     with torch.device("meta"):
         model = Transformer(args)
-    ours_qtypes = {_map_name(name): qt for name, qt in qtypes.items()}
+    ours_qtypes = {_map_name(name, args): qt for name, qt in qtypes.items()}
     modules = {name.removesuffix(".weight"): qt for name, qt in ours_qtypes.items() if name is not None}
     if args.tie_embeddings and "tok_embeddings" in modules:
         modules["output"] = modules["tok_embeddings"]
@@ -99,7 +110,7 @@ def load_model(
     expected = {name: (p.shape, p.dtype) for name, p in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     for ckpt_name, tensor in tensors:
-        ours = _map_name(ckpt_name)
+        ours = _map_name(ckpt_name, args)
         if ours is None:
             raise ModelLoadError(f"{path}: unexpected tensor {ckpt_name!r} for {args.arch}")
         if ours == "output.weight" and args.tie_embeddings:
@@ -176,12 +187,12 @@ def _read_quantized(path: Path) -> tuple[list[tuple[str, torch.Tensor]], dict[st
 
 
 def _quantize_tensors(
-    tensors: list[tuple[str, torch.Tensor]], qtype: str
+    tensors: list[tuple[str, torch.Tensor]], qtype: str, args: ModelArgs
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
     """Matrices of the layers to qtype, the embedding (and an untied head) to q8_0; K % 32 != 0 stays float."""
     out, qtypes = [], {}
     for name, t in tensors:
-        ours = _map_name(name) or ""
+        ours = _map_name(name, args) or ""
         kind = qtype if ours.startswith("layers.") else "q8_0"
         if t.dim() == 2 and t.shape[1] % 32 == 0 and ours.endswith("weight") and "norm" not in ours:
             t, qtypes[name] = quantize(t, kind), kind
@@ -189,15 +200,42 @@ def _quantize_tensors(
     return out, qtypes
 
 
-def _map_name(name: str) -> str | None:
+def _map_name(name: str, args: ModelArgs) -> str | None:
     if IGNORED.match(name):
         return None
+    table = {**WEIGHT_MAP, **GEMMA_MAP} if args.sandwich_norm else WEIGHT_MAP
     m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
     if m:
         key = f"model.layers.{{}}.{m.group(2)}"
-        ours = WEIGHT_MAP.get(key)
+        ours = table.get(key)
         return ours.format(m.group(1)) if ours else None
-    return WEIGHT_MAP.get(name)
+    return table.get(name)
+
+
+def _prepare(tensors: list[tuple[str, torch.Tensor]], args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    """Float checkpoint tensors as the model holds them: fused matrices split, Gemma's norms as 1 + w (float32)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in tensors:
+        m = re.match(r"(model\.layers\.\d+)\.(.*)$", name)
+        if m and m.group(2) in FUSED:
+            out.extend(_split_fused(m.group(1), m.group(2), t, args))
+        elif args.norm_plus_one and name.endswith("norm.weight"):
+            out.append((name, t.float() + 1.0))
+        else:
+            out.append((name, t))
+    return out
+
+
+def _split_fused(layer: str, leaf: str, t: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    """Phi-3's qkv_proj (q; k; v rows) and gate_up_proj (gate; up rows) as separate Llama-named matrices."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    rows = [q, kv, kv] if leaf.startswith("self_attn.") else [args.ffn_dim, args.ffn_dim]
+    if t.shape[0] != sum(rows):
+        want = " + ".join(map(str, rows))
+        raise ModelLoadError(f"tensor {layer}.{leaf!r} has {t.shape[0]} rows, expected {sum(rows)} ({want})")
+    group = leaf.split(".")[0]
+    return [(f"{layer}.{group}.{part}.weight", w.contiguous())
+            for part, w in zip(FUSED[leaf], torch.split(t, rows, dim=0), strict=True)]
 
 
 def _read_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""A Llama-family transformer (Llama, Mistral, Qwen2) over a ragged batch on a paged KV cache, hot ops behind `ops`."""
+"""A Llama-family transformer (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3) on a paged KV cache, hot ops behind `ops`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from webchat.model.batch import Batch
@@ -39,8 +40,14 @@ class Ops(Protocol):
                         batch: Batch) -> torch.Tensor: ...
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, window: int = 0) -> None:
         super().__init__()
         hd, bias = args.head_dim, args.qkv_bias
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, hd
@@ -48,6 +55,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        self.q_norm = RMSNorm(hd) if args.qk_norm else None  # Qwen3, Gemma 3: per head, before rope
+        self.k_norm = RMSNorm(hd) if args.qk_norm else None
+        self.eps, self.scale, self.softcap, self.window = args.norm_eps, args.attn_scale, args.attn_softcap, window
+        self.plain = self.softcap == 0 and window == 0 and abs(self.scale - hd ** -0.5) < 1e-12
 
     def forward(
         self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch,
@@ -57,9 +68,14 @@ class Attention(nn.Module):
         q = self.wq(x).view(t, self.n_heads, self.head_dim)  # (T, H, hd)
         k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)  # (T, n_kv, hd)
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = ops.rms_norm(q, self.q_norm.weight, self.eps), ops.rms_norm(k, self.k_norm.weight, self.eps)
         q, k = ops.rope(q, k, *rope)
         ops.kv_write(k_cache, v_cache, k, v, batch.slot_mapping)
-        o = ops.paged_attention(q, k_cache, v_cache, batch)  # (T, H, hd)
+        if self.plain:
+            o = ops.paged_attention(q, k_cache, v_cache, batch)  # (T, H, hd)
+        else:
+            o = paged_attention_ex(q, k_cache, v_cache, batch, self.scale, self.softcap, self.window)
         out: torch.Tensor = self.wo(o.reshape(t, self.n_heads * self.head_dim))
         return out
 
@@ -70,25 +86,28 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+        self.act = args.act
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        out: torch.Tensor = self.w2(ops.silu_mul(self.w1(x), self.w3(x)))
+        if self.act == "gelu_tanh":  # Gemma: y = w2(gelu_tanh(w1 x) * w3 x)
+            h = F.gelu(self.w1(x), approximate="tanh") * self.w3(x)
+        else:
+            h = ops.silu_mul(self.w1(x), self.w3(x))
+        out: torch.Tensor = self.w2(h)
         return out
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, window: int = 0) -> None:
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = Attention(args, window)
         self.feed_forward = FeedForward(args)
         self.attention_norm = RMSNorm(args.dim)
         self.ffn_norm = RMSNorm(args.dim)
+        # Gemma 2/3: norms on the attention and FFN outputs before they join the residual
+        self.attention_post_norm = RMSNorm(args.dim) if args.sandwich_norm else None
+        self.ffn_post_norm = RMSNorm(args.dim) if args.sandwich_norm else None
+        self.local_rope = window > 0 and args.rope_local is not None
 
 
 Runner = Callable[["Transformer", Batch, PagedKV], "torch.Tensor | None"]
@@ -106,11 +125,12 @@ class Transformer(nn.Module):
         self.args = args
         self.ops: Ops = PagedTorchOps()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, w) for w in args.layer_windows)
         self.norm = RMSNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
+        self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None  # Gemma 3's sliding layers
         # CUDA backend hook (webchat.kernels.cuda.graphs): runner(model, batch, kv) -> logits, or None to run eagerly
         self.runner: Runner | None = None
 
@@ -124,9 +144,14 @@ class Transformer(nn.Module):
 
     def setup_rope(self, n_positions: int) -> None:
         """Precompute cos/sin (n_positions, head_dim/2) in float32 on the model's device."""
-        inv_freq = rope_inv_freq(self.args).to(self.device)
-        freqs = torch.outer(torch.arange(n_positions, device=self.device, dtype=torch.float32), inv_freq)
+        pos = torch.arange(n_positions, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(pos, rope_inv_freq(self.args).to(self.device))
         self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
+        if self.args.rope_local is not None:
+            local = dataclasses.replace(self.args, rope_theta=float(self.args.rope_local.get("rope_theta", 10000.0)),
+                                        rope_scaling=self.args.rope_local)
+            freqs = torch.outer(pos, rope_inv_freq(local).to(self.device))
+            self.rope_local = (freqs.cos(), freqs.sin())
 
     def ensure_rope(self, n_positions: int) -> None:
         if n_positions > self.rope_cos.shape[0]:
@@ -149,7 +174,7 @@ class Transformer(nn.Module):
         small = copy.copy(self)
         small._modules = dict(self._modules)
         small._modules["layers"] = nn.ModuleList(list(self.layers)[:n_layers])
-        small.args = dataclasses.replace(self.args, n_layers=n_layers)
+        small.args = dataclasses.replace(self.args, n_layers=n_layers, layer_windows=self.args.layer_windows[:n_layers])
         return small
 
     @torch.inference_mode()
@@ -168,23 +193,61 @@ class Transformer(nn.Module):
 
     def layers_forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
         """Embedding, blocks, final norm and head; reads nothing on the host (graph-capturable with device ops)."""
-        ops, eps = self.ops, self.args.norm_eps
+        ops, eps, a = self.ops, self.args.norm_eps, self.args
         rope = (self.rope_cos.index_select(0, batch.positions), self.rope_sin.index_select(0, batch.positions))
+        local = rope if self.rope_local is None else tuple(r.index_select(0, batch.positions) for r in self.rope_local)
         residual = self.tok_embeddings(batch.tokens)  # (T, dim)
+        if a.embed_scale != 1.0:  # Gemma: x * √dim, the factor rounded to the activations' dtype
+            residual = residual * torch.tensor(a.embed_scale, dtype=residual.dtype)
         out: torch.Tensor | None = None
         for i, layer in enumerate(cast(list[Block], list(self.layers))):
             if out is None:
                 y = ops.rms_norm(residual, layer.attention_norm.weight, eps)
             else:
                 y, residual = ops.add_rms_norm(out, residual, layer.attention_norm.weight, eps)
-            out = layer.attention(y, kv.k[i], kv.v[i], batch, rope, ops)
+            out = layer.attention(y, kv.k[i], kv.v[i], batch, local if layer.local_rope else rope, ops)
+            if layer.attention_post_norm is not None:
+                out = ops.rms_norm(out, layer.attention_post_norm.weight, eps)
             y, residual = ops.add_rms_norm(out, residual, layer.ffn_norm.weight, eps)
             out = layer.feed_forward(y, ops)
+            if layer.ffn_post_norm is not None:
+                out = ops.rms_norm(out, layer.ffn_post_norm.weight, eps)
         assert out is not None
         out, residual = out.index_select(0, batch.logit_rows), residual.index_select(0, batch.logit_rows)  # (R, dim)
         y, _ = ops.add_rms_norm(out, residual, self.norm.weight, eps)
         logits: torch.Tensor = self.output(y).float()  # (R, vocab)
+        if a.final_softcap > 0:  # Gemma 2: logits = cap * tanh(logits / cap)
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
+
+
+def paged_attention_ex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, scale: float,
+                       softcap: float, window: int) -> torch.Tensor:
+    """Paged attention with a score scale, soft-capping and a sliding window (Gemma), sequence by sequence.
+
+    s = scale * q k^T; s = cap * tanh(s / cap) if cap; row i (position p) sees positions j with p - window < j <= p
+    (window 0: all j <= p); o = softmax(s) v. q, o (T, H, hd); caches (num_pages, page_size, n_kv, hd).
+    """
+    page_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    kf, vf = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)  # (slots, n_kv, hd)
+    g = q.shape[1] // n_kv
+    out = torch.empty_like(q)
+    starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+    offsets = torch.arange(page_size, device=q.device)
+    for b, length in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        pages = batch.block_tables[b, : -(-length // page_size)].long()
+        slots = (pages.unsqueeze(1) * page_size + offsets).reshape(-1)[:length]  # (L,)
+        k = kf.index_select(0, slots).float().repeat_interleave(g, dim=1).transpose(0, 1)  # (H, L, hd)
+        v = vf.index_select(0, slots).float().repeat_interleave(g, dim=1).transpose(0, 1)
+        s = torch.matmul(q[lo:hi].float().transpose(0, 1), k.transpose(1, 2)) * scale  # (H, t, L)
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        pos, j = batch.positions[lo:hi].unsqueeze(1), torch.arange(length, device=q.device).unsqueeze(0)
+        seen = (j <= pos) & (j > pos - window) if window > 0 else j <= pos  # (t, L)
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+        out[lo:hi] = torch.matmul(p, v).transpose(0, 1).to(q.dtype)  # (t, H, hd)
+    return out
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from webchat.model.batch import Batch
+from webchat.model.config import ModelArgs
 from webchat.model.quant import QTYPES, QEmbedding, QLinear
 from webchat.model.transformer import Block, PagedKV, Transformer
 
@@ -82,12 +83,22 @@ class CpuStep:
         return logits
 
 
+def cpu_step_declines(args: ModelArgs) -> str | None:
+    """Why the C++ forward cannot run this architecture (it computes a Llama block), or None where it can."""
+    extra = args.beyond_llama
+    return f"{args.arch or 'this model'} needs {', '.join(extra)}" if extra else None
+
+
 def enable_cpu_step(model: Transformer, kernels: Any) -> bool:
     """Install CpuStep as the model's runner where it can run (CPU, float32 activations, kernels built)."""
     if os.environ.get("WEBCHAT_CPU_STEP", "1") == "0":
         log.info("WEBCHAT_CPU_STEP=0: the model runs on PyTorch ops")
         return False
     if kernels is None or model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    reason = cpu_step_declines(model.args)
+    if reason is not None:
+        log.info("the C++ forward declines, PyTorch ops run the model: %s", reason)
         return False
     try:
         model.runner = CpuStep(model, kernels)

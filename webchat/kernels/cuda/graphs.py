@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from webchat.model.batch import Batch
+from webchat.model.config import ModelArgs
 from webchat.model.transformer import PagedKV, Transformer
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,10 @@ def enable_cuda_backend(model: Transformer, graphs: bool = True) -> bool:
     if os.environ.get("WEBCHAT_CUDA_KERNELS", "1") == "0":
         log.info("WEBCHAT_CUDA_KERNELS=0: the model runs on PyTorch ops")
         return False
+    reason = cuda_declines(model.args)
+    if reason is not None:
+        log.info("the CUDA kernels decline, PyTorch ops run the model: %s", reason)
+        return False
     from webchat.kernels.cuda import CudaOps, KernelUnavailable
 
     try:
@@ -171,6 +176,12 @@ def enable_cuda_backend(model: Transformer, graphs: bool = True) -> bool:
         return False
     model.runner = GraphRunner(model) if graphs else None
     return True
+
+
+def cuda_declines(args: ModelArgs) -> str | None:
+    """Why CudaOps and the CUDA graphs cannot run this architecture (they compute a Llama block), or None."""
+    extra = args.beyond_llama
+    return f"{args.arch or 'this model'} needs {', '.join(extra)}" if extra else None
 
 
 def disable_cuda_backend(model: Transformer) -> None:
