@@ -18,7 +18,7 @@ from webchat.engine.speculative import MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled SmolLM2)")
+    parser.add_argument("--model", type=Path, default=None, help="folder or .gguf (default: the pulled SmolLM2)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=512)
@@ -64,6 +64,7 @@ def reply(gen: Generator, request: GenerationRequest, out: TextIO) -> tuple[str,
 
 def main(args: argparse.Namespace) -> int:
     from webchat.folder_check import check_model_folder
+    from webchat.gguf_path import model_folder
     from webchat.model.loader import load_model, resolve_device, resolve_dtype
     from webchat.pull import ensure_default_model
     from webchat.text.tokenizer import Tokenizer
@@ -74,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
     except SettingsError as e:
         print(f"webchat chat: {e}", file=sys.stderr)
         return 2
-    path = args.model or ensure_default_model()
+    path = model_folder(args.model) if args.model else ensure_default_model()  # a .gguf: converted once
     check_model_folder(path)  # config and tokenizer, before the weights load
     device = resolve_device(args.device)
     model = load_model(path, device, resolve_dtype(None, device))

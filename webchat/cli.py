@@ -21,7 +21,7 @@ SUBCOMMANDS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the user message")
-    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled SmolLM2)")
+    parser.add_argument("--model", type=Path, default=None, help="folder or .gguf (default: the pulled SmolLM2)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     add_weight_arguments(parser)
@@ -31,11 +31,12 @@ def main(args: argparse.Namespace) -> int:
     """`webchat complete`: chat-template the prompt, then greedy-decode through the KV cache."""
 
     from webchat.folder_check import check_model_folder
+    from webchat.gguf_path import model_folder
     from webchat.model.loader import load_model, resolve_device, resolve_dtype
     from webchat.pull import ensure_default_model
     from webchat.text.tokenizer import Tokenizer
 
-    path = args.model or ensure_default_model()
+    path = model_folder(args.model) if args.model else ensure_default_model()  # a .gguf: converted once
     check_model_folder(path)  # config and tokenizer, before the weights load
     device = resolve_device(args.device)
     model = load_model(path, device, resolve_dtype(None, device), weights=args.weights, quantize=args.quantize)

@@ -1,4 +1,4 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face-style model folder (float32 safetensors + tokenizer).
+"""Convert a llama, qwen2 or qwen3 GGUF file into a Hugging Face-style folder (float32 safetensors + tokenizer).
 
 Beside model.safetensors (float32, what transformers loads) it writes quantized.safetensors: the same tensors with
 Q4_0/Q4_1/Q8_0 matrices kept as their ggml blocks (docs/quant.md), which webchat runs on the CPU by default.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,11 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-SUPPORTED_ARCHS = ("llama",)
+# GGUF general.architecture → the Hugging Face architecture and model_type the folder's config.json names
+HF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+            "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+SUPPORTED_ARCHS = tuple(HF_ARCHS)
+Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 
 # llama.cpp's per-layer tensor names -> Hugging Face's (gpt-fast style: one explicit table)
 LAYER_MAP = {
@@ -34,7 +39,10 @@ LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 GLOBAL_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -77,6 +85,7 @@ class Hyper:
     norm_eps: float
     rope_theta: float
     context_length: int
+    arch: str = "llama"
 
 
 class _Meta:
@@ -118,6 +127,7 @@ def read_hyper(meta: _Meta, arch: str, n_tokens: int) -> Hyper:
         norm_eps=_f32(meta.need(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         context_length=int(meta.get(f"{arch}.context_length", 2048)),
+        arch=arch,
     )
 
 
@@ -159,6 +169,8 @@ def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
         "q_proj.bias": (q,),
         "k_proj.bias": (kv,),
         "v_proj.bias": (kv,),
+        "q_norm.weight": (h.head_dim,),
+        "k_norm.weight": (h.head_dim,),
         "gate_proj.weight": (h.ffn_dim, h.dim),
         "up_proj.weight": (h.ffn_dim, h.dim),
         "down_proj.weight": (h.dim, h.ffn_dim),
@@ -166,32 +178,46 @@ def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
     return table[".".join(hf_name.split(".")[-2:])]
 
 
-def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False) -> dict[str, np.ndarray]:
-    """All tensors with HF names, [out, in] shapes, q/k rows un-permuted: float32, or with keep_quantized the
-    Q4_0/Q4_1/Q8_0 matrices as uint8 (out, in / 32 * block bytes) blocks (see quantized_types for which)."""
+def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False,
+                 progress: Progress | None = None) -> dict[str, np.ndarray]:
+    """All tensors with HF names, [out, in] shapes, llama's q/k rows un-permuted: float32 (any type gguf.quants
+    reads, K-quants included, dequantized), or with keep_quantized the Q4_0/Q4_1/Q8_0 matrices as uint8
+    (out, in / 32 * block bytes) blocks (see quantized_types for which)."""
     out: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
+    for n, t in enumerate(reader.tensors):
         name = hf_tensor_name(t.name)
         want = expected_shape(name, h)
         if keep_quantized and t.tensor_type in KEPT_QUANTIZED:
             w = np.asarray(t.data, dtype=np.uint8)
             shape = tuple(gguf.quants.quant_shape_from_byte_shape(w.shape, t.tensor_type))
         else:
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = np.asarray(_dequantize(t), dtype=np.float32)
             shape = tuple(w.shape)
         if shape != want:
             raise ConversionError(f"tensor {t.name!r}: expected shape {want}, got {shape}")
-        if ".q_proj." in name:  # a row permutation: whole quantized rows move unchanged
+        if h.arch == "llama" and ".q_proj." in name:  # a row permutation: whole quantized rows move unchanged
             w = unpermute_rows(w, h.n_heads)
-        elif ".k_proj." in name:
+        elif h.arch == "llama" and ".k_proj." in name:
             w = unpermute_rows(w, h.n_kv_heads)
         out[name] = np.ascontiguousarray(w)
+        if progress is not None:
+            progress(n + 1, len(reader.tensors))
+    per_layer = [v for v in LAYER_MAP.values() if v.endswith("weight") and (h.arch == "qwen3" or v not in QK_NORMS)]
     for name in ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{v}" for i in range(h.n_layers) for v in LAYER_MAP.values() if v.endswith("weight")
+        f"model.layers.{i}.{v}" for i in range(h.n_layers) for v in per_layer
     ]:
         if name not in out:
             raise ConversionError(f"GGUF file lacks the tensor for {name!r}")
     return out
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    """float32 values of a GGUF tensor of any type gguf.quants reads; ConversionError naming the type otherwise."""
+    try:
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        kind = gguf.GGMLQuantizationType(t.tensor_type).name
+        raise ConversionError(f"tensor {t.name!r} is of ggml type {kind}, which webchat cannot read") from None
 
 
 def quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
@@ -200,9 +226,9 @@ def quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
     return {hf_tensor_name(t.name): KEPT_QUANTIZED[t.tensor_type] for t in kept}
 
 
-def write_quantized(reader: gguf.GGUFReader, h: Hyper, out_dir: Path) -> None:
+def write_quantized(reader: gguf.GGUFReader, h: Hyper, out_dir: Path, progress: Progress | None = None) -> None:
     """out_dir/quantized.safetensors (docs/quant.md), written to a temp name and renamed into place."""
-    tensors = read_tensors(reader, h, keep_quantized=True)
+    tensors = read_tensors(reader, h, keep_quantized=True, progress=progress)
     meta = {"format": "pt", QUANT_KEY: json.dumps(quantized_types(reader)), QUANT_LAYOUT_KEY: QUANT_LAYOUT}
     tmp = out_dir / f".{QUANT_FILE}.tmp"
     save_file(tensors, str(tmp), metadata=meta)
@@ -223,11 +249,12 @@ def pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("gpt-2", "default"):
         return byte_level
-    if pre in ("llama-bpe", "llama3"):
-        split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False)
+    if pre in ("llama-bpe", "llama3", "qwen2"):
+        pattern = LLAMA3_PATTERN if pre != "qwen2" else LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ConversionError(
-        f"tokenizer.ggml.pre {pre!r} is not supported; expected one of smollm, gpt-2, default, llama-bpe"
+        f"tokenizer.ggml.pre {pre!r} is not supported; expected one of smollm, gpt-2, default, llama-bpe, qwen2"
     )
 
 
@@ -241,7 +268,8 @@ def build_tokenizer(meta: _Meta) -> HFTokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.need("tokenizer.ggml.merges")]
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in ("llama-bpe", "llama3"))
+    bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False,
+                     ignore_merges=pre in ("llama-bpe", "llama3"))
     tok = HFTokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizer_for(pre)
     tok.decoder = decoders.ByteLevel()
@@ -267,8 +295,8 @@ def special_tokens(meta: _Meta, tokens: list[str]) -> dict[str, str]:
 def model_config(meta: _Meta, h: Hyper, tied: bool, bias: bool) -> dict[str, Any]:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [HF_ARCHS[h.arch][0]],
+        "model_type": HF_ARCHS[h.arch][1],
         "vocab_size": h.vocab_size,
         "hidden_size": h.dim,
         "intermediate_size": h.ffn_dim,
@@ -298,10 +326,19 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
+    """A GGUFReader, or ConversionError in one line for a file that is not GGUF (or not a version gguf reads)."""
+    try:
+        return gguf.GGUFReader(gguf_path)
+    except (ValueError, IndexError, TypeError) as e:
+        raise ConversionError(f"{gguf_path.name}: not a GGUF file webchat can read ({e})") from None
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json, and
-    quantized.safetensors where the GGUF holds Q4_0/Q4_1/Q8_0 matrices."""
-    reader = gguf.GGUFReader(gguf_path)
+    quantized.safetensors where the GGUF holds Q4_0/Q4_1/Q8_0 matrices. progress(done, total) per tensor read
+    (each is read twice where the quantized file is written)."""
+    reader = open_gguf(gguf_path)
     meta = _Meta(reader)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -311,14 +348,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokens: list[str] = meta.need("tokenizer.ggml.tokens")
     h = read_hyper(meta, arch, len(tokens))
     tokenizer = build_tokenizer(meta)  # before the tensors: refuse an unsupported tokenizer cheaply
-    tensors = read_tensors(reader, h)
+    passes = 2 if quantized_types(reader) else 1  # the float tensors, then the quantized file's
+    tensors = read_tensors(reader, h, progress=None if progress is None else lambda i, n: progress(i, n * passes))
     tied = "lm_head.weight" not in tensors
     bias = any(name.endswith("_proj.bias") for name in tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     if quantized_types(reader):
-        write_quantized(reader, h, out_dir)
+        write_quantized(reader, h, out_dir, None if progress is None else lambda i, n: progress(n + i, 2 * n))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = model_config(meta, h, tied, bias)
     _write_json(out_dir / "config.json", config)

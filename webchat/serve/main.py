@@ -18,7 +18,7 @@ from webchat.serve.limits import default_max_connections, guarded_protocols
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled SmolLM2)")
+    parser.add_argument("--model", type=Path, default=None, help="folder or .gguf (default: the pulled SmolLM2)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder for speculative mode 'draft'")
     parser.add_argument("--speculative", default="none", choices=list(MODES),
                         help="the speculative mode for requests that name none (default: none)")
@@ -86,7 +86,9 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
 
         model_dir = ensure_default_model()
     else:
-        model_dir = args.model
+        from webchat.gguf_path import model_folder
+
+        model_dir = model_folder(args.model)  # a .gguf: converted once into the cache
     config = config_from_args(args, model_dir)
     if not is_loopback(config.host):
         if not config.allow_origins and not config.access_token:
