@@ -1,6 +1,6 @@
 """Test helper: a Hugging Face folder (config, model.safetensors, tokenizer.json) written as a GGUF by `gguf`'s own
 GGUFWriter, the way llama.cpp's convert_hf_to_gguf.py lays it out (llama.cpp names, llama's q/k rows permuted), each
-tensor in the ggml type `qtype(name, array)` picks."""
+tensor in the ggml type `qtype(name, array)` picks (Q4_K and Q6_K by tests/kquant_encode.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+from tests.kquant_encode import encode_q4_k, encode_q6_k
 from webchat.convert import GLOBAL_MAP, LAYER_MAP, permute_rows
 
 QType = Callable[[str, np.ndarray], gguf.GGMLQuantizationType]
@@ -68,7 +69,8 @@ def write_gguf(folder: Path, out: Path, arch: str, qtype: QType = all_f32, pre: 
         elif arch == "llama" and ".k_proj." in name:
             t = permute_rows(t, n_kv)
         kind = qtype(name, t)
-        data = t if kind == F32 else gguf.quants.quantize(t, kind)
+        encoders = {gguf.GGMLQuantizationType.Q4_K: encode_q4_k, gguf.GGMLQuantizationType.Q6_K: encode_q6_k}
+        data = t if kind == F32 else encoders[kind](t) if kind in encoders else gguf.quants.quantize(t, kind)
         w.add_tensor(gguf_name(name), data, raw_dtype=None if kind == F32 else kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()

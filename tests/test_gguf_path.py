@@ -33,12 +33,12 @@ DECODE = 16
 CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
-def tiny_folder(arch: str, folder: Path) -> Any:
+def tiny_folder(arch: str, folder: Path, hidden: int = 64, ffn: int = 96) -> Any:
     """A random transformers model of `arch` with webchat's tiny tokenizer, saved as a folder; the model back."""
     tok = make_tiny_tokenizer()
     torch.manual_seed(0)
     config = getattr(transformers, CONFIGS[arch])(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=2, initializer_range=0.2, tie_word_embeddings=arch == "qwen2")
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()

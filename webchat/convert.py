@@ -59,6 +59,7 @@ KEPT_QUANTIZED = {
     gguf.GGMLQuantizationType.Q4_1: "q4_1",
     gguf.GGMLQuantizationType.Q8_0: "q8_0",
 }
+K_QUANTS = {gguf.GGMLQuantizationType.Q4_K: "q4_k", gguf.GGMLQuantizationType.Q6_K: "q6_k"}
 
 # llama.cpp's `tokenizer.ggml.pre` -> the Hugging Face pre-tokenizer that splits text the same way
 LLAMA3_PATTERN = (
@@ -213,6 +214,13 @@ def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False
 
 def _dequantize(t: Any) -> np.ndarray:
     """float32 values of a GGUF tensor of any type gguf.quants reads; ConversionError naming the type otherwise."""
+    if t.tensor_type in K_QUANTS:  # webchat's own decoder (webchat.model.quant.dequantize_k)
+        import torch
+
+        from webchat.model.quant import dequantize_k
+
+        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+        return dequantize_k(blocks.reshape(blocks.shape[0], -1), K_QUANTS[t.tensor_type]).numpy()
     try:
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
     except NotImplementedError:

@@ -1,0 +1,104 @@
+"""Q4_K and Q6_K: our test encoder (tests/kquant_encode.py) checked against gguf.quants' decoder, webchat's own
+decoder (webchat.model.quant.dequantize_k) identical to it, and a GGUF of K-quant matrices run by path."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from tests.gguf_write import F32, write_gguf
+from tests.kquant_encode import encode_q4_k, encode_q6_k
+from webchat.convert import hf_tensor_name
+from webchat.gguf_path import model_folder
+from webchat.kernels.cpu import build as qkernels
+from webchat.model.loader import load_model
+from webchat.model.quant import dequantize_k
+
+Q = gguf.GGMLQuantizationType
+FORMATS = {"q4_k": (encode_q4_k, Q.Q4_K, 144, 15), "q6_k": (encode_q6_k, Q.Q6_K, 210, 63)}
+
+
+def rows() -> np.ndarray:
+    """Random rows of different spreads and signs, plus the edge cases: zeros, a constant, all negative, one spike."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((12, 512)).astype(np.float32) * rng.uniform(0.01, 10, (12, 1)).astype(np.float32)
+    x[0] = 0.0
+    x[1] = 0.75
+    x[2] = -np.abs(x[2])
+    x[3, :] = 0.0
+    x[3, 100] = 40.0
+    return x
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_encoder_is_a_valid_encoding(fmt: str) -> None:
+    encode, kind, nbytes, levels = FORMATS[fmt]
+    x = rows()
+    blocks = encode(x)
+    assert blocks.dtype == np.uint8 and blocks.shape == (12, 512 // 256 * nbytes)
+    y = gguf.quants.dequantize(blocks, kind)
+    # within a fraction of each block's step (its range over the levels) plus the 6/8-bit scale rounding
+    block_range = np.abs(x.reshape(12, 2, 256)).max(-1, keepdims=True) * 2
+    err = np.abs(y - x).reshape(12, 2, 256)
+    assert (err <= block_range / levels + 1e-6).all(), f"{fmt}: max error {err.max():.3g}"
+    assert np.array_equal(y[0], x[0]) and np.allclose(y[1], 0.75, atol=0.75 / levels)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_webchat_decoder_equals_gguf(fmt: str) -> None:
+    encode, kind, _, _ = FORMATS[fmt]
+    blocks = encode(rows())
+    got = dequantize_k(torch.from_numpy(blocks), fmt).numpy()
+    assert np.array_equal(got, gguf.quants.dequantize(blocks, kind))
+
+
+def test_decoder_refuses_bad_blocks() -> None:
+    with pytest.raises(ValueError, match="q5_k"):
+        dequantize_k(torch.zeros(1, 144, dtype=torch.uint8), "q5_k")
+    with pytest.raises(ValueError, match=r"multiple|rows, k \* 210"):
+        dequantize_k(torch.zeros(1, 144, dtype=torch.uint8), "q6_k")
+
+
+def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K matrices, Q6_K for v, down and the embedding (as llama.cpp's Q4_K_M mixes them), float32 norms; the
+    K-quants dequantized once, exactly as gguf.quants decodes them, and the model exact to transformers on them."""
+    transformers = pytest.importorskip("transformers", reason="transformers (for the tiny model) is not installed")
+    from tests.test_gguf_path import PROMPT, greedy_logits, tiny_folder
+
+    qkernels.try_load()
+    monkeypatch.setenv("WEBCHAT_HOME", str(tmp_path / "home"))
+    assert transformers is not None
+    reference = tiny_folder("qwen3", tmp_path / "hf", hidden=256, ffn=512)
+
+    def mix(name: str, w: np.ndarray) -> Q:
+        if w.ndim == 1:
+            return F32
+        if w.shape[1] % 256:  # o_proj's 64 columns: llama.cpp falls back to a 32-block type likewise
+            return Q.Q8_0
+        return Q.Q6_K if any(p in name for p in ("v_proj", "down_proj", "embed_tokens")) else Q.Q4_K
+
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    write_gguf(tmp_path / "hf", path, "qwen3", qtype=mix)
+    folder = model_folder(path, out=io.StringIO())
+    floats = load_file(str(folder / "model.safetensors"))
+    kinds = {t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert {Q.Q4_K, Q.Q6_K} <= kinds
+    for t in gguf.GGUFReader(path).tensors:
+        if t.tensor_type in (Q.Q4_K, Q.Q6_K):
+            name = hf_tensor_name(t.name)
+            assert np.array_equal(floats[name], gguf.quants.dequantize(t.data, t.tensor_type)), t.name
+    # the model on those weights, against transformers given the same dequantized weights
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(torch.from_numpy(floats[name]))
+    ids, got = greedy_logits(load_model(folder), PROMPT)
+    with torch.no_grad():
+        want = reference(torch.tensor([ids[:-1]])).logits[0]
+    assert (got - want).abs().max().item() <= 1e-4
+    assert want[len(PROMPT) - 1 :].argmax(-1).tolist() == ids[len(PROMPT) :]
