@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from webchat.kernels.cpu.step import cpu_step_declines
+from webchat.kernels.cuda.graphs import cuda_declines
 from webchat.model.batch import make_batch
 from webchat.model.config import ModelArgs
 from webchat.model.kv_cache import PageTable
@@ -28,6 +29,12 @@ SHAPE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size
 GEMMA: dict[str, Any] = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5)
 CONFIGS: dict[str, Callable[[], Any]] = {
     "llama": lambda: transformers.LlamaConfig(**SHAPE, head_dim=16),
+    "llama3": lambda: transformers.LlamaConfig(
+        **SHAPE, head_dim=16, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64}),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=16),
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE),
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16),
     "phi3": lambda: transformers.Phi3Config(**SHAPE),
     "gemma2": lambda: transformers.Gemma2Config(
@@ -39,8 +46,11 @@ CONFIGS: dict[str, Callable[[], Any]] = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
 }
-ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+ARCHS = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+LLAMA_BLOCK = ("llama", "llama3", "mistral", "qwen2", "phi3")  # what the C++ step and the CUDA kernels run
 
 
 def make_reference(kind: str, folder: Path) -> Any:
@@ -87,11 +97,12 @@ def check(kind: str, reference: Any, ids: list[int], got: torch.Tensor, n_prompt
 def test_config_reads_the_architecture(pair: tuple[str, Any, Transformer]) -> None:
     kind, _, model = pair
     assert model.args.arch == ARCHS[kind]
-    reason = cpu_step_declines(model.args)
-    if kind in ("llama", "phi3"):  # Phi-3's fused matrices split at load: a Llama block the C++ forward runs
-        assert reason is None
-    else:
-        assert reason is not None and ARCHS[kind] in reason
+    for reason in (cpu_step_declines(model.args), cuda_declines(model.args)):
+        if kind not in LLAMA_BLOCK:
+            assert reason is not None and ARCHS[kind] in reason
+        else:  # Phi-3's fused matrices split at load: a Llama block the kernels run
+            assert reason is None
+    assert (model.runner is not None) == (kind in LLAMA_BLOCK)  # the C++ step installed, or declined
 
 
 def test_alone_prompt_and_16_decoded_tokens(pair: tuple[str, Any, Transformer]) -> None:
