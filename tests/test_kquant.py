@@ -102,3 +102,35 @@ def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.Mo
         want = reference(torch.tensor([ids[:-1]])).logits[0]
     assert (got - want).abs().max().item() <= 1e-4
     assert want[len(PROMPT) - 1 :].argmax(-1).tolist() == ids[len(PROMPT) :]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> object:
+    mod = qkernels.try_load()
+    if mod is None:
+        pytest.skip("the C++ kernels could not be built here (no compiler or ninja)")
+    return mod
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_cpp_matmul_against_the_dequantized_weights(kernels: object, fmt: str, m: int) -> None:
+    encode, kind, _, _ = FORMATS[fmt]
+    w = torch.from_numpy(encode(rows()))
+    dense = dequantize_k(w, fmt)  # (12, 512)
+    x, bias = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)), torch.randn(12)
+    assert torch.equal(torch.ops.webchat_kq.dequantize(w, int(kind), 512), dense)
+    got = torch.ops.webchat_kq.matmul(x, w, int(kind), 512, bias)
+    want = x @ dense.T + bias
+    assert got.shape == (m, 12)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), f"max |Δ| {(got - want).abs().max().item():.2e}"
+
+
+def test_cpp_kernels_refuse_bad_input(kernels: object) -> None:
+    w = torch.from_numpy(encode_q4_k(rows()))
+    with pytest.raises(RuntimeError, match=r"qtype must be 12 \(Q4_K\) or 14 \(Q6_K\), got 2"):
+        torch.ops.webchat_kq.matmul(torch.zeros(1, 512), w, 2, 512, None)
+    with pytest.raises(RuntimeError, match="w rows must hold 420 bytes"):
+        torch.ops.webchat_kq.matmul(torch.zeros(1, 512), w, 14, 512, None)
+    with pytest.raises(RuntimeError, match=r"x must be \(M, 512\)"):
+        torch.ops.webchat_kq.matmul(torch.zeros(1, 256), w, 12, 512, None)

@@ -19,7 +19,7 @@ from typing import Any
 
 from webchat.paths import webchat_home
 
-SOURCES = ("qmatmul.cpp", "qstep.cpp", "qops.cpp")
+SOURCES = ("qmatmul.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time

@@ -1,0 +1,141 @@
+// Q4_K and Q6_K (ggml's 256-value super-blocks) on the CPU: dequantization and y = x @ dequant(w)^T (+ bias).
+// Registered as torch ops (torch.ops.webchat_kq.matmul / .dequantize) so this file needs no binding elsewhere.
+//   Q4_K block (144 B): d, dmin (f16), scales[12] (eight 6-bit scale/min pairs), qs[128] (4-bit);
+//                      w = d * sc_j * q - dmin * m_j for sub-block j of 32
+//   Q6_K block (210 B): ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d (f16);
+//                      w = d * sc_g * (q - 32) for group g of 16
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+
+#include "qcommon.h"
+
+namespace wq {
+namespace {
+
+constexpr int64_t QK = 256;
+constexpr int64_t Q4_K = 12, Q6_K = 14;  // ggml's type numbers
+
+int64_t kblock_bytes(int64_t qtype) { return qtype == Q4_K ? 144 : qtype == Q6_K ? 210 : 0; }
+
+// the 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
+inline void scale_min(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void dequant_q4_k(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* s = b + 4;
+  const uint8_t* q = b + 16;
+  for (int j = 0; j < 4; ++j) {  // 64 values: low nibbles are sub-block 2j, high nibbles 2j + 1
+    int sc1, m1, sc2, m2;
+    scale_min(2 * j, s, &sc1, &m1);
+    scale_min(2 * j + 1, s, &sc2, &m2);
+    const float d1 = d * float(sc1), n1 = dmin * float(m1), d2 = d * float(sc2), n2 = dmin * float(m2);
+    for (int l = 0; l < 32; ++l) {
+      y[64 * j + l] = d1 * float(q[32 * j + l] & 0xF) - n1;
+      y[64 * j + 32 + l] = d2 * float(q[32 * j + l] >> 4) - n2;
+    }
+  }
+}
+
+void dequant_q6_k(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_to_float(b + 208);
+  for (int h = 0; h < 2; ++h, ql += 64, qh += 32, sc += 8, y += 128) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = int((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = d * float(sc[is]) * float(q1);
+      y[l + 32] = d * float(sc[is + 2]) * float(q2);
+      y[l + 64] = d * float(sc[is + 4]) * float(q3);
+      y[l + 96] = d * float(sc[is + 6]) * float(q4);
+    }
+  }
+}
+
+inline void dequant_block(int64_t qtype, const uint8_t* b, float* y) {
+  if (qtype == Q4_K) {
+    dequant_q4_k(b, y);
+  } else {
+    dequant_q6_k(b, y);
+  }
+}
+
+// sum_i a[i] * b[i] over 256 values in 8 partial sums (vectorisable without reassociating a single sum)
+inline float dot256(const float* a, const float* b) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < QK; i += 8)
+    for (int t = 0; t < 8; ++t) acc[t] += a[i + t] * b[i + t];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+void check(const torch::Tensor& w, int64_t qtype, int64_t k) {
+  const int64_t bb = kblock_bytes(qtype);
+  TORCH_CHECK(bb > 0, "qtype must be 12 (Q4_K) or 14 (Q6_K), got ", qtype);
+  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of 256 (the super-block), got ", k);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous(),
+              "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.size(1) == k / QK * bb, "w rows must hold ", k / QK * bb, " bytes for K=", k, ", got ", w.size(1));
+}
+
+// float32 (N, K) of the blocks w (N, K / 256 * block bytes)
+torch::Tensor kq_dequantize(const torch::Tensor& w, int64_t qtype, int64_t k) {
+  check(w, qtype, k);
+  const int64_t n = w.size(0), rb = w.size(1), bb = kblock_bytes(qtype);
+  torch::Tensor y = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t b = 0; b < k / QK; ++b) dequant_block(qtype, wp + r * rb + b * bb, yp + r * k + b * QK);
+  });
+  return y;
+}
+
+// y (M, N) = x (M, K) @ dequant(w)^T [+ bias]: each block dequantized once into a buffer, dotted with every x row
+torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
+                        const std::optional<torch::Tensor>& bias) {
+  check(w, qtype, k);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (M, ", k, "), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "x must be float32 on the CPU, got ",
+              x.scalar_type(), " on ", x.device());
+  const torch::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), n = w.size(0), rb = w.size(1), bb = kblock_bytes(qtype);
+  torch::Tensor y = torch::zeros({m, n}, xc.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 8, [&](int64_t lo, int64_t hi) {
+    alignas(64) float buf[QK];
+    for (int64_t r = lo; r < hi; ++r) {
+      for (int64_t b = 0; b < k / QK; ++b) {
+        dequant_block(qtype, wp + r * rb + b * bb, buf);
+        for (int64_t i = 0; i < m; ++i) yp[i * n + r] += dot256(buf, xp + i * k + b * QK);
+      }
+    }
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+}  // namespace
+}  // namespace wq
+
+TORCH_LIBRARY(webchat_kq, m) {
+  m.def("dequantize(Tensor w, int qtype, int k) -> Tensor", &wq::kq_dequantize);
+  m.def("matmul(Tensor x, Tensor w, int qtype, int k, Tensor? bias) -> Tensor", &wq::kq_matmul);
+}
