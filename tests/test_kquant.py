@@ -4,21 +4,23 @@ decoder (webchat.model.quant.dequantize_k) identical to it, and a GGUF of K-quan
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from tests.gguf_write import F32, write_gguf
 from tests.kquant_encode import encode_q4_k, encode_q6_k
-from webchat.convert import hf_tensor_name
+from webchat.convert import QUANT_FILE, QUANT_KEY, hf_tensor_name
 from webchat.gguf_path import model_folder
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.loader import load_model
-from webchat.model.quant import dequantize_k
+from webchat.model.quant import QEmbedding, QLinear, dequantize_k
 
 Q = gguf.GGMLQuantizationType
 FORMATS = {"q4_k": (encode_q4_k, Q.Q4_K, 144, 15), "q6_k": (encode_q6_k, Q.Q6_K, 210, 63)}
@@ -66,8 +68,9 @@ def test_decoder_refuses_bad_blocks() -> None:
 
 
 def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_K matrices, Q6_K for v, down and the embedding (as llama.cpp's Q4_K_M mixes them), float32 norms; the
-    K-quants dequantized once, exactly as gguf.quants decodes them, and the model exact to transformers on them."""
+    """Q4_K matrices, Q6_K for v, down and the embedding (as llama.cpp's Q4_K_M mixes them), float32 norms: the
+    blocks kept as they are and run by the C++ K-quant kernels, the float copy exactly as gguf.quants decodes them,
+    and the model within 1e-4 of transformers on those weights."""
     transformers = pytest.importorskip("transformers", reason="transformers (for the tiny model) is not installed")
     from tests.test_gguf_path import PROMPT, greedy_logits, tiny_folder
 
@@ -97,7 +100,16 @@ def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.Mo
     with torch.no_grad():
         for name, p in reference.named_parameters():
             p.copy_(torch.from_numpy(floats[name]))
-    ids, got = greedy_logits(load_model(folder), PROMPT)
+    with safe_open(str(folder / QUANT_FILE), framework="pt") as f:  # the K-quant blocks kept as they are
+        kept = json.loads((f.metadata() or {})[QUANT_KEY])
+        down = f.get_tensor("model.layers.1.mlp.down_proj.weight")
+    assert kept["model.layers.1.mlp.down_proj.weight"] == "q6_k" and kept["model.layers.1.mlp.up_proj.weight"] == "q4_k"
+    blocks = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
+    assert torch.equal(down, torch.from_numpy(np.array(blocks.data)))
+    model = load_model(folder)
+    assert {m.qtype for m in model.modules() if isinstance(m, QLinear | QEmbedding)} == {"q4_k", "q6_k", "q8_0"}
+    assert model.runner is None  # the C++ step has no K-quant forward: QLinear's kernels run each matrix
+    ids, got = greedy_logits(model, PROMPT)
     with torch.no_grad():
         want = reference(torch.tensor([ids[:-1]])).logits[0]
     assert (got - want).abs().max().item() <= 1e-4

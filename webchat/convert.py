@@ -53,11 +53,13 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 QUANT_FILE = "quantized.safetensors"
 QUANT_KEY = "webchat.model.quant"  # safetensors metadata: JSON {tensor name: "q4_0" | "q4_1" | "q8_0"}
 QUANT_LAYOUT_KEY = "webchat.model.quant.layout"
-QUANT_LAYOUT = "ggml-blocks-v1"  # uint8 (rows, cols / 32 * block bytes), each row its blocks in ggml's byte order
+QUANT_LAYOUT = "ggml-blocks-v1"  # uint8 (rows, cols / block values * block bytes), each row its blocks in ggml order
 KEPT_QUANTIZED = {
     gguf.GGMLQuantizationType.Q4_0: "q4_0",
     gguf.GGMLQuantizationType.Q4_1: "q4_1",
     gguf.GGMLQuantizationType.Q8_0: "q8_0",
+    gguf.GGMLQuantizationType.Q4_K: "q4_k",  # 256-value super-blocks (kernels/cpu/csrc/qkquant.cpp)
+    gguf.GGMLQuantizationType.Q6_K: "q6_k",
 }
 K_QUANTS = {gguf.GGMLQuantizationType.Q4_K: "q4_k", gguf.GGMLQuantizationType.Q6_K: "q6_k"}
 

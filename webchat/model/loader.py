@@ -17,7 +17,7 @@ from safetensors import safe_open
 from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.config import ModelArgs
-from webchat.model.quant import QTYPES, QEmbedding, QLinear, quantize, swap_modules
+from webchat.model.quant import ALL_QTYPES, QEmbedding, QLinear, quantize, swap_modules
 from webchat.model.transformer import Transformer
 from webchat.model.weights import QUANTIZE, WEIGHTS
 
@@ -180,9 +180,9 @@ def _read_quantized(path: Path) -> tuple[list[tuple[str, torch.Tensor]], dict[st
             raise ModelLoadError(f"{path / QUANT_FILE}: metadata lacks {QUANT_KEY!r} (see docs/quant.md)")
         qtypes: dict[str, str] = json.loads(meta[QUANT_KEY])
         tensors = [(name, f.get_tensor(name)) for name in f.keys() if not IGNORED.match(name)]
-    bad = sorted({qt for qt in qtypes.values() if qt not in QTYPES})
+    bad = sorted({qt for qt in qtypes.values() if qt not in ALL_QTYPES})
     if bad:
-        raise ModelLoadError(f"{path / QUANT_FILE}: quantized type(s) {bad}; webchat runs {', '.join(QTYPES)}")
+        raise ModelLoadError(f"{path / QUANT_FILE}: quantized type(s) {bad}; webchat runs {', '.join(ALL_QTYPES)}")
     return tensors, qtypes
 
 

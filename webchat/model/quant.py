@@ -1,7 +1,7 @@
 """Quantized weights behind one seam: QLinear/QEmbedding swapped in before load_state_dict (docs/quant.md).
 
 A quantized weight is a uint8 tensor (out_features, K/32 * block_bytes) holding ggml's blocks row by row, unchanged;
-its format (q4_0, q4_1, q8_0) lives on the module. Activations and accumulation stay float32
+its format (q4_0, q4_1, q8_0; q4_k, q6_k from GGUF files) lives on the module. Activations and accumulation stay float32
 (webchat.kernels.cpu.build).
 """
 
@@ -17,13 +17,21 @@ from torch import nn
 # name → (ggml type number, bytes per block of 32 weights)
 QTYPES: dict[str, tuple[int, int]] = {"q4_0": (2, 18), "q4_1": (3, 20), "q8_0": (8, 34)}
 BLOCK = 32
+# K-quants from GGUF files: name → (ggml type number, bytes per 256-value super-block); kernels/cpu/csrc/qkquant.cpp
+K_QTYPES: dict[str, tuple[int, int]] = {"q4_k": (12, 144), "q6_k": (14, 210)}
+QK_K = 256
+ALL_QTYPES = (*QTYPES, *K_QTYPES)
 GEMM_ROWS = 32  # from this many rows of x, QLinear dequantizes the matrix and calls torch's float32 GEMM
 GEMM_MAX_WEIGHTS = 4 << 20  # ... if its float32 copy stays under 16 MB (never the 28M-weight head)
 
 
 def row_bytes(qtype: str, k: int) -> int:
+    if qtype in K_QTYPES:  # 256-value super-blocks
+        if k % QK_K:
+            raise ValueError(f"{qtype} rows need a multiple of {QK_K} columns, got {k}")
+        return k // QK_K * K_QTYPES[qtype][1]
     if qtype not in QTYPES:
-        raise ValueError(f"quantized type must be one of {', '.join(QTYPES)}, got {qtype!r}")
+        raise ValueError(f"quantized type must be one of {', '.join(ALL_QTYPES)}, got {qtype!r}")
     if k % BLOCK:
         raise ValueError(f"{qtype} rows need a multiple of {BLOCK} columns, got {k}")
     return k // BLOCK * QTYPES[qtype][1]
@@ -45,6 +53,13 @@ class QLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
+        if self.qtype in K_QTYPES:  # kernels/cpu/csrc/qkquant.cpp: one dequantized block dotted with every row
+            qk = K_QTYPES[self.qtype][0]
+            if x2.shape[0] >= GEMM_ROWS and self.weight.shape[0] * self.in_features <= GEMM_MAX_WEIGHTS:
+                y = F.linear(x2, torch.ops.webchat_kq.dequantize(self.weight, qk, self.in_features), self.bias)
+            else:
+                y = torch.ops.webchat_kq.matmul(x2, self.weight, qk, self.in_features, self.bias)
+            return y.view(*lead, self.out_features)
         qt = QTYPES[self.qtype][0]
         if x2.shape[0] >= GEMM_ROWS and self.weight.shape[0] * self.in_features <= GEMM_MAX_WEIGHTS:
             # prefill: dequantize once (float32, exact) and let torch's sgemm do M x N x K; a transient matrix
@@ -67,6 +82,10 @@ class QEmbedding(nn.Module):
         self.kernels = kernels
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype in K_QTYPES:
+            blocks = self.weight.index_select(0, ids.reshape(-1))
+            k_rows: torch.Tensor = torch.ops.webchat_kq.dequantize(blocks, K_QTYPES[self.qtype][0], self.embedding_dim)
+            return k_rows.view(*ids.shape, self.embedding_dim)
         qt = QTYPES[self.qtype][0]
         rows: torch.Tensor = self.kernels.dequantize(self.weight, qt, self.embedding_dim, ids.reshape(-1))
         return rows.view(*ids.shape, self.embedding_dim)
@@ -88,9 +107,6 @@ def swap_modules(model: nn.Module, qtypes: dict[str, str], kernels: Any) -> None
         setattr(parent, leaf, new)
 
 
-# K-quants: 256 values per super-block; read from GGUF files and dequantized by webchat (docs/models.md)
-K_QTYPES: dict[str, tuple[int, int]] = {"q4_k": (12, 144), "q6_k": (14, 210)}
-QK_K = 256
 
 
 def dequantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:

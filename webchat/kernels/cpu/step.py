@@ -30,8 +30,8 @@ F32 = 0  # ggml's type number for float32 rows
 
 def _matrix(m: nn.Module) -> tuple[torch.Tensor, int] | None:
     """(weight, ggml type) of a QLinear/QEmbedding or a float32 Linear/Embedding; None for anything else."""
-    if isinstance(m, QLinear | QEmbedding):
-        return m.weight, QTYPES[m.qtype][0]
+    if isinstance(m, QLinear | QEmbedding):  # Q4_K/Q6_K (GGUF files) have no C++ forward yet: None
+        return (m.weight, QTYPES[m.qtype][0]) if m.qtype in QTYPES else None
     if isinstance(m, nn.Linear | nn.Embedding) and m.weight.dtype == torch.float32 and m.weight.is_contiguous():
         return m.weight.detach(), F32
     return None
@@ -57,7 +57,7 @@ class CpuStep:
             for m in (att.wq, att.wk, att.wv, att.wo, ff.w1, ff.w3, ff.w2):
                 wt = _matrix(m)
                 if wt is None:
-                    raise TypeError(f"{type(m).__name__} of dtype {m.weight.dtype} has no C++ path")
+                    raise TypeError(f"{m!r} has no C++ path")
                 mats.append(wt[0])
                 qtypes.append(wt[1])
             biases += [_bias(att.wq), _bias(att.wk), _bias(att.wv)]
