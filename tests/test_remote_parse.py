@@ -1,0 +1,125 @@
+"""webchat.serve.remote.parse on stream chunks shaped as vLLM, SGLang and llama.cpp's server send them.
+
+The chunks below were written from the engines' documented schemas, NOT recorded from a running vLLM, SGLang or
+llama-server (none runs in this suite):
+  vLLM:      vllm/entrypoints/openai/protocol.py — ChatCompletionLogProbsContent {token, logprob, bytes,
+             top_logprobs}, ChatCompletionResponseStreamChoice {delta, logprobs, finish_reason, stop_reason,
+             token_ids (with return_token_ids)}; byte-fallback tokens are spelled "bytes:\\xNN".
+  SGLang:    python/sglang/srt/entrypoints/openai/protocol.py — the same ChatCompletionTokenLogprob shape; several
+             tokens can come in one chunk.
+  llama.cpp: tools/server/README.md — each logprobs entry has `id`, `token`, `bytes`, `logprob` and `top_logprobs`,
+             or `prob` and `top_probs` under post_sampling_probs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from webchat.serve.remote.parse import NO_ID, ChunkError, StreamParser, sse_data
+
+
+def lp(p: float) -> float:
+    return math.log(p)
+
+
+def entry(token: str, p: float, top: list[tuple[str, float]], raw: bytes | None = None, **extra: object) -> dict:
+    e: dict[str, object] = {"token": token, "logprob": lp(p), **extra,
+                            "top_logprobs": [{"token": t, "logprob": lp(q), "bytes": list(t.encode())} for t, q in top]}
+    if raw is not None:
+        e["bytes"] = list(raw)
+    return e
+
+
+def chunk(entries: list[dict] | None, content: str = "", finish: str | None = None, **choice: object) -> dict:
+    c: dict[str, object] = {"index": 0, "delta": {"content": content}, "finish_reason": finish, **choice}
+    if entries is not None:
+        c["logprobs"] = {"content": entries}
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [c]}
+
+
+def test_vllm_token_ids_bytes_and_rank() -> None:
+    parser = StreamParser()
+    out = parser.feed(chunk([entry("Hello", 0.6, [("Hello", 0.6), ("Hi", 0.3)], b"Hello")], "Hello",
+                            token_ids=[9906]))
+    assert out.text == "Hello"
+    (tok,) = out.tokens
+    assert tok.id == 9906 and tok.piece == "Hello" and tok.rank == 1
+    assert tok.prob == pytest.approx(0.6)
+    assert [(t[1], round(t[2], 6)) for t in tok.top] == [("Hello", 0.6), ("Hi", 0.3)]
+    assert all(t[0] == NO_ID for t in tok.top)  # vLLM's chat alternatives carry no ids
+
+
+def test_split_utf8_bytes_render_whole_on_the_completing_token() -> None:
+    """'é' is c3 a9: vLLM spells each byte token 'bytes:\\xc3'; the text shows the character once, whole."""
+    parser = StreamParser()
+    first = parser.feed(chunk([entry("bytes:\\xc3", 0.5, [("bytes:\\xc3", 0.5)], b"\xc3")], ""))
+    second = parser.feed(chunk([entry("bytes:\\xa9", 0.9, [("bytes:\\xa9", 0.9)], b"\xa9")], "é"))
+    assert first.tokens[0].piece == "" and second.tokens[0].piece == "é"
+    assert first.text + second.text == "é"
+    assert "\ufffd" not in first.text + second.text
+
+
+def test_sglang_several_tokens_in_one_chunk_each_with_its_own_alternatives() -> None:
+    parser = StreamParser()
+    out = parser.feed(chunk([entry(" the", 0.7, [(" the", 0.7), (" a", 0.2)], b" the"),
+                             entry(" cat", 0.1, [(" dog", 0.5), (" bird", 0.3)], b" cat")], " the cat"))
+    assert out.text == " the cat"
+    assert [t.piece for t in out.tokens] == [" the", " cat"]
+    assert out.tokens[0].rank == 1 and [a[1] for a in out.tokens[0].top] == [" the", " a"]
+    assert out.tokens[1].rank is None  # outside the top-k: unknown, not zero
+    assert [a[1] for a in out.tokens[1].top] == [" dog", " bird"]
+
+
+def test_llama_cpp_ids_and_post_sampling_probs() -> None:
+    parser = StreamParser()
+    raw = {"id": 42, "token": "Hi", "bytes": list(b"Hi"), "logprob": lp(0.25),
+           "top_logprobs": [{"id": 7, "token": "Yo", "bytes": list(b"Yo"), "logprob": lp(0.5)},
+                            {"id": 42, "token": "Hi", "bytes": list(b"Hi"), "logprob": lp(0.25)}]}
+    tok = parser.feed(chunk([raw], "Hi")).tokens[0]
+    assert tok.id == 42 and tok.rank == 2 and [a[0] for a in tok.top] == [7, 42]
+    post = {"id": 5, "token": "!", "bytes": [33], "prob": 0.8, "top_probs": [{"id": 5, "token": "!", "prob": 0.8}]}
+    tok = parser.feed(chunk([post], "!", "stop")).tokens[0]
+    assert tok.prob == pytest.approx(0.8) and tok.rank == 1
+
+
+def test_missing_fields_are_none_not_zero() -> None:
+    """No bytes: the token's string; no logprob: p unknown; no top_logprobs: no alternatives, rank unknown."""
+    tok = StreamParser().feed(chunk([{"token": "ok"}], "ok")).tokens[0]
+    assert tok.piece == "ok" and tok.prob is None and tok.rank is None and tok.top == []
+    assert StreamParser().feed(chunk(None, "plain")).text == "plain"  # no logprobs at all: the delta's content
+
+
+def test_finish_reasons_and_usage() -> None:
+    assert StreamParser().feed(chunk(None, "", "length")).reason == "max_new_tokens"
+    assert StreamParser().feed(chunk(None, "", "stop")).reason == "stop_token"
+    out = StreamParser().feed(chunk(None, "", "stop", stop_reason="END"))
+    assert (out.reason, out.trigger) == ("stop_string", "END")
+    usage = StreamParser().feed({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}).usage
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 3}
+
+
+def test_truncated_character_at_the_end_shows_as_replacement() -> None:
+    parser = StreamParser()
+    parser.feed(chunk([entry("x", 0.5, [], b"\xe2\x82")], ""))
+    end = parser.feed(chunk(None, "", "length"))
+    assert end.text == "\ufffd"
+
+
+@pytest.mark.parametrize(("bad", "words"), [
+    ([1, 2], "JSON object"),
+    ({"choices": "x"}, "'choices'"),
+    ({"choices": [3]}, r"choices\[0\]"),
+    ({"error": {"message": "out of memory"}}, "out of memory"),
+    ({"choices": [{"delta": {}, "logprobs": {"content": [{"logprob": -1.0}]}}]}, "'bytes'"),
+])
+def test_malformed_chunks_are_named(bad: object, words: str) -> None:
+    with pytest.raises(ChunkError, match=words):
+        StreamParser().feed(bad)
+
+
+def test_sse_lines() -> None:
+    assert sse_data('data: {"a":1}') == '{"a":1}'
+    assert sse_data("data:[DONE]") == "[DONE]"
+    assert sse_data(": keep-alive") is None and sse_data("") is None

@@ -1,0 +1,131 @@
+"""What the upstream can give the heatmap, probed at start and again after it was lost (docs/scale-out.md).
+
+    GET /v1/models                    → the models it serves, the context (vLLM max_model_len, webchat context_length)
+    GET /api/info | /version | /props → which engine it is (webchat, vLLM, llama.cpp; else "openai-compatible")
+    POST chat, max_tokens 1, logprobs → the largest top_logprobs it accepts (20, 10, 5, 1), bytes, ids per entry
+    POST chat + return_token_ids      → token ids on the choice (vLLM)
+    POST chat + continue_final_message, add_generation_prompt false → continues a final assistant message
+Each field the upstream does not give is a named state (`"absent"`, `"unknown"`), never a zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from webchat.serve.remote.client import Upstream, UpstreamError
+
+TOP_LOGPROBS_TRIES = (20, 10, 5, 1)
+PROBE = [{"role": "user", "content": "Hi"}]
+
+
+@dataclass
+class Capabilities:
+    url: str
+    state: str = "unknown"  # "ready" | "unreachable" | "unknown" (not probed yet)
+    error: str | None = None  # why it is unreachable
+    kind: str = "unknown"  # webchat | vllm | llama.cpp | sglang | openai-compatible
+    models: list[str] = field(default_factory=list)
+    model: str | None = None
+    context_length: int | None = None
+    max_top_logprobs: int = 0  # 0: no alternatives (the upstream refused every top_logprobs tried)
+    probabilities: str = "unknown"  # raw | post_sampling | absent | unknown
+    bytes: str = "unknown"  # returned | absent | unknown
+    token_ids: str = "unknown"  # per_entry (llama.cpp) | return_token_ids (vLLM) | absent | unknown
+    continue_final: str = "unknown"  # continue_final_message | final_assistant_message | unknown
+
+    def wire(self) -> dict[str, Any]:
+        """What `hello.engine` and /api/info show (the key never is here: it is not part of this)."""
+        return asdict(self)
+
+
+def _first_entry(resp: Any) -> dict[str, Any] | None:
+    try:
+        entry = resp["choices"][0]["logprobs"]["content"][0]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+KINDS = (("/api/info", ("speculative",), "webchat"), ("/version", ("version",), "vllm"),
+         ("/props", ("default_generation_settings", "build_info"), "llama.cpp"),
+         ("/get_server_info", ("tp_size", "model_path"), "sglang"))
+
+
+async def _kind(up: Upstream) -> str:
+    for path, keys, name in KINDS:
+        try:
+            body = await up.get_json(path)
+        except UpstreamError:
+            continue
+        if isinstance(body, dict) and any(k in body for k in keys):
+            return name
+    return "openai-compatible"
+
+
+async def detect(up: Upstream, want_model: str | None) -> Capabilities:
+    """Probe the upstream; an unreachable one gives state "unreachable" with the error, not an exception."""
+    caps = Capabilities(url=up.url)
+    try:
+        listing = await up.get_json("/v1/models")
+        cards = [c for c in listing.get("data", []) if isinstance(c, dict)] if isinstance(listing, dict) else []
+        caps.models = [str(c.get("id")) for c in cards]
+        if want_model is not None and want_model not in caps.models:
+            raise UpstreamError(f"the upstream engine at {up.url} does not serve model {want_model!r}; it serves "
+                                f"{caps.models}")
+        if not caps.models:
+            raise UpstreamError(f"the upstream engine at {up.url} lists no models at /v1/models")
+        caps.model = want_model or caps.models[0]
+        card = cards[caps.models.index(caps.model)]
+        for key in ("max_model_len", "context_length"):
+            if isinstance(card.get(key), int):
+                caps.context_length = card[key]
+                break
+        meta = card.get("meta")
+        if caps.context_length is None and isinstance(meta, dict) and isinstance(meta.get("n_ctx_train"), int):
+            caps.context_length = meta["n_ctx_train"]  # llama.cpp: the trained context (its --ctx-size may be less)
+        caps.kind = await _kind(up)
+        base = {"model": caps.model, "messages": PROBE, "max_tokens": 1, "temperature": 0, "stream": False}
+        entry = None
+        for k in TOP_LOGPROBS_TRIES:
+            try:
+                entry = _first_entry(await up.post_json("/v1/chat/completions",
+                                                        {**base, "logprobs": True, "top_logprobs": k}))
+            except UpstreamError as exc:
+                if exc.status is None or exc.status >= 500:
+                    raise
+                continue
+            caps.max_top_logprobs = k
+            break
+        if entry is None:
+            caps.probabilities = caps.bytes = "absent"
+        else:
+            caps.probabilities = "post_sampling" if "prob" in entry and "logprob" not in entry else (
+                "raw" if "logprob" in entry else "absent")
+            caps.bytes = "returned" if isinstance(entry.get("bytes"), list) else "absent"
+            if isinstance(entry.get("id"), int):
+                caps.token_ids = "per_entry"
+        if caps.token_ids == "unknown":
+            caps.token_ids = "absent"
+            try:
+                resp = await up.post_json("/v1/chat/completions", {**base, "return_token_ids": True})
+                if isinstance(resp, dict) and isinstance((resp.get("choices") or [{}])[0].get("token_ids"), list):
+                    caps.token_ids = "return_token_ids"
+            except UpstreamError as exc:
+                if exc.status is None:
+                    raise
+        continued = [*PROBE, {"role": "assistant", "content": "Hel"}]
+        try:
+            await up.post_json("/v1/chat/completions", {**base, "messages": continued,
+                                                        "continue_final_message": True,
+                                                        "add_generation_prompt": False})
+            caps.continue_final = "continue_final_message"
+        except UpstreamError as exc:
+            if exc.status is None:
+                raise
+            # llama.cpp continues a final assistant message by itself (--prefill-assistant, on by default)
+            caps.continue_final = "final_assistant_message"
+        caps.state = "ready"
+    except UpstreamError as exc:
+        caps.state, caps.error = "unreachable", str(exc)
+    return caps

@@ -1,0 +1,166 @@
+"""Pure: an OpenAI-compatible chat stream's chunks (vLLM, SGLang, llama.cpp's server, webchat) → webchat's neutral
+events (webchat.engine.events), one token at a time, each with its own alternatives.
+
+What each engine sends in `choices[0].logprobs.content[]` (docs/scale-out.md cites the sources):
+    {token, logprob, bytes?, id?, top_logprobs: [{token, logprob, bytes?, id?}]}        vLLM, SGLang, webchat, llama.cpp
+    {token, prob, bytes?, id?, top_probs: [{token, prob, bytes?, id?}]}                  llama.cpp, post_sampling_probs
+Token ids come as each entry's `id` (llama.cpp) or as the choice's `token_ids` (vLLM's `return_token_ids`).
+A token's text is rebuilt from its `bytes` through one incremental UTF-8 decoder per stream, so a character split
+across tokens shows whole on the token that completes it; without `bytes` the token's own string is used.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from webchat.engine import events as ev
+
+NO_ID = -1  # a token id the upstream did not return
+# OpenAI finish_reason → webchat's Finished.reason; vLLM's `stop_reason` (a string: the stop string) refines "stop"
+FINISH = {"stop": "stop_token", "length": "max_new_tokens", "abort": "cancelled", "eos": "stop_token",
+          "tool_calls": "stop_token", "content_filter": "stop_token"}
+
+
+class ChunkError(ValueError):
+    """A chunk that is not what an OpenAI-compatible stream sends; the message names what was wrong."""
+
+
+@dataclass
+class Parsed:
+    """What one chunk adds: text (the pieces of `tokens` joined, or the delta's content when it has no logprobs),
+    its tokens, and at the end the webchat finish reason, its trigger and the usage counts."""
+
+    text: str = ""
+    tokens: list[ev.TokenInfo] = field(default_factory=list)
+    reason: str | None = None
+    trigger: str | None = None
+    usage: dict[str, int] | None = None
+
+
+def _prob(entry: dict[str, Any]) -> float | None:
+    """The entry's probability: `prob` (llama.cpp post-sampling) or exp(`logprob`); None when neither is a number."""
+    if isinstance(entry.get("prob"), int | float):
+        return float(entry["prob"])
+    lp = entry.get("logprob")
+    if isinstance(lp, int | float) and not isinstance(lp, bool):
+        return 0.0 if lp <= -9999.0 or math.isinf(lp) else math.exp(lp)
+    return None
+
+
+def _bytes(entry: dict[str, Any]) -> bytes | None:
+    raw = entry.get("bytes")
+    if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+        return bytes(raw)
+    return None
+
+
+def _id(entry: dict[str, Any]) -> int:
+    tid = entry.get("id")
+    return tid if isinstance(tid, int) and not isinstance(tid, bool) and tid >= 0 else NO_ID
+
+
+def _alt_text(entry: dict[str, Any]) -> str:
+    raw = _bytes(entry)
+    if raw is not None:
+        return raw.decode("utf-8", errors="replace")
+    token = entry.get("token")
+    return token if isinstance(token, str) else ""
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two entries name one token: by id where both have one, else by bytes, else by their strings."""
+    if _id(a) != NO_ID and _id(b) != NO_ID:
+        return _id(a) == _id(b)
+    ba, bb = _bytes(a), _bytes(b)
+    if ba is not None and bb is not None:
+        return ba == bb
+    return a.get("token") == b.get("token")
+
+
+class StreamParser:
+    """One response stream's parser: feed() each decoded `data:` object in order, then end() once it closes."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.tokens_seen = 0
+
+    def feed(self, chunk: Any) -> Parsed:
+        if not isinstance(chunk, dict):
+            raise ChunkError(f"expected a JSON object per chunk, got {type(chunk).__name__}")
+        if isinstance(chunk.get("error"), dict | str):  # vLLM and llama.cpp report a failure mid-stream this way
+            err = chunk["error"]
+            text = err.get("message", err) if isinstance(err, dict) else err
+            raise ChunkError(f"the upstream reported an error: {text}")
+        out = Parsed(usage=_usage(chunk.get("usage")))
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            raise ChunkError(f"expected 'choices' to be a list, got {type(choices).__name__}")
+        if not choices:  # the usage-only chunk (stream_options.include_usage)
+            return out
+        choice = choices[0]
+        if not isinstance(choice, dict):
+            raise ChunkError(f"expected choices[0] to be an object, got {type(choice).__name__}")
+        delta = choice.get("delta") or {}
+        content = delta.get("content") if isinstance(delta, dict) else None
+        content = content if isinstance(content, str) else ""
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if isinstance(entries, list) and entries:
+            ids = choice.get("token_ids")
+            ids = ids if isinstance(ids, list) and len(ids) == len(entries) else None
+            for i, entry in enumerate(entries):
+                if not isinstance(entry, dict):
+                    raise ChunkError(f"expected logprobs.content[{i}] to be an object, got {type(entry).__name__}")
+                out.tokens.append(self._token(entry, ids[i] if ids is not None else None))
+            out.text = "".join(t.piece for t in out.tokens)
+        else:
+            out.text = content
+        reason = choice.get("finish_reason")
+        if isinstance(reason, str):
+            out.reason = FINISH.get(reason, "stop_token")
+            stop = choice.get("stop_reason")
+            if reason == "stop" and isinstance(stop, str):
+                out.reason, out.trigger = "stop_string", stop
+            tail = self._utf8.decode(b"", final=True)  # an incomplete character at the very end shows as U+FFFD
+            if tail:
+                out.text += tail
+                if out.tokens:
+                    out.tokens[-1].piece += tail
+        return out
+
+    def _token(self, entry: dict[str, Any], choice_id: Any) -> ev.TokenInfo:
+        raw = _bytes(entry)
+        if raw is not None:
+            piece = self._utf8.decode(raw)
+        else:
+            token = entry.get("token")
+            if not isinstance(token, str):
+                raise ChunkError("a logprobs.content entry has neither 'bytes' nor a string 'token'")
+            piece = token
+        tid = _id(entry)
+        if tid == NO_ID and isinstance(choice_id, int) and not isinstance(choice_id, bool) and choice_id >= 0:
+            tid = choice_id
+        alts = entry.get("top_logprobs", entry.get("top_probs"))
+        alts = [a for a in alts if isinstance(a, dict)] if isinstance(alts, list) else []
+        top = [(_id(a), _alt_text(a), p) for a in alts if (p := _prob(a)) is not None]
+        top.sort(key=lambda t: -t[2])
+        ranked = sorted((a for a in alts if _prob(a) is not None), key=lambda a: -(_prob(a) or 0.0))
+        rank = next((i + 1 for i, a in enumerate(ranked) if _same(a, entry)), None)
+        self.tokens_seen += 1
+        return ev.TokenInfo(id=tid, piece=piece, prob=_prob(entry), rank=rank, top=top)
+
+
+def _usage(raw: Any) -> dict[str, int] | None:
+    if not isinstance(raw, dict):
+        return None
+    return {k: v for k, v in raw.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of one Server-Sent Events line: `data: X` → X; comments, blank lines and other fields → None."""
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
