@@ -31,7 +31,10 @@ inline void scale_min(int j, const uint8_t* s, int* sc, int* m) {
   }
 }
 
-void dequant_q4_k(const uint8_t* b, float* y) {
+#define KQ_CLONES __attribute__((target_clones("arch=haswell", "default")))  // AVX2+FMA where the CPU has it
+
+// y[256] of one block; loops over runs of 16 or 32 values under one scale, so they vectorise
+KQ_CLONES void dequant_q4_k(const uint8_t* b, float* y) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
   const uint8_t* s = b + 4;
   const uint8_t* q = b + 16;
@@ -40,29 +43,26 @@ void dequant_q4_k(const uint8_t* b, float* y) {
     scale_min(2 * j, s, &sc1, &m1);
     scale_min(2 * j + 1, s, &sc2, &m2);
     const float d1 = d * float(sc1), n1 = dmin * float(m1), d2 = d * float(sc2), n2 = dmin * float(m2);
-    for (int l = 0; l < 32; ++l) {
-      y[64 * j + l] = d1 * float(q[32 * j + l] & 0xF) - n1;
-      y[64 * j + 32 + l] = d2 * float(q[32 * j + l] >> 4) - n2;
-    }
+    for (int l = 0; l < 32; ++l) y[64 * j + l] = d1 * float(q[32 * j + l] & 0xF) - n1;
+    for (int l = 0; l < 32; ++l) y[64 * j + 32 + l] = d2 * float(q[32 * j + l] >> 4) - n2;
   }
 }
 
-void dequant_q6_k(const uint8_t* b, float* y) {
+KQ_CLONES void dequant_q6_k(const uint8_t* b, float* y) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half_to_float(b + 208);
   for (int h = 0; h < 2; ++h, ql += 64, qh += 32, sc += 8, y += 128) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = int((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * float(sc[is]) * float(q1);
-      y[l + 32] = d * float(sc[is + 2]) * float(q2);
-      y[l + 64] = d * float(sc[is + 4]) * float(q3);
-      y[l + 96] = d * float(sc[is + 6]) * float(q4);
+    for (int is = 0; is < 2; ++is) {  // values l in [16 is, 16 is + 16) of each quarter share scale sc[is + 2 quarter]
+      const float d1 = d * float(sc[is]), d2 = d * float(sc[is + 2]), d3 = d * float(sc[is + 4]);
+      const float d4 = d * float(sc[is + 6]);
+      for (int l = 16 * is; l < 16 * is + 16; ++l) {
+        y[l] = d1 * float(int((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+        y[l + 32] = d2 * float(int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        y[l + 64] = d3 * float(int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        y[l + 96] = d4 * float(int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
     }
   }
 }
@@ -75,12 +75,20 @@ inline void dequant_block(int64_t qtype, const uint8_t* b, float* y) {
   }
 }
 
-// sum_i a[i] * b[i] over 256 values in 8 partial sums (vectorisable without reassociating a single sum)
-inline float dot256(const float* a, const float* b) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int i = 0; i < QK; i += 8)
-    for (int t = 0; t < 8; ++t) acc[t] += a[i + t] * b[i + t];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+// y[i * ldy] += dequant(block) . x[i] for m rows of x (stride ldx); the block dequantized once for all rows
+KQ_CLONES void block_dot(int64_t qtype, const uint8_t* b, const float* x, int64_t ldx, int64_t m, float* y,
+                         int64_t ldy) {
+  alignas(64) float w[QK];
+  dequant_block(qtype, b, w);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr = x + i * ldx;
+    float acc[16] = {0};  // 16 partial sums: vectorisable without reassociating one sum
+    for (int j = 0; j < QK; j += 16)
+      for (int t = 0; t < 16; ++t) acc[t] += w[j + t] * xr[j + t];
+    float s = 0.f;
+    for (int t = 0; t < 16; ++t) s += acc[t];
+    y[i * ldy] += s;
+  }
 }
 
 void check(const torch::Tensor& w, int64_t qtype, int64_t k) {
@@ -120,13 +128,8 @@ torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t 
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 8, [&](int64_t lo, int64_t hi) {
-    alignas(64) float buf[QK];
-    for (int64_t r = lo; r < hi; ++r) {
-      for (int64_t b = 0; b < k / QK; ++b) {
-        dequant_block(qtype, wp + r * rb + b * bb, buf);
-        for (int64_t i = 0; i < m; ++i) yp[i * n + r] += dot256(buf, xp + i * k + b * QK);
-      }
-    }
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t b = 0; b < k / QK; ++b) block_dot(qtype, wp + r * rb + b * bb, xp + b * QK, k, m, yp + r, n);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
