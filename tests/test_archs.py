@@ -149,3 +149,30 @@ def test_phi3_refuses_partial_rotary() -> None:
     cfg["rope_parameters"]["partial_rotary_factor"] = 0.75
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         ModelArgs.from_dict(cfg)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_quantized_at_load_matches_its_own_dequantized_weights(pair: tuple[str, Any, Transformer], qtype: str,
+                                                                tmp_path: Path) -> None:
+    """--quantize on each architecture: the blocks' logits against the same model with the dequantized weights."""
+    from webchat.kernels.cpu import build as qkernels
+    from webchat.model.quant import QEmbedding, QLinear, dequantize
+
+    if qkernels.try_load() is None:
+        pytest.skip("the C++ kernels could not be built here (no compiler or ninja)")
+    kind, reference, _ = pair
+    folder = tmp_path / kind
+    reference.save_pretrained(folder)
+    quantized, dense = load_model(folder, quantize=qtype), load_model(folder, weights="float32")
+    swapped = 0
+    for name, m in quantized.named_modules():
+        if isinstance(m, QLinear | QEmbedding):
+            target = dense.get_submodule(name)
+            target.weight = torch.nn.Parameter(dequantize(m.weight, m.qtype), requires_grad=False)
+            swapped += 1
+    assert swapped >= 7 * quantized.args.n_layers
+    dense.runner = None  # the PyTorch path on the dequantized weights
+    ids = prompt(11, seed=4)
+    got = quantized.new_cache(len(ids)).feed(quantized, ids, all_logits=True)
+    want = dense.new_cache(len(ids)).feed(dense, ids, all_logits=True)
+    assert (got - want).abs().max().item() <= 1e-3
