@@ -176,3 +176,12 @@ def test_quantized_at_load_matches_its_own_dequantized_weights(pair: tuple[str, 
     got = quantized.new_cache(len(ids)).feed(quantized, ids, all_logits=True)
     want = dense.new_cache(len(ids)).feed(dense, ids, all_logits=True)
     assert (got - want).abs().max().item() <= 1e-3
+
+
+def test_unsupported_rope_scaling_is_refused_from_the_config() -> None:
+    cfg = CONFIGS["phi3"]().to_dict()
+    cfg["architectures"] = ["Phi3ForCausalLM"]
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                              "long_factor": [1.0] * 8}
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
+        ModelArgs.from_dict(cfg)
