@@ -35,6 +35,8 @@ CONFIGS: dict[str, Callable[[], Any]] = {
                                               "original_max_position_embeddings": 64}),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=16),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE),
+    "mistral-window": lambda: transformers.MistralConfig(**SHAPE, head_dim=16, sliding_window=5),
+    "phi3-window": lambda: transformers.Phi3Config(**SHAPE, sliding_window=5),
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16),
     "phi3": lambda: transformers.Phi3Config(**SHAPE),
     "gemma2": lambda: transformers.Gemma2Config(
@@ -47,10 +49,13 @@ CONFIGS: dict[str, Callable[[], Any]] = {
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
 }
 ARCHS = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+         "qwen2": "Qwen2ForCausalLM", "mistral-window": "MistralForCausalLM", "phi3-window": "Phi3ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
-LLAMA_BLOCK = ("llama", "llama3", "mistral", "qwen2", "phi3")  # what the C++ step and the CUDA kernels run
+# what the C++ step and CudaOps run; with a sliding window (MistralConfig's default 4096 included) sequences past it go
+# to the PyTorch path's windowed attention
+LLAMA_BLOCK = ("llama", "llama3", "mistral", "qwen2", "phi3", "mistral-window", "phi3-window")
 
 
 def make_reference(kind: str, folder: Path) -> Any:

@@ -160,6 +160,8 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> list[int]:
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
         types = None
+    elif types is None and arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # one window for every layer
+        types = ["sliding_attention"] * n
     if not types or not window:
         return [0] * n
     bad = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
