@@ -147,7 +147,7 @@ class RemoteEngine:
         s = req.settings
         messages = list(job.messages or [])
         body: dict[str, Any] = {
-            "model": caps.model, "messages": messages, "stream": True, "max_tokens": req.max_new_tokens,
+            "model": caps.model, "messages": messages, "stream": True, "max_tokens": req.max_new_tokens or None,
             "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
             "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
             "stream_options": {"include_usage": True}, "user": conversation_key(messages),
