@@ -218,7 +218,8 @@ export function fillPopover(pop, tok, post, onPick) {
     const li = document.createElement("li");
     li.dataset.testid = "alt";
     li.dataset.p = String(alt.p);
-    const chosen = tok.id !== undefined ? alt.id === tok.id : alt.text === tok.text;
+    // ids -1: a remote engine returned none; then the text says which alternative was drawn
+    const chosen = tok.id !== undefined && tok.id >= 0 ? alt.id === tok.id : alt.text === tok.text;
     if (chosen) li.className = "chosen";
     const t = document.createElement(onPick && !chosen && !isByteToken(alt.text) ? "button" : "code");
     t.textContent = visibleToken(alt.text);
