@@ -112,6 +112,19 @@ export function heatValue(tok, mode) {
 }
 
 /**
+ * Index in `sorted` (the token's alternatives by p, descending) of the one the model drew, or -1: by id; without ids
+ * (a remote engine's -1) by its rank, which the server matched by bytes; else by text.
+ * @param {Tok} tok
+ * @param {Alt[]} sorted
+ * @returns {number}
+ */
+export function chosenIndex(tok, sorted) {
+  if (tok.id !== undefined && tok.id >= 0) return sorted.findIndex((a) => a.id === tok.id);
+  if (tok.rank !== null && !(tok.parts && tok.parts > 1) && tok.rank <= sorted.length) return tok.rank - 1;
+  return sorted.findIndex((a) => a.text === tok.text);
+}
+
+/**
  * Sets a token span's colours for every mode as CSS custom properties; the stylesheet picks the active one.
  * @param {HTMLElement} span
  * @param {Tok} tok
@@ -214,12 +227,12 @@ export function fillPopover(pop, tok, post, onPick) {
   list.className = "pop-alts";
   list.setAttribute("aria-label", onPick ? "Alternatives: choose one to branch the reply here" : "Alternatives");
   const alts = [...tok.top].sort((a, b) => b.p - a.p);
-  for (const alt of alts) {
+  const drawn = chosenIndex(tok, alts);
+  for (const [index, alt] of alts.entries()) {
     const li = document.createElement("li");
     li.dataset.testid = "alt";
     li.dataset.p = String(alt.p);
-    // ids -1: a remote engine returned none; then the text says which alternative was drawn
-    const chosen = tok.id !== undefined && tok.id >= 0 ? alt.id === tok.id : alt.text === tok.text;
+    const chosen = index === drawn;
     if (chosen) li.className = "chosen";
     const t = document.createElement(onPick && !chosen && !isByteToken(alt.text) ? "button" : "code");
     t.textContent = visibleToken(alt.text);

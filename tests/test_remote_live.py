@@ -213,11 +213,15 @@ def test_queueing_is_fifo_and_bounded(remote: str) -> None:
             assert until_done(ws)[-1]["type"] == "done"
 
 
-def test_upstream_error_reply_is_named(remote: str, upstream: Live) -> None:
-    """The upstream refuses (prompt + max_new_tokens past its 256-token context): an `upstream` error naming it."""
+def test_upstream_error_reply_is_named(remote: str, upstream: Live, tiny_model_dir: Path) -> None:
+    """The upstream refuses: a context overflow is `prompt_too_long`, another 4xx `upstream`; both name it."""
     _, msgs = converse(remote, [{"role": "user", "content": PROMPT}], max_new_tokens=5000)
-    assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "upstream"
+    assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "prompt_too_long"
     assert upstream.url in msgs[-1]["message"] and "400" in msgs[-1]["message"]
+    resp = httpx.post(f"{remote}/v1/chat/completions", timeout=30, json={
+        "model": tiny_model_dir.name, "messages": [{"role": "user", "content": PROMPT}], "logit_bias": {"9999999": 1}})
+    assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream"
+    assert upstream.url in resp.json()["error"]["message"] and "logit_bias" in resp.json()["error"]["message"]
     _, again = converse(remote, [{"role": "user", "content": "Hi"}], max_new_tokens=2)
     assert again[-1]["type"] == "done"  # the server keeps serving
 
