@@ -96,8 +96,17 @@ def e2e_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_server(e2e_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(e2e_tiny_model_dir, tmp_path_factory.mktemp("logs") / "tiny-server.log")
-    yield server
+    """The tiny-model server; with WEBCHAT_E2E_REMOTE=1, a `webchat serve --engine-url` in front of it instead, so
+    the page's tests run once against a remote engine (docs/scale-out.md)."""
+    logs = tmp_path_factory.mktemp("logs")
+    server = start_server(e2e_tiny_model_dir, logs / "tiny-server.log")
+    if os.environ.get("WEBCHAT_E2E_REMOTE") != "1":
+        yield server
+        server.stop()
+        return
+    front = start_server(e2e_tiny_model_dir, logs / "remote-front.log", "--engine-url", server.url.rstrip("/"))
+    yield front
+    front.stop()
     server.stop()
 
 

@@ -150,7 +150,24 @@ function applyHello(hello) {
   $("model-name").textContent = hello.model;
   document.title = `webchat · ${hello.model}`;
   const quantized = hello.weights && hello.weights !== hello.dtype ? ` · ${hello.weights} weights` : "";
-  $("model-info").textContent = `${hello.device} · ${hello.dtype}${quantized} · context ${hello.context_length}`;
+  const info = $("model-info");
+  const engine = hello.engine;
+  if (engine) {
+    info.textContent = `${engine.kind} at ${engine.url} · context ${engine.context_length ?? "not given"}`;
+    info.dataset.engineState = engine.state;
+    const heat = engine.state !== "ready" ? `upstream ${engine.state}${engine.error ? `: ${engine.error}` : ""}`
+      : [`probabilities ${engine.probabilities}`,
+        engine.max_top_logprobs ? `top ${engine.max_top_logprobs} alternatives` : "no alternatives",
+        "rank within the top k", `token ids ${engine.token_ids}`, `bytes ${engine.bytes}`,
+        `continue via ${engine.continue_final}`].join(" · ");
+    const el = $("engine-info");
+    el.textContent = `heatmap: ${heat}`;
+    el.title = el.textContent;
+    el.hidden = false;
+    el.dataset.state = engine.state;
+  } else {
+    info.textContent = `${hello.device} · ${hello.dtype}${quantized} · context ${hello.context_length}`;
+  }
   settings.setServerLimits(hello);
 }
 

@@ -4,9 +4,14 @@
 /**
  * @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnState
  * @typedef {{type: "hello", v: number, model: string, context_length: number, device: string, dtype: string,
- *            weights?: string, speculative: string[], max_alternatives: number}} Hello
- * @typedef {{id: number, text: string, p: number, rank: number, top: {id: number, text: string, p: number}[],
- *            sampled_p?: number | null}} WireToken
+ *            weights?: string, speculative: string[], max_alternatives: number, engine?: Engine | null}} Hello
+ * @typedef {{url: string, state: string, error: string | null, kind: string, models: string[], model: string | null,
+ *            context_length: number | null, max_top_logprobs: number, probabilities: string, bytes: string,
+ *            token_ids: string, continue_final: string}} Engine
+ *   A remote engine's probed capabilities (`webchat serve --engine-url`, docs/scale-out.md).
+ * @typedef {{id: number, text: string, p: number | null, rank: number | null,
+ *            top: {id: number, text: string, p: number}[], sampled_p?: number | null}} WireToken
+ *   `id` -1, `p` / `rank` null: a remote engine did not return them.
  * @typedef {{type: "queued", id: string, position: number}
  *         | {type: "start", id: string, prompt_tokens: number, reused_tokens: number, trimmed_messages?: number}
  *         | {type: "chunk", id: string, text: string, tokens?: WireToken[]}

@@ -3,8 +3,10 @@
 
 /**
  * @typedef {{id?: number, text: string, p: number}} Alt
- * @typedef {{id?: number, text: string, p: number, rank: number, top: Alt[], parts?: number, picked?: boolean,
- *            sp?: number}} Tok
+ * @typedef {{id?: number, text: string, p: number | null, rank: number | null, top: Alt[], parts?: number,
+ *            picked?: boolean, sp?: number}} Tok
+ *   `p` null: the engine gave no probability; `rank` null: outside the top-k the engine returned, or unknown
+ *   (a remote engine, docs/scale-out.md). Such a token is painted grey, not as a zero.
  *   One displayed token. `parts` > 1 when a character split over several byte tokens was merged into this one span:
  *   then `p` is the joint probability (product of the parts), `rank` the worst rank and `top` the first part's.
  *   `picked`: the user chose this token from the alternatives (a branch), the model did not draw it.
@@ -18,6 +20,8 @@ const VIRIDIS = [
   [31, 158, 137], [53, 183, 121], [110, 206, 88], [181, 222, 43], [253, 231, 37],
 ];
 
+/** A token whose value is unknown on this engine (p or rank not returned): light grey, never a colour of the scale. */
+export const UNKNOWN_BG = "rgb(204, 204, 204)";
 /** Entropy (bits) at which the entropy scale saturates. */
 export const ENTROPY_MAX_BITS = 4;
 /** Rank at which the rank scale saturates (log scale: 1 → best, RANK_MAX → worst). */
@@ -99,12 +103,25 @@ export function entropyLowerBound(top) {
  * Position on the colour scale of a token in a mode; 1 = confident (yellow), 0 = surprising (purple).
  * @param {Tok} tok
  * @param {HeatMode} mode
- * @returns {number}
+ * @returns {number | null} null: unknown on this engine
  */
 export function heatValue(tok, mode) {
-  if (mode === "rank") return rankScale(tok.rank);
-  if (mode === "entropy") return 1 - Math.min(1, entropyLowerBound(tok.top) / ENTROPY_MAX_BITS);
+  if (mode === "rank") return tok.rank === null && tok.top.length === 0 ? null : rankScale(tok.rank ?? 0);
+  if (mode === "entropy") return tok.top.length ? 1 - Math.min(1, entropyLowerBound(tok.top) / ENTROPY_MAX_BITS) : null;
   return tok.p;
+}
+
+/**
+ * Index in `sorted` (the token's alternatives by p, descending) of the one the model drew, or -1: by id; without ids
+ * (a remote engine's -1) by its rank, which the server matched by bytes; else by text.
+ * @param {Tok} tok
+ * @param {Alt[]} sorted
+ * @returns {number}
+ */
+export function chosenIndex(tok, sorted) {
+  if (tok.id !== undefined && tok.id >= 0) return sorted.findIndex((a) => a.id === tok.id);
+  if (tok.rank !== null && !(tok.parts && tok.parts > 1) && tok.rank <= sorted.length) return tok.rank - 1;
+  return sorted.findIndex((a) => a.text === tok.text);
 }
 
 /**
@@ -115,8 +132,9 @@ export function heatValue(tok, mode) {
 export function paintToken(span, tok) {
   for (const mode of /** @type {HeatMode[]} */ (["prob", "rank", "entropy"])) {
     const t = heatValue(tok, mode);
-    span.style.setProperty(`--bg-${mode}`, probColor(t));
-    span.style.setProperty(`--fg-${mode}`, textColorOn(t));
+    span.style.setProperty(`--bg-${mode}`, t === null ? UNKNOWN_BG : probColor(t));
+    span.style.setProperty(`--fg-${mode}`, t === null ? "#000" : textColorOn(t));
+    if (t === null) span.dataset[`unknown${mode[0].toUpperCase()}${mode.slice(1)}`] = "true";
   }
 }
 
@@ -165,10 +183,11 @@ export function visibleToken(text) {
 
 /**
  * Percentage with one decimal, or "<0.1" for tiny values.
- * @param {number} p
+ * @param {number | null} p
  * @returns {string}
  */
 export function percent(p) {
+  if (p === null) return "p unknown";
   const v = Math.max(0, Math.min(100, p * 100));
   return v > 0 && v < 0.1 ? "<0.1%" : `${v.toFixed(1)}%`;
 }
@@ -199,18 +218,21 @@ export function fillPopover(pop, tok, post, onPick) {
   const bits = entropyLowerBound(tok.top).toFixed(2);
   const sampled = post ? ` · after sampling ${post.exact ? "" : "≈ "}${percent(post.q)}` : "";
   const picked = tok.picked ? " · picked by you" : "";
-  meta.textContent = `rank ${tok.rank} · entropy ≥ ${bits} bits${sampled}${picked}`
+  const rank = tok.rank !== null ? `rank ${tok.rank}`
+    : tok.top.length ? `rank > ${tok.top.length} (outside the engine's top ${tok.top.length})` : "rank unknown";
+  meta.textContent = `${rank} · entropy ≥ ${bits} bits${sampled}${picked}`
     + (tok.parts && tok.parts > 1 ? ` · ${tok.parts} byte tokens` : "");
   meta.dataset.testid = "popover-meta";
   const list = document.createElement("ol");
   list.className = "pop-alts";
   list.setAttribute("aria-label", onPick ? "Alternatives: choose one to branch the reply here" : "Alternatives");
   const alts = [...tok.top].sort((a, b) => b.p - a.p);
-  for (const alt of alts) {
+  const drawn = chosenIndex(tok, alts);
+  for (const [index, alt] of alts.entries()) {
     const li = document.createElement("li");
     li.dataset.testid = "alt";
     li.dataset.p = String(alt.p);
-    const chosen = tok.id !== undefined ? alt.id === tok.id : alt.text === tok.text;
+    const chosen = index === drawn;
     if (chosen) li.className = "chosen";
     const t = document.createElement(onPick && !chosen && !isByteToken(alt.text) ? "button" : "code");
     t.textContent = visibleToken(alt.text);

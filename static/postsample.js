@@ -8,6 +8,8 @@
  * within the list, or min-p cutting inside it without top-p); otherwise an estimate that leaves the unseen out.
  */
 
+import { chosenIndex } from "./heatmap.js";
+
 /**
  * @param {import("./heatmap.js").Tok} tok
  * @param {Record<string, unknown> | undefined} s the settings the reply was generated with
@@ -21,8 +23,8 @@ export function postSampling(tok, s) {
   const minP = Number(s.min_p ?? 0.05);
   const typical = Number(s.typical_p ?? 1);
   const sorted = [...tok.top].sort((a, b) => b.p - a.p);
-  const isChosen = (/** @type {import("./heatmap.js").Alt} */ a) => (tok.id !== undefined ? a.id === tok.id : a.text === tok.text);
-  if (t === 0) return { q: isChosen(sorted[0]) ? 1 : 0, exact: true };
+  const i = chosenIndex(tok, sorted);
+  if (t === 0) return { q: i === 0 ? 1 : 0, exact: true };
   const w = sorted.map((a) => a.p ** (1 / t));
   let kept = w.length;
   let exact = false;
@@ -49,7 +51,6 @@ export function postSampling(tok, s) {
     }
   }
   if (typical < 1) exact = false;
-  const i = sorted.findIndex(isChosen);
   if (i < 0 || i >= kept) return { q: 0, exact };
   const z = w.slice(0, kept).reduce((x, y) => x + y, 0);
   return { q: w[i] / z, exact };

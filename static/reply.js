@@ -31,8 +31,10 @@ export function mergeParts(parts) {
   const sp = sps.every((x) => typeof x === "number") ? sps.reduce((acc, x) => acc * /** @type {number} */ (x), 1) : null;
   /** @type {Tok} */
   const tok = parts.length === 1 ? { id: last.id, text: last.text, p: last.p, rank: last.rank, top: last.top }
-    : { id: parts[0].id, text: last.text, p: parts.reduce((acc, t) => acc * t.p, 1),
-      rank: Math.max(...parts.map((t) => t.rank)), top: parts[0].top, parts: parts.length };
+    : { id: parts[0].id, text: last.text,
+      p: parts.every((t) => t.p !== null) ? parts.reduce((acc, t) => acc * /** @type {number} */ (t.p), 1) : null,
+      rank: parts.every((t) => t.rank !== null) ? Math.max(...parts.map((t) => /** @type {number} */ (t.rank))) : null,
+      top: parts[0].top, parts: parts.length };
   if (sp !== null) tok.sp = sp;
   return tok;
 }
@@ -43,7 +45,7 @@ export function mergeParts(parts) {
  * @returns {{mean: number, ppl: number} | null}
  */
 export function confidence(tokens) {
-  const ps = (tokens ?? []).map((t) => t.p).filter((p) => p > 0);
+  const ps = /** @type {number[]} */ ((tokens ?? []).map((t) => t.p).filter((p) => p !== null && p > 0));
   if (ps.length === 0) return null;
   const mean = ps.reduce((acc, p) => acc + Math.log(p), 0) / ps.length;
   return { mean, ppl: Math.exp(-mean) };

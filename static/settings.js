@@ -160,7 +160,9 @@ export class SettingsPanel {
    * @param {{speculative: string[], context_length: number, max_alternatives: number}} hello
    */
   setServerLimits(hello) {
-    this.limits = { options: hello.speculative, contextLength: hello.context_length, maxAlternatives: hello.max_alternatives };
+    // context_length 0: a remote engine did not say (docs/scale-out.md)
+    this.limits = { options: hello.speculative, contextLength: hello.context_length || 1048576,
+      maxAlternatives: hello.max_alternatives };
     const sel = /** @type {HTMLSelectElement} */ (this.inputs.speculative);
     sel.replaceChildren(...modeOptions(hello.speculative));
     if (!hello.speculative.includes(this.values.speculative)) this.values.speculative = "";

@@ -13,7 +13,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from tests.kquant_encode import encode_q4_k, encode_q6_k
-from webchat.convert import GLOBAL_MAP, LAYER_MAP, permute_rows
+from webchat.convert import GLOBAL_MAP, LAYER_MAP, ROPE_FREQS, Hyper, llama3_factors, permute_rows
 
 QType = Callable[[str, np.ndarray], gguf.GGMLQuantizationType]
 F32 = gguf.GGMLQuantizationType.F32
@@ -59,6 +59,12 @@ def write_gguf(folder: Path, out: Path, arch: str, qtype: QType = all_f32, pre: 
     template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
     if template:
         w.add_chat_template(template)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":  # convert_hf_to_gguf.py writes llama3 scaling as per-frequency divisors
+        h = Hyper(n_layers=0, dim=0, ffn_dim=0, n_heads=n_heads, n_kv_heads=n_kv, head_dim=cfg["head_dim"],
+                  vocab_size=0, norm_eps=0.0, rope_theta=float(rope["rope_theta"]), context_length=0)
+        w.add_tensor(ROPE_FREQS, llama3_factors(h, rope["factor"], rope["original_max_position_embeddings"],
+                                                rope["low_freq_factor"], rope["high_freq_factor"]))
     tensors = load_file(str(folder / "model.safetensors"))
     for name, t in tensors.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):

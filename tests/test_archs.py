@@ -35,6 +35,8 @@ CONFIGS: dict[str, Callable[[], Any]] = {
                                               "original_max_position_embeddings": 64}),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=16),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE),
+    "mistral-window": lambda: transformers.MistralConfig(**SHAPE, head_dim=16, sliding_window=5),
+    "phi3-window": lambda: transformers.Phi3Config(**SHAPE, sliding_window=5),
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16),
     "phi3": lambda: transformers.Phi3Config(**SHAPE),
     "gemma2": lambda: transformers.Gemma2Config(
@@ -47,10 +49,13 @@ CONFIGS: dict[str, Callable[[], Any]] = {
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
 }
 ARCHS = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+         "qwen2": "Qwen2ForCausalLM", "mistral-window": "MistralForCausalLM", "phi3-window": "Phi3ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
-LLAMA_BLOCK = ("llama", "llama3", "mistral", "qwen2", "phi3")  # what the C++ step and the CUDA kernels run
+# what the C++ step and CudaOps run; with a sliding window (MistralConfig's default 4096 included) sequences past it go
+# to the PyTorch path's windowed attention
+LLAMA_BLOCK = ("llama", "llama3", "mistral", "qwen2", "phi3", "mistral-window", "phi3-window")
 
 
 def make_reference(kind: str, folder: Path) -> Any:
@@ -148,4 +153,40 @@ def test_phi3_refuses_partial_rotary() -> None:
     cfg["architectures"] = ["Phi3ForCausalLM"]
     cfg["rope_parameters"]["partial_rotary_factor"] = 0.75
     with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelArgs.from_dict(cfg)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_quantized_at_load_matches_its_own_dequantized_weights(pair: tuple[str, Any, Transformer], qtype: str,
+                                                                tmp_path: Path) -> None:
+    """--quantize on each architecture: the blocks' logits against the same model with the dequantized weights."""
+    from webchat.kernels.cpu import build as qkernels
+    from webchat.model.quant import QEmbedding, QLinear, dequantize
+
+    if qkernels.try_load() is None:
+        pytest.skip("the C++ kernels could not be built here (no compiler or ninja)")
+    kind, reference, _ = pair
+    folder = tmp_path / kind
+    reference.save_pretrained(folder)
+    quantized, dense = load_model(folder, quantize=qtype), load_model(folder, weights="float32")
+    swapped = 0
+    for name, m in quantized.named_modules():
+        if isinstance(m, QLinear | QEmbedding):
+            target = dense.get_submodule(name)
+            target.weight = torch.nn.Parameter(dequantize(m.weight, m.qtype), requires_grad=False)
+            swapped += 1
+    assert swapped >= 7 * quantized.args.n_layers
+    dense.runner = None  # the PyTorch path on the dequantized weights
+    ids = prompt(11, seed=4)
+    got = quantized.new_cache(len(ids)).feed(quantized, ids, all_logits=True)
+    want = dense.new_cache(len(ids)).feed(dense, ids, all_logits=True)
+    assert (got - want).abs().max().item() <= 1e-3
+
+
+def test_unsupported_rope_scaling_is_refused_from_the_config() -> None:
+    cfg = CONFIGS["phi3"]().to_dict()
+    cfg["architectures"] = ["Phi3ForCausalLM"]
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                              "long_factor": [1.0] * 8}
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
         ModelArgs.from_dict(cfg)

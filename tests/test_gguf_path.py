@@ -33,14 +33,14 @@ DECODE = 16
 CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
-def tiny_folder(arch: str, folder: Path, hidden: int = 64, ffn: int = 96) -> Any:
+def tiny_folder(arch: str, folder: Path, hidden: int = 64, ffn: int = 96, **extra: Any) -> Any:
     """A random transformers model of `arch` with webchat's tiny tokenizer, saved as a folder; the model back."""
     tok = make_tiny_tokenizer()
     torch.manual_seed(0)
     config = getattr(transformers, CONFIGS[arch])(
         vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.2, tie_word_embeddings=arch == "qwen2")
+        bos_token_id=1, eos_token_id=2, initializer_range=0.2, tie_word_embeddings=arch == "qwen2", **extra)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -90,6 +90,23 @@ def test_float_gguf_runs_exact_to_transformers(tmp_path: Path, home: Path, arch:
     write_gguf(tmp_path / "hf", tmp_path / f"tiny-{arch}.gguf", arch)
     folder = model_folder(tmp_path / f"tiny-{arch}.gguf", out=io.StringIO())
     assert folder.parent == gguf_models_dir(home) and re.fullmatch(rf"tiny-{arch}-[0-9a-f]{{16}}", folder.name)
+    ids, got = greedy_logits(load_model(folder), PROMPT)
+    with torch.no_grad():
+        want = reference(torch.tensor([ids[:-1]])).logits[0]
+    assert (got - want).abs().max().item() <= 1e-4
+    assert want[len(PROMPT) - 1 :].argmax(-1).tolist() == ids[len(PROMPT) :]
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path, home: Path) -> None:
+    """Llama 3.x GGUFs carry their rope scaling as rope_freqs.weight; the folder's config gets it back."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    reference = tiny_folder("llama", tmp_path / "hf", rope_parameters=rope)
+    write_gguf(tmp_path / "hf", tmp_path / "llama3.gguf", "llama")
+    assert "rope_freqs.weight" in [t.name for t in gguf.GGUFReader(tmp_path / "llama3.gguf").tensors]
+    folder = model_folder(tmp_path / "llama3.gguf", out=io.StringIO())
+    scaling = json.loads((folder / "config.json").read_text())["rope_scaling"]
+    assert {k: scaling[k] for k in rope if k != "rope_theta"} == {k: v for k, v in rope.items() if k != "rope_theta"}
     ids, got = greedy_logits(load_model(folder), PROMPT)
     with torch.no_grad():
         want = reference(torch.tensor([ids[:-1]])).logits[0]

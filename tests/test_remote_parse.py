@@ -100,11 +100,13 @@ def test_finish_reasons_and_usage() -> None:
     assert usage == {"prompt_tokens": 5, "completion_tokens": 3}
 
 
-def test_truncated_character_at_the_end_shows_as_replacement() -> None:
+def test_character_cut_at_the_end_is_dropped_and_stray_bytes_are_replaced() -> None:
+    """As webchat.text.detok: an unfinished trailing character is dropped; a stray continuation byte is U+FFFD."""
     parser = StreamParser()
+    assert parser.feed(chunk([entry("x", 0.5, [], b"\x80a")], "")).text == "\ufffda"
     parser.feed(chunk([entry("x", 0.5, [], b"\xe2\x82")], ""))
     end = parser.feed(chunk(None, "", "length"))
-    assert end.text == "\ufffd"
+    assert end.text == ""
 
 
 @pytest.mark.parametrize(("bad", "words"), [

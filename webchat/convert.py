@@ -152,8 +152,6 @@ def hf_tensor_name(name: str) -> str:
     m = _LAYER_RE.fullmatch(name)
     if m is not None and m.group(2) in LAYER_MAP:
         return f"model.layers.{m.group(1)}.{LAYER_MAP[m.group(2)]}"
-    if name == "rope_freqs.weight":
-        raise ConversionError("GGUF tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported")
     raise ConversionError(f"GGUF tensor {name!r} has no Hugging Face llama equivalent")
 
 
@@ -188,6 +186,8 @@ def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False
     (out, in / 32 * block bytes) blocks (see quantized_types for which)."""
     out: dict[str, np.ndarray] = {}
     for n, t in enumerate(reader.tensors):
+        if t.name == ROPE_FREQS:  # not a weight: the rope scaling, read by rope_scaling_of
+            continue
         name = hf_tensor_name(t.name)
         want = expected_shape(name, h)
         if keep_quantized and t.tensor_type in KEPT_QUANTIZED:
@@ -228,6 +228,43 @@ def _dequantize(t: Any) -> np.ndarray:
     except NotImplementedError:
         kind = gguf.GGMLQuantizationType(t.tensor_type).name
         raise ConversionError(f"tensor {t.name!r} is of ggml type {kind}, which webchat cannot read") from None
+
+
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rope scaling: per frequency, the divisor of inv_freq
+LLAMA3_GUESSES = [(8192, 1.0, 4.0)]  # (original context, low_freq_factor, high_freq_factor) of Llama 3.1/3.2/3.3
+
+
+def llama3_factors(h: Hyper, factor: float, old_ctx: int, low: float, high: float) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs for llama3 scaling (LlamaModel.generate_extra_tensors)."""
+    freqs = 1.0 / (h.rope_theta ** (np.arange(0, h.head_dim, 2, dtype=np.float64) / h.head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def rope_scaling_of(reader: gguf.GGUFReader, h: Hyper) -> dict[str, Any] | None:
+    """Hugging Face's llama3 rope_scaling for a GGUF's rope_freqs.weight (None without one): its largest divisor is
+    the factor; the other parameters are Llama 3's, checked against every divisor."""
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return None
+    got = np.asarray(_dequantize(t), dtype=np.float32).reshape(-1)
+    factor = float(got.max())
+    for old_ctx, low, high in LLAMA3_GUESSES:
+        want = llama3_factors(h, factor, old_ctx, low, high)
+        if want.shape == got.shape and np.allclose(got, want, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": old_ctx}
+    raise ConversionError(f"GGUF tensor {ROPE_FREQS!r} is not Llama 3's rope scaling (factor {factor:g}, "
+                          f"original context {LLAMA3_GUESSES[0][0]}); webchat cannot read other rope scalings")
 
 
 def quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
@@ -302,7 +339,8 @@ def special_tokens(meta: _Meta, tokens: list[str]) -> dict[str, str]:
     return out
 
 
-def model_config(meta: _Meta, h: Hyper, tied: bool, bias: bool) -> dict[str, Any]:
+def model_config(meta: _Meta, h: Hyper, tied: bool, bias: bool,
+                 rope_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return {
         "architectures": [HF_ARCHS[h.arch][0]],
@@ -316,7 +354,7 @@ def model_config(meta: _Meta, h: Hyper, tied: bool, bias: bool) -> dict[str, Any
         "head_dim": h.head_dim,
         "rms_norm_eps": h.norm_eps,
         "rope_theta": h.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling,
         "max_position_embeddings": h.context_length,
         "tie_word_embeddings": tied,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -358,6 +396,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     tokens: list[str] = meta.need("tokenizer.ggml.tokens")
     h = read_hyper(meta, arch, len(tokens))
     tokenizer = build_tokenizer(meta)  # before the tensors: refuse an unsupported tokenizer cheaply
+    scaling = rope_scaling_of(reader, h)  # likewise an unknown rope scaling
     passes = 2 if quantized_types(reader) else 1  # the float tensors, then the quantized file's
     tensors = read_tensors(reader, h, progress=None if progress is None else lambda i, n: progress(i, n * passes))
     tied = "lm_head.weight" not in tensors
@@ -368,7 +407,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     if quantized_types(reader):
         write_quantized(reader, h, out_dir, None if progress is None else lambda i, n: progress(n + i, 2 * n))
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    config = model_config(meta, h, tied, bias)
+    config = model_config(meta, h, tied, bias, scaling)
     _write_json(out_dir / "config.json", config)
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",

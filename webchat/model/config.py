@@ -11,6 +11,7 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                    "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 QK_NORM = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")  # webchat.model.transformer.rope_inv_freq
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config's hidden_act → ours
 
 
@@ -60,6 +61,11 @@ class ModelArgs:
             )
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for scaling in (self.rope_scaling, self.rope_local):
+            kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+            if kind not in ROPE_TYPES:  # before any weight loads (Phi-3 128k's longrope, YaRN, ...)
+                supported = ", ".join(ROPE_TYPES)
+                raise ModelConfigError(f"unsupported rope_scaling type {kind!r}; webchat supports {supported}")
         if self.attn_scale == 0.0:
             self.attn_scale = self.head_dim ** -0.5
         if not self.layer_windows:
@@ -154,6 +160,8 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> list[int]:
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
         types = None
+    elif types is None and arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # one window for every layer
+        types = ["sliding_attention"] * n
     if not types or not window:
         return [0] * n
     bad = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})

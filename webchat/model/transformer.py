@@ -58,7 +58,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd) if args.qk_norm else None  # Qwen3, Gemma 3: per head, before rope
         self.k_norm = RMSNorm(hd) if args.qk_norm else None
         self.eps, self.scale, self.softcap, self.window = args.norm_eps, args.attn_scale, args.attn_softcap, window
-        self.plain = self.softcap == 0 and window == 0 and abs(self.scale - hd ** -0.5) < 1e-12
+        self.plain = self.softcap == 0 and abs(self.scale - hd ** -0.5) < 1e-12  # the ops' attention, if no window
 
     def forward(
         self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch,
@@ -72,7 +72,7 @@ class Attention(nn.Module):
             q, k = ops.rms_norm(q, self.q_norm.weight, self.eps), ops.rms_norm(k, self.k_norm.weight, self.eps)
         q, k = ops.rope(q, k, *rope)
         ops.kv_write(k_cache, v_cache, k, v, batch.slot_mapping)
-        if self.plain:
+        if self.plain and (self.window == 0 or batch.max_seq_len <= self.window):  # the window cuts nothing
             o = ops.paged_attention(q, k_cache, v_cache, batch)  # (T, H, hd)
         else:
             o = paged_attention_ex(q, k_cache, v_cache, batch, self.scale, self.softcap, self.window)

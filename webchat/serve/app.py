@@ -23,7 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from webchat.engine import events as ev
 from webchat.serve import protocol as p
-from webchat.serve.backend import Job
+from webchat.serve.backend import Backend, Job
 from webchat.serve.config import ServerConfig, content_security_policy, origin_allowed, static_version
 from webchat.serve.limits import (
     AcceptErrorLog,
@@ -34,7 +34,7 @@ from webchat.serve.limits import (
 )
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
-from webchat.serve.runtime import Runtime, load_runtime
+from webchat.serve.runtime import RemoteRuntime, Runtime, load_remote_runtime, load_runtime
 from webchat.serve.worker import Worker
 from webchat.text.chat_encode import ContentRewritten
 from webchat.text.trim import fit_history
@@ -52,7 +52,7 @@ CHUNK_INTERVAL = 0.01
 class Connection:
     """One browser tab: a receive task (generate, stop) beside a send loop (hello, worker messages, errors)."""
 
-    def __init__(self, websocket: WebSocket, runtime: Runtime, worker: Worker, config: ServerConfig,
+    def __init__(self, websocket: WebSocket, runtime: Runtime, worker: Backend, config: ServerConfig,
                  guard: ConnectionGuard | None = None) -> None:  # fmt: skip
         self.ws, self.runtime, self.worker, self.config, self.guard = websocket, runtime, worker, config, guard
         self.max_bytes = config.max_message_bytes
@@ -156,7 +156,8 @@ class Connection:
                                   msg.id) from None
         deliver = functools.partial(self.deliver, msg.id, request.return_probs, trimmed)
         self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=deliver,
-                               prompt_tokens=n_prompt))
+                               prompt_tokens=n_prompt, client=self.key,
+                               messages=[m.model_dump() for m in msg.messages], continue_final=msg.continue_))
 
     async def _prepare(self, msg: p.Generate) -> tuple[Any, int, int]:
         """Validate what pydantic cannot (mode, vocabulary, context), template, encode and trim the history: the
@@ -170,6 +171,14 @@ class Connection:
             raise p.ProtocolError("bad_settings", f"speculative = {mode!r} is not available: allowed {rt.modes}",
                                   msg.id)
         bias = msg.settings.token_bias_ids()
+        if rt.tokenizer is None:  # a remote engine (RemoteRuntime): the upstream templates, counts and checks ids
+            try:
+                settings = SamplingSettings(**msg.settings.model_dump(exclude={"token_bias"}), token_bias=bias)
+            except SettingsError as exc:
+                raise p.ProtocolError("bad_settings", f"settings.{exc}", msg.id) from None
+            return GenerationRequest(prompt_ids=[], settings=settings, max_new_tokens=msg.max_new_tokens,
+                                     stop_strings=list(msg.stop), return_probs=msg.alternatives > 0,
+                                     top_alts=msg.alternatives, speculative=mode), 0, 0
         vocab = rt.tokenizer.vocab_size
         for tid in bias:
             if tid >= vocab:
@@ -219,14 +228,25 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        rt = runtime if runtime is not None else await asyncio.to_thread(load_runtime, config)
-        worker = Worker(rt.new_generator, rt.tokenizer.id_to_text, asyncio.get_running_loop(),
-                        config.max_sessions, config.max_queue, pages=rt.engine)
+        worker: Backend
+        if runtime is None and config.engine_url is not None:
+            rt: Runtime = await load_remote_runtime(config)
+        else:
+            rt = runtime if runtime is not None else await asyncio.to_thread(load_runtime, config)
+        if isinstance(rt, RemoteRuntime):
+            worker = rt.backend
+        else:
+            worker = Worker(rt.new_generator, rt.tokenizer.id_to_text, asyncio.get_running_loop(),
+                            config.max_sessions, config.max_queue, pages=rt.engine)
         worker.start()
         loop = asyncio.get_running_loop()
         previous_handler = loop.get_exception_handler()
         loop.set_exception_handler(AcceptErrorLog())
-        if runtime is None:
+        if isinstance(rt, RemoteRuntime) and runtime is None:
+            caps = rt.backend.caps
+            print(f"webchat: generation on {caps.url} ({caps.kind}, {caps.state}"
+                  f"{': ' + caps.error if caps.error else ''}) ready at {display_url(config)}", flush=True)
+        elif runtime is None:
             print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}, weights {rt.weights}) ready at "
                   f"{display_url(config)}", flush=True)
         try:
@@ -235,6 +255,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
             loop.set_exception_handler(previous_handler)
             api.close()
             worker.stop()
+            if isinstance(rt, RemoteRuntime):
+                await rt.backend.aclose()
 
     async def index(request: Request) -> Response:
         rt: Runtime = request.state.runtime
@@ -246,7 +268,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
     async def info(request: Request) -> Response:
         rt: Runtime = request.state.runtime
         body = rt.hello().model_dump(exclude={"type"})
-        body.update(max_sessions=config.max_sessions, max_queue=config.max_queue, default_speculative=rt.default_mode)
+        snap = request.state.worker.snapshot()
+        body.update(max_sessions=config.max_sessions, max_queue=config.max_queue, default_speculative=rt.default_mode,
+                    active=len(snap.active), queued=len(snap.pending))
         if rt.engine is not None:
             body["kv_pool"] = rt.engine.pool_info()
         return JSONResponse(body)

@@ -41,6 +41,10 @@ class ServerConfig:
     trusted_hosts: tuple[str, ...] | None = None  # Host names HTTP routes answer; None: any (`serve` sets loopback)
     access_token: str | None = None  # when set, every route needs it (webchat.serve.limits.TokenCheck)
     api_key: str | None = None  # when set, the OpenAI API (/v1) needs `Authorization: Bearer <key>`
+    engine_url: str | None = None  # generate on this OpenAI-compatible upstream (serve/remote), no local model
+    engine_model: str | None = None  # the upstream's model (default: the first it lists)
+    engine_key: str | None = None  # sent upstream as Authorization: Bearer; never shown
+    engine_timeout: float = 60.0  # seconds the upstream may send nothing before the request fails
     templates_dir: Path = REPO_ROOT / "templates"
     static_dir: Path = REPO_ROOT / "static"
 

@@ -50,6 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a websocket may leave 1 MiB of replies unread before it is closed (default 30)")
     parser.add_argument("--api-key", default=os.environ.get("WEBCHAT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1); default: $WEBCHAT_API_KEY")
+    parser.add_argument("--engine-url", default=None, metavar="URL",
+                        help="generate on this OpenAI-compatible engine (vLLM, SGLang, llama.cpp's server, another "
+                        "webchat), e.g. http://127.0.0.1:8001; the local model is not loaded (docs/scale-out.md)")
+    parser.add_argument("--engine-model", default=None, metavar="NAME",
+                        help="the upstream's model (default: the first its /v1/models lists)")
+    parser.add_argument("--engine-key", default=os.environ.get("WEBCHAT_ENGINE_KEY"), metavar="KEY",
+                        help="API key sent to the upstream engine; default: $WEBCHAT_ENGINE_KEY")
+    parser.add_argument("--engine-timeout", type=float, default=60.0,
+                        help="seconds the upstream may send nothing before a request fails (default 60)")
 
 
 def _positive(text: str) -> int:
@@ -73,7 +82,10 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
                         stall_timeout=args.stall_timeout, access_token=args.access_token,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
-                        kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize)
+                        kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize,
+                        engine_url=getattr(args, "engine_url", None), engine_model=getattr(args, "engine_model", None),
+                        engine_key=getattr(args, "engine_key", None),
+                        engine_timeout=getattr(args, "engine_timeout", 60.0))
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
@@ -81,7 +93,9 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
     if args.speculative == "draft" and args.draft is None:
         print("webchat serve: --speculative draft needs --draft DIR", file=sys.stderr)
         return 2
-    if args.model is None:
+    if getattr(args, "engine_url", None) is not None:
+        model_dir = args.model or Path(".")  # not loaded: generation runs upstream
+    elif args.model is None:
         from webchat.pull import ensure_default_model
 
         model_dir = ensure_default_model()
@@ -101,10 +115,20 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
               "can use the model. " + ("Only the OpenAI API (/v1) checks --api-key; the page and websocket do not."
                                        if config.api_key else "There is no authentication (see --api-key)."),
               file=sys.stderr)
-    from webchat.folder_check import check_model_folder
+    if config.engine_url is None:
+        from webchat.folder_check import check_model_folder
 
-    check_model_folder(model_dir)  # config and tokenizer, before the weights load
-    print(f"webchat: loading {model_dir} …", flush=True)
+        check_model_folder(model_dir)  # config and tokenizer, before the weights load
+        print(f"webchat: loading {model_dir} …", flush=True)
+    else:
+        from webchat.serve.remote.client import Upstream
+
+        try:
+            Upstream(config.engine_url)  # the URL's shape, checked before uvicorn starts
+        except ValueError as exc:
+            print(f"webchat serve: {exc}", file=sys.stderr)
+            return 2
+        print(f"webchat: generation on {config.engine_url.split('@')[-1]} …", flush=True)
     app = create_app(config)
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol

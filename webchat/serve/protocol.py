@@ -19,6 +19,7 @@ VERSION = 1
 MAX_ALTERNATIVES = 20
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
+    "upstream",
 )
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
@@ -114,6 +115,8 @@ class Hello(_Strict):
     speculative: list[str]
     max_alternatives: int = MAX_ALTERNATIVES
     weights: str = "float32"  # what the matrices run as: "q4_1", "q8_0", ... (ggml blocks) or the float dtype
+    # on a remote engine (--engine-url): what it serves and gives the heatmap (webchat.serve.remote.capabilities)
+    engine: dict[str, Any] | None = None
 
 
 class Queued(_Strict):
@@ -137,10 +140,10 @@ class Alternative(_Strict):
 
 
 class TokenOut(_Strict):
-    id: int
+    id: int  # -1: the upstream engine did not say
     text: str
-    p: float
-    rank: int
+    p: float | None  # None: unknown (a remote engine that gave no probability)
+    rank: int | None  # None: outside the top-k the engine returned, or unknown
     top: list[Alternative]
     sampled_p: float | None = None  # under the distribution drawn from (settings applied); None when unknown
 
@@ -180,7 +183,8 @@ class Error(_Strict):
     type: Literal["error"] = "error"
     id: str | None
     code: Literal[
-        "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal"
+        "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy",
+        "internal", "upstream",
     ]
     message: str
 
@@ -211,8 +215,8 @@ def token_out(info: ev.TokenInfo) -> TokenOut:
     """A generated token as the wire's token entry (`p`: softmax of the raw logits; rank 1-based)."""
     top = [Alternative(id=int(tid), text=text, p=float(prob)) for tid, text, prob in info.top]
     sampled = None if info.sampled_prob is None else float(info.sampled_prob)
-    return TokenOut(id=int(info.id), text=info.piece, p=float(info.prob or 0.0), rank=int(info.rank or 0), top=top,
-                    sampled_p=sampled)
+    return TokenOut(id=int(info.id), text=info.piece, p=None if info.prob is None else float(info.prob),
+                    rank=None if info.rank is None else int(info.rank), top=top, sampled_p=sampled)
 
 
 def stats_out(stats: ev.Stats) -> Stats:

@@ -1,4 +1,5 @@
-"""What the lifespan loads once: the model, its tokenizer, the engine, and how to describe them (`hello`)."""
+"""What the lifespan loads once: the model, its tokenizer, the engine, and how to describe them (`hello`); or, with
+--engine-url, the remote engine and its probed capabilities (RemoteRuntime: no model, no tokenizer)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,36 @@ def load_runtime(config: ServerConfig) -> Runtime:
     return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name, device=str(device),
                    dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes, draft_model=draft,
                    default_mode=config.speculative, engine=engine, weights=weights_name(model))
+
+
+@dataclass
+class RemoteRuntime(Runtime):
+    """Generation upstream (webchat.serve.remote): `tokenizer` and `model` are None, `backend` runs the jobs.
+    context_length 0 means the upstream did not say."""
+
+    backend: Any = None  # webchat.serve.remote.engine.RemoteEngine
+
+    def new_generator(self) -> StreamingGenerator:
+        raise RuntimeError("a remote engine has no local generator")
+
+    def hello(self) -> p.Hello:
+        caps = self.backend.caps
+        return p.Hello(model=caps.model or self.model_name, context_length=caps.context_length or 0,
+                       device="remote", dtype="remote", speculative=list(self.modes), weights="remote",
+                       max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES, engine=caps.wire())
+
+
+async def load_remote_runtime(config: ServerConfig) -> RemoteRuntime:
+    """Probe the upstream named by --engine-url; an unreachable one is reported (hello, /api/info) and probed again
+    at the next request, so the page comes up either way."""
+    from webchat.serve.remote.capabilities import detect
+    from webchat.serve.remote.client import Upstream
+    from webchat.serve.remote.engine import RemoteEngine
+
+    assert config.engine_url is not None
+    upstream = Upstream(config.engine_url, config.engine_key, timeout=config.engine_timeout)
+    caps = await detect(upstream, config.engine_model)
+    backend = RemoteEngine(upstream, caps, config.max_sessions, config.max_queue, want_model=config.engine_model)
+    return RemoteRuntime(model=None, tokenizer=None, model_name=caps.model or config.engine_model or "remote",
+                         device="remote", dtype="remote", context_length=caps.context_length or 0, modes=["none"],
+                         weights="remote", backend=backend)

@@ -66,6 +66,7 @@ class CpuStep:
             raise TypeError("the embedding and head must be quantized or float32 for the C++ path")
         self.step = kernels.Step([a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim], a.norm_eps, emb[0], emb[1],
                                  head[0], head[1], model.norm.weight.detach(), norms, mats, qtypes, biases)
+        self.window = min((w for w in a.layer_windows if w), default=0)  # past it, the PyTorch path's windows
         self.embedding = model.tok_embeddings
         self.layers = list(model.layers)
         self.calls = 0
@@ -74,8 +75,8 @@ class CpuStep:
         n = len(model.layers)
         if (batch.tokens.shape[0] > MAX_ROWS or model.tok_embeddings is not self.embedding
                 or n > len(self.layers) or model.layers[n - 1] is not self.layers[n - 1]
-                or kv.k[0].dtype != torch.float32):
-            return None  # a long prefill chunk, or another model sharing this hook
+                or kv.k[0].dtype != torch.float32 or (self.window and batch.max_seq_len > self.window)):
+            return None  # a long prefill chunk, a sequence past a sliding window, or another model sharing this hook
         self.calls += 1
         logits: torch.Tensor = self.step.forward(
             batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,
@@ -85,7 +86,7 @@ class CpuStep:
 
 def cpu_step_declines(args: ModelArgs) -> str | None:
     """Why the C++ forward cannot run this architecture (it computes a Llama block), or None where it can."""
-    extra = args.beyond_llama
+    extra = [x for x in args.beyond_llama if x != "sliding-window layers"]  # CpuStep passes longer batches on
     return f"{args.arch or 'this model'} needs {', '.join(extra)}" if extra else None
 
 

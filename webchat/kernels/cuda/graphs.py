@@ -174,13 +174,17 @@ def enable_cuda_backend(model: Transformer, graphs: bool = True) -> bool:
     except KernelUnavailable as e:
         log.warning("CUDA kernels unavailable, the model runs on PyTorch ops: %s", e)
         return False
-    model.runner = GraphRunner(model) if graphs else None
+    windowed = any(model.args.layer_windows)  # Mistral v0.1, Phi-3: sequences past the window attend via PyTorch,
+    if graphs and windowed:  # which reads lengths on the host: eager CudaOps, no graphs
+        log.info("CUDA graphs off for %s: sliding-window layers", model.args.arch)
+    model.runner = GraphRunner(model) if graphs and not windowed else None
     return True
 
 
 def cuda_declines(args: ModelArgs) -> str | None:
-    """Why CudaOps and the CUDA graphs cannot run this architecture (they compute a Llama block), or None."""
-    extra = args.beyond_llama
+    """Why CudaOps cannot run this architecture (they compute a Llama block), or None; sliding windows alone turn
+    the CUDA graphs off (enable_cuda_backend), not the kernels."""
+    extra = [x for x in args.beyond_llama if x != "sliding-window layers"]
     return f"{args.arch or 'this model'} needs {', '.join(extra)}" if extra else None
 
 

@@ -128,9 +128,13 @@ class Reply:
         bytes = the token's own bytes, top_logprobs = the most likely tokens by their vocabulary text."""
         if self.logprobs is None:
             return None
-        tok = self.tokenizer
-        return [{"token": t.piece, "logprob": logprob(t.prob), "bytes": list(tok.token_bytes(t.id)),
-                 "top_logprobs": [{"token": text, "logprob": logprob(p), "bytes": list(tok.token_bytes(tid))}
+        tok = self.tokenizer  # None on a remote engine: a token's bytes are its text's
+
+        def raw(tid: int, text: str) -> list[int]:
+            return list(tok.token_bytes(tid) if tok is not None else text.encode())
+
+        return [{"token": t.piece, "logprob": logprob(t.prob), "bytes": raw(t.id, t.piece),
+                 "top_logprobs": [{"token": text, "logprob": logprob(p), "bytes": raw(tid, text)}
                                   for tid, text, p in t.top]}
                 for t in tokens]
 

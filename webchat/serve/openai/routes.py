@@ -93,8 +93,10 @@ class OpenAIApi:
         req.check()
         self._check_model(request, req.model, "model")
         rt = request.state.runtime
-        try:
-            ids = await run_in_threadpool(rt.encode_chat, [m.for_template() for m in req.messages])
+        messages = [m.for_template() for m in req.messages]
+        cont = bool(req.continue_final_message)
+        try:  # a remote engine (no tokenizer) templates and counts the prompt itself
+            ids = [] if rt.tokenizer is None else await run_in_threadpool(rt.encode_chat, messages, cont)
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None
@@ -102,13 +104,16 @@ class OpenAIApi:
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
         return await self._run(request, self._generation(rt, req, ids, req.limit(), reply, "messages"), reply,
-                               bool(req.stream))
+                               bool(req.stream), messages, cont)
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await self._body(request))
         req.check()
         self._check_model(request, req.model, "model")
         rt = request.state.runtime
+        if rt.tokenizer is None:
+            raise APIError(400, "text completions are not forwarded to the remote engine; use /v1/chat/completions",
+                           "unsupported_value", "prompt")
         prompt = req.one_prompt()
         if isinstance(prompt, str):
             ids = await run_in_threadpool(rt.tokenizer.encode_text, prompt)
@@ -129,6 +134,14 @@ class OpenAIApi:
                     reply: Reply, prompt_param: str) -> GenerationRequest:  # fmt: skip
         """The generator request; the prompt and the completion must fit the context together."""
         context = rt.context_length
+        mode = req.speculative if req.speculative is not None else rt.default_mode
+        if mode not in rt.modes:
+            raise APIError(400, f"speculative = {mode!r} is not available: allowed {rt.modes}", "invalid_value",
+                           "speculative")
+        if rt.tokenizer is None:  # a remote engine checks the context itself; max_new_tokens 0: max_tokens not sent
+            return GenerationRequest(prompt_ids=[], settings=req.sampling(2**31), max_new_tokens=limit or 0,
+                                     stop_strings=req.stops(), return_probs=reply.logprobs is not None,
+                                     top_alts=reply.logprobs or 0, speculative=mode)
         if not ids:
             raise APIError(400, "the prompt is empty: it encodes to no tokens", "invalid_value", prompt_param)
         if limit is None:
@@ -137,23 +150,21 @@ class OpenAIApi:
             raise APIError(400, f"this model's context is {context} tokens; the request needs {len(ids) + limit} "
                            f"({len(ids)} in the prompt, {limit} to generate)", "context_length_exceeded",
                            prompt_param if limit < 1 else "max_tokens")
-        mode = req.speculative if req.speculative is not None else rt.default_mode
-        if mode not in rt.modes:
-            raise APIError(400, f"speculative = {mode!r} is not available: allowed {rt.modes}", "invalid_value",
-                           "speculative")
         return GenerationRequest(prompt_ids=ids, settings=req.sampling(rt.tokenizer.vocab_size),
                                  max_new_tokens=limit, stop_strings=req.stops(), stop_token_ids=None,
                                  return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,
                                  return_logits=False, speculative=mode)
 
-    async def _run(self, request: Request, gen_request: GenerationRequest, reply: Reply, stream: bool) -> Response:
+    async def _run(self, request: Request, gen_request: GenerationRequest, reply: Reply, stream: bool,
+                   messages: list[dict[str, str]] | None = None, continue_final: bool = False) -> Response:
         """Submit the job and answer: errors before the first event keep their status; streams begin at 200."""
         if self.closing:
             raise APIError(503, "the server is shutting down", "shutting_down")
         pending = Pending(request.state.worker)
         self.live.add(pending)
         pending.worker.submit(Job(key=pending.key, request_id=reply.id, request=gen_request, deliver=pending.deliver,
-                                  prompt_tokens=len(gen_request.prompt_ids)))
+                                  prompt_tokens=len(gen_request.prompt_ids), client=request.client,
+                                  messages=messages, continue_final=continue_final))
         watcher = asyncio.create_task(pending.watch(request.receive))
         streaming = False
         try:

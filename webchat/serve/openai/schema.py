@@ -32,7 +32,8 @@ class APIError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
              404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-             415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+             415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             502: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -165,9 +166,22 @@ class ChatRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_ALTS)] | None = None
+    # vLLM's and SGLang's extension: continue the final assistant message instead of starting a new one
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
     def check(self) -> None:
         self.check_common()
+        if self.continue_final_message:
+            if self.add_generation_prompt is not False:
+                raise APIError(400, "continue_final_message: true needs add_generation_prompt: false, got "
+                               f"{self.add_generation_prompt}", "invalid_value", "add_generation_prompt")
+            if self.messages[-1].role != "assistant":
+                raise APIError(400, "continue_final_message: true needs the last message to be the assistant's, got "
+                               f"{self.messages[-1].role!r}", "invalid_value", "messages")
+        elif self.add_generation_prompt is False:
+            raise APIError(400, "add_generation_prompt: false is only supported with continue_final_message: true",
+                           "unsupported_value", "add_generation_prompt")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, f"top_logprobs = {self.top_logprobs} needs logprobs: true, got logprobs = "
                            f"{self.logprobs}", "invalid_value", "top_logprobs")

@@ -8,6 +8,7 @@ Every failure is an UpstreamError whose message names the upstream (its URL, nev
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncGenerator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -16,6 +17,8 @@ import httpx
 
 from webchat.serve.remote.parse import ChunkError, sse_data
 
+CONTEXT_WORDS = re.compile(r"context_length_exceeded|context (length|size|window)", re.IGNORECASE)
+
 
 class UpstreamError(Exception):
     """The upstream is down, slow, answered an error or sent something unreadable; `reachable` False: no answer."""
@@ -23,6 +26,11 @@ class UpstreamError(Exception):
     def __init__(self, message: str, reachable: bool = True, status: int | None = None) -> None:
         super().__init__(message)
         self.reachable, self.status = reachable, status
+
+    @property
+    def context_overflow(self) -> bool:
+        """A 400 saying the prompt and max_tokens do not fit (webchat's, vLLM's and llama.cpp's wordings)."""
+        return self.status == 400 and CONTEXT_WORDS.search(str(self)) is not None
 
 
 def display_url(url: str) -> str:
@@ -115,6 +123,8 @@ class Upstream:
             body = json.loads(content)
             err = body.get("error", body) if isinstance(body, dict) else body
             detail = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+            if isinstance(err, dict) and isinstance(err.get("code"), str):
+                detail += f" ({err['code']})"
         except (json.JSONDecodeError, UnicodeDecodeError):
             pass
         return f"the upstream engine at {self.url} answered HTTP {status}: {detail}"

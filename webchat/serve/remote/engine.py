@@ -147,7 +147,7 @@ class RemoteEngine:
         s = req.settings
         messages = list(job.messages or [])
         body: dict[str, Any] = {
-            "model": caps.model, "messages": messages, "stream": True, "max_tokens": req.max_new_tokens,
+            "model": caps.model, "messages": messages, "stream": True, "max_tokens": req.max_new_tokens or None,
             "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
             "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
             "stream_options": {"include_usage": True}, "user": conversation_key(messages),
@@ -225,7 +225,8 @@ class RemoteEngine:
                 self.caps.state, self.caps.error = "unreachable", message  # probe again before the next job
             log.warning("request %r: %s", job.request_id, message)
             self._finish(job)
-            self._post(job, ev.Failed("upstream", message))
+            overflow = isinstance(exc, UpstreamError) and exc.context_overflow
+            self._post(job, ev.Failed("prompt_too_long" if overflow else "upstream", message))
         except Exception as exc:  # a bug: this request ends, the server keeps serving
             log.exception("request %r failed", job.request_id)
             self._finish(job)

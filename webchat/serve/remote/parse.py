@@ -124,11 +124,7 @@ class StreamParser:
             stop = choice.get("stop_reason")
             if reason == "stop" and isinstance(stop, str):
                 out.reason, out.trigger = "stop_string", stop
-            tail = self._utf8.decode(b"", final=True)  # an incomplete character at the very end shows as U+FFFD
-            if tail:
-                out.text += tail
-                if out.tokens:
-                    out.tokens[-1].piece += tail
+            self._utf8.reset()  # a character cut at the very end is dropped, as webchat.text.detok does
         return out
 
     def _token(self, entry: dict[str, Any], choice_id: Any) -> ev.TokenInfo:

@@ -8,6 +8,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "qcommon.h"
@@ -31,7 +33,10 @@ inline void scale_min(int j, const uint8_t* s, int* sc, int* m) {
   }
 }
 
-void dequant_q4_k(const uint8_t* b, float* y) {
+#define KQ_CLONES __attribute__((target_clones("arch=haswell", "default")))  // AVX2+FMA where the CPU has it
+
+// y[256] of one block; loops over runs of 16 or 32 values under one scale, so they vectorise
+KQ_CLONES void dequant_q4_k(const uint8_t* b, float* y) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
   const uint8_t* s = b + 4;
   const uint8_t* q = b + 16;
@@ -40,29 +45,26 @@ void dequant_q4_k(const uint8_t* b, float* y) {
     scale_min(2 * j, s, &sc1, &m1);
     scale_min(2 * j + 1, s, &sc2, &m2);
     const float d1 = d * float(sc1), n1 = dmin * float(m1), d2 = d * float(sc2), n2 = dmin * float(m2);
-    for (int l = 0; l < 32; ++l) {
-      y[64 * j + l] = d1 * float(q[32 * j + l] & 0xF) - n1;
-      y[64 * j + 32 + l] = d2 * float(q[32 * j + l] >> 4) - n2;
-    }
+    for (int l = 0; l < 32; ++l) y[64 * j + l] = d1 * float(q[32 * j + l] & 0xF) - n1;
+    for (int l = 0; l < 32; ++l) y[64 * j + 32 + l] = d2 * float(q[32 * j + l] >> 4) - n2;
   }
 }
 
-void dequant_q6_k(const uint8_t* b, float* y) {
+KQ_CLONES void dequant_q6_k(const uint8_t* b, float* y) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half_to_float(b + 208);
   for (int h = 0; h < 2; ++h, ql += 64, qh += 32, sc += 8, y += 128) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = int((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * float(sc[is]) * float(q1);
-      y[l + 32] = d * float(sc[is + 2]) * float(q2);
-      y[l + 64] = d * float(sc[is + 4]) * float(q3);
-      y[l + 96] = d * float(sc[is + 6]) * float(q4);
+    for (int is = 0; is < 2; ++is) {  // values l in [16 is, 16 is + 16) of each quarter share scale sc[is + 2 quarter]
+      const float d1 = d * float(sc[is]), d2 = d * float(sc[is + 2]), d3 = d * float(sc[is + 4]);
+      const float d4 = d * float(sc[is + 6]);
+      for (int l = 16 * is; l < 16 * is + 16; ++l) {
+        y[l] = d1 * float(int((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+        y[l + 32] = d2 * float(int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        y[l + 64] = d3 * float(int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        y[l + 96] = d4 * float(int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
     }
   }
 }
@@ -75,12 +77,93 @@ inline void dequant_block(int64_t qtype, const uint8_t* b, float* y) {
   }
 }
 
-// sum_i a[i] * b[i] over 256 values in 8 partial sums (vectorisable without reassociating a single sum)
-inline float dot256(const float* a, const float* b) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int i = 0; i < QK; i += 8)
-    for (int t = 0; t < 8; ++t) acc[t] += a[i + t] * b[i + t];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+// The matmul works on int8 quants and per-group float scales: Q4_K groups of 32 (q 0..15, minus dmin m_j times the
+// group's sum of x, precomputed), Q6_K groups of 16 (q - 32). Unpacking is byte arithmetic in contiguous loops.
+struct Unpacked {
+  alignas(32) int8_t q[QK];
+  float scale[16];  // per group: d * sc
+  float minus[8];  // Q4_K per group of 32: dmin * m
+};
+
+KQ_CLONES void unpack_q4_k(const uint8_t* b, Unpacked* u) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* q = b + 16;
+  for (int j = 0; j < 4; ++j) {
+    for (int l = 0; l < 32; ++l) u->q[64 * j + l] = int8_t(q[32 * j + l] & 0xF);
+    for (int l = 0; l < 32; ++l) u->q[64 * j + 32 + l] = int8_t(q[32 * j + l] >> 4);
+  }
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    scale_min(j, b + 4, &sc, &mn);
+    u->scale[j] = d * float(sc);
+    u->minus[j] = dmin * float(mn);
+  }
+}
+
+KQ_CLONES void unpack_q6_k(const uint8_t* b, Unpacked* u) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_to_float(b + 208);
+  for (int h = 0; h < 2; ++h, ql += 64, qh += 32) {
+    int8_t* q = u->q + 128 * h;
+    for (int l = 0; l < 32; ++l) q[l] = int8_t(((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+    for (int l = 0; l < 32; ++l) q[l + 32] = int8_t(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+    for (int l = 0; l < 32; ++l) q[l + 64] = int8_t(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+    for (int l = 0; l < 32; ++l) q[l + 96] = int8_t(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+  }
+  for (int g = 0; g < 16; ++g) u->scale[g] = d * float(sc[g]);
+}
+
+// sum_g scale[g] * (q_g . x_g) over the block's 256 values, groups of G
+template <int G>
+float qdot_scalar(const Unpacked& u, const float* x) {
+  float total = 0.f;
+  for (int g = 0; g < QK / G; ++g) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < G; i += 8)
+      for (int t = 0; t < 8; ++t) acc[t] += float(u.q[g * G + i + t]) * x[g * G + i + t];
+    total += u.scale[g] * (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+  }
+  return total;
+}
+
+template <int G>
+__attribute__((target("avx2,fma"))) float qdot_avx2(const Unpacked& u, const float* x) {
+  __m256 total = _mm256_setzero_ps();
+  for (int g = 0; g < QK / G; ++g) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < G; i += 8) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.q + g * G + i));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), _mm256_loadu_ps(x + g * G + i), acc);
+    }
+    total = _mm256_fmadd_ps(_mm256_set1_ps(u.scale[g]), acc, total);
+  }
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
+// y[i * ldy] += block . x[i] for m rows of x (stride ldx); xsum: (m, k / 32) sums of x per 32 values (Q4_K's mins)
+void block_dot(int64_t qtype, const uint8_t* b, const float* x, int64_t ldx, const float* xsum, int64_t lds,
+               int64_t m, float* y, int64_t ldy, bool avx2) {
+  Unpacked u;
+  if (qtype == Q4_K) {
+    unpack_q4_k(b, &u);
+  } else {
+    unpack_q6_k(b, &u);
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr = x + i * ldx;
+    float s;
+    if (qtype == Q4_K) {
+      s = avx2 ? qdot_avx2<32>(u, xr) : qdot_scalar<32>(u, xr);
+      for (int j = 0; j < 8; ++j) s -= u.minus[j] * xsum[i * lds + j];
+    } else {
+      s = avx2 ? qdot_avx2<16>(u, xr) : qdot_scalar<16>(u, xr);
+    }
+    y[i * ldy] += s;
+  }
 }
 
 void check(const torch::Tensor& w, int64_t qtype, int64_t k) {
@@ -106,7 +189,8 @@ torch::Tensor kq_dequantize(const torch::Tensor& w, int64_t qtype, int64_t k) {
   return y;
 }
 
-// y (M, N) = x (M, K) @ dequant(w)^T [+ bias]: each block dequantized once into a buffer, dotted with every x row
+// y (M, N) = x (M, K) @ dequant(w)^T [+ bias]: each block unpacked once to int8, dotted with every x row by group
+// (AVX2+FMA where path() allows it, WEBCHAT_QPATH=scalar forces the portable loop)
 torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
                         const std::optional<torch::Tensor>& bias) {
   check(w, qtype, k);
@@ -119,14 +203,14 @@ torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const int64_t ng = k / 32;
+  torch::Tensor xsum = xc.view({m, ng, 32}).sum(-1).contiguous();  // (M, K / 32)
+  const float* sp = xsum.data_ptr<float>();
+  const bool avx2 = path() >= PATH_AVX2;
   at::parallel_for(0, n, 8, [&](int64_t lo, int64_t hi) {
-    alignas(64) float buf[QK];
-    for (int64_t r = lo; r < hi; ++r) {
-      for (int64_t b = 0; b < k / QK; ++b) {
-        dequant_block(qtype, wp + r * rb + b * bb, buf);
-        for (int64_t i = 0; i < m; ++i) yp[i * n + r] += dot256(buf, xp + i * k + b * QK);
-      }
-    }
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t b = 0; b < k / QK; ++b)
+        block_dot(qtype, wp + r * rb + b * bb, xp + b * QK, k, sp + b * 8, ng, m, yp + r, n, avx2);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;

@@ -1,0 +1,321 @@
+"""webchat on a remote engine: the upstream is a second webchat on the tiny model (uvicorn in a thread), the front
+webchat runs with --engine-url pointing at it. Stream, heatmap fields, Stop, Continue, queueing and the upstream's
+failures (down, never answering, answering 4xx), through the websocket and /v1."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from live_server import Live, free_port, serve  # tests/ is on sys.path under pytest
+from websockets.sync.client import ClientConnection
+from websockets.sync.client import connect as sync_connect
+
+from webchat.serve.app import create_app
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime, load_runtime
+
+pytestmark = pytest.mark.timeout(180)
+PROMPT = "Tell me about the quick brown fox."
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir: Path) -> ServerConfig:
+    return ServerConfig(model_dir=tiny_model_dir, device="cpu", max_sessions=8, max_queue=8, max_seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def runtime(config: ServerConfig) -> Runtime:
+    return load_runtime(config)
+
+
+@pytest.fixture(scope="module")
+def upstream(config: ServerConfig, runtime: Runtime) -> Iterator[Live]:
+    with serve(config, runtime, delay=0.01) as live:  # 10 ms a step: a Stop lands mid-reply
+        yield live
+
+
+@contextmanager
+def front(upstream_url: str, **overrides: Any) -> Iterator[str]:
+    """A webchat with generation on `upstream_url` (its lifespan probes the upstream); yields its base URL."""
+    port = free_port()
+    cfg = ServerConfig(model_dir=Path("."), port=port, engine_url=upstream_url, **overrides)
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, ws="websockets-sansio",
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the front webchat did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def remote(upstream: Live) -> Iterator[str]:
+    with front(upstream.url, max_sessions=2, max_queue=1) as url:
+        yield url
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http://", "ws://") + "/ws"
+
+
+def gen(rid: str, messages: list[dict[str, str]], max_new_tokens: int = 16, **extra: Any) -> str:
+    return json.dumps({"type": "generate", "id": rid, "messages": messages, "settings": {"temperature": 0.0},
+                       "max_new_tokens": max_new_tokens, **extra})
+
+
+def until_done(ws: ClientConnection) -> list[dict[str, Any]]:
+    msgs = []
+    while True:
+        msg = json.loads(ws.recv(30))
+        msgs.append(msg)
+        if msg["type"] in ("done", "error"):
+            return msgs
+
+
+def converse(base: str, messages: list[dict[str, str]], **extra: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    with sync_connect(ws_url(base)) as ws:
+        hello = json.loads(ws.recv(10))
+        assert hello["type"] == "hello"
+        ws.send(gen("r", messages, **extra))
+        return hello, until_done(ws)
+
+
+def tokens_of(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [t for m in msgs if m["type"] == "chunk" for t in m.get("tokens") or []]
+
+
+def text_of(msgs: list[dict[str, Any]]) -> str:
+    return "".join(m["text"] for m in msgs if m["type"] == "chunk")
+
+
+def test_capabilities_are_probed_and_shown(remote: str, upstream: Live, tiny_model_dir: Path) -> None:
+    info = httpx.get(f"{remote}/api/info").json()
+    engine = info["engine"]
+    assert engine["state"] == "ready" and engine["kind"] == "webchat" and engine["url"] == upstream.url
+    assert engine["models"] == [tiny_model_dir.name] and engine["model"] == tiny_model_dir.name
+    assert engine["max_top_logprobs"] == 20 and engine["bytes"] == "returned" and engine["probabilities"] == "raw"
+    assert engine["token_ids"] == "absent"  # webchat's /v1 returns no ids: a named state, not zeros
+    assert engine["continue_final"] == "continue_final_message"
+    assert engine["context_length"] == 256 and info["context_length"] == 256
+    hello, _ = converse(remote, [{"role": "user", "content": "Hi"}], max_new_tokens=1)
+    assert hello["engine"] == engine and hello["device"] == "remote"
+
+
+def test_websocket_stream_matches_the_upstreams_own(remote: str, upstream: Live) -> None:
+    """Same greedy text, same per-token p (1e-4), ranks and alternatives as the upstream's own websocket."""
+    messages = [{"role": "user", "content": PROMPT}]
+    _, local = converse(upstream.url, messages, alternatives=5)
+    _, far = converse(remote, messages, alternatives=5)
+    assert far[-1]["type"] == "done" and far[-1]["reason"] == local[-1]["reason"]
+    assert text_of(far) == text_of(local) and text_of(far)
+    near_t, far_t = tokens_of(local), tokens_of(far)
+    assert len(far_t) == len(near_t) > 0
+    for a, b in zip(near_t, far_t, strict=True):
+        assert b["text"] == a["text"] and b["p"] == pytest.approx(a["p"], abs=1e-4)
+        assert b["rank"] == (a["rank"] if a["rank"] <= 5 else None)
+        assert [x["p"] for x in b["top"]] == pytest.approx([x["p"] for x in a["top"]], abs=1e-4)
+        assert b["id"] == -1  # this upstream returns no ids
+    assert far[-1]["stats"]["new_tokens"] == local[-1]["stats"]["new_tokens"]
+    assert far[-1]["stats"]["prompt_tokens"] == local[-1]["stats"]["prompt_tokens"]  # from the upstream's usage
+
+
+def test_v1_through_the_remote_matches_the_upstream(remote: str, upstream: Live, tiny_model_dir: Path) -> None:
+    body = {"model": tiny_model_dir.name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12,
+            "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    direct = httpx.post(f"{upstream.url}/v1/chat/completions", json=body, timeout=60).json()
+    far = httpx.post(f"{remote}/v1/chat/completions", json=body, timeout=60).json()
+    assert far["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    a, b = direct["choices"][0]["logprobs"]["content"], far["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in b] == [e["token"] for e in a]
+    assert [e["logprob"] for e in b] == pytest.approx([e["logprob"] for e in a], abs=1e-4)
+    streamed = ""
+    with httpx.stream("POST", f"{remote}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed += choice["delta"].get("content") or ""
+    assert streamed == direct["choices"][0]["message"]["content"]
+
+
+def test_continue_sends_the_prefix_upstream(remote: str, upstream: Live) -> None:
+    messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "The quick"}]
+    _, local = converse(upstream.url, messages, **{"continue": True})
+    _, far = converse(remote, messages, **{"continue": True})
+    assert far[-1]["type"] == "done" and text_of(far) == text_of(local) and text_of(far)
+    _, fresh = converse(remote, messages[:1])
+    assert text_of(fresh) != text_of(far)  # the prefix changed what came next
+
+
+def upstream_active(upstream: Live) -> int:
+    active: int = httpx.get(f"{upstream.url}/api/info").json()["active"]
+    return active
+
+
+def test_stop_closes_the_upstream_stream(remote: str, upstream: Live) -> None:
+    """Stop ends the reply and the upstream's running count drops to 0 well before its 200 tokens were made."""
+    with sync_connect(ws_url(remote)) as ws:
+        json.loads(ws.recv(10))
+        ws.send(gen("long", [{"role": "user", "content": PROMPT}], max_new_tokens=200, stop=["\u2603"]))
+        while json.loads(ws.recv(30))["type"] != "chunk":
+            pass
+        assert upstream_active(upstream) == 1
+        ws.send(json.dumps({"type": "stop", "id": "long"}))
+        msgs = until_done(ws)
+        assert msgs[-1]["type"] == "done" and msgs[-1]["reason"] == "cancelled"
+        deadline = time.monotonic() + 10
+        while upstream_active(upstream) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert upstream_active(upstream) == 0
+        stepped = upstream.generators[-1]
+        assert stepped.cancelled  # the upstream's handle was cancelled: its stream's close reached it
+        assert msgs[-1]["stats"]["new_tokens"] < 200
+
+
+def test_disconnect_closes_the_upstream_stream(remote: str, upstream: Live) -> None:
+    with sync_connect(ws_url(remote)) as ws:
+        json.loads(ws.recv(10))
+        ws.send(gen("gone", [{"role": "user", "content": PROMPT}], max_new_tokens=200))
+        while json.loads(ws.recv(30))["type"] != "chunk":
+            pass
+    deadline = time.monotonic() + 10
+    while upstream_active(upstream) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert upstream_active(upstream) == 0 and upstream.generators[-1].cancelled
+
+
+def test_queueing_is_fifo_and_bounded(remote: str) -> None:
+    """max_sessions 2 streams upstream at once, max_queue 1 waits; the fourth is told busy."""
+    with ExitStack() as stack:
+        conns = [stack.enter_context(sync_connect(ws_url(remote))) for _ in range(4)]
+        for i, ws in enumerate(conns):
+            json.loads(ws.recv(10))
+            ws.send(gen(f"q{i}", [{"role": "user", "content": PROMPT}], max_new_tokens=60))
+        assert json.loads(conns[2].recv(10)) == {"type": "queued", "id": "q2", "position": 1}
+        assert json.loads(conns[3].recv(10))["code"] == "busy"
+        for ws in conns[:3]:
+            assert until_done(ws)[-1]["type"] == "done"
+
+
+def test_upstream_error_reply_is_named(remote: str, upstream: Live, tiny_model_dir: Path) -> None:
+    """The upstream refuses: a context overflow is `prompt_too_long`, another 4xx `upstream`; both name it."""
+    _, msgs = converse(remote, [{"role": "user", "content": PROMPT}], max_new_tokens=5000)
+    assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "prompt_too_long"
+    assert upstream.url in msgs[-1]["message"] and "400" in msgs[-1]["message"]
+    resp = httpx.post(f"{remote}/v1/chat/completions", timeout=30, json={
+        "model": tiny_model_dir.name, "messages": [{"role": "user", "content": PROMPT}], "logit_bias": {"9999999": 1}})
+    assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream"
+    assert upstream.url in resp.json()["error"]["message"] and "logit_bias" in resp.json()["error"]["message"]
+    _, again = converse(remote, [{"role": "user", "content": "Hi"}], max_new_tokens=2)
+    assert again[-1]["type"] == "done"  # the server keeps serving
+
+
+def test_upstream_down_is_a_named_state_and_error() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with front(dead, engine_key="sekret-key") as base:
+        info = httpx.get(f"{base}/api/info").json()
+        assert info["engine"]["state"] == "unreachable" and dead in info["engine"]["error"]
+        hello, msgs = converse(base, [{"role": "user", "content": "Hi"}])
+        assert hello["engine"]["state"] == "unreachable"
+        assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "upstream" and dead in msgs[-1]["message"]
+        resp = httpx.post(f"{base}/v1/chat/completions", json={"model": "x", "messages": [
+            {"role": "user", "content": "Hi"}]}, timeout=30)
+        assert resp.status_code in (404, 502)
+        page = httpx.get(f"{base}/").text + json.dumps(info) + json.dumps(hello)
+        assert "sekret-key" not in page  # the upstream key never reaches the page
+
+
+def test_upstream_that_never_answers_times_out_named(upstream: Live) -> None:
+    """A socket that accepts and says nothing: the probe and the request fail after engine_timeout, named."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        with front(url, engine_timeout=0.5) as base:
+            assert httpx.get(f"{base}/api/info").json()["engine"]["state"] == "unreachable"
+            _, msgs = converse(base, [{"role": "user", "content": "Hi"}])
+            assert msgs[-1]["code"] == "upstream" and "sent nothing for 0.5 s" in msgs[-1]["message"]
+    finally:
+        silent.close()
+
+
+class Relay:
+    """A TCP relay to `target_port` whose cut() drops every connection at once: an upstream killed mid-stream."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target, self.socks, self.lock = target_port, [], threading.Lock()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            far = socket.create_connection(("127.0.0.1", self.target))
+            with self.lock:
+                self.socks += [client, far]
+            for a, b in ((client, far), (far, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        with self.lock:
+            for sock in self.socks:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+            self.socks.clear()
+
+    def close(self) -> None:
+        self.server.close()
+        self.cut()
+
+
+def test_upstream_killed_mid_stream_keeps_the_text(upstream: Live) -> None:
+    """The upstream goes away mid-reply: the chunks already sent stay on the page, then an `upstream` error; the
+    next request finds the upstream again (probed anew)."""
+    relay = Relay(int(upstream.url.rsplit(":", 1)[1]))
+    try:
+        with front(relay.url) as base, sync_connect(ws_url(base)) as ws:
+            json.loads(ws.recv(10))
+            ws.send(gen("k", [{"role": "user", "content": PROMPT}], max_new_tokens=200, stop=["\u2603"]))
+            while (first := json.loads(ws.recv(30)))["type"] != "chunk":
+                pass
+            relay.cut()
+            msgs = until_done(ws)
+            assert first["text"] or first.get("tokens") is None
+            assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "upstream"
+            assert relay.url in msgs[-1]["message"] and "closed the connection mid-reply" in msgs[-1]["message"]
+            ws.send(gen("k2", [{"role": "user", "content": "Hi"}], max_new_tokens=3))
+            assert until_done(ws)[-1]["type"] == "done"  # the relay still accepts: reconnected
+    finally:
+        relay.close()
