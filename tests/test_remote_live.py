@@ -226,8 +226,11 @@ def test_upstream_error_reply_is_named(remote: str, upstream: Live, tiny_model_d
     assert again[-1]["type"] == "done"  # the server keeps serving
 
 
-def test_upstream_down_is_a_named_state_and_error() -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+def test_upstream_down_is_a_named_state_and_error(config: ServerConfig, runtime: Runtime,
+                                                  tiny_model_dir: Path) -> None:  # fmt: skip
+    """Down at start: a named state and error; once it is up, the next request probes it again and is served."""
+    port = free_port()
+    dead = f"http://127.0.0.1:{port}"
     with front(dead, engine_key="sekret-key") as base:
         info = httpx.get(f"{base}/api/info").json()
         assert info["engine"]["state"] == "unreachable" and dead in info["engine"]["error"]
@@ -239,6 +242,14 @@ def test_upstream_down_is_a_named_state_and_error() -> None:
         assert resp.status_code in (404, 502)
         page = httpx.get(f"{base}/").text + json.dumps(info) + json.dumps(hello)
         assert "sekret-key" not in page  # the upstream key never reaches the page
+        with serve(config, runtime, port=port):
+            _, msgs = converse(base, [{"role": "user", "content": "Hi"}], max_new_tokens=3)
+            assert msgs[-1]["type"] == "done"
+            info = httpx.get(f"{base}/api/info").json()
+            assert info["engine"]["state"] == "ready" and info["model"] == tiny_model_dir.name
+            resp = httpx.post(f"{base}/v1/chat/completions", timeout=30, json={
+                "model": tiny_model_dir.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            assert resp.status_code == 200
 
 
 def test_upstream_that_never_answers_times_out_named(upstream: Live) -> None:

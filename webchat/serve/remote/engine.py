@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from contextlib import aclosing
 from typing import Any
 
@@ -49,6 +49,7 @@ class RemoteEngine:
         self._active: dict[Hashable, asyncio.Task[None]] = {}
         self._jobs: dict[Hashable, Job] = {}
         self._refresh: asyncio.Task[Capabilities] | None = None
+        self.on_caps: Callable[[Capabilities], None] | None = None  # told each probe's result (RemoteRuntime)
 
     # ------------------------------------------------------------ the Backend
     def start(self) -> None:
@@ -138,6 +139,8 @@ class RemoteEngine:
             self._refresh = asyncio.get_running_loop().create_task(detect(self.upstream, self.want_model))
         caps = await asyncio.shield(self._refresh)
         self.caps = caps
+        if self.on_caps is not None:
+            self.on_caps(caps)
         return caps
 
     # ------------------------------------------------------------ one job
