@@ -272,6 +272,7 @@ class Relay:
 
     def __init__(self, target_port: int) -> None:
         self.target, self.socks, self.lock = target_port, [], threading.Lock()
+        self.sent = bytearray()  # everything the front sent upstream
         self.server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -285,13 +286,15 @@ class Relay:
             far = socket.create_connection(("127.0.0.1", self.target))
             with self.lock:
                 self.socks += [client, far]
-            for a, b in ((client, far), (far, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, log in ((client, far, self.sent), (far, client, None)):
+                threading.Thread(target=self._pump, args=(a, b, log), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, log: bytearray | None) -> None:
         try:
             while data := src.recv(65536):
+                if log is not None:
+                    with self.lock:
+                        log += data
                 dst.sendall(data)
         except OSError:
             pass
@@ -328,5 +331,32 @@ def test_upstream_killed_mid_stream_keeps_the_text(upstream: Live) -> None:
             assert relay.url in msgs[-1]["message"] and "closed the connection mid-reply" in msgs[-1]["message"]
             ws.send(gen("k2", [{"role": "user", "content": "Hi"}], max_new_tokens=3))
             assert until_done(ws)[-1]["type"] == "done"  # the relay still accepts: reconnected
+    finally:
+        relay.close()
+
+
+def test_a_conversation_keeps_its_key_and_its_prefix_across_turns(upstream: Live) -> None:
+    """The `user` field and the affinity header carry one key for every turn; turn 2's messages start with turn 1's
+    byte for byte (what a prefix-cache-aware router and the upstream's prefix cache need)."""
+    relay = Relay(int(upstream.url.rsplit(":", 1)[1]))
+    try:
+        with front(relay.url, engine_affinity_header="X-Session-Id") as base:
+            relay.sent.clear()  # the probes
+            turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+            _, msgs = converse(base, turn1, max_new_tokens=4)
+            turn2 = [*turn1, {"role": "assistant", "content": text_of(msgs)}, {"role": "user", "content": "More"}]
+            converse(base, turn2, max_new_tokens=4)
+            _, other = converse(base, [{"role": "user", "content": "Another chat"}], max_new_tokens=2)
+        requests = [r for r in bytes(relay.sent).split(b"POST /v1/chat/completions")[1:]]
+        assert len(requests) == 3
+        heads = [r.split(b"\r\n\r\n", 1)[0].decode() for r in requests]
+        bodies = [json.loads(r.split(b"\r\n\r\n", 1)[1]) for r in requests]
+        keys = [next(line.split(":", 1)[1].strip() for line in h.split("\r\n") if line.lower().startswith(
+            "x-session-id:")) for h in heads]
+        assert keys[0] == keys[1] == bodies[0]["user"] == bodies[1]["user"] != keys[2]
+        raw = [r.split(b"\r\n\r\n", 1)[1] for r in requests[:2]]
+        start = raw[0].index(b'"messages":')
+        first_msgs = raw[0][start:raw[0].index(b"]", start)]  # turn 1's messages as sent, without the closing "]"
+        assert len(first_msgs) > 40 and first_msgs in raw[1]
     finally:
         relay.close()

@@ -106,7 +106,8 @@ async def load_remote_runtime(config: ServerConfig) -> RemoteRuntime:
     assert config.engine_url is not None
     upstream = Upstream(config.engine_url, config.engine_key, timeout=config.engine_timeout)
     caps = await detect(upstream, config.engine_model)
-    backend = RemoteEngine(upstream, caps, config.max_sessions, config.max_queue, want_model=config.engine_model)
+    backend = RemoteEngine(upstream, caps, config.max_sessions, config.max_queue, want_model=config.engine_model,
+                           affinity_header=config.engine_affinity_header)
     rt = RemoteRuntime(model=None, tokenizer=None, model_name=caps.model or config.engine_model or "remote",
                        device="remote", dtype="remote", context_length=caps.context_length or 0, modes=["none"],
                        weights="remote", backend=backend)

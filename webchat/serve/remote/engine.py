@@ -40,10 +40,11 @@ class RemoteEngine:
     """At most `max_active` streams open upstream at once, `max_queue` more waiting in FIFO order."""
 
     def __init__(self, upstream: Upstream, caps: Capabilities, max_active: int, max_queue: int,
-                 want_model: str | None = None) -> None:  # fmt: skip
+                 want_model: str | None = None, affinity_header: str | None = None) -> None:  # fmt: skip
         if max_active < 1 or max_queue < 0:
             raise ValueError(f"need max_active >= 1 and max_queue >= 0, got {max_active} and {max_queue}")
         self.upstream, self.caps, self.want_model = upstream, caps, want_model
+        self.affinity_header = affinity_header
         self.max_active, self.max_queue = max_active, max_queue
         self._pending: deque[Job] = deque()
         self._active: dict[Hashable, asyncio.Task[None]] = {}
@@ -193,7 +194,9 @@ class RemoteEngine:
             parser = StreamParser()
             reason: str | None = None
             trigger: str | None = None
-            async with aclosing(self.upstream.stream_chat(self.body(job))) as chunks:
+            body = self.body(job)
+            headers = {self.affinity_header: body["user"]} if self.affinity_header else None
+            async with aclosing(self.upstream.stream_chat(body, headers)) as chunks:
                 async for chunk in chunks:
                     out = parser.feed(chunk)
                     if not started:
