@@ -360,3 +360,55 @@ def test_a_conversation_keeps_its_key_and_its_prefix_across_turns(upstream: Live
         assert len(first_msgs) > 40 and first_msgs in raw[1]
     finally:
         relay.close()
+
+
+def fake_upstream_app() -> Any:
+    """An OpenAI-shaped upstream that streams one good token, then what the last user message asks for: a chunk that
+    is not JSON, or the stream's own error event."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    entry = {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"),
+             "top_logprobs": [{"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")}]}
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def chat(request: Request) -> Any:
+        body = await request.json()
+        if not body.get("stream"):
+            return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
+                                              "logprobs": {"content": [entry]}, "finish_reason": "length"}]})
+        mode = body["messages"][-1]["content"]
+
+        async def events() -> Any:
+            first = {"choices": [{"index": 0, "delta": {"content": "Hello"}, "logprobs": {"content": [entry]}}]}
+            yield f"data: {json.dumps(first)}\n\n"
+            yield "data: {not json\n\n" if mode == "malformed" else \
+                'data: {"error": {"message": "the engine ran out of memory"}}\n\n'
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.mark.parametrize(("mode", "words"), [("malformed", "sent a malformed chunk: a chunk is not JSON"),
+                                             ("error", "reported an error mid-reply: the engine ran out of memory")])
+def test_a_bad_chunk_mid_reply_keeps_the_text_and_names_the_upstream(mode: str, words: str) -> None:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake_upstream_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        with front(f"http://127.0.0.1:{port}") as base:
+            _, msgs = converse(base, [{"role": "user", "content": mode}], alternatives=1)
+            assert text_of(msgs) == "Hello" and tokens_of(msgs)[0]["p"] == pytest.approx(0.6065, abs=1e-4)
+            assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "upstream"
+            assert f"127.0.0.1:{port}" in msgs[-1]["message"] and words in msgs[-1]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -113,7 +113,7 @@ def test_character_cut_at_the_end_is_dropped_and_stray_bytes_are_replaced() -> N
     ([1, 2], "JSON object"),
     ({"choices": "x"}, "'choices'"),
     ({"choices": [3]}, r"choices\[0\]"),
-    ({"error": {"message": "out of memory"}}, "out of memory"),
+    ({"error": {"message": "out of memory", "code": 500}}, "^out of memory$"),
     ({"choices": [{"delta": {}, "logprobs": {"content": [{"logprob": -1.0}]}}]}, "'bytes'"),
 ])
 def test_malformed_chunks_are_named(bad: object, words: str) -> None:

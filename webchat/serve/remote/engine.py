@@ -24,7 +24,7 @@ from webchat.engine import events as ev
 from webchat.serve.backend import Job, Snapshot
 from webchat.serve.remote.capabilities import Capabilities, detect
 from webchat.serve.remote.client import Upstream, UpstreamError
-from webchat.serve.remote.parse import ChunkError, StreamParser
+from webchat.serve.remote.parse import ChunkError, ReportedError, StreamParser
 
 log = logging.getLogger("webchat.serve.remote")
 
@@ -225,8 +225,12 @@ class RemoteEngine:
             self._finish(job)
             self._post(job, ev.Finished("cancelled", None, stats))
         except (UpstreamError, ChunkError) as exc:
-            message = str(exc) if isinstance(exc, UpstreamError) else \
-                f"the upstream engine at {self.upstream.url} sent a malformed chunk: {exc}"
+            if isinstance(exc, UpstreamError):
+                message = str(exc)
+            elif isinstance(exc, ReportedError):
+                message = f"the upstream engine at {self.upstream.url} reported an error mid-reply: {exc}"
+            else:
+                message = f"the upstream engine at {self.upstream.url} sent a malformed chunk: {exc}"
             if isinstance(exc, UpstreamError) and not exc.reachable:
                 self.caps.state, self.caps.error = "unreachable", message  # probe again before the next job
             log.warning("request %r: %s", job.request_id, message)
