@@ -64,9 +64,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(config: ServerConfig, runtime: Runtime, delay: float = 0.0) -> Iterator[Live]:
-    """uvicorn in a thread; yields once it answers, stops it (and the worker) afterwards."""
-    port = free_port()
+def serve(config: ServerConfig, runtime: Runtime, delay: float = 0.0, port: int | None = None) -> Iterator[Live]:
+    """uvicorn in a thread (on `port`, or a free one); yields once it answers, stops it (and the worker) afterwards."""
+    port = port or free_port()
     rt = replace(runtime)
     app = create_app(replace(config, port=port), runtime=rt)
     live = Live(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws", app)

@@ -226,8 +226,11 @@ def test_upstream_error_reply_is_named(remote: str, upstream: Live, tiny_model_d
     assert again[-1]["type"] == "done"  # the server keeps serving
 
 
-def test_upstream_down_is_a_named_state_and_error() -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+def test_upstream_down_is_a_named_state_and_error(config: ServerConfig, runtime: Runtime,
+                                                  tiny_model_dir: Path) -> None:  # fmt: skip
+    """Down at start: a named state and error; once it is up, the next request probes it again and is served."""
+    port = free_port()
+    dead = f"http://127.0.0.1:{port}"
     with front(dead, engine_key="sekret-key") as base:
         info = httpx.get(f"{base}/api/info").json()
         assert info["engine"]["state"] == "unreachable" and dead in info["engine"]["error"]
@@ -239,6 +242,14 @@ def test_upstream_down_is_a_named_state_and_error() -> None:
         assert resp.status_code in (404, 502)
         page = httpx.get(f"{base}/").text + json.dumps(info) + json.dumps(hello)
         assert "sekret-key" not in page  # the upstream key never reaches the page
+        with serve(config, runtime, port=port):
+            _, msgs = converse(base, [{"role": "user", "content": "Hi"}], max_new_tokens=3)
+            assert msgs[-1]["type"] == "done"
+            info = httpx.get(f"{base}/api/info").json()
+            assert info["engine"]["state"] == "ready" and info["model"] == tiny_model_dir.name
+            resp = httpx.post(f"{base}/v1/chat/completions", timeout=30, json={
+                "model": tiny_model_dir.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            assert resp.status_code == 200
 
 
 def test_upstream_that_never_answers_times_out_named(upstream: Live) -> None:
@@ -261,6 +272,7 @@ class Relay:
 
     def __init__(self, target_port: int) -> None:
         self.target, self.socks, self.lock = target_port, [], threading.Lock()
+        self.sent = bytearray()  # everything the front sent upstream
         self.server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -274,13 +286,15 @@ class Relay:
             far = socket.create_connection(("127.0.0.1", self.target))
             with self.lock:
                 self.socks += [client, far]
-            for a, b in ((client, far), (far, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, log in ((client, far, self.sent), (far, client, None)):
+                threading.Thread(target=self._pump, args=(a, b, log), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, log: bytearray | None) -> None:
         try:
             while data := src.recv(65536):
+                if log is not None:
+                    with self.lock:
+                        log += data
                 dst.sendall(data)
         except OSError:
             pass
@@ -319,3 +333,82 @@ def test_upstream_killed_mid_stream_keeps_the_text(upstream: Live) -> None:
             assert until_done(ws)[-1]["type"] == "done"  # the relay still accepts: reconnected
     finally:
         relay.close()
+
+
+def test_a_conversation_keeps_its_key_and_its_prefix_across_turns(upstream: Live) -> None:
+    """The `user` field and the affinity header carry one key for every turn; turn 2's messages start with turn 1's
+    byte for byte (what a prefix-cache-aware router and the upstream's prefix cache need)."""
+    relay = Relay(int(upstream.url.rsplit(":", 1)[1]))
+    try:
+        with front(relay.url, engine_affinity_header="X-Session-Id") as base:
+            relay.sent.clear()  # the probes
+            turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+            _, msgs = converse(base, turn1, max_new_tokens=4)
+            turn2 = [*turn1, {"role": "assistant", "content": text_of(msgs)}, {"role": "user", "content": "More"}]
+            converse(base, turn2, max_new_tokens=4)
+            _, other = converse(base, [{"role": "user", "content": "Another chat"}], max_new_tokens=2)
+        requests = [r for r in bytes(relay.sent).split(b"POST /v1/chat/completions")[1:]]
+        assert len(requests) == 3
+        heads = [r.split(b"\r\n\r\n", 1)[0].decode() for r in requests]
+        bodies = [json.loads(r.split(b"\r\n\r\n", 1)[1]) for r in requests]
+        keys = [next(line.split(":", 1)[1].strip() for line in h.split("\r\n") if line.lower().startswith(
+            "x-session-id:")) for h in heads]
+        assert keys[0] == keys[1] == bodies[0]["user"] == bodies[1]["user"] != keys[2]
+        raw = [r.split(b"\r\n\r\n", 1)[1] for r in requests[:2]]
+        start = raw[0].index(b'"messages":')
+        first_msgs = raw[0][start:raw[0].index(b"]", start)]  # turn 1's messages as sent, without the closing "]"
+        assert len(first_msgs) > 40 and first_msgs in raw[1]
+    finally:
+        relay.close()
+
+
+def fake_upstream_app() -> Any:
+    """An OpenAI-shaped upstream that streams one good token, then what the last user message asks for: a chunk that
+    is not JSON, or the stream's own error event."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    entry = {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"),
+             "top_logprobs": [{"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")}]}
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def chat(request: Request) -> Any:
+        body = await request.json()
+        if not body.get("stream"):
+            return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
+                                              "logprobs": {"content": [entry]}, "finish_reason": "length"}]})
+        mode = body["messages"][-1]["content"]
+
+        async def events() -> Any:
+            first = {"choices": [{"index": 0, "delta": {"content": "Hello"}, "logprobs": {"content": [entry]}}]}
+            yield f"data: {json.dumps(first)}\n\n"
+            yield "data: {not json\n\n" if mode == "malformed" else \
+                'data: {"error": {"message": "the engine ran out of memory"}}\n\n'
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.mark.parametrize(("mode", "words"), [("malformed", "sent a malformed chunk: a chunk is not JSON"),
+                                             ("error", "reported an error mid-reply: the engine ran out of memory")])
+def test_a_bad_chunk_mid_reply_keeps_the_text_and_names_the_upstream(mode: str, words: str) -> None:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake_upstream_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        with front(f"http://127.0.0.1:{port}") as base:
+            _, msgs = converse(base, [{"role": "user", "content": mode}], alternatives=1)
+            assert text_of(msgs) == "Hello" and tokens_of(msgs)[0]["p"] == pytest.approx(0.6065, abs=1e-4)
+            assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "upstream"
+            assert f"127.0.0.1:{port}" in msgs[-1]["message"] and words in msgs[-1]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(10)

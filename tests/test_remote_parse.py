@@ -113,7 +113,7 @@ def test_character_cut_at_the_end_is_dropped_and_stray_bytes_are_replaced() -> N
     ([1, 2], "JSON object"),
     ({"choices": "x"}, "'choices'"),
     ({"choices": [3]}, r"choices\[0\]"),
-    ({"error": {"message": "out of memory"}}, "out of memory"),
+    ({"error": {"message": "out of memory", "code": 500}}, "^out of memory$"),
     ({"choices": [{"delta": {}, "logprobs": {"content": [{"logprob": -1.0}]}}]}, "'bytes'"),
 ])
 def test_malformed_chunks_are_named(bad: object, words: str) -> None:
@@ -125,3 +125,46 @@ def test_sse_lines() -> None:
     assert sse_data('data: {"a":1}') == '{"a":1}'
     assert sse_data("data:[DONE]") == "[DONE]"
     assert sse_data(": keep-alive") is None and sse_data("") is None
+
+
+# ---------------------------------------------------------------- what is sent, per engine (RemoteEngine.body)
+def _body(kind: str, **caps: object) -> dict:
+    from webchat.engine.sampling import SamplingSettings
+    from webchat.engine.sequence import GenerationRequest
+    from webchat.serve.backend import Job
+    from webchat.serve.remote.capabilities import Capabilities
+    from webchat.serve.remote.client import Upstream
+    from webchat.serve.remote.engine import RemoteEngine
+
+    c = Capabilities(url="http://up", state="ready", kind=kind, model="m", **caps)  # type: ignore[arg-type]
+    engine = RemoteEngine(Upstream("http://up:1"), c, max_active=1, max_queue=0)
+    req = GenerationRequest(prompt_ids=[], settings=SamplingSettings(temperature=0.0, repetition_penalty=1.1),
+                            max_new_tokens=7, stop_strings=["END"], return_probs=True, top_alts=8)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    return engine.body(Job(key=1, request_id="r", request=req, deliver=print, messages=msgs, continue_final=True))
+
+
+def test_vllm_body_continues_with_continue_final_message_and_asks_for_ids() -> None:
+    body = _body("vllm", max_top_logprobs=5, token_ids="return_token_ids", continue_final="continue_final_message")
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["return_token_ids"] is True and body["top_logprobs"] == 5  # capped at what the upstream accepts
+    assert body["max_tokens"] == 7 and body["stop"] == ["END"] and body["repetition_penalty"] == 1.1
+    assert body["messages"][-1] == {"role": "assistant", "content": "Hel"}
+    assert body["user"].startswith("webchat-") and body["stream"] is True
+
+
+def test_llama_cpp_body_relies_on_the_final_assistant_message() -> None:
+    body = _body("llama.cpp", max_top_logprobs=20, token_ids="per_entry", continue_final="final_assistant_message")
+    assert "continue_final_message" not in body and "return_token_ids" not in body
+    assert body["messages"][-1]["role"] == "assistant" and body["top_logprobs"] == 8
+    assert body["repeat_penalty"] == 1.1 and "repetition_penalty" not in body
+
+
+def test_unknown_engine_gets_only_openai_fields_and_the_key_is_stable_per_conversation() -> None:
+    body = _body("openai-compatible", max_top_logprobs=0)
+    assert "top_k" not in body and "min_p" not in body and "top_logprobs" not in body and body["logprobs"] is True
+    from webchat.serve.remote.engine import conversation_key
+
+    first = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]
+    later = [*first, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]
+    assert conversation_key(first) == conversation_key(later) != conversation_key([{"role": "user", "content": "x"}])

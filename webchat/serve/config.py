@@ -45,6 +45,7 @@ class ServerConfig:
     engine_model: str | None = None  # the upstream's model (default: the first it lists)
     engine_key: str | None = None  # sent upstream as Authorization: Bearer; never shown
     engine_timeout: float = 60.0  # seconds the upstream may send nothing before the request fails
+    engine_affinity_header: str | None = None  # also send the conversation key in this header (routers' affinity)
     templates_dir: Path = REPO_ROOT / "templates"
     static_dir: Path = REPO_ROOT / "static"
 

@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API key sent to the upstream engine; default: $WEBCHAT_ENGINE_KEY")
     parser.add_argument("--engine-timeout", type=float, default=60.0,
                         help="seconds the upstream may send nothing before a request fails (default 60)")
+    parser.add_argument("--engine-affinity-header", default=None, metavar="NAME",
+                        help="also send each conversation's stable key in this header (e.g. x-session-id) for a "
+                        "router's session affinity; it always goes in the body's 'user' field")
 
 
 def _positive(text: str) -> int:
@@ -85,7 +88,8 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize,
                         engine_url=getattr(args, "engine_url", None), engine_model=getattr(args, "engine_model", None),
                         engine_key=getattr(args, "engine_key", None),
-                        engine_timeout=getattr(args, "engine_timeout", 60.0))
+                        engine_timeout=getattr(args, "engine_timeout", 60.0),
+                        engine_affinity_header=getattr(args, "engine_affinity_header", None))
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:

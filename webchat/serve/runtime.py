@@ -82,6 +82,13 @@ class RemoteRuntime(Runtime):
     def new_generator(self) -> StreamingGenerator:
         raise RuntimeError("a remote engine has no local generator")
 
+    def update(self, caps: Any) -> None:
+        """A new probe (webchat.serve.remote.capabilities.Capabilities): the served name and context follow it."""
+        if caps.model is not None:
+            self.model_name = caps.model
+        if caps.context_length is not None:
+            self.context_length = caps.context_length
+
     def hello(self) -> p.Hello:
         caps = self.backend.caps
         return p.Hello(model=caps.model or self.model_name, context_length=caps.context_length or 0,
@@ -99,7 +106,10 @@ async def load_remote_runtime(config: ServerConfig) -> RemoteRuntime:
     assert config.engine_url is not None
     upstream = Upstream(config.engine_url, config.engine_key, timeout=config.engine_timeout)
     caps = await detect(upstream, config.engine_model)
-    backend = RemoteEngine(upstream, caps, config.max_sessions, config.max_queue, want_model=config.engine_model)
-    return RemoteRuntime(model=None, tokenizer=None, model_name=caps.model or config.engine_model or "remote",
-                         device="remote", dtype="remote", context_length=caps.context_length or 0, modes=["none"],
-                         weights="remote", backend=backend)
+    backend = RemoteEngine(upstream, caps, config.max_sessions, config.max_queue, want_model=config.engine_model,
+                           affinity_header=config.engine_affinity_header)
+    rt = RemoteRuntime(model=None, tokenizer=None, model_name=caps.model or config.engine_model or "remote",
+                       device="remote", dtype="remote", context_length=caps.context_length or 0, modes=["none"],
+                       weights="remote", backend=backend)
+    backend.on_caps = rt.update
+    return rt

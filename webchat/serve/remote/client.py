@@ -84,10 +84,11 @@ class Upstream:
             raise UpstreamError(self._status_message(resp.status_code, resp.content), status=resp.status_code)
         return _json(resp.content, f"{self.url}{path}")
 
-    async def stream_chat(self, body: dict[str, Any]) -> AsyncGenerator[Any, None]:
+    async def stream_chat(self, body: dict[str, Any],
+                          headers: dict[str, str] | None = None) -> AsyncGenerator[Any, None]:  # fmt: skip
         """POST /v1/chat/completions with stream: true; yields each chunk object until `[DONE]` or the end."""
         try:
-            async with self._client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            async with self._client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     raise UpstreamError(self._status_message(resp.status_code, await resp.aread()),
                                         status=resp.status_code)

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from contextlib import aclosing
 from typing import Any
 
@@ -24,7 +24,7 @@ from webchat.engine import events as ev
 from webchat.serve.backend import Job, Snapshot
 from webchat.serve.remote.capabilities import Capabilities, detect
 from webchat.serve.remote.client import Upstream, UpstreamError
-from webchat.serve.remote.parse import ChunkError, StreamParser
+from webchat.serve.remote.parse import ChunkError, ReportedError, StreamParser
 
 log = logging.getLogger("webchat.serve.remote")
 
@@ -40,15 +40,17 @@ class RemoteEngine:
     """At most `max_active` streams open upstream at once, `max_queue` more waiting in FIFO order."""
 
     def __init__(self, upstream: Upstream, caps: Capabilities, max_active: int, max_queue: int,
-                 want_model: str | None = None) -> None:  # fmt: skip
+                 want_model: str | None = None, affinity_header: str | None = None) -> None:  # fmt: skip
         if max_active < 1 or max_queue < 0:
             raise ValueError(f"need max_active >= 1 and max_queue >= 0, got {max_active} and {max_queue}")
         self.upstream, self.caps, self.want_model = upstream, caps, want_model
+        self.affinity_header = affinity_header
         self.max_active, self.max_queue = max_active, max_queue
         self._pending: deque[Job] = deque()
         self._active: dict[Hashable, asyncio.Task[None]] = {}
         self._jobs: dict[Hashable, Job] = {}
         self._refresh: asyncio.Task[Capabilities] | None = None
+        self.on_caps: Callable[[Capabilities], None] | None = None  # told each probe's result (RemoteRuntime)
 
     # ------------------------------------------------------------ the Backend
     def start(self) -> None:
@@ -138,6 +140,8 @@ class RemoteEngine:
             self._refresh = asyncio.get_running_loop().create_task(detect(self.upstream, self.want_model))
         caps = await asyncio.shield(self._refresh)
         self.caps = caps
+        if self.on_caps is not None:
+            self.on_caps(caps)
         return caps
 
     # ------------------------------------------------------------ one job
@@ -190,7 +194,9 @@ class RemoteEngine:
             parser = StreamParser()
             reason: str | None = None
             trigger: str | None = None
-            async with aclosing(self.upstream.stream_chat(self.body(job))) as chunks:
+            body = self.body(job)
+            headers = {self.affinity_header: body["user"]} if self.affinity_header else None
+            async with aclosing(self.upstream.stream_chat(body, headers)) as chunks:
                 async for chunk in chunks:
                     out = parser.feed(chunk)
                     if not started:
@@ -219,8 +225,12 @@ class RemoteEngine:
             self._finish(job)
             self._post(job, ev.Finished("cancelled", None, stats))
         except (UpstreamError, ChunkError) as exc:
-            message = str(exc) if isinstance(exc, UpstreamError) else \
-                f"the upstream engine at {self.upstream.url} sent a malformed chunk: {exc}"
+            if isinstance(exc, UpstreamError):
+                message = str(exc)
+            elif isinstance(exc, ReportedError):
+                message = f"the upstream engine at {self.upstream.url} reported an error mid-reply: {exc}"
+            else:
+                message = f"the upstream engine at {self.upstream.url} sent a malformed chunk: {exc}"
             if isinstance(exc, UpstreamError) and not exc.reachable:
                 self.caps.state, self.caps.error = "unreachable", message  # probe again before the next job
             log.warning("request %r: %s", job.request_id, message)

@@ -28,6 +28,10 @@ class ChunkError(ValueError):
     """A chunk that is not what an OpenAI-compatible stream sends; the message names what was wrong."""
 
 
+class ReportedError(ChunkError):
+    """The stream's own error event (`data: {"error": ...}`), sent after a 200: the message is the upstream's."""
+
+
 @dataclass
 class Parsed:
     """What one chunk adds: text (the pieces of `tokens` joined, or the delta's content when it has no logprobs),
@@ -93,7 +97,7 @@ class StreamParser:
         if isinstance(chunk.get("error"), dict | str):  # vLLM and llama.cpp report a failure mid-stream this way
             err = chunk["error"]
             text = err.get("message", err) if isinstance(err, dict) else err
-            raise ChunkError(f"the upstream reported an error: {text}")
+            raise ReportedError(str(text))
         out = Parsed(usage=_usage(chunk.get("usage")))
         choices = chunk.get("choices")
         if not isinstance(choices, list):
