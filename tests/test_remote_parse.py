@@ -168,3 +168,36 @@ def test_unknown_engine_gets_only_openai_fields_and_the_key_is_stable_per_conver
     first = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]
     later = [*first, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]
     assert conversation_key(first) == conversation_key(later) != conversation_key([{"role": "user", "content": "x"}])
+
+
+def test_a_job_stopped_before_its_task_ran_frees_its_slot_and_is_answered() -> None:
+    """cancel() in the same loop turn as submit(): the task never starts, so `_run`'s handlers never run."""
+    import asyncio
+
+    from webchat.engine import events as ev
+    from webchat.engine.sampling import SamplingSettings
+    from webchat.engine.sequence import GenerationRequest
+    from webchat.serve.backend import Job
+    from webchat.serve.remote.capabilities import Capabilities
+    from webchat.serve.remote.client import Upstream
+    from webchat.serve.remote.engine import RemoteEngine
+
+    async def scenario() -> tuple[list[object], list[object], object]:
+        caps = Capabilities(url="http://up:1", state="unreachable", error="down")
+        engine = RemoteEngine(Upstream("http://up:1"), caps, max_active=1, max_queue=1)
+        req = GenerationRequest(prompt_ids=[], settings=SamplingSettings(), max_new_tokens=4)
+        first: list[object] = []
+        second: list[object] = []
+        engine.submit(Job(key=1, request_id="a", request=req, deliver=first.append, messages=[]))
+        engine.cancel(1, "a")
+        engine.submit(Job(key=2, request_id="b", request=req, deliver=second.append, messages=[]))
+        engine.cancel(2, "b")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return first, second, engine.snapshot()
+
+    first, second, snap = asyncio.run(scenario())
+    assert [type(e) for e in first] == [ev.Finished] and first[0].reason == "cancelled"  # type: ignore[attr-defined]
+    assert [type(e) for e in second] == [ev.Queued, ev.Finished]  # it waited behind the first, then was stopped
+    assert second[1].reason == "cancelled"  # type: ignore[attr-defined]
+    assert snap.active == [] and snap.pending == []  # type: ignore[attr-defined]

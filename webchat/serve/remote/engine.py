@@ -12,6 +12,7 @@ Capabilities are probed at start and again before the next job once a request fo
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -122,11 +123,19 @@ class RemoteEngine:
         while self._pending and len(self._active) < self.max_active:
             job = self._pending.popleft()
             job.started = True
-            self._active[job.key] = asyncio.get_running_loop().create_task(self._run(job))
+            task = asyncio.get_running_loop().create_task(self._run(job))
+            task.add_done_callback(functools.partial(self._reap, job))
+            self._active[job.key] = task
         for index, job in enumerate(self._pending):
             if job.position != index + 1:
                 job.position = index + 1
                 self._post(job, ev.Queued(job.position))
+
+    def _reap(self, job: Job, task: asyncio.Task[None]) -> None:
+        """A task cancelled before its first step never runs `_run`'s handlers: its slot and `done` are given here."""
+        if self._active.get(job.key) is task:
+            self._finish(job)
+            self._post(job, ev.Finished("cancelled", None, ev.Stats(prompt_tokens=job.prompt_tokens)))
 
     def _finish(self, job: Job) -> None:
         self._active.pop(job.key, None)
