@@ -15,7 +15,8 @@ import torch
 
 from webchat.engine.sampling import SamplingSettings
 from webchat.kernels.cuda import loader
-from webchat.kernels.cuda.ops import CudaOps, Launch
+from webchat.kernels.cuda.launch import Launch
+from webchat.kernels.cuda.ops import CudaOps
 from webchat.kernels.cuda.sampler import CudaSampler
 from webchat.model.batch import make_batch
 
@@ -45,7 +46,7 @@ def ptx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def test_every_op_has_a_source() -> None:
-    assert {"rms_norm", "rope", "silu_mul", "kv_append", "attention", "sampling", "kv_write",
+    assert {"rms_norm", "rope", "silu_mul", "sampling", "kv_write",
             "paged_attention", "qgemv"} <= set(SOURCES)
 
 
@@ -110,17 +111,12 @@ def test_wrappers_pass_the_parameters_each_entry_declares(ptx: dict[str, str], d
     q, k = torch.zeros(2, 4, 16, dtype=dtype), torch.zeros(2, 2, 16, dtype=dtype)
     ops.rope(q, k, torch.zeros(2, 8), torch.zeros(2, 8))
     ops.silu_mul(x, x)
-    cache = torch.zeros(2, 32, 16, dtype=dtype)
-    ops.kv_append(cache, cache.clone(), k, k.clone(), 5)
-    ops.kv_append(cache, cache.clone(), k, k.clone(), torch.zeros(1, dtype=torch.int32))
-    ops.attention(q, cache, cache.clone(), 5)
-    ops.attention(q, cache, cache.clone(), torch.zeros(1, dtype=torch.int32))
     pages = torch.zeros(6, 4, 2, 16, dtype=dtype)
     ops.kv_write(pages, pages.clone(), k, k.clone(), torch.tensor([5, 9]))
     ops.paged_attention(q, pages, pages.clone(), make_batch([([1], 2, [3], [-1]), ([1], 0, [1, 2], [-1])], 4))
     settings = SamplingSettings(repetition_penalty=1.2, token_bias={1: 2.0})
     CudaSampler(settings, 50, launcher=rec)._adjust_device(torch.zeros(50), [1, 2, 3])  # count + adjust
-    assert len(rec.calls) == 15
+    assert len(rec.calls) == 9
     for plan, types in rec.calls:
         declared = ptx_params(ptx[plan.module])
         assert plan.entry in declared, f"{plan.entry} is not an entry of {plan.module}.cu: {sorted(declared)}"

@@ -13,8 +13,7 @@ import pytest
 import torch
 from test_kernels import ATTN_TOL, BACKENDS, DTYPES, Recorder, ScalarReads, backend_ops, close, guards_intact, poisoned
 
-from webchat.kernels.cuda import CudaOps, KernelInputError
-from webchat.kernels.cuda import ops as gops
+from webchat.kernels.cuda import CudaOps, KernelInputError, launch
 from webchat.kernels.cuda.emulator import emulated_launcher
 from webchat.model.batch import Batch, make_batch
 from webchat.model.ops import PagedTorchOps
@@ -214,7 +213,7 @@ def test_paged_splits_come_from_host_bounds() -> None:
     assert long_.grid == (33, 8, 1)  # ceil(2 * 132 / 8) splits
     assert one_key.grid == (1, 8, 1)
     assert width.grid == (4, 8, 1)  # 64 keys, at least 16 a split
-    assert all(p.block == (gops.ATTENTION_THREADS, 1, 1) for p in (long_, one_key, width))
+    assert all(p.block == (launch.ATTENTION_THREADS, 1, 1) for p in (long_, one_key, width))
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ import pytest
 import torch
 from test_kernels import BACKENDS, backend_ops  # tests/ is on sys.path under pytest
 
-from webchat.kernels.cuda.ops import CudaOps, KernelInputError
+from webchat.kernels.cuda.launch import KernelInputError
+from webchat.kernels.cuda.ops import CudaOps
 from webchat.kernels.cuda.qgemv import plan_qgemv, qgemv
 from webchat.model.quant import QTYPES, dequantize, quantize
 

@@ -45,29 +45,6 @@ class TorchOps:
         # y = silu(gate) * up
         return F.silu(gate) * up
 
-    @staticmethod
-    def kv_append(
-        cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
-    ) -> None:
-        # cache (n_kv, capacity, hd) ← k, v (T, n_kv, hd) at positions start..start+T-1
-        t = k.shape[0]
-        cache_k[:, start : start + t] = k.transpose(0, 1)
-        cache_v[:, start : start + t] = v.transpose(0, 1)
-
-    @staticmethod
-    def attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, start: int) -> torch.Tensor:
-        # o = softmax(q k^T / sqrt(hd) + causal) v over cache[:, :start+T]; q (T, H, hd) → o (T, H, hd)
-        t = q.shape[0]
-        end = start + t
-        k = cache_k[:, :end].unsqueeze(0)  # (1, n_kv, L, hd)
-        v = cache_v[:, :end].unsqueeze(0)
-        mask = None
-        if t > 1:
-            rows = torch.arange(start, end, device=q.device).unsqueeze(1)
-            mask = torch.arange(end, device=q.device).unsqueeze(0) <= rows  # (T, L)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, enable_gqa=True)
-        return o.squeeze(0).transpose(0, 1)  # (T, H, hd)
-
 
 @dataclass
 class _AttnPlan:

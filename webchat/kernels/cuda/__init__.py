@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
+from webchat.kernels.cuda.launch import KernelInputError
 from webchat.kernels.cuda.loader import KernelUnavailable, kernel_source
-from webchat.kernels.cuda.ops import CudaOps, KernelInputError
+from webchat.kernels.cuda.ops import CudaOps
 
 __all__ = ["CudaOps", "KernelInputError", "KernelUnavailable", "kernel_source"]

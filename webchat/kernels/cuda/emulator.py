@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from webchat.kernels.cuda import loader
+from webchat.kernels.cuda.launch import KernelArg, KernelInputError, Launch, Launcher
 from webchat.kernels.cuda.loader import KernelUnavailable
-from webchat.kernels.cuda.ops import KernelArg, KernelInputError, Launch, Launcher
 from webchat.paths import webchat_home
 
 HEADER = loader.GPU_DIR / "emulator.h"

@@ -1,4 +1,4 @@
-// Flash-decoding's shared parts (attention.cu, paged_attention.cu): a block's warps each hold an online softmax
+// Flash-decoding's parts (paged_attention.cu): a block's warps each hold an online softmax
 // (max m, sum l = sum_j exp(s_j - m), acc = sum_j exp(s_j - m) v_j) over their keys; merged and stored per split, and
 // the splits reduced per row: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
 #pragma once

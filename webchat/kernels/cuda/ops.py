@@ -1,91 +1,35 @@
 """CudaOps: the model's hot ops as CUDA kernels launched through CuPy on torch's current stream (no copies).
 
 Each op validates its tensors in a pure `plan_*` function (dtype, shape, contiguity; runnable on any device) that also
-computes the launch geometry, then hands raw pointers to the kernel. Signatures match webchat.model.ops.TorchOps, except
-that `start` may also be a one-element int32 CUDA tensor, so a captured CUDA graph replays at any position.
+computes the launch geometry, then hands raw pointers to the kernel. Signatures match webchat.model.ops.PagedTorchOps;
+what every op shares (Launch, the launcher, the checks) is in webchat.kernels.cuda.launch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from webchat.kernels.cuda import loader
+from webchat.kernels.cuda.launch import (
+    ELEMENTWISE_THREADS,
+    KernelArg,
+    KernelInputError,
+    Launch,
+    Launcher,
+    blocks,
+    check,
+    check_device,
+    i32,
+    ptr,
+    suffix,
+    warp_round,
+)
 from webchat.model.batch import Batch
-
-SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
-MAX_HEAD_DIM = 256  # attention.cu MAX_HD
-ATTENTION_THREADS = 128  # attention.cu 32 * WARPS
-ELEMENTWISE_THREADS = 256
-MAX_SPLITS = 128
-MIN_KEYS_PER_SPLIT = 16
-
-Start = int | torch.Tensor
-KernelArg = np.generic
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch: module file, extern "C" entry, grid and block (x, y, z)."""
-
-    module: str
-    entry: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-
-
-Launcher = Callable[[Launch, Sequence[KernelArg]], None]
-
-
-class KernelInputError(ValueError):
-    """A tensor handed to a CUDA op has the wrong dtype, shape, contiguity or device."""
-
-
-# ---- validation helpers (pure) ----
-
-
-def suffix(name: str, t: torch.Tensor) -> str:
-    if t.dtype not in SUFFIX:
-        raise KernelInputError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    return SUFFIX[t.dtype]
-
-
-def check(name: str, t: torch.Tensor, shape: Sequence[int | None], dtype: torch.dtype | None = None) -> None:
-    """t must be contiguous, of `dtype` (if given) and of `shape` (None matches any size in that dimension)."""
-    if dtype is not None and t.dtype != dtype:
-        raise KernelInputError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape, strict=True)):
-        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        raise KernelInputError(f"{name} must have shape {want}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise KernelInputError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
-
-
-def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device != device:
-            raise KernelInputError(f"{name} must be on {device}, got {t.device}")
-
-
-def blocks(n: int, threads: int) -> int:
-    return max(1, (n + threads - 1) // threads)
-
-
-def warp_round(n: int, cap: int) -> int:
-    """Threads per block: n rounded up to a multiple of 32, within [32, cap]."""
-    return min(cap, max(32, (n + 31) // 32 * 32))
-
-
-def n_splits(max_keys: int, rows: int, n_sm: int) -> int:
-    """Flash-decoding splits: about 2 blocks per SM over `rows` (T * n_heads), at least 16 keys per split."""
-    want = blocks(2 * n_sm, rows)
-    return max(1, min(want, blocks(max_keys, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
-
 
 # ---- plans: validate and compute the launch (pure; any device) ----
 
@@ -123,88 +67,6 @@ def plan_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> Launch:
     check("up", up, tuple(gate.shape), gate.dtype)
     grid = (blocks(gate.numel(), ELEMENTWISE_THREADS), 1, 1)
     return Launch("silu_mul", f"silu_mul_{sfx}", grid, (ELEMENTWISE_THREADS, 1, 1))
-
-
-def check_start(start: Start, n_tokens: int, capacity: int) -> None:
-    """An int start must keep start..start+T-1 inside the cache; a tensor start is int32 of one element."""
-    if isinstance(start, torch.Tensor):
-        if start.dtype != torch.int32 or start.numel() != 1:
-            raise KernelInputError(
-                f"start tensor must be int32 with one element, got {start.dtype} {tuple(start.shape)}"
-            )
-        return
-    if isinstance(start, bool) or not isinstance(start, int):
-        raise KernelInputError(f"start must be an int or an int32 tensor, got {type(start).__name__}")
-    if start < 0 or start + n_tokens > capacity:
-        raise KernelInputError(f"positions {start}..{start + n_tokens - 1} must lie in the cache of {capacity}")
-
-
-def plan_kv_append(
-    cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: Start
-) -> Launch:
-    sfx = suffix("cache_k", cache_k)
-    if cache_k.dim() != 3:
-        raise KernelInputError(f"cache_k must have shape (n_kv, capacity, head_dim), got {tuple(cache_k.shape)}")
-    n_kv, capacity, hd = cache_k.shape
-    check("cache_k", cache_k, (n_kv, capacity, hd))
-    check("cache_v", cache_v, (n_kv, capacity, hd), cache_k.dtype)
-    check("k", k, (None, n_kv, hd), cache_k.dtype)
-    check("v", v, tuple(k.shape), cache_k.dtype)
-    check_start(start, k.shape[0], capacity)
-    grid = (blocks(k.numel(), ELEMENTWISE_THREADS), 1, 1)
-    return Launch("kv_append", f"kv_append_{sfx}", grid, (ELEMENTWISE_THREADS, 1, 1))
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    split: Launch
-    reduce: Launch
-    n_splits: int
-
-
-def plan_attention(
-    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, start: Start, n_sm: int
-) -> AttentionPlan:
-    sfx = suffix("q", q)
-    if q.dim() != 3 or cache_k.dim() != 3:
-        raise KernelInputError(
-            f"q must be (T, n_heads, head_dim) and cache_k (n_kv, capacity, head_dim), got {tuple(q.shape)} "
-            f"and {tuple(cache_k.shape)}"
-        )
-    t, n_heads, hd = q.shape
-    n_kv, capacity = cache_k.shape[0], cache_k.shape[1]
-    check("q", q, (t, n_heads, hd))
-    check("cache_k", cache_k, (n_kv, capacity, hd), q.dtype)
-    check("cache_v", cache_v, (n_kv, capacity, hd), q.dtype)
-    if t < 1 or n_heads % n_kv:
-        raise KernelInputError(f"need T >= 1 and n_heads a multiple of n_kv, got T={t}, {n_heads} and {n_kv}")
-    if hd > MAX_HEAD_DIM:
-        raise KernelInputError(f"head_dim must be at most {MAX_HEAD_DIM}, got {hd}")
-    check_start(start, t, capacity)
-    # a tensor start is unknown on the host (graph replay): size the splits for a full cache
-    max_keys = capacity if isinstance(start, torch.Tensor) else start + t
-    s = n_splits(max_keys, t * n_heads, n_sm)
-    split = Launch("attention", f"attention_split_{sfx}", (s, n_heads, t), (ATTENTION_THREADS, 1, 1))
-    reduce = Launch("attention", f"attention_reduce_{sfx}", (t * n_heads, 1, 1), (warp_round(hd, 256), 1, 1))
-    return AttentionPlan(split, reduce, s)
-
-
-# ---- kernel arguments ----
-
-
-def ptr(t: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0 if t is None else t.data_ptr())
-
-
-def i32(v: int) -> np.int32:
-    return np.int32(v)
-
-
-def start_args(start: Start) -> tuple[np.uint64, np.int32]:
-    """(start_ptr, start_host): the kernel reads *start_ptr when it is non-null."""
-    if isinstance(start, torch.Tensor):
-        return ptr(start), i32(0)
-    return np.uint64(0), i32(start)
 
 
 class CudaOps:
@@ -268,42 +130,6 @@ class CudaOps:
         self._launch(launch, (ptr(gate), ptr(up), ptr(y), np.int64(gate.numel())))
         return y
 
-    def kv_append(
-        self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: Start
-    ) -> None:
-        # cache[:, start:start+T] = k.transpose(0, 1)
-        launch = plan_kv_append(cache_k, cache_v, k, v, start)
-        check_device(self.device, cache_k=cache_k, cache_v=cache_v, k=k, v=v, **_start_tensor(start))
-        n_kv, capacity, hd = cache_k.shape
-        start_ptr, start_host = start_args(start)
-        args = (ptr(cache_k), ptr(cache_v), ptr(k), ptr(v), start_ptr, start_host, i32(k.shape[0]), i32(n_kv), i32(hd),
-                i32(capacity))  # fmt: skip
-        self._launch(launch, args)
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        cache_k: torch.Tensor,
-        cache_v: torch.Tensor,
-        start: Start,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # o = softmax(q k^T / sqrt(hd) + causal) v over cache[:, :start+T]
-        plan = plan_attention(q, cache_k, cache_v, start, self.n_sm)
-        o = _output("out", out, q)
-        check_device(self.device, q=q, cache_k=cache_k, cache_v=cache_v, out=o, **_start_tensor(start))
-        t, n_heads, hd = q.shape
-        n_kv, capacity = cache_k.shape[0], cache_k.shape[1]
-        part_acc = torch.empty((t, n_heads, plan.n_splits, hd), device=q.device, dtype=torch.float32)
-        part_ml = torch.empty((t, n_heads, plan.n_splits, 2), device=q.device, dtype=torch.float32)
-        start_ptr, start_host = start_args(start)
-        args = (ptr(q), ptr(cache_k), ptr(cache_v), start_ptr, start_host, i32(n_heads), i32(n_kv), i32(hd),
-                i32(capacity), np.float32(1.0 / math.sqrt(hd)), ptr(part_acc), ptr(part_ml))  # fmt: skip
-        self._launch(plan.split, args)
-        self._launch(plan.reduce, (ptr(part_acc), ptr(part_ml), ptr(o), i32(plan.n_splits), i32(hd)))
-        return o
-
     # ---- paged KV cache over a ragged batch (webchat.model.batch.Batch); plans in kernels/cuda/paged.py ----
 
     def kv_write(
@@ -351,10 +177,6 @@ def _output(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torch.Te
         return torch.empty_like(like, memory_format=torch.contiguous_format)
     check(name, out, tuple(like.shape), like.dtype)
     return out
-
-
-def _start_tensor(start: Start) -> dict[str, torch.Tensor]:
-    return {"start": start} if isinstance(start, torch.Tensor) else {}
 
 
 def cupy_launcher(device: torch.device | str) -> Launcher:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from webchat.kernels.cuda.ops import (
+from webchat.kernels.cuda.launch import (
     ATTENTION_THREADS,
     ELEMENTWISE_THREADS,
     MAX_HEAD_DIM,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from webchat.kernels.cuda.ops import KernelInputError, Launch, Launcher, check, check_device, ptr, suffix
+from webchat.kernels.cuda.launch import KernelInputError, Launch, Launcher, check, check_device, ptr, suffix
 
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 WARPS = 4  # qgemv.cu QGEMV_WARPS: output rows per block of 128 threads

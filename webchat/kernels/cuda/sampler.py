@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from webchat.engine.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings, draw
-from webchat.kernels.cuda.ops import ELEMENTWISE_THREADS, KernelInputError, Launch, Launcher, blocks, check, i32, ptr
+from webchat.kernels.cuda.launch import ELEMENTWISE_THREADS, KernelInputError, Launch, Launcher, blocks, check, i32, ptr
 
 
 def plan_count(ids: torch.Tensor, counts: torch.Tensor) -> Launch:
