@@ -1,8 +1,8 @@
 """Drafters for speculative decoding: a draft model, a self-draft (first layers of the main model), n-gram lookup.
 
-A drafter proposes up to k tokens that continue `context`; the generator verifies them with the main model in one
-forward and keeps only those equal to the main model's own choice (see webchat.engine.generator), so a drafter can
-change speed, never output. Drafting is greedy and uses no randomness.
+A drafter proposes up to k tokens that continue `context`; the engine verifies them with the main model in one
+forward and keeps only those equal to the main model's own choice (webchat.engine.engine, Engine._verify), so a
+drafter can change speed, never output. Drafting is greedy and uses no randomness.
 """
 
 from __future__ import annotations
@@ -63,15 +63,11 @@ class DraftModel(Protocol):
 
 
 class ModelDrafter:
-    """Greedy drafts from a model with a cache of its own, kept in step with the context by longest common prefix.
+    """Greedy drafts from a model with a cache of its own, kept in step with the context by longest common prefix."""
 
-    Drafting stops early when the draft's top probability falls under `min_prob` (exllamav2 uses 0.25).
-    """
-
-    def __init__(self, model: DraftModel, capacity: int, min_prob: float = 0.0, chunk: int = 256) -> None:
+    def __init__(self, model: DraftModel, capacity: int, chunk: int = 256) -> None:
         self.model = model
         self.cache = SeqCache(model.new_pool(capacity))
-        self.min_prob = min_prob
         self.chunk = chunk
 
     def _sync(self, context: list[int]) -> None:
@@ -92,8 +88,6 @@ class ModelDrafter:
         for _ in range(k):
             logits = self.cache.feed(self.model, [last])[-1]  # (vocab,)
             last = int(torch.argmax(logits))
-            if self.min_prob > 0.0 and float(torch.softmax(logits, -1)[last]) < self.min_prob:
-                break
             out.append(last)
         return out
 
@@ -106,10 +100,9 @@ class SelfDrafter:
     overwrites. The engine calls draft_at() with the sequence's page table.
     """
 
-    def __init__(self, model: DraftModel, n_layers: int, pool: KVPool, min_prob: float = 0.0) -> None:
+    def __init__(self, model: DraftModel, n_layers: int, pool: KVPool) -> None:
         self.model = model.truncated(n_layers)
         self.pool = pool
-        self.min_prob = min_prob
 
     def draft(self, context: list[int], k: int) -> list[int]:
         raise TypeError("SelfDrafter drafts on a sequence's pages: the engine calls draft_at()")
@@ -125,8 +118,6 @@ class SelfDrafter:
             logits = self.model(batch, self.pool)[-1]  # (vocab,)
             start += len(feed)
             last = int(torch.argmax(logits))
-            if self.min_prob > 0.0 and float(torch.softmax(logits, -1)[last]) < self.min_prob:
-                break
             out.append(last)
             feed = [last]
         return out

@@ -39,9 +39,6 @@ class IncrementalDecoder:
         self._utf8.reset()
         return dropped
 
-    def reset(self) -> None:
-        self._utf8.reset()
-
 
 def decode_all(token_bytes: Callable[[int], bytes], ids: list[int]) -> str:
     """Reference: the text of a whole id list, decoded at once (same rules as IncrementalDecoder)."""
