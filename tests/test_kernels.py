@@ -18,7 +18,7 @@ from webchat.engine.sampling import Choice, Sampler, SamplingSettings
 from webchat.kernels.cuda import CudaOps, KernelInputError, KernelUnavailable, kernel_source, launch
 from webchat.kernels.cuda.emulator import EmulatorUnavailable, emulated_launcher
 from webchat.kernels.cuda.loader import GPU_DIR
-from webchat.kernels.cuda.sampler import CudaSampler, make_sampler, plan_adjust, plan_count
+from webchat.kernels.cuda.sampler import CudaSampler, cuda_sampler, plan_adjust, plan_count
 from webchat.model.ops import TorchOps
 
 HAS_CUDA = torch.cuda.is_available()
@@ -289,14 +289,14 @@ def test_sampler_kernel_plans_check_their_inputs() -> None:
         plan_count(torch.zeros(4, dtype=torch.long), torch.zeros(10))
     with pytest.raises(KernelInputError, match=r"logits must hold 10 values, got shape \(11,\)"):
         CudaSampler(SamplingSettings(), 10).sample(torch.zeros(11), [])
-    assert type(make_sampler(SamplingSettings(), 10, "cpu")) is Sampler
+    assert type(cuda_sampler(SamplingSettings(), 10, "cpu")) is Sampler
 
 
 @pytest.mark.parametrize("case", range(len(SAMPLING_CASES)))
 def test_sampling_kernels_against_sampler(ops: CudaOps, case: int) -> None:
     settings = dataclasses.replace(SAMPLING_CASES[case], seed=7 + case)
     if ops.device.type == "cuda":
-        sampler = make_sampler(settings, 5000, "cuda")
+        sampler = cuda_sampler(settings, 5000, "cuda")
         assert isinstance(sampler, CudaSampler)
     else:
         sampler = CudaSampler(settings, 5000, launcher=ops._launch)
@@ -356,7 +356,7 @@ def test_device_sampler_reads_no_scalar_before_its_one_copy(case: int) -> None:
 @pytest.mark.gpu
 def test_device_sampling_syncs_once_per_token(cuda_ops: CudaOps) -> None:
     settings = dataclasses.replace(SAMPLING_CASES[4], seed=3)
-    sampler = make_sampler(settings, 32000, "cuda")
+    sampler = cuda_sampler(settings, 32000, "cuda")
     logits = torch.randn(6, 32000, device="cuda") * 3
     sampler.sample(logits[0], [1, 2, 3], top_alts=5, want_probs=True)  # warm-up: compiles, allocates
     torch.cuda.synchronize()
@@ -376,5 +376,5 @@ def test_device_sampling_syncs_once_per_token(cuda_ops: CudaOps) -> None:
 def test_seeded_device_sampling_is_reproducible(cuda_ops: CudaOps) -> None:
     settings = SamplingSettings(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=99)
     logits = torch.randn(20, 32000, device="cuda") * 3
-    runs = [[make_sampler(settings, 32000, "cuda").sample(row, []).token for row in logits] for _ in range(2)]
+    runs = [[cuda_sampler(settings, 32000, "cuda").sample(row, []).token for row in logits] for _ in range(2)]
     assert runs[0] == runs[1]

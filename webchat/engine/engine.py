@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from webchat.engine.events import Stats, TokenInfo
-from webchat.engine.sampling import MAX_TOP_ALTS, Choice, RowAsk, sample_batch
+from webchat.engine.sampling import MAX_TOP_ALTS, Choice, RowAsk, Sampler, sample_batch
 from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult, add
 from webchat.engine.speculative import (
     MODES,
@@ -33,7 +34,6 @@ from webchat.engine.speculative import (
     check_vocab,
     common_prefix,
 )
-from webchat.kernels.cuda.sampler import make_sampler
 from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelArgs
 from webchat.model.kv_cache import PAGE_SIZE, KVPool, PageTable
@@ -48,6 +48,7 @@ class Model(Protocol):
     """What the engine needs of webchat.model.transformer.Transformer."""
 
     args: ModelArgs
+    sampler_factory: Callable[..., object] | None  # installed by a backend (webchat.kernels.cuda.graphs)
 
     @property
     def device(self) -> torch.device: ...
@@ -139,7 +140,7 @@ class Engine:
             if kept is not None:
                 kept.table.release()
         table.truncate(reused)
-        sampler = make_sampler(req.settings, self.model.args.vocab_size, self.model.device)
+        sampler = self._sampler(req)
         stop_ids = self.tokenizer.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
         seq = Sequence(req=req, sampler=sampler, decoder=IncrementalDecoder(self.tokenizer.token_bytes),
                        holder=StopHolder(req.stop_strings), stop_ids=frozenset(stop_ids), tokens=prompt, table=table,
@@ -355,6 +356,15 @@ class Engine:
             raise ValueError(f"speculative must be one of {list(MODES)}, got {req.speculative!r}")
         if req.speculative == "draft" and self.draft_model is None:
             raise ValueError("speculative 'draft' needs a draft model; this generator has none")
+
+    def _sampler(self, req: GenerationRequest) -> Sampler:
+        factory = self.model.sampler_factory
+        if factory is None:
+            return Sampler(req.settings, self.model.args.vocab_size)
+        sampler = factory(req.settings, self.model.args.vocab_size)
+        if not isinstance(sampler, Sampler):
+            raise TypeError(f"the model's sampler_factory gave {type(sampler).__name__}, not a Sampler")
+        return sampler
 
     def _drafter(self, owner: object, mode: str) -> Drafter | None:
         if mode == "none":

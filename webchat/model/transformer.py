@@ -131,8 +131,11 @@ class Transformer(nn.Module):
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
         self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None  # Gemma 3's sliding layers
-        # CUDA backend hook (webchat.kernels.cuda.graphs): runner(model, batch, kv) -> logits, or None to run eagerly
+        # what a backend installs (webchat.kernels.cpu.step, webchat.kernels.cuda.graphs): runner(model, batch, kv) ->
+        # logits, or None to run eagerly; sampler_factory(settings, vocab_size) -> a webchat.engine.sampling.Sampler
+        # subclass that runs where the logits live (None: the engine's own torch Sampler)
         self.runner: Runner | None = None
+        self.sampler_factory: Callable[..., object] | None = None
 
     @property
     def device(self) -> torch.device:

@@ -14,12 +14,14 @@ Without CuPy (or with WEBCHAT_CUDA_KERNELS=0) the model stays on PyTorch ops, ea
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
+from webchat.kernels.cuda.sampler import cuda_sampler
 from webchat.model.batch import Batch
 from webchat.model.config import ModelArgs
 from webchat.model.transformer import PagedKV, Transformer
@@ -178,6 +180,7 @@ def enable_cuda_backend(model: Transformer, graphs: bool = True) -> bool:
     if graphs and windowed:  # which reads lengths on the host: eager CudaOps, no graphs
         log.info("CUDA graphs off for %s: sliding-window layers", model.args.arch)
     model.runner = GraphRunner(model) if graphs and not windowed else None
+    model.sampler_factory = functools.partial(cuda_sampler, device=model.device)
     return True
 
 
@@ -192,4 +195,4 @@ def disable_cuda_backend(model: Transformer) -> None:
     """Back to plain PyTorch ops, eager (for comparisons)."""
     from webchat.model.ops import PagedTorchOps
 
-    model.ops, model.runner = PagedTorchOps(), None
+    model.ops, model.runner, model.sampler_factory = PagedTorchOps(), None, None

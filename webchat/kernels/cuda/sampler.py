@@ -102,8 +102,9 @@ class CudaSampler(Sampler):
         return x
 
 
-def make_sampler(settings: SamplingSettings, vocab_size: int, device: torch.device | str) -> Sampler:
-    """CudaSampler (kernels on `device`) where the logits live on a CUDA device and CuPy works; else Sampler."""
+def cuda_sampler(settings: SamplingSettings, vocab_size: int, device: torch.device | str) -> Sampler:
+    """CudaSampler (kernels on `device`) where the logits live on a CUDA device and CuPy works; else Sampler. The CUDA
+    backend installs it as the model's sampler_factory (webchat.kernels.cuda.graphs.enable_cuda_backend)."""
     device = torch.device(device)
     if device.type != "cuda":
         return Sampler(settings, vocab_size)
