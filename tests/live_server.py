@@ -1,5 +1,6 @@
-"""A real uvicorn on a free port in a thread, every generator wrapped so tests can see steps after a cancel: shared by
-the live websocket and OpenAI API tests (imported as a module: tests/ is on sys.path under pytest)."""
+"""A real uvicorn on a free port in a thread, its engine wrapped so tests can slow its steps and see the steps after
+a cancel: shared by the live websocket and OpenAI API tests (imported as a module: tests/ is on sys.path under
+pytest)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -17,31 +18,30 @@ import uvicorn
 from webchat.serve.app import create_app
 from webchat.serve.config import ServerConfig
 from webchat.serve.runtime import Runtime
-from webchat.serve.worker import StreamingGenerator
 
 
-@dataclass
-class Counted:
-    """A generator wrapper that sleeps `delay` per step and counts the stream() calls made after cancel()."""
+class Probe:
+    """The served engine, seen by a test: each step sleeps `delay` first (so requests overlap), and the steps a
+    cancelled sequence is still stepped in are counted (1: the step that ends it). Everything else is the engine's."""
 
-    gen: StreamingGenerator
-    delay: float = 0.0
-    cancelled: bool = False
-    calls_after_cancel: int = 0
+    def __init__(self, engine: Any, delay: float = 0.0) -> None:
+        self.engine, self.delay = engine, delay
+        self.after_cancel: dict[Any, int] = {}  # sequence -> steps it was in after its cancel was set
 
-    def begin_stream(self, request: Any) -> Any:
-        self.cancelled, self.calls_after_cancel = False, 0
-        return self.gen.begin_stream(request)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
-    def stream(self) -> Any:
-        if self.cancelled:
-            self.calls_after_cancel += 1
+    def step(self) -> None:
         time.sleep(self.delay)
-        return self.gen.stream()
+        stepped = list(self.engine.running)
+        self.engine.step()
+        for seq in stepped:
+            if seq.cancel.is_set():  # set before or during this step: counted once it is stepped
+                self.after_cancel[seq] = self.after_cancel.get(seq, 0) + 1
 
-    def cancel(self) -> None:
-        self.cancelled = True
-        self.gen.cancel()
+    @property
+    def steps_after_cancel(self) -> int:
+        return max(self.after_cancel.values(), default=0)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Live:
     url: str
     ws_url: str
     app: Any
-    generators: list[Counted] = field(default_factory=list)
+    probe: Probe
 
     def health(self) -> dict[str, Any]:
         result: dict[str, Any] = httpx.get(f"{self.url}/healthz").json()
@@ -67,17 +67,10 @@ def free_port() -> int:
 def serve(config: ServerConfig, runtime: Runtime, delay: float = 0.0, port: int | None = None) -> Iterator[Live]:
     """uvicorn in a thread (on `port`, or a free one); yields once it answers, stops it (and the worker) afterwards."""
     port = port or free_port()
-    rt = replace(runtime)
+    probe = Probe(runtime.engine, delay)
+    rt = replace(runtime, engine=probe)
     app = create_app(replace(config, port=port), runtime=rt)
-    live = Live(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws", app)
-    base = runtime.new_generator
-
-    def new_generator() -> StreamingGenerator:
-        gen = Counted(base(), delay)
-        live.generators.append(gen)
-        return gen
-
-    rt.new_generator = new_generator  # type: ignore[method-assign]
+    live = Live(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws", app, probe)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio",
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

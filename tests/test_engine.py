@@ -163,14 +163,10 @@ def serve_all(engine: Engine, model: Any, tok: Tokenizer, reqs: list[tuple[objec
                 loop.stop()
         return put
 
-    def handle(key: object) -> Generator:
-        return gens.setdefault(key, Generator(model, tok, engine=engine))
-
-    keys = iter([key for key, _ in reqs])
-    worker = Worker(lambda: handle(next(keys)), tok.id_to_text, loop, max_sessions=8, max_queue=8, pages=engine)
+    worker = Worker(engine, tok.id_to_text, loop, max_sessions=8, max_queue=8)
     worker.start()
     for key, req in reqs:
-        worker.submit(Job(key=key, request_id=str(key), request=req, deliver=deliver(key)))
+        worker.submit(Job(key=key, request_id=str(key), request=req, deliver=deliver(key), client=key))
     loop.call_later(120, loop.stop)
     loop.run_forever()
     worker.stop()
@@ -187,8 +183,7 @@ def test_pool_too_small_queues_requests_and_serves_them_all(tiny: tuple[Any, Tok
     model, tok = tiny
     ps = same_length(5, 40, model.args.vocab_size, seed=4)
     reqs = [GenerationRequest(prompt_ids=p, settings=GREEDY, max_new_tokens=20, stop_token_ids=[]) for p in ps]
-    engine = Engine(model, tok, max_seq_len=256, pool_tokens=160)  # 10 pages; each request may need 5
-    assert engine.pages_for(reqs[0]) == 5
+    engine = Engine(model, tok, max_seq_len=256, pool_tokens=160)  # 10 pages; each request comes to hold 4
     keys = [object() for _ in reqs]
     gens: dict[object, Generator] = {}
     events = serve_all(engine, model, tok, list(zip(keys, reqs, strict=True)), gens)

@@ -348,8 +348,7 @@ def test_a_disconnected_stream_frees_its_slot_within_one_step(config: ServerConf
         # the connection is closed here, mid-stream: within 5 s (a loaded machine) nothing runs and no cache is held
         health = wait_idle(live)
         assert health["sessions"] == 0, health
-        (gen,) = live.generators
-        assert gen.cancelled and gen.calls_after_cancel <= 1  # the step in progress, or the next one, ends it
+        assert live.probe.after_cancel and live.probe.steps_after_cancel <= 1  # the next step ends it
         reply = openai_client(live).chat.completions.create(model=runtime.model_name, messages=PROMPT, max_tokens=3)
         assert reply.choices[0].finish_reason == "length"  # the slot is free for the next request
 
@@ -360,8 +359,7 @@ def test_a_client_that_gives_up_waiting_cancels_its_generation(config: ServerCon
             openai_client(live, timeout=0.5).chat.completions.create(model=runtime.model_name, messages=PROMPT,
                                                              max_tokens=200)  # type: ignore[arg-type]
         assert wait_idle(live)["sessions"] == 0
-        (gen,) = live.generators
-        assert gen.cancelled and gen.calls_after_cancel <= 1
+        assert live.probe.after_cancel and live.probe.steps_after_cancel <= 1
 
 
 def test_api_and_websocket_streams_interleave(config: ServerConfig, runtime: Runtime) -> None:

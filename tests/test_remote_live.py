@@ -183,8 +183,7 @@ def test_stop_closes_the_upstream_stream(remote: str, upstream: Live) -> None:
         while upstream_active(upstream) and time.monotonic() < deadline:
             time.sleep(0.005)
         assert upstream_active(upstream) == 0
-        stepped = upstream.generators[-1]
-        assert stepped.cancelled  # the upstream's handle was cancelled: its stream's close reached it
+        assert upstream.probe.after_cancel  # the upstream's sequence was cancelled: its stream's close reached it
         assert msgs[-1]["stats"]["new_tokens"] < 200
 
 
@@ -197,7 +196,7 @@ def test_disconnect_closes_the_upstream_stream(remote: str, upstream: Live) -> N
     deadline = time.monotonic() + 10
     while upstream_active(upstream) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert upstream_active(upstream) == 0 and upstream.generators[-1].cancelled
+    assert upstream_active(upstream) == 0 and upstream.probe.after_cancel
 
 
 def test_queueing_is_fifo_and_bounded(remote: str) -> None:

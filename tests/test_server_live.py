@@ -113,8 +113,7 @@ def test_stop_takes_effect_within_one_step(config: ServerConfig, runtime: Runtim
         while (msg := json.loads(ws.recv(10)))["type"] != "done":
             assert msg["type"] == "chunk", msg
         assert msg["reason"] == "cancelled" and msg["stats"]["new_tokens"] < 200, msg
-        (gen,) = live.generators
-        assert gen.calls_after_cancel <= 1  # the step in progress, or the next one, answers "cancelled"
+        assert live.probe.steps_after_cancel <= 1  # the next step ends it, before its forward
         ws.send(gen_msg("again", "Hello", max_new_tokens=4))  # the connection goes on
         while (msg := json.loads(ws.recv(10)))["type"] != "done":
             pass

@@ -1,15 +1,18 @@
 """The batched engine: every running sequence advances in one forward per step, on one paged KV pool.
 
+    engine.fits(request) -> bool                               # admission: its prompt's pages fit now
     engine.add(owner, request) -> (Sequence, StartInfo)       # joins at the next step
     engine.step()                                              # one forward for all; results wait in engine.outbox
+    engine.take(seq) -> StreamResult | None                    # what a sequence produced since the last take
 
 Each step gathers, per running sequence, one decode token (plus up to k drafts to verify) or a prefill chunk, into
 one ragged Batch (webchat.model.batch); prefill chunks share a per-step token budget, smaller while others decode, so a
 long prompt does not stall running streams. After the forward each sequence samples, verifies and emits on its own; a
-finished one leaves at once and its pages stay with its owner (the connection's handle) for the next turn's prefix,
-until the pool needs them (least recently used first). The model never counts positions: n_cached advances here.
-Verification keeps exllamav2's rule (webchat.engine.generator): a draft is accepted only if it equals the main model's
-own sample, so speculation never changes the output.
+finished one leaves at once and its pages stay with its owner (the connection) for the next turn's prefix, until the
+pool needs them (least recently used first). Pages grow on demand; when the pool runs out the newest sequence is
+preempted and recomputed (`_reserve`), so admission (`fits`) only needs the prompt's pages. The model never counts
+positions: n_cached advances here. Verification (`_verify`) keeps exllamav2's rule: a draft is accepted only if it
+equals the main model's own sample, so speculation never changes the output.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from webchat.engine.speculative import (
 )
 from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelArgs
-from webchat.model.kv_cache import PAGE_SIZE, KVPool, PageTable
+from webchat.model.kv_cache import PAGE_SIZE, ROOT, KVPool, PageTable, PoolExhausted
 from webchat.text.detok import IncrementalDecoder
 from webchat.text.stops import StopHolder
 
@@ -109,19 +112,23 @@ class Engine:
         self._drafters: dict[tuple[int, str], Drafter] = {}
         self._closing: list[object] = []  # owners gone (appended from any thread, handled on the engine's)
         self.steps = 0
+        self.preemptions = 0
 
     # ------------------------------------------------------------------ requests
-    @property
-    def usable_pages(self) -> int:
-        return self.pool.usable_pages
-
-    def pages_for(self, req: GenerationRequest) -> int:
-        """Pages a request may come to hold (the worker admits requests while their sum fits the pool)."""
-        n = min(len(req.prompt_ids) + req.max_new_tokens, self.capacity)
-        return -(-n // self.pool.page_size) + 1  # +1: a copy-on-write page while its shared original is released
+    def fits(self, req: GenerationRequest) -> bool:
+        """Whether a new request's prompt fits beside the running sequences' pages now, with a page each to grow into
+        (vLLM's allocate_slots): the one place admission is decided. Pages grow on demand as sequences generate; when
+        the pool runs out mid-step the newest sequence is preempted and recomputed later (`_reserve`)."""
+        if not self.running:
+            return True
+        ps = self.pool.page_size  # each running sequence: the pages it holds, or will for its tokens so far
+        held = sum(max(len(s.table.pages), -(-(len(s.tokens) + 1) // ps)) for s in self.running)
+        need = -(-(min(len(req.prompt_ids), self.capacity) + 1) // ps)
+        return held + need + len(self.running) <= self.pool.usable_pages
 
     def add(self, owner: object, req: GenerationRequest) -> tuple[Sequence, StartInfo]:
-        """Check the request, reuse the longest cached prefix (the owner's last turn or shared pages), queue it."""
+        """Check the request, reuse the longest cached prefix (the owner's last turn, or any pages the pool still holds
+        for it, to the token), queue it."""
         self._reap()
         self._check(req)
         prompt = list(req.prompt_ids)
@@ -130,15 +137,13 @@ class Engine:
                 raise RuntimeError("this handle already has a sequence running")
         kept = self.retained.pop(owner, None)
         own = min(common_prefix(kept.ids, prompt), len(prompt) - 1) if kept is not None else 0
-        shared = self.pool.lookup(prompt)
         table = PageTable(self.pool)
-        if kept is not None and own >= min(len(shared) * self.pool.page_size, len(prompt) - 1):
+        reused = self._reuse(table, prompt, len(prompt) - 1, keep=kept.table.pages if kept is not None else [])
+        if kept is not None and own >= reused:
+            table.release()
             table, reused = kept.table, own
-        else:
-            reused = min(len(shared) * self.pool.page_size, len(prompt) - 1)
-            table.adopt(shared)
-            if kept is not None:
-                kept.table.release()
+        elif kept is not None:
+            kept.table.release(kept.ids)
         table.truncate(reused)
         sampler = self._sampler(req)
         stop_ids = self.tokenizer.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
@@ -149,6 +154,26 @@ class Engine:
                        owner=owner)
         self.running.append(seq)
         return seq, StartInfo(prompt_tokens=len(prompt), reused_tokens=reused, seed=sampler.seed)
+
+    def _reuse(self, table: PageTable, tokens: list[int], most: int, keep: list[int] | None = None) -> int:
+        """Fill an empty table with the pool's longest cached prefix of tokens (at most `most` of them): whole
+        registered pages held as they are, then the page after them that shares the most next tokens, copied (its
+        later slots will be rewritten). Returns how many tokens are reused. `keep`: pages not to copy from (an
+        owner's own last turn, whose pages it may still keep)."""
+        pool, ps = self.pool, self.pool.page_size
+        shared = pool.lookup(tokens[:most])
+        table.adopt(shared)
+        reused = len(shared) * ps
+        if reused < most:
+            parent = pool.ids[shared[-1]] if shared else ROOT
+            page, n = pool.lookup_tail(parent, tokens[reused:most])
+            if n and page not in (keep or []):
+                try:
+                    table.pages.append(pool.copy_prefix(page))
+                    reused += n
+                except PoolExhausted:
+                    pass  # no page to copy into: prefill those tokens instead
+        return min(reused, most)
 
     def close(self, owner: object) -> None:
         """Thread-safe: the owner is gone; its running sequence ends and its pages go back at the next step."""
@@ -190,20 +215,53 @@ class Engine:
                 seq.end(out, "cancelled", None)
             elif not seq.prefilling and len(seq.tokens) >= seq.limit:
                 seq.end(out, "context_full", None)
-            elif seq.prefilling:
-                unfed = len(seq.tokens) - seq.n_cached
-                n = min(unfed, budget)
+            elif seq.prefilling or seq.n_cached < len(seq.tokens) - 1:  # the prompt, or recomputing after preemption
+                if not seq.table.pages and seq.n_cached == 0:
+                    seq.n_cached = self._reuse(seq.table, seq.tokens, len(seq.tokens) - 1)
+                    seq.table.truncate(seq.n_cached)
+                end = len(seq.tokens) if seq.prefilling else len(seq.tokens) - 1
+                n = min(end - seq.n_cached, budget)
                 if n > 0:
                     budget -= n
-                    rows.append(_Row(seq, seq.tokens[seq.n_cached : seq.n_cached + n], sample=n == unfed))
+                    rows.append(_Row(seq, seq.tokens[seq.n_cached : seq.n_cached + n],
+                                     sample=seq.prefilling and n == end - seq.n_cached))
             else:
                 rows.append(self._decode_row(seq))
             if out.eos:
                 self._post(seq, out)
+        rows = self._reserve(rows)
         if rows:
             self._forward(rows)
         self.running = [s for s in self.running if not s.done]
         self.steps += 1
+
+    def _reserve(self, rows: list[_Row]) -> list[_Row]:
+        """Pages for every row's new tokens, oldest sequence first; when the pool runs out, the newest sequence is
+        preempted (vLLM's recompute preemption): its pages go back (its last page registered for reuse) and it is
+        fed again from its prefix at a later step; the client sees a pause, never a different token."""
+        order = {seq: i for i, seq in enumerate(self.running)}
+        kept: list[_Row] = []
+        preempted: set[Sequence] = set()
+        for r in sorted(rows, key=lambda r: order[r.seq]):
+            while r.seq not in preempted:
+                try:
+                    r.seq.table.ensure(r.seq.n_cached + len(r.feed))
+                    kept.append(r)
+                    break
+                except PoolExhausted:
+                    mine = {k.seq for k in kept}
+                    victim = next((s for s in reversed(self.running)
+                                   if s not in mine and s not in preempted and s.table.pages), None)
+                    if victim is None:
+                        raise
+                    self._preempt(victim)
+                    preempted.add(victim)
+        return kept
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.table.release(seq.tokens[: seq.n_cached])
+        seq.n_cached = 0
+        self.preemptions += 1
 
     def _decode_row(self, seq: Sequence) -> _Row:
         pending = seq.tokens[seq.n_cached :]
@@ -211,8 +269,12 @@ class Engine:
         req = seq.req
         k = min(req.draft_tokens, req.max_new_tokens - seq.stats.new_tokens - 1, seq.limit - len(seq.tokens) - 1)
         drafts: list[int] = []
+        if seq.drafter is not None and k > 0 and isinstance(seq.drafter, SelfDrafter):
+            try:
+                seq.table.ensure(seq.n_cached + k + 1)
+            except PoolExhausted:
+                k = 0  # no room to draft into: this step decodes one token (drafts change speed, never output)
         if seq.drafter is not None and k > 0:
-            seq.table.ensure(seq.n_cached + k + 1)
             if isinstance(seq.drafter, SelfDrafter):
                 drafts = seq.drafter.draft_at(seq.tokens, k, seq.table.pages, seq.n_cached)[:k]
             else:
@@ -318,7 +380,7 @@ class Engine:
         if not self.retained:
             return False
         _, kept = self.retained.popitem(last=False)
-        kept.table.release()
+        kept.table.release(kept.ids)
         return True
 
     def _reap(self) -> None:
@@ -327,12 +389,12 @@ class Engine:
             for seq in self.running:
                 if seq.owner is owner and not seq.done:
                     seq.end(StreamResult(), "cancelled", None)
-                    seq.table.release()
+                    seq.table.release(seq.tokens[: seq.n_cached])
                     self.outbox.pop(seq, None)
             self.running = [s for s in self.running if not s.done]
             kept = self.retained.pop(owner, None)
             if kept is not None:
-                kept.table.release()
+                kept.table.release(kept.ids)
             self._drafters = {key: d for key, d in self._drafters.items() if key[0] != id(owner)}
 
     # ------------------------------------------------------------------ set-up

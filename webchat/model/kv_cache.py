@@ -5,8 +5,12 @@
 
 A page whose page_size tokens are all computed is registered under (parent id, its tokens), parent id naming the
 registered page before it, so a lookup walks a prompt page by page and only an identical prefix matches (vLLM's
-prefix caching, exllamav2's hashed pages). Released pages (ref 0) keep their k/v and registration on the free list,
-oldest first, until they are handed out again; `evict` lets the owner release an idle session's pages under pressure.
+prefix caching, exllamav2's hashed pages). A sequence's last, partly filled page is registered too when it is
+released (`PageTable.release(tokens)`), with the tokens its first slots hold: `lookup_tail` then finds, among the
+pages chained after a prefix, the one sharing the most next tokens, and the caller copies it (its slots past the
+match are rewritten), so a repeated or extended prompt reuses its cache to the token, as llama-server's slots do.
+Released pages (ref 0) keep their k/v and registration on the free list, oldest first, until they are handed out
+again; `evict` lets the owner release an idle session's pages under pressure.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class KVPool:
         self.ids: dict[int, int] = {}  # registered page -> its id (unique for the pool's life; parent of the next)
         self.keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # registered page -> (parent id, tokens)
         self.by_key: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.partial: dict[int, tuple[int, tuple[int, ...]]] = {}  # free page -> (parent id, the tokens it holds)
+        self.children: dict[int, set[int]] = {}  # parent id -> registered pages (whole or partial) chained after it
         self._next_id = ROOT + 1
         self.evict: Callable[[], bool] | None = None  # releases one idle holder's pages; False when none is left
 
@@ -114,9 +120,41 @@ class KVPool:
         twin = self.by_key.get(key)
         if twin is not None:  # the same prefix already computed in another page: chain through that one
             return self.ids[twin]
+        if page in self.partial:
+            self._unregister(page)
         self.ids[page], self.keys[page], self.by_key[key] = self._next_id, key, page
+        self.children.setdefault(parent, set()).add(page)
         self._next_id += 1
         return self.ids[page]
+
+    def register_partial(self, page: int, parent: int, tokens: tuple[int, ...]) -> None:
+        """A released page whose first len(tokens) slots hold these tokens' k/v, after the prefix `parent` names."""
+        if self.ref[page] or page in self.keys or not 0 < len(tokens) < self.page_size:
+            return
+        self.partial[page] = (parent, tokens)
+        self.children.setdefault(parent, set()).add(page)
+
+    def lookup_tail(self, parent: int, tokens: list[int]) -> tuple[int, int]:
+        """(page, n): the registered page after `parent` whose first n slots hold tokens[:n], n largest (0: none)."""
+        best, best_n = 0, 0
+        for page in self.children.get(parent, ()):
+            held = self.keys[page][1] if page in self.keys else self.partial[page][1]
+            n = 0
+            for a, b in zip(held, tokens, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = page, n
+        return best, best_n
+
+    def copy_prefix(self, src: int) -> int:
+        """A new private page holding src's k/v (src may be free: it is held while copied, so alloc cannot take it)."""
+        self.hold(src)
+        try:
+            return self.copy(src)
+        finally:
+            self.release([src])
 
     def forget(self) -> None:
         """Drop the registrations of free pages: the next lookups find only prefixes held now (cold starts)."""
@@ -128,6 +166,14 @@ class KVPool:
         if key is not None:
             del self.by_key[key]
             del self.ids[page]
+        else:
+            key = self.partial.pop(page, None)
+        if key is not None:
+            siblings = self.children.get(key[0])
+            if siblings is not None:
+                siblings.discard(page)
+                if not siblings:
+                    del self.children[key[0]]
 
 
 class PageTable:
@@ -173,8 +219,16 @@ class PageTable:
             parent = self.chain[-1] if self.chain else ROOT
             self.chain.append(self.pool.register(self.pages[i], parent, tuple(tokens[i * ps : (i + 1) * ps])))
 
-    def release(self) -> None:
-        self.pool.release(self.pages)
+    def release(self, tokens: list[int] | None = None) -> None:
+        """Give every page back; with `tokens` (those whose k/v the pages hold, in order) a last, partly filled page is
+        registered for lookup_tail once nobody holds it."""
+        pool, ps = self.pool, self.pool.page_size
+        pool.release(self.pages)
+        if tokens is not None and len(tokens) % ps and len(self.pages) == -(-len(tokens) // ps):
+            whole = len(tokens) // ps
+            if len(self.chain) == whole:
+                parent = self.chain[-1] if self.chain else ROOT
+                pool.register_partial(self.pages[whole], parent, tuple(tokens[whole * ps :]))
         self.pages, self.chain = [], []
 
 

@@ -25,6 +25,7 @@ from webchat.engine import events as ev
 from webchat.serve import protocol as p
 from webchat.serve.backend import Backend, Job
 from webchat.serve.config import ServerConfig, content_security_policy, origin_allowed, static_version
+from webchat.serve.device import DeviceThread
 from webchat.serve.limits import (
     AcceptErrorLog,
     ConnectionGuard,
@@ -34,7 +35,7 @@ from webchat.serve.limits import (
 )
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
-from webchat.serve.runtime import RemoteRuntime, Runtime, load_remote_runtime, load_runtime
+from webchat.serve.runtime import RemoteRuntime, Runtime, load_remote_runtime, load_runtime, warm_up
 from webchat.serve.worker import Worker
 from webchat.text.chat_encode import ContentRewritten
 from webchat.text.trim import fit_history
@@ -230,14 +231,23 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         worker: Backend
         if runtime is None and config.engine_url is not None:
-            rt: Runtime = await load_remote_runtime(config)
+            remote = await load_remote_runtime(config)
+            rt: Runtime = remote
+            worker = remote.backend
         else:
-            rt = runtime if runtime is not None else await asyncio.to_thread(load_runtime, config)
-        if isinstance(rt, RemoteRuntime):
-            worker = rt.backend
-        else:
-            worker = Worker(rt.new_generator, rt.tokenizer.id_to_text, asyncio.get_running_loop(),
-                            config.max_sessions, config.max_queue, pages=rt.engine)
+            device = DeviceThread()  # the one thread that loads, warms and steps the model (webchat.serve.device)
+            device.start()
+            try:
+                rt = runtime if runtime is not None else await device.run(lambda: warm_up(load_runtime(config)))
+            except BaseException:
+                device.stop()
+                raise
+            if isinstance(rt, RemoteRuntime):
+                device.stop()
+                worker = rt.backend
+            else:
+                worker = Worker(rt.engine, rt.tokenizer.id_to_text, asyncio.get_running_loop(), config.max_sessions,
+                                config.max_queue, device=device)
         worker.start()
         loop = asyncio.get_running_loop()
         previous_handler = loop.get_exception_handler()

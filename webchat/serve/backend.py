@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from webchat.engine import events as ev
-from webchat.engine.sequence import GenerationRequest
-
-if TYPE_CHECKING:
-    from webchat.serve.worker import Session
+from webchat.engine.sequence import GenerationRequest, Sequence
 
 Deliver = Callable[[ev.Event], None]
 
@@ -34,10 +31,9 @@ class Job:
     client: Hashable = None  # who is asking, for fair admission: a websocket connection, an API key or a peer address
     messages: list[dict[str, str]] | None = None  # the chat the prompt ids were encoded from (None: a raw prompt)
     continue_final: bool = False  # the last message is an assistant prefix to continue
-    # the worker's bookkeeping
-    pages: int = 0  # KV pages reserved while active
+    # the backend's bookkeeping
     position: int = 0  # last `queued` position sent; 0 = never queued
-    session: Session | None = None
+    seq: Sequence | None = None  # the local engine's sequence while it runs
     started: bool = False
     cancel_requested: bool = False
     dropped: bool = False  # the client left: no more messages, no done

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from webchat.engine.speculative import MODES
 from webchat.serve import protocol as p
 from webchat.serve.config import ServerConfig
-from webchat.serve.worker import StreamingGenerator
+
+if TYPE_CHECKING:
+    from webchat.engine.generator import Generator
 
 
 @dataclass
@@ -23,16 +25,16 @@ class Runtime:
     dtype: str
     context_length: int
     modes: list[str]
-    draft_model: Any = None
     default_mode: str = "none"
     engine: Any = None  # webchat.engine.engine.Engine: one KV pool and one batched forward for every connection
     weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
 
-    def new_generator(self) -> StreamingGenerator:
+    def new_generator(self) -> Generator:
+        """A handle on the shared engine that steps it itself (the terminal chat, tests, warm-up; never the server's
+        loop, which is webchat.serve.worker's)."""
         from webchat.engine.generator import Generator
 
-        gen: StreamingGenerator = Generator(self.model, self.tokenizer, engine=self.engine)
-        return gen
+        return Generator(self.model, self.tokenizer, engine=self.engine)
 
     def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False) -> list[int]:
         """The prompt ids: message contents tokenized as text, only the template's markers are control ids."""
@@ -68,8 +70,26 @@ def load_runtime(config: ServerConfig) -> Runtime:
     engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
                     pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
     return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name, device=str(device),
-                   dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes, draft_model=draft,
+                   dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
                    default_mode=config.speculative, engine=engine, weights=weights_name(model))
+
+
+def warm_up(rt: Runtime) -> Runtime:
+    """One short greedy generation, run where the model will be stepped (the device thread): kernels are built and
+    the thread's OpenMP team started before the first user waits on them; the cache is left cold."""
+    from webchat.engine.sampling import SamplingSettings
+    from webchat.engine.sequence import GenerationRequest
+
+    gen = rt.new_generator()
+    ids = rt.encode_chat([{"role": "user", "content": "Hello"}])
+    gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0), max_new_tokens=2))
+    while not gen.stream().eos:
+        pass
+    close = getattr(gen, "close", None)
+    if close is not None:
+        close()
+    rt.engine.reset()
+    return rt
 
 
 @dataclass
@@ -79,7 +99,7 @@ class RemoteRuntime(Runtime):
 
     backend: Any = None  # webchat.serve.remote.engine.RemoteEngine
 
-    def new_generator(self) -> StreamingGenerator:
+    def new_generator(self) -> Generator:
         raise RuntimeError("a remote engine has no local generator")
 
     def update(self, caps: Any) -> None:

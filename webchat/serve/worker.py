@@ -1,110 +1,92 @@
-"""The one thread that owns the device: it drives the engine through the active requests' handles, a FIFO queue
-behind them.
+"""The local Backend (webchat.serve.backend): requests from every connection queued fairly, the engine stepped on the
+device thread, and each step's results delivered to their requests.
 
-State machine per request (all under one lock; only this thread calls into the engine):
-    submit → pending (told `queued` positions) → active (its pages reserved in the KV pool) → finished.
-Each connection holds a generator handle on the shared engine (webchat.engine.engine). The thread visits the active
-handles in turn: begin_stream() on a new one, else stream(), which returns what the engine made for that handle since
-its last visit and runs one engine step (one forward for every running sequence) when there is nothing. A request is
-admitted while its pages (prompt + max_new_tokens, `pages.pages_for`) fit beside the active ones', so running
-sequences never run out; pages of idle sessions are evicted by the pool, least recently used first. A handle stays
-in `sessions` between turns for prefix reuse, closed (its pages released) when evicted past `max_sessions` or when the
-connection goes. Neutral events (webchat.engine.events) go back to the event loop through
-`loop.call_soon_threadsafe(job.deliver, event)`, in order; each transport formats them.
+    submit → waiting (per client, told `queued` positions) → running (a sequence in the engine) → finished
+
+The device thread (webchat.serve.device) loops `admit → engine.step() → deliver` (exllamav2's iterate() with
+dynamic_async's per-job queues; nano-vllm's schedule → run → postprocess): no request ever steps the engine for the
+others, and a Stop costs no step of its own (the engine ends a cancelled sequence at its next step, before the
+forward). The engine alone decides whether a request's pages fit (Engine.fits); pages grow as sequences generate and
+the newest is preempted and recomputed when the pool runs out, so a missing max_tokens does not reserve the context.
+
+Admission is fair and bounded whatever limits it: waiting requests are kept per client (a websocket connection, an
+API key, or a peer address), at most `per_client` each, and the next free slot goes to the client served least
+recently (a newcomer first); at most `max_queue` wait beyond the free slots (none are free while pages block
+admission), so a flooder waits behind its own requests and gets `busy` past that. A connection's engine owner stays
+between turns for prefix reuse, at most `max_sessions` of them, the least recently used idle one closed first.
+Neutral events (webchat.engine.events) go back to the event loop through `loop.call_soon_threadsafe(job.deliver, ...)`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Protocol
 
 from webchat.engine import events as ev
-from webchat.engine.sequence import GenerationRequest, StartInfo, StreamResult
+from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult
 from webchat.serve.backend import Job, Snapshot
+from webchat.serve.device import DeviceThread
 
 log = logging.getLogger("webchat.serve.worker")
 
-class StreamingGenerator(Protocol):
-    """The part of webchat.engine.generator.Generator the worker uses (docs/design.md)."""
-
-    def begin_stream(self, request: GenerationRequest) -> StartInfo: ...
-    def stream(self) -> StreamResult: ...
-    def cancel(self) -> None: ...
+PER_CLIENT = 4  # requests one client may have waiting
 
 
-class PagePlanner(Protocol):
-    """The engine's page arithmetic (webchat.engine.engine.Engine), read from any thread."""
+class Engine(Protocol):
+    """What the worker uses of webchat.engine.engine.Engine (all called on the device thread, except close)."""
 
-    @property
-    def usable_pages(self) -> int: ...
-    def pages_for(self, req: GenerationRequest) -> int: ...
+    running: list[Sequence]
 
-
-def _close(gen: StreamingGenerator | None) -> None:
-    close = getattr(gen, "close", None)  # webchat.engine.generator.Generator releases its pages; test doubles may not
-    if close is not None:
-        close()
-
-
-@dataclass
-class Session:
-    """One connection's generator and KV cache; `gen` is built on the worker thread at first use."""
-
-    key: Hashable
-    gen: StreamingGenerator | None = None
-    in_use: bool = False
-    closed: bool = False
+    def fits(self, req: GenerationRequest) -> bool: ...
+    def add(self, owner: object, req: GenerationRequest) -> tuple[Sequence, StartInfo]: ...
+    def step(self) -> None: ...
+    def take(self, seq: Sequence) -> StreamResult | None: ...
+    def close(self, owner: object) -> None:
+        """Thread-safe."""
 
 
 class Worker:
-    """A Backend (webchat.serve.backend): schedules requests from many connections onto one device thread."""
+    """Schedules requests from many connections onto one engine, stepped on the device thread."""
 
-    def __init__(
-        self,
-        new_generator: Callable[[], StreamingGenerator],
-        id_to_text: Callable[[int], str],
-        loop: asyncio.AbstractEventLoop,
-        max_sessions: int,
-        max_queue: int,
-        pages: PagePlanner | None = None,
-    ) -> None:
-        if max_sessions < 1 or max_queue < 0:
-            raise ValueError(f"need max_sessions >= 1 and max_queue >= 0, got {max_sessions} and {max_queue}")
-        self._new_generator = new_generator
+    def __init__(self, engine: Engine, id_to_text: Callable[[int], str], loop: asyncio.AbstractEventLoop,
+                 max_sessions: int, max_queue: int, device: DeviceThread | None = None,
+                 per_client: int = PER_CLIENT) -> None:
+        if max_sessions < 1 or max_queue < 0 or per_client < 1:
+            raise ValueError(f"need max_sessions >= 1, max_queue >= 0 and per_client >= 1, got {max_sessions}, "
+                             f"{max_queue} and {per_client}")
+        self.engine = engine
         self._id_to_text = id_to_text  # a stop token's display text, for `done.trigger`
         self._loop = loop
-        self.max_sessions, self.max_queue = max_sessions, max_queue
-        self._pages = pages
-        self._reserved = 0  # pages reserved by active jobs
-        self._cond = threading.Condition()
-        self._pending: deque[Job] = deque()
-        self._active: deque[Job] = deque()  # round-robin: the head is stepped next, then rotated to the back
+        self.max_sessions, self.max_queue, self.per_client = max_sessions, max_queue, per_client
+        self.device = device if device is not None else DeviceThread()
+        self._cond = self.device.cond
+        self._waiting: dict[Hashable, deque[Job]] = {}  # client -> its waiting jobs, oldest first
+        self._served: dict[Hashable, int] = {}  # client -> when it last got a slot (clients with waiting jobs)
+        self._tick = 0
+        self._active: list[Job] = []
         self._jobs: dict[Hashable, Job] = {}  # at most one request per connection
-        self._sessions: OrderedDict[Hashable, Session] = OrderedDict()  # LRU order: oldest first
+        self._owners: OrderedDict[Hashable, object] = OrderedDict()  # connection -> its engine owner, LRU first
+        self._page_blocked = False  # the head of the queue did not fit the pool at the last admission
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="webchat-worker", daemon=True)
 
     # ------------------------------------------------------------ event-loop side (never blocks on the model)
     def start(self) -> None:
-        self._thread.start()
+        self.device.start()
+        self.device.drive(self)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
             for job in self._active:
                 job.dropped = True
-                if job.session is not None and job.session.gen is not None:
-                    job.session.gen.cancel()
+                if job.seq is not None:
+                    job.seq.cancel.set()
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        with self._cond:
-            self._sessions.clear()
+        self.device.drive(None)
+        self.device.stop(timeout)
 
     def submit(self, job: Job) -> None:
         """Queue a request; replies `busy_connection` or `busy` through job.deliver when it cannot be taken."""
@@ -114,32 +96,40 @@ class Worker:
                 self._post(job, ev.Failed("busy_connection",
                                           f"request {running!r} is still running on this connection"))
                 return
-            if len(self._active) >= self.max_sessions and len(self._pending) >= self.max_queue:
+            mine = self._waiting.get(job.client)
+            if mine is not None and len(mine) >= self.per_client:
                 self._post(job, ev.Failed("busy", (
-                    f"the server is busy: {len(self._active)} requests running and {len(self._pending)} waiting "
+                    f"this client already has {len(mine)} requests waiting (at most {self.per_client} per client); "
+                    "try again when one has started")))
+                return
+            waiting = sum(len(q) for q in self._waiting.values())
+            free = 0 if self._page_blocked else max(0, self.max_sessions - len(self._active))
+            if waiting >= self.max_queue + free:
+                self._post(job, ev.Failed("busy", (
+                    f"the server is busy: {len(self._active)} requests running and {waiting} waiting "
                     f"(max {self.max_queue}); try again shortly")))
                 return
             self._jobs[job.key] = job
-            job.pages = self._pages.pages_for(job.request) if self._pages is not None else 0
-            self._pending.append(job)
-            self._admit_locked()
+            self._waiting.setdefault(job.client, deque()).append(job)
+            if waiting >= free:  # no slot for it at the next admission: it waits, and is told where it stands
+                self._tell_positions()
             self._cond.notify_all()
 
     def cancel(self, key: Hashable, request_id: str) -> None:
-        """`stop`: a queued request ends now, a running one at its next step; both answer `done` cancelled."""
+        """`stop`: a queued request ends now, a running one at the engine's next step; both answer `done` cancelled."""
         with self._cond:
             job = self._jobs.get(key)
             if job is None or job.request_id != request_id:
                 return
-            if job in self._pending:
-                self._pending.remove(job)
+            if self._unqueue(job):
                 del self._jobs[key]
                 self._post(job, cancelled(job))
-                self._admit_locked()
+                self._tell_positions()
                 return
             job.cancel_requested = True
-            if job.started and job.session is not None and job.session.gen is not None:
-                job.session.gen.cancel()  # also interrupts a prefill in progress
+            if job.seq is not None:
+                job.seq.cancel.set()  # also interrupts a prefill in progress, between chunks
+            self._cond.notify_all()
 
     def close(self, key: Hashable) -> None:
         """The connection is gone: drop its request (queued or running) and free its KV cache."""
@@ -147,24 +137,54 @@ class Worker:
             job = self._jobs.get(key)
             if job is not None:
                 job.dropped = True
-                if job in self._pending:
-                    self._pending.remove(job)
+                if self._unqueue(job):
                     del self._jobs[key]
-                elif job.session is not None and job.session.gen is not None:
-                    job.session.gen.cancel()
-            session = self._sessions.get(key)
-            if session is not None:
-                session.closed = True
-                if not session.in_use:
-                    del self._sessions[key]
-                    _close(session.gen)
-            self._admit_locked()
+                    self._tell_positions()
+                elif job.seq is not None:
+                    job.seq.cancel.set()
+            owner = self._owners.pop(key, None)
+            if owner is not None:
+                self.engine.close(owner)  # its running sequence ends and its pages go back at the next step
             self._cond.notify_all()
 
     def snapshot(self) -> Snapshot:
         with self._cond:
-            return Snapshot([j.request_id for j in self._active], [j.request_id for j in self._pending],
-                            len(self._sessions))
+            return Snapshot([j.request_id for j in self._active], [j.request_id for j in self._order()],
+                            len(self._owners))
+
+    # ------------------------------------------------------------ the device thread (webchat.serve.device.Driver)
+    def has_work(self) -> bool:
+        return not self._stopping and bool(self._active or self._waiting)
+
+    def iterate(self) -> None:
+        """Admit what fits, run one engine step, deliver every sequence's results."""
+        with self._cond:
+            self._admit()
+            for job in self._active:
+                if (job.cancel_requested or job.dropped) and job.seq is not None:
+                    job.seq.cancel.set()
+        if not self.engine.running:
+            return
+        try:
+            self.engine.step()
+        except Exception as exc:  # a bug or a device error: the step's requests end, the server keeps serving
+            log.exception("engine step failed")
+            with self._cond:
+                for job in list(self._active):
+                    self._fail(job, ev.Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        with self._cond:
+            for job in list(self._active):
+                assert job.seq is not None
+                res = self.engine.take(job.seq)
+                if res is None:
+                    if job.seq.done:  # its owner was closed: the engine dropped it with its results
+                        self._finish(job)
+                    continue
+                if res.eos:
+                    self._finish(job)  # the slot is free before the client sees `done`
+                for event in result_events(res, self._id_to_text):
+                    self._post(job, event)
 
     # ------------------------------------------------------------ scheduling (lock held)
     def _post(self, job: Job, event: ev.Event) -> None:
@@ -175,105 +195,91 @@ class Worker:
         except RuntimeError:  # the loop has closed: shutting down
             pass
 
-    def _admit_locked(self) -> None:
-        """Move pending jobs into free slots (FIFO), then tell the ones still waiting their new positions."""
-        while self._pending and len(self._active) < self.max_sessions and self._fits(self._pending[0]):
-            job = self._pending.popleft()
-            job.session = self._claim_session(job.key)
-            self._reserved += job.pages
-            self._active.append(job)
-        for index, job in enumerate(self._pending):
+    def _order(self) -> list[Job]:
+        """Waiting jobs in the order they would be admitted: round-robin over clients, least recently served first."""
+        queues = [self._waiting[c] for c in sorted(self._waiting, key=lambda c: self._served.get(c, -1))]
+        out: list[Job] = []
+        for depth in range(max((len(q) for q in queues), default=0)):
+            out += [q[depth] for q in queues if len(q) > depth]
+        return out
+
+    def _tell_positions(self) -> None:
+        for index, job in enumerate(self._order()):
             if job.position != index + 1:
                 job.position = index + 1
                 self._post(job, ev.Queued(job.position))
 
-    def _fits(self, job: Job) -> bool:
-        """Its pages fit beside the active jobs' (a job alone always runs: its pages are capped at the pool's)."""
-        return self._pages is None or not self._active or self._reserved + job.pages <= self._pages.usable_pages
+    def _unqueue(self, job: Job) -> bool:
+        queue = self._waiting.get(job.client)
+        if queue is None or job not in queue:
+            return False
+        queue.remove(job)
+        if not queue:
+            del self._waiting[job.client]
+            self._served.pop(job.client, None)
+        return True
 
-    def _claim_session(self, key: Hashable) -> Session:
-        session = self._sessions.get(key)
-        if session is None:
-            if len(self._sessions) >= self.max_sessions:
-                idle = next(k for k, s in self._sessions.items() if not s.in_use)  # exists: fewer active than slots
-                _close(self._sessions.pop(idle).gen)
-            session = self._sessions[key] = Session(key)
-        self._sessions.move_to_end(key)
-        session.in_use = True
-        return session
+    def _admit(self) -> None:
+        """Fill free slots from the waiting queues while the engine says the next request's pages fit."""
+        self._page_blocked = False
+        while self._waiting and len(self._active) < self.max_sessions:
+            client = min(self._waiting, key=lambda c: self._served.get(c, -1))
+            job = self._waiting[client][0]
+            if job.dropped or job.cancel_requested:
+                self._unqueue(job)
+                self._jobs.pop(job.key, None)
+                self._post(job, cancelled(job))
+                continue
+            if not self.engine.fits(job.request):
+                self._page_blocked = True
+                break
+            self._unqueue(job)
+            self._tick += 1
+            if client in self._waiting:
+                self._served[client] = self._tick
+            try:
+                seq, info = self.engine.add(self._owner(job.key), job.request)
+            except Exception as exc:  # a request the engine refuses (front ends check first): it alone fails
+                log.exception("request %r could not start", job.request_id)
+                self._jobs.pop(job.key, None)
+                self._post(job, ev.Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
+                continue
+            job.seq, job.started = seq, True
+            self._active.append(job)
+            self._post(job, ev.Started(info.prompt_tokens, info.reused_tokens))
+        self._tell_positions()
 
-    def _finish_locked(self, job: Job) -> None:
+    def _owner(self, key: Hashable) -> object:
+        """The connection's engine owner (its pages stay between turns); past max_sessions the least recently used
+        idle one is closed."""
+        owner = self._owners.get(key)
+        if owner is None:
+            if len(self._owners) >= self.max_sessions:
+                busy = {j.key for j in self._active}
+                idle = next((k for k in self._owners if k not in busy), None)
+                if idle is not None:
+                    self.engine.close(self._owners.pop(idle))
+            owner = self._owners[key] = object()
+        self._owners.move_to_end(key)
+        return owner
+
+    def _finish(self, job: Job) -> None:
         if job in self._active:
             self._active.remove(job)
-            self._reserved -= job.pages
         if self._jobs.get(job.key) is job:
             del self._jobs[job.key]
-        session = job.session
-        if session is not None:
-            session.in_use = False
-            if self._sessions.get(job.key) is session:
-                if session.closed:
-                    del self._sessions[job.key]
-                    _close(session.gen)
-                else:
-                    self._sessions.move_to_end(job.key)  # LRU by last use
-        self._admit_locked()
+        if job.key in self._owners:
+            self._owners.move_to_end(job.key)
 
-    # ------------------------------------------------------------ the device thread
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._active and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                job = self._active[0]
-                self._active.rotate(-1)
-            try:
-                self._step(job)
-            except Exception as exc:  # a bug or a device error: this request ends, the server keeps serving
-                log.exception("request %r failed", job.request_id)
-                with self._cond:
-                    if job.session is not None:
-                        _close(job.session.gen)  # its sequence leaves the engine, its pages go back
-                        job.session.gen = None
-                    self._finish_locked(job)
-                    self._post(job, ev.Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
-
-    def _step(self, job: Job) -> None:
-        """One unit of work for `job`: build its handle, or join the engine (begin_stream), or one stream() step."""
-        session = job.session
-        assert session is not None
-        if job.dropped or (job.cancel_requested and not job.started):
-            with self._cond:
-                self._finish_locked(job)
-                self._post(job, cancelled(job))
-            return
-        if session.gen is None:
-            session.gen = self._new_generator()
-        gen = session.gen
-        if not job.started:
-            with self._cond:
-                job.started = True
-            info = gen.begin_stream(job.request)
-            self._post_locked_free(job, ev.Started(info.prompt_tokens, info.reused_tokens))
-            return
-        if job.cancel_requested:
-            gen.cancel()
-        result = gen.stream()
-        events = result_events(result, self._id_to_text)
-        if result.eos:
-            with self._cond:
-                self._finish_locked(job)  # the slot is free before the client sees `done`
-        for event in events:
-            self._post_locked_free(job, event)
-
-    def _post_locked_free(self, job: Job, event: ev.Event) -> None:
-        with self._cond:
-            self._post(job, event)
+    def _fail(self, job: Job, failure: ev.Failed) -> None:
+        self._finish(job)
+        owner = self._owners.pop(job.key, None)
+        if owner is not None:
+            self.engine.close(owner)  # its sequence leaves the engine, its pages go back
+        self._post(job, failure)
 
 
-# ---------------------------------------------------------------- generator results → neutral events
+# ---------------------------------------------------------------- engine results → neutral events
 def result_events(result: StreamResult, id_to_text: Callable[[int], str]) -> list[ev.Event]:
     """One StreamResult as `Tokens` (when it carries text or tokens) and, at its end, `Finished`."""
     out: list[ev.Event] = []

@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import jinja2
@@ -71,6 +71,9 @@ class OpenAIApi:
                 return await handler(request)
             except APIError as exc:
                 return self._error(request, exc)
+            except Exception as exc:  # a bug: still the API's error shape, never a plain-text 500
+                log.exception("%s %s failed", request.method, request.url.path)
+                return self._error(request, APIError(500, f"internal error: {type(exc).__name__}", "internal_error"))
 
         return endpoint
 
@@ -155,6 +158,13 @@ class OpenAIApi:
                                  return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,
                                  return_logits=False, speculative=mode)
 
+    def _client(self, request: Request) -> Hashable:
+        """Who is asking, for fair admission (webchat.serve.worker): the API key where the server has one, else the
+        peer's address (every connection from one host is one client)."""
+        if self.config.api_key:
+            return ("key", request.headers.get("authorization", ""))
+        return ("peer", request.client.host if request.client is not None else "")
+
     async def _run(self, request: Request, gen_request: GenerationRequest, reply: Reply, stream: bool,
                    messages: list[dict[str, str]] | None = None, continue_final: bool = False) -> Response:
         """Submit the job and answer: errors before the first event keep their status; streams begin at 200."""
@@ -163,7 +173,7 @@ class OpenAIApi:
         pending = Pending(request.state.worker)
         self.live.add(pending)
         pending.worker.submit(Job(key=pending.key, request_id=reply.id, request=gen_request, deliver=pending.deliver,
-                                  prompt_tokens=len(gen_request.prompt_ids), client=request.client,
+                                  prompt_tokens=len(gen_request.prompt_ids), client=self._client(request),
                                   messages=messages, continue_final=continue_final))
         watcher = asyncio.create_task(pending.watch(request.receive))
         streaming = False
@@ -245,6 +255,8 @@ class OpenAIApi:
         headers = self._cors(request)
         if exc.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
+        if exc.status in (429, 503):
+            headers["Retry-After"] = "1"  # a slot frees within a reply; clients (the openai SDK) back off and retry
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
