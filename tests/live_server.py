@@ -27,9 +27,15 @@ class Probe:
     def __init__(self, engine: Any, delay: float = 0.0) -> None:
         self.engine, self.delay = engine, delay
         self.after_cancel: dict[Any, int] = {}  # sequence -> steps it was in after its cancel was set
+        self.started: list[tuple[int, list[int], Any]] = []  # (engine step, prompt ids, StartInfo) per admission
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+    def add(self, owner: Any, request: Any) -> Any:
+        seq, info = self.engine.add(owner, request)
+        self.started.append((self.engine.steps, list(request.prompt_ids), info))
+        return seq, info
 
     def step(self) -> None:
         time.sleep(self.delay)

@@ -33,6 +33,7 @@ from webchat.serve.device import DeviceThread
 log = logging.getLogger("webchat.serve.worker")
 
 PER_CLIENT = 4  # requests one client may have waiting
+SERVED_MEMORY = 4096  # clients whose last admission is remembered for round-robin
 
 
 class Engine(Protocol):
@@ -64,7 +65,7 @@ class Worker:
         self.device = device if device is not None else DeviceThread()
         self._cond = self.device.cond
         self._waiting: dict[Hashable, deque[Job]] = {}  # client -> its waiting jobs, oldest first
-        self._served: dict[Hashable, int] = {}  # client -> when it last got a slot (clients with waiting jobs)
+        self._served: OrderedDict[Hashable, int] = OrderedDict()  # client -> when it last got a slot, oldest first
         self._tick = 0
         self._active: list[Job] = []
         self._jobs: dict[Hashable, Job] = {}  # at most one request per connection
@@ -96,14 +97,14 @@ class Worker:
                 self._post(job, ev.Failed("busy_connection",
                                           f"request {running!r} is still running on this connection"))
                 return
+            waiting = sum(len(q) for q in self._waiting.values())
+            free = 0 if self._page_blocked else max(0, self.max_sessions - len(self._active))
             mine = self._waiting.get(job.client)
-            if mine is not None and len(mine) >= self.per_client:
+            if waiting >= free and mine is not None and len(mine) >= self.per_client:  # it would have to wait
                 self._post(job, ev.Failed("busy", (
                     f"this client already has {len(mine)} requests waiting (at most {self.per_client} per client); "
                     "try again when one has started")))
                 return
-            waiting = sum(len(q) for q in self._waiting.values())
-            free = 0 if self._page_blocked else max(0, self.max_sessions - len(self._active))
             if waiting >= self.max_queue + free:
                 self._post(job, ev.Failed("busy", (
                     f"the server is busy: {len(self._active)} requests running and {waiting} waiting "
@@ -216,7 +217,6 @@ class Worker:
         queue.remove(job)
         if not queue:
             del self._waiting[job.client]
-            self._served.pop(job.client, None)
         return True
 
     def _admit(self) -> None:
@@ -235,8 +235,10 @@ class Worker:
                 break
             self._unqueue(job)
             self._tick += 1
-            if client in self._waiting:
-                self._served[client] = self._tick
+            self._served[client] = self._tick
+            self._served.move_to_end(client)
+            while len(self._served) > SERVED_MEMORY:  # clients not seen for long count as new again
+                self._served.popitem(last=False)
             try:
                 seq, info = self.engine.add(self._owner(job.key), job.request)
             except Exception as exc:  # a request the engine refuses (front ends check first): it alone fails

@@ -1,0 +1,85 @@
+"""Per-step work outside the forward (batch building, sampling, detokenising, events) against the forward itself, on
+the default model, as the server's device thread runs it: engine.step() for 1 and 4 greedy decoding sequences, with
+and without 5 alternatives per token. Issue 20's target: outside-forward time at most 10% of a one-row step.
+
+    .venv/bin/python bench/bench_step.py [--model DIR] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from webchat.engine.sampling import SamplingSettings
+from webchat.engine.sequence import GenerationRequest
+from webchat.model.transformer import Transformer
+from webchat.serve.config import ServerConfig
+from webchat.serve.device import DeviceThread
+from webchat.serve.runtime import Runtime, load_runtime, warm_up
+
+
+def measure(rt: Runtime, rows: int, alts: int, steps: int) -> tuple[float, float]:
+    """(ms per step, ms of it in the model's forward) over `steps` decode steps of `rows` sequences."""
+    engine = rt.engine
+    spent = [0.0]
+    forward = Transformer.forward
+
+    def timed(self: Transformer, *args: object, **kwargs: object) -> torch.Tensor:
+        t = time.perf_counter()
+        try:
+            return forward(self, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    owners = [object() for _ in range(rows)]
+    seqs = []
+    for i, owner in enumerate(owners):
+        ids = rt.encode_chat([{"role": "user", "content": f"Story {i}: write a long story about a lighthouse."}])
+        req = GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0),
+                                max_new_tokens=steps + 64, stop_token_ids=[], return_probs=alts > 0, top_alts=alts)
+        seqs.append(engine.add(owner, req)[0])
+    while any(s.prefilling for s in seqs):
+        engine.step()
+    for s in seqs:
+        engine.take(s)
+    Transformer.forward = timed  # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+            for s in seqs:
+                engine.take(s)
+        total = time.perf_counter() - t0
+    finally:
+        Transformer.forward = forward  # type: ignore[method-assign]
+    for owner in owners:
+        engine.close(owner)
+    engine.reset()
+    return total * 1000 / steps, spent[0] * 1000 / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled default model)")
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+    if args.model is None:
+        from webchat.pull import ensure_default_model
+
+        args.model = ensure_default_model()
+    device = DeviceThread()  # where the server steps it: one OpenMP team, warmed up
+    device.start()
+    rt = device.call(lambda: warm_up(load_runtime(ServerConfig(model_dir=args.model, device="cpu")))).result()
+    print(f"{args.model.name}, {torch.get_num_threads()} threads, {args.steps} decode steps each")
+    print(f"{'rows':>4} {'alternatives':>12} {'step ms':>8} {'forward ms':>10} {'outside':>8}")
+    for rows, alts in ((1, 0), (1, 5), (4, 0), (4, 5)):
+        step, fwd = device.call(lambda r=rows, a=alts: measure(rt, r, a, args.steps)).result()
+        print(f"{rows:>4} {alts:>12} {step:>8.2f} {fwd:>10.2f} {(step - fwd) / step * 100:>7.1f}%")
+    device.stop()
+
+
+if __name__ == "__main__":
+    main()
