@@ -1,0 +1,120 @@
+"""The layout is the architecture (docs/design.md): no import cycle in the package, the engine free of CUDA code, the
+kernels inside the package, and every module named in the design doc."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "webchat"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every webchat module `name` imports anywhere in its file (deferred and TYPE_CHECKING imports too: a cycle hidden
+    in a function is still a cycle), resolved to the module; its own ancestor packages are left out (Python loads
+    those first for any submodule)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            subs = [f"{base}.{a.name}" for a in node.names]
+            targets = [t for t in subs if t in known] or [base]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_the_package() -> None:
+    assert cycles(graph()) == []
+
+
+def test_the_engine_imports_no_kernel_and_no_server_code() -> None:
+    """Each backend installs what it provides on the model (ops, runner, sampler factory): the engine stays portable."""
+    g = graph()
+    for name, deps in g.items():
+        if name.startswith("webchat.engine"):
+            bad = sorted(d for d in deps if d.startswith(("webchat.kernels", "webchat.serve")))
+            assert not bad, f"{name} imports {bad}"
+        if name.startswith(("webchat.model", "webchat.text")):
+            bad = sorted(d for d in deps if d.startswith(("webchat.engine", "webchat.serve")))
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_kernels_live_inside_the_package() -> None:
+    assert not (ROOT / "gpu").exists()
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "package-dir" not in cfg.get("tool", {}).get("setuptools", {})
+
+
+def test_every_module_is_named_in_the_design_doc() -> None:
+    doc = (ROOT / "docs" / "design.md").read_text()
+    missing = []
+    for name, path in modules().items():
+        rel = path.relative_to(PACKAGE).as_posix()
+        if path.name == "__init__.py" and not path.read_text().strip().count("\n"):
+            continue  # an empty package marker
+        if rel not in doc and name not in doc:
+            missing.append(rel)
+    assert not missing, f"docs/design.md does not name {missing}"
