@@ -16,7 +16,7 @@ import torch
 
 from webchat.chat_cli import loop as chat_loop
 from webchat.engine.generator import GenerationRequest, Generator, StreamResult
-from webchat.engine.sampling import SamplingSettings
+from webchat.engine.settings import SamplingSettings
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool
 from webchat.model.loader import load_model

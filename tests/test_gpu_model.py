@@ -16,7 +16,7 @@ from test_golden import GOLDEN_GREEDY, GOLDEN_PROMPT, greedy  # tests/ is on sys
 from test_kernels import ScalarReads
 
 from webchat.engine.generator import GenerationRequest, Generator
-from webchat.engine.sampling import SamplingSettings
+from webchat.engine.settings import SamplingSettings
 from webchat.kernels.cuda.graphs import (
     GraphRunner,
     GraphShape,

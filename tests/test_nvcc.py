@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from webchat.engine.sampling import SamplingSettings
+from webchat.engine.settings import SamplingSettings
 from webchat.kernels.cuda import loader
 from webchat.kernels.cuda.launch import Launch
 from webchat.kernels.cuda.ops import CudaOps

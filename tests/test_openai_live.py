@@ -168,7 +168,7 @@ def test_seed_makes_sampling_reproducible(live: Live, runtime: Runtime) -> None:
 
 def test_completions_read_the_prompt_as_text_or_ids(live: Live, runtime: Runtime) -> None:
     from webchat.engine.generator import GenerationRequest
-    from webchat.engine.sampling import SamplingSettings
+    from webchat.engine.settings import SamplingSettings
 
     client = openai_client(live)
     prompt = "Hello <|im_end|> world"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from webchat.engine import events as ev
-from webchat.engine.sampling import SamplingSettings
+from webchat.engine.settings import SamplingSettings
 from webchat.serve.openai.format import Reply, logprob, merge
 from webchat.serve.openai.schema import OPENAI_DEFAULTS, APIError, ChatRequest, CompletionRequest, parse
 from webchat.text.tokenizer import Tokenizer
@@ -150,3 +150,32 @@ def test_api_key_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert key([]) is None and key(["--api-key", "k1"]) == "k1"
     monkeypatch.setenv("WEBCHAT_API_KEY", "k2")
     assert key([]) == "k2" and key(["--api-key", "k1"]) == "k1"
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "9" * 5000, "-1", "100"])
+def test_logit_bias_keys_are_ascii_token_ids_in_the_vocabulary(key: str) -> None:
+    """"²" passes str.isdigit() but int() refuses it, "٣" int() reads as 3, 5,000 digits pass Python's int limit:
+    every one is a 400 naming logit_bias (issue 23), never a 500."""
+    req = parse(ChatRequest, ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"'
+                              + key + '": 1}}').encode())
+    with pytest.raises(APIError) as e:
+        req.sampling(vocab_size=100)
+    assert e.value.status == 400 and e.value.code == "invalid_value" and e.value.param == "logit_bias", e.value.body()
+    assert "ASCII digits" in e.value.message and len(e.value.message) < 300
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "ok"}], "stop": ["\\udfff"]}',
+])
+def test_a_lone_surrogate_is_refused_by_name(body: bytes) -> None:
+    with pytest.raises(APIError) as e:
+        parse(ChatRequest, body)
+    assert e.value.status == 400 and "lone surrogate" in e.value.message, e.value.body()
+    assert e.value.param in ("messages.0.content", "stop.0")
+
+
+def test_a_lone_surrogate_in_a_completion_prompt_is_refused_by_name() -> None:
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, b'{"model": "m", "prompt": "x\\ud83d"}')
+    assert e.value.status == 400 and e.value.param == "prompt"

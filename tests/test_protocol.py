@@ -105,7 +105,7 @@ def connect(c: TestClient, stack: ExitStack, **kwargs: Any) -> Any:
 
 def direct_greedy(runtime: Runtime, max_new_tokens: int, alternatives: int = 0) -> str:
     from webchat.engine.generator import GenerationRequest
-    from webchat.engine.sampling import SamplingSettings
+    from webchat.engine.settings import SamplingSettings
 
     gen = runtime.new_generator()
     gen.begin_stream(GenerationRequest(prompt_ids=runtime.encode_chat(USER), settings=SamplingSettings(temperature=0.0),
@@ -298,7 +298,10 @@ def test_bad_message_names_the_field(client: TestClient, stack: ExitStack, msg: 
         (generate("x", settings={"top_k": -1}), "settings.top_k", "-1", "0 <= value <= 100000"),
         (generate("x", settings={"seed": -5}), "settings.seed", "-5", "0 <= value"),
         (generate("x", settings={"token_bias": {"3": 500}}), "settings.token_bias.3", "500", "<= 100.0"),
-        (generate("x", settings={"token_bias": {"99999": 1}}), "settings.token_bias", "99999", "0 <= value <="),
+        (generate("x", settings={"token_bias": {"99999": 1}}), "settings.token_bias", "99999", "in [0, "),
+        (generate("x", settings={"token_bias": {"\u00b2": 1}}), "settings.token_bias", "\u00b2", "ASCII digits"),
+        (generate("x", settings={"token_bias": {"\u0663": 1}}), "settings.token_bias", "\u0663", "ASCII digits"),
+        (generate("x", settings={"token_bias": {"7" * 3000: 1}}), "settings.token_bias", "7777", "ASCII digits"),
         (generate("x", alternatives=21), "alternatives", "21", "0 <= value <= 20"),
         (generate("x", max_new_tokens=0), "max_new_tokens", "0", "1 <= value"),
         (generate("x", speculative="warp"), "speculative", "'warp'", "['none', 'self', 'ngram']"),
@@ -542,7 +545,7 @@ def test_wire_settings_mirror_sampling_settings() -> None:
 
     from annotated_types import Ge, Gt, Le
 
-    from webchat.engine.sampling import SamplingSettings, SettingsError
+    from webchat.engine.settings import SamplingSettings, SettingsError
 
     internal = {f.name: f for f in dataclasses.fields(SamplingSettings)}
     assert list(p.WireSettings.model_fields) == list(internal)
@@ -566,7 +569,7 @@ def test_wire_settings_mirror_sampling_settings() -> None:
 def test_continue_goes_on_from_the_partial_reply(client: TestClient, stack: ExitStack, runtime: Runtime) -> None:
     """A reply continued from its first part is the greedy continuation of the prompt that ends in that part."""
     from webchat.engine.generator import GenerationRequest
-    from webchat.engine.sampling import SamplingSettings
+    from webchat.engine.settings import SamplingSettings
 
     ws = connect(client, stack)
     _, first = run_to_end_after_send(ws, generate("whole", max_new_tokens=12, alternatives=1))
@@ -601,3 +604,21 @@ def test_continue_refuses_a_template_that_drops_the_final_message(config: Server
         ws.send_json(generate("c", messages=msgs, **{"continue": True}))
         err = p.Error.model_validate(ws.receive_json())
         assert err.code == "bad_message" and "'continue'" in err.message, err
+
+
+def test_a_lone_surrogate_id_is_answered_in_a_safe_form_and_the_socket_stays_open(client: TestClient,
+                                                                                  stack: ExitStack) -> None:
+    ws = connect(client, stack)
+    ws.send_text('{"type": "generate", "id": "r\\ud800", "messages": [{"role": "user", "content": "Hi"}]}')
+    err = ws.receive_json()
+    assert err["type"] == "error" and err["code"] == "bad_message" and err["id"] == "r\\ud800", err
+    assert "lone surrogate" in err["message"]
+    assert_still_works(ws)
+
+
+def test_a_lone_surrogate_in_content_is_refused_by_name(client: TestClient, stack: ExitStack) -> None:
+    ws = connect(client, stack)
+    ws.send_text('{"type": "generate", "id": "s", "messages": [{"role": "user", "content": "a\\udc00"}]}')
+    err = ws.receive_json()
+    assert err["code"] == "bad_message" and err["id"] == "s" and "messages.0.content" in err["message"], err
+    assert_still_works(ws)

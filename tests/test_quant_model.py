@@ -18,7 +18,7 @@ from test_fidelity import PROMPTS as FIDELITY  # tests/ is on sys.path under pyt
 
 from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.engine.generator import GenerationRequest, Generator
-from webchat.engine.sampling import SamplingSettings
+from webchat.engine.settings import SamplingSettings
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.loader import load_model, weights_name
 from webchat.model.quant import QLinear, dequantize, quantize

@@ -129,8 +129,8 @@ def test_sse_lines() -> None:
 
 # ---------------------------------------------------------------- what is sent, per engine (RemoteEngine.body)
 def _body(kind: str, **caps: object) -> dict:
-    from webchat.engine.sampling import SamplingSettings
     from webchat.engine.sequence import GenerationRequest
+    from webchat.engine.settings import SamplingSettings
     from webchat.serve.backend import Job
     from webchat.serve.remote.capabilities import Capabilities
     from webchat.serve.remote.client import Upstream
@@ -175,8 +175,8 @@ def test_a_job_stopped_before_its_task_ran_frees_its_slot_and_is_answered() -> N
     import asyncio
 
     from webchat.engine import events as ev
-    from webchat.engine.sampling import SamplingSettings
     from webchat.engine.sequence import GenerationRequest
+    from webchat.engine.settings import SamplingSettings
     from webchat.serve.backend import Job
     from webchat.serve.remote.capabilities import Capabilities
     from webchat.serve.remote.client import Upstream

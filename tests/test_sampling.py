@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from webchat.engine.sampling import RowAsk, Sampler, SamplingSettings, SettingsError, sample_batch
+from webchat.engine.sampling import RowAsk, Sampler, sample_batch
+from webchat.engine.settings import SamplingSettings, SettingsError, token_id
 
 PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
 
@@ -47,12 +48,13 @@ def test_token_bias_validated() -> None:
         Sampler(SamplingSettings(token_bias={10: 1.0}), vocab_size=10)
 
 
-def test_from_dict_rejects_unknown_and_converts_bias_keys() -> None:
-    with pytest.raises(SettingsError) as e:
-        SamplingSettings.from_dict({"temprature": 1.0})
-    assert e.value.field == "temprature"
-    s = SamplingSettings.from_dict({"token_bias": {"5": -1.0}, "seed": 3})
-    assert s.token_bias == {5: -1.0} and s.seed == 3
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1" * 5000, "-1", "+3", " 3", "3.0", "", "0x10", "12"])
+def test_token_id_keys_are_ascii_digits_inside_the_vocabulary(key: str) -> None:
+    """One rule for every token-id key (websocket token_bias, /v1 logit_bias): "²" and "٣" pass str.isdigit()."""
+    with pytest.raises(SettingsError, match="ASCII digits") as e:
+        token_id(key, vocab_size=10)
+    assert len(str(e.value)) < 200  # a 5,000-digit key is shown cut short, never parsed
+    assert token_id("9", vocab_size=10) == 9 and token_id("123456789") == 123456789
 
 
 def _logits(*vals: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from webchat.engine.generator import GenerationRequest, Generator, StreamResult
-from webchat.engine.sampling import SamplingSettings
+from webchat.engine.settings import SamplingSettings
 from webchat.engine.speculative import DraftVocabError, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
 from webchat.model.loader import load_model
 from webchat.text.tokenizer import Tokenizer

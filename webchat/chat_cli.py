@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from webchat.engine.events import Stats
 from webchat.engine.generator import GenerationRequest, Generator
-from webchat.engine.sampling import SamplingSettings, SettingsError
+from webchat.engine.settings import SamplingSettings, SettingsError
 from webchat.engine.speculative import MODES
 
 

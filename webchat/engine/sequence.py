@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from webchat.engine.events import Stats, TokenInfo
-from webchat.engine.sampling import Sampler, SamplingSettings
+from webchat.engine.sampling import Sampler
+from webchat.engine.settings import SamplingSettings
 from webchat.engine.speculative import Drafter
 from webchat.model.kv_cache import PageTable
 from webchat.text.detok import IncrementalDecoder

@@ -164,7 +164,7 @@ class Connection:
         """Validate what pydantic cannot (mode, vocabulary, context), template, encode and trim the history: the
         generator request, its prompt length and how many messages were left out."""
         from webchat.engine.generator import GenerationRequest
-        from webchat.engine.sampling import SamplingSettings, SettingsError
+        from webchat.engine.settings import SamplingSettings, SettingsError, token_id
 
         rt = self.runtime
         mode = msg.speculative if msg.speculative is not None else rt.default_mode
@@ -180,12 +180,9 @@ class Connection:
             return GenerationRequest(prompt_ids=[], settings=settings, max_new_tokens=msg.max_new_tokens,
                                      stop_strings=list(msg.stop), return_probs=msg.alternatives > 0,
                                      top_alts=msg.alternatives, speculative=mode), 0, 0
-        vocab = rt.tokenizer.vocab_size
-        for tid in bias:
-            if tid >= vocab:
-                raise p.ProtocolError("bad_settings", f"settings.token_bias key {tid} is out of range: allowed "
-                                      f"0 <= value <= {vocab - 1} (the vocabulary)", msg.id)
         try:
+            for key in msg.settings.token_bias:
+                token_id(key, rt.tokenizer.vocab_size)
             settings = SamplingSettings(**msg.settings.model_dump(exclude={"token_bias"}), token_bias=bias)
         except SettingsError as exc:
             raise p.ProtocolError("bad_settings", f"settings.{exc}", msg.id) from None

@@ -14,6 +14,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
+from webchat.engine.settings import SettingsError, token_id
 
 VERSION = 1
 MAX_ALTERNATIVES = 20
@@ -50,9 +51,10 @@ class WireSettings(_Strict):
     @classmethod
     def _bias_keys_are_ids(cls, v: dict[str, float]) -> dict[str, float]:
         for key in v:
-            if not key.isdigit():
-                raise PydanticCustomError("bad_token_id", "token_bias keys are token ids as decimal strings, got {key}",
-                                          {"key": repr(key)})
+            try:
+                token_id(key)
+            except SettingsError as exc:
+                raise PydanticCustomError("bad_token_id", str(exc)) from None
         return v
 
     def token_bias_ids(self) -> dict[int, float]:
@@ -267,6 +269,13 @@ def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
     if not isinstance(obj, dict):
         raise ProtocolError("bad_json", f"expected a JSON object, got {type(obj).__name__}")
     rid = obj.get("id") if isinstance(obj.get("id"), str) and 0 < len(obj["id"]) <= 64 else None
+    if rid is not None and lone_surrogate(rid) is not None:
+        raise ProtocolError("bad_message", "field 'id' holds a lone surrogate (an unpaired UTF-16 half, "
+                                           "U+D800–U+DFFF), which no reply can echo", safe_text(rid))
+    where = lone_surrogate(obj)
+    if where is not None:
+        raise ProtocolError("bad_message", f"field '{where}' holds a lone surrogate (an unpaired UTF-16 half, "
+                                           "U+D800–U+DFFF): send well-formed Unicode text", rid)
     kind = obj.get("type")
     if kind not in _CLIENT_TYPES:
         got = "no 'type' field" if "type" not in obj else f"type {kind!r}"
@@ -275,6 +284,33 @@ def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
         return _CLIENT_TYPES[kind].model_validate(obj)
     except ValidationError as exc:
         raise validation_error(exc, _CLIENT_TYPES[kind], rid) from None
+
+
+def lone_surrogate(value: object) -> str | None:
+    """The dotted path of the first string (a value or a key) holding a lone surrogate, which JSON's \\ud800 escapes
+    can carry but UTF-8 and the tokenizer cannot ("" for a bare string); None when there is none. Iterative, so a
+    deeply nested body cannot exhaust the stack. Shared by the websocket and /v1."""
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in items:
+            here = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and lone_surrogate(key) is not None:
+                return here
+            stack.append((child, here))
+    return None
+
+
+def safe_text(text: str) -> str:
+    """text with lone surrogates written as \\udXXX escapes: always encodable, still recognisable."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def validation_error(exc: ValidationError, model: type[BaseModel], request_id: str | None) -> ProtocolError:
@@ -288,7 +324,9 @@ def validation_error(exc: ValidationError, model: type[BaseModel], request_id: s
         return ProtocolError("bad_message", f"field '{loc}' is missing", request_id)
     if err["type"] == "extra_forbidden":
         return ProtocolError("bad_message", f"field '{loc}' is not part of the protocol", request_id)
-    if err["type"] in ("bad_token_id", "last_not_user"):
+    if err["type"] == "bad_token_id":
+        return ProtocolError("bad_settings", f"{loc}: {err['msg']}", request_id)
+    if err["type"] == "last_not_user":
         return ProtocolError("bad_message", f"field '{loc}': {err['msg']}", request_id)
     shown = _short_repr(err.get("input"))
     return ProtocolError("bad_message", f"field '{loc}': {err['msg']}, got {shown}", request_id)

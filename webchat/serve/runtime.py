@@ -77,8 +77,8 @@ def load_runtime(config: ServerConfig) -> Runtime:
 def warm_up(rt: Runtime) -> Runtime:
     """One short greedy generation, run where the model will be stepped (the device thread): kernels are built and
     the thread's OpenMP team started before the first user waits on them; the cache is left cold."""
-    from webchat.engine.sampling import SamplingSettings
     from webchat.engine.sequence import GenerationRequest
+    from webchat.engine.settings import SamplingSettings
 
     gen = rt.new_generator()
     ids = rt.encode_chat([{"role": "user", "content": "Hello"}])

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from webchat.engine.sampling import MAX_TOP_ALTS, Choice, Sampler, SamplingSettings, draw
+from webchat.engine.sampling import Choice, Sampler, draw
+from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings
 from webchat.kernels.cuda.launch import ELEMENTWISE_THREADS, KernelInputError, Launch, Launcher, blocks, check, i32, ptr
 
 

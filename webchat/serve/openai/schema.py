@@ -18,7 +18,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from webchat.engine.sampling import MAX_TOP_ALTS, SamplingSettings, SettingsError
+from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
+from webchat.serve.protocol import lone_surrogate, safe_text
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 200
@@ -149,15 +150,12 @@ class _Request(_Strict):
                  "frequency_penalty", "presence_penalty", "seed")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         bias: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= vocab_size:
-                raise APIError(400, f"logit_bias keys must be token ids (decimal strings) in [0, {vocab_size - 1}], "
-                               f"got {key!r}", "invalid_value", "logit_bias")
-            bias[int(key)] = value
         try:
+            for key, value in (self.logit_bias or {}).items():
+                bias[token_id(key, vocab_size, "logit_bias key")] = value
             return SamplingSettings(**{**OPENAI_DEFAULTS, **given}, token_bias=bias)
         except SettingsError as exc:
-            param = "logit_bias" if exc.field.startswith("token_bias") else exc.field
+            param = "logit_bias" if exc.field.startswith(("token_bias", "logit_bias")) else exc.field
             raise APIError(400, str(exc).replace("token_bias", "logit_bias"), "invalid_value", param) from None
 
 
@@ -239,6 +237,10 @@ def parse(model: type[_Request], body: bytes) -> Any:
         raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(obj).__name__}", "invalid_json")
+    where = lone_surrogate(obj)
+    if where is not None:
+        raise APIError(400, f"field '{safe_text(where)}' holds a lone surrogate (an unpaired UTF-16 half, "
+                            "U+D800–U+DFFF): send well-formed Unicode text", "invalid_value", safe_text(where))
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
