@@ -189,9 +189,8 @@ function saveDraft() {
 /** @param {File} file */
 async function importFile(file) {
   try {
-    const { added, errors } = lib.importMany(await readExport(file));
-    $("import-status").textContent = `Imported ${added} conversation${added === 1 ? "" : "s"}`
-      + (errors.length ? `; skipped ${errors.length}: ${errors.join("; ")}` : "");
+    const added = lib.importMany(await readExport(file));
+    $("import-status").textContent = `Imported ${added} conversation${added === 1 ? "" : "s"}`;
   } catch (err) {
     $("import-status").textContent = `Import failed: ${err instanceof Error ? err.message : String(err)}`;
   }

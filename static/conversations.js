@@ -2,18 +2,21 @@
 /** The conversations kept in this browser (IndexedDB) and which one is shown; rename, search, import. */
 
 import * as store from "./store.js";
-import { allMessages, checkConversation, path } from "./tree.js";
+import { checkConversation, repairConversation } from "./schema.js";
+import { allMessages, path } from "./tree.js";
 
 /** @typedef {import("./tree.js").Conversation} Conversation */
 
 export class Library {
   /** @param {Conversation[]} all newest first */
   constructor(all) {
-    this.all = all;
+    // a stored conversation that does not check out (written by an older page, or by hand) is rendered as far as it
+    // can be and marked; it never stops the others from loading
+    this.all = all.map((c) => repairConversation(c, store.newId));
     // a reply that was streaming when the page went away ended without a `done`
-    for (const c of all) for (const m of allMessages(c.root)) if (m.role === "assistant" && !m.reason) m.reason = "interrupted";
+    for (const c of this.all) for (const m of allMessages(c.root)) if (m.role === "assistant" && !m.reason) m.reason = "interrupted";
     /** @type {Conversation} */
-    this.current = all.find((c) => c.id === store.loadCurrentId()) ?? all[0] ?? this.add();
+    this.current = this.all.find((c) => c.id === store.loadCurrentId()) ?? this.all[0] ?? this.add();
     /** @type {Map<string, number>} */
     this.lastSave = new Map();
   }
@@ -97,30 +100,28 @@ export class Library {
   }
 
   /**
-   * Adds imported conversations; one whose id is taken gets a new id (nothing here is overwritten).
+   * Adds imported conversations, all or none: the first one that does not check out field by field rejects the
+   * whole file, naming the conversation and the field, and nothing is kept. One whose id is taken gets a new id
+   * (nothing here is overwritten).
    * @param {unknown[]} list
-   * @returns {{added: number, errors: string[]}}
+   * @returns {number} how many were added
    */
   importMany(list) {
-    const errors = [];
-    let added = 0;
     for (const [i, raw] of list.entries()) {
       const err = checkConversation(raw);
-      if (err) {
-        errors.push(`conversation ${i + 1}: ${err}`);
-        continue;
-      }
-      const conv = /** @type {Conversation} */ (raw);
+      if (err) throw new Error(`conversation ${i + 1} of ${list.length}: ${err}; nothing was imported`);
+    }
+    const convs = /** @type {Conversation[]} */ (structuredClone(list));
+    for (const conv of convs) {
       if (this.all.some((c) => c.id === conv.id)) conv.id = store.newId();
       conv.updated = typeof conv.updated === "number" ? conv.updated : Date.now();
       conv.created = typeof conv.created === "number" ? conv.created : conv.updated;
       conv.title = typeof conv.title === "string" ? conv.title : "Imported chat";
       this.all.push(conv);
       this.save(conv);
-      added += 1;
     }
     this.all.sort((a, b) => b.updated - a.updated);
-    return { added, errors };
+    return convs.length;
   }
 
   /**

@@ -32,6 +32,12 @@ export function renderSidebar(ul, convs, currentId, streamingId, actions) {
     open.className = "conv-open";
     open.textContent = title;
     open.title = `${title}\n${new Date(conv.updated).toLocaleString()} · ${path(conv).length} messages`;
+    const damaged = /** @type {{damaged?: string}} */ (conv).damaged;
+    if (damaged) {
+      li.classList.add("damaged");
+      open.textContent = `⚠ ${title}`;
+      open.title += `\nDamaged in storage, shown as far as it could be: ${damaged}`;
+    }
     if (conv.id === currentId) open.setAttribute("aria-current", "true");
     if (conv.id === streamingId) {
       li.classList.add("streaming");

@@ -119,39 +119,3 @@ export function allMessages(thread) {
   if (!thread) return [];
   return thread.versions.flatMap((v) => [v.msg, ...allMessages(v.next)]);
 }
-
-/**
- * Checks an imported conversation's shape; returns an error naming what is wrong, or "".
- * @param {unknown} c
- * @returns {string}
- */
-export function checkConversation(c) {
-  if (!c || typeof c !== "object") return `expected a conversation object, got ${typeof c}`;
-  const conv = /** @type {Record<string, unknown>} */ (c);
-  if (typeof conv.id !== "string") return "expected a string id";
-  if (conv.root === null) return "";
-  return checkThread(conv.root, 0);
-}
-
-/**
- * @param {unknown} t
- * @param {number} depth
- * @returns {string}
- */
-function checkThread(t, depth) {
-  if (depth > 10000) return "a conversation deeper than 10000 messages";
-  const thread = /** @type {Thread} */ (t);
-  if (!thread || !Array.isArray(thread.versions) || typeof thread.current !== "number") {
-    return "expected a thread {versions: [...], current: n}";
-  }
-  for (const v of thread.versions) {
-    const m = v && v.msg;
-    if (!m || (m.role !== "user" && m.role !== "assistant") || typeof m.content !== "string") {
-      return `expected a message {role: "user" | "assistant", content: string}, got ${JSON.stringify(m)?.slice(0, 80)}`;
-    }
-    if (m.tokens !== undefined && !Array.isArray(m.tokens)) return "expected tokens to be a list";
-    const err = v.next === null || v.next === undefined ? "" : checkThread(v.next, depth + 1);
-    if (err) return err;
-  }
-  return "";
-}
