@@ -107,7 +107,7 @@ def direct(runtime: Runtime, tokens: int, alternatives: int, eos_ids: list[int],
            messages: list[dict[str, str]] | None = None) -> tuple[float, float]:
     """The generator alone, no server: (decode tokens/s, time to first token ms)."""
     from webchat.engine.generator import GenerationRequest
-    from webchat.engine.sampling import SamplingSettings
+    from webchat.engine.settings import SamplingSettings
 
     gen = runtime.new_generator()
     settings = SamplingSettings(temperature=0.0, token_bias={t: -100.0 for t in eos_ids})
@@ -313,7 +313,7 @@ PROBE = """
 import json, sys
 from webchat.engine.generator import GenerationRequest, Generator
 from webchat.model.loader import load_model
-from webchat.engine.sampling import SamplingSettings
+from webchat.engine.settings import SamplingSettings
 from webchat.text.tokenizer import Tokenizer
 import webchat
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from webchat.engine.generator import GenerationRequest, Generator
-from webchat.engine.sampling import SamplingSettings
+from webchat.engine.settings import SamplingSettings
 
 PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than a century. Every night its keeper "
              "climbed the narrow stairs, cleaned the great lens and lit the lamp, so that ships could find their "

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from webchat.engine.sampling import SamplingSettings
 from webchat.engine.sequence import GenerationRequest
+from webchat.engine.settings import SamplingSettings
 from webchat.model.transformer import Transformer
 from webchat.serve.config import ServerConfig
 from webchat.serve.device import DeviceThread

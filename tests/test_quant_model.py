@@ -19,6 +19,7 @@ from test_fidelity import PROMPTS as FIDELITY  # tests/ is on sys.path under pyt
 from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.engine.generator import GenerationRequest, Generator
 from webchat.engine.settings import SamplingSettings
+from webchat.folder_check import check_recorded_files
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.loader import load_model, weights_name
 from webchat.model.quant import QLinear, dequantize, quantize
@@ -182,3 +183,28 @@ def test_pull_adds_the_quantized_file_to_an_older_folder(real_model_dir: Path, t
     os.link(default_gguf_path(), default_gguf_path(home))
     assert pull.ensure_default_model(home) == old
     assert (old / QUANT_FILE).is_file() and weights_name(load_model(old)) == "q4_1"
+    check_recorded_files(real_model_dir)  # the marker linked from it was replaced in `old`, not written through
+
+
+@pytest.mark.real_model
+def test_a_default_folder_that_no_longer_matches_its_record_is_converted_again(real_model_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    from webchat import pull
+    from webchat.paths import default_gguf_path, default_model_dir
+
+    home = tmp_path / "home"
+    folder = default_model_dir(home)
+    folder.mkdir(parents=True)
+    for p in real_model_dir.iterdir():
+        os.link(p, folder / p.name)
+    default_gguf_path(home).parent.mkdir(parents=True)
+    os.link(default_gguf_path(), default_gguf_path(home))
+    marker = json.loads((folder / ".complete").read_text())
+    marker["files"][QUANT_FILE]["head_sha256"] = "0" * 64  # what a damaged record or file looks like
+    (folder / ".complete").unlink()
+    (folder / ".complete").write_text(json.dumps(marker))
+    assert not pull.is_complete(folder)
+    assert pull.ensure_default_model(home) == folder
+    check_recorded_files(folder)  # converted again: the new record matches the new files
+    assert pull.is_complete(folder) and weights_name(load_model(folder)) == "q4_1"
+    check_recorded_files(real_model_dir)

@@ -83,7 +83,16 @@ def is_complete(model_dir: Path) -> bool:
     if not isinstance(marker, dict):
         return False
     marker.pop("files", None)
-    return marker == _marker_data() and all((model_dir / name).is_file() for name in REQUIRED_FILES)
+    if marker != _marker_data() or not all((model_dir / name).is_file() for name in REQUIRED_FILES):
+        return False
+    from webchat.folder_check import ModelFolderError, check_recorded_files
+
+    try:  # the cache is ours to mend: a file that no longer matches its record is converted again, not reported
+        check_recorded_files(model_dir)
+    except ModelFolderError as exc:
+        _log(f"{exc}; converting it again")
+        return False
+    return True
 
 
 def write_marker(folder: Path) -> None:
@@ -91,7 +100,9 @@ def write_marker(folder: Path) -> None:
     from webchat.folder_check import file_record
 
     files = {p.name: file_record(p) for p in sorted(folder.glob("*.safetensors"))}
-    (folder / MARKER).write_text(json.dumps({**_marker_data(), "files": files}) + "\n", encoding="utf-8")
+    tmp = folder / f"{MARKER}.tmp"  # a new file renamed over the old: a marker hard-linked elsewhere stays as it was
+    tmp.write_text(json.dumps({**_marker_data(), "files": files}) + "\n", encoding="utf-8")
+    tmp.replace(folder / MARKER)
 
 
 @contextlib.contextmanager

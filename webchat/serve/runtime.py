@@ -81,7 +81,8 @@ def warm_up(rt: Runtime) -> Runtime:
     from webchat.engine.settings import SamplingSettings
 
     gen = rt.new_generator()
-    ids = rt.encode_chat([{"role": "user", "content": "Hello"}])
+    # plain text, not the chat template: a template that fails is the requests' error to report, never startup's
+    ids = rt.tokenizer.encode_text("Hello, how are you?") or [0]
     gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0), max_new_tokens=2))
     while not gen.stream().eos:
         pass
