@@ -6,8 +6,8 @@
 //   Q8_0 (34 B): f16 d, 32 x int8;             w = d * q
 // Nibble j of a block (j < 16) is byte j & 0xF; element j + 16 is byte j >> 4 (ggml's order).
 // The integer q is widened to float, never the activations narrowed, so the result is the float32 product with the
-// dequantized weights up to the order of the float additions. AVX2 dequantizes each block to floats (one fused
-// multiply-add per weight) and takes the dot product; scalar and AVX-512 use y += d * sum(q * x) + m * sum(x).
+// dequantized weights up to the order of the float additions: every path computes y += d * sum(q * x) + m * sum(x)
+// per block, the zero-point sums of x taken once per call.
 //
 // Three code paths, chosen at run time (__builtin_cpu_supports) or forced by set_path(): scalar (any x86-64),
 // AVX2+FMA+F16C, AVX-512F+BW. Threads: at::parallel_for, so the work runs on torch's own OpenMP pool (one runtime,
@@ -106,48 +106,43 @@ AVX2_TARGET static inline void decode_avx2(const uint8_t* blk, __m256 w[4]) {
   }
 }
 
-// the block's 32 weights as floats: d * q (Q8_0), d * q - 8d (Q4_0), d * q + m (Q4_1), each one fused multiply-add,
-// so within half an ulp of what dequantize() writes
-template <int QT>
-AVX2_TARGET static inline void dequant_avx2(const uint8_t* blk, __m256 w[4]) {
-  decode_avx2<QT>(blk, w);
-  int32_t raw;
-  std::memcpy(&raw, blk, 4);
-  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(QT == Q4_1 ? raw : raw & 0xffff));  // (d, m) in lanes 0, 1
-  const __m256 vd = _mm256_broadcastss_ps(dm);
-  if (QT == Q8_0) {
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], vd);
-    return;
-  }
-  const __m256 vm = QT == Q4_1 ? _mm256_broadcastss_ps(_mm_movehdup_ps(dm)) : _mm256_mul_ps(vd, _mm256_set1_ps(-8.f));
-  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(w[i], vd, vm);
-}
-
-// y[r, n] for R rows of x against weight rows [n0, n1): each block is dequantized once and feeds R rows. Per row and
-// block, p = w . x over 32 lanes is added to the row's accumulator: the same order for any R, so a row's result does
-// not depend on how many rows share the call.
+// y[r, n] for R rows of x against weight rows [n0, n1): each block's integer q is widened once and feeds R rows.
+// Per row and block, y += d * (q . x) + m * sum(x) (the zero-point term from xsum, Q4_0's m = -8d), the same form as
+// the scalar and AVX-512 paths: 4 multiply-adds per block and row, not 4 more to dequantize first. The order of a
+// row's sums does not depend on R, so a row's result does not depend on how many rows share the call.
 template <int QT, int R>
 AVX2_TARGET static void rows_avx2_r(const Job& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nb = j.k / 32;
   const float* x[R];
-  for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx;
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx, xs[r] = j.xsum + (r0 + r) * nb * 2 + 1;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m128 macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * BlockOf<QT>::bytes;
       __m256 w[4];
-      dequant_avx2<QT>(row + b * BlockOf<QT>::bytes, w);
+      decode_avx2<QT>(blk, w);
+      int32_t raw;
+      std::memcpy(&raw, blk, 4);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(QT == Q4_1 ? raw : raw & 0xffff));  // (d, m) in lanes 0, 1
+      const __m256 vd = _mm256_broadcastss_ps(dm);
+      __m128 mn = _mm_setzero_ps();
+      if (QT == Q4_1) mn = _mm_movehdup_ps(dm);
+      if (QT == Q4_0) mn = _mm_mul_ss(dm, _mm_set_ss(-8.f));
       for (int r = 0; r < R; ++r) {
         const float* xb = x[r] + b * 32;
         __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
         p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), p);
         p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), p);
         p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), p);
-        acc[r] = _mm256_add_ps(acc[r], p);
+        acc[r] = _mm256_fmadd_ps(vd, p, acc[r]);
+        if (QT != Q8_0) macc[r] = _mm_fmadd_ss(mn, _mm_load_ss(xs[r] + b * 2), macc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) j.y[(r0 + r) * j.ldy + n] = hsum256(acc[r]);
+    for (int r = 0; r < R; ++r) j.y[(r0 + r) * j.ldy + n] = hsum256(acc[r]) + _mm_cvtss_f32(macc[r]);
   }
 }
 
