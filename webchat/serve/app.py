@@ -35,6 +35,7 @@ from webchat.serve.limits import (
 )
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
+from webchat.serve.rules import RuleError, speculative_mode
 from webchat.serve.runtime import RemoteRuntime, Runtime, load_remote_runtime, load_runtime, warm_up
 from webchat.serve.worker import Worker
 from webchat.text.chat_encode import ContentRewritten
@@ -167,10 +168,10 @@ class Connection:
         from webchat.engine.settings import SamplingSettings, SettingsError, token_id
 
         rt = self.runtime
-        mode = msg.speculative if msg.speculative is not None else rt.default_mode
-        if mode not in rt.modes:
-            raise p.ProtocolError("bad_settings", f"speculative = {mode!r} is not available: allowed {rt.modes}",
-                                  msg.id)
+        try:
+            mode = speculative_mode(msg.speculative, rt.default_mode, rt.modes)
+        except RuleError as exc:
+            raise p.ProtocolError("bad_settings", exc.message, msg.id) from None
         bias = msg.settings.token_bias_ids()
         if rt.tokenizer is None:  # a remote engine (RemoteRuntime): the upstream templates, counts and checks ids
             try:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 import types
 import typing
 from typing import Annotated, Any, Literal
@@ -15,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
 from webchat.engine.settings import SettingsError, token_id
+from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 
 VERSION = 1
 MAX_ALTERNATIVES = 20
@@ -251,10 +250,6 @@ class ProtocolError(Exception):
         return Error(id=self.request_id, code=self.code, message=self.message)  # type: ignore[arg-type]
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
     """Decode and validate one client frame, or raise ProtocolError with the code of docs/protocol.md."""
     size = len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else len(text)
@@ -263,7 +258,7 @@ def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
     if isinstance(text, bytes):
         raise ProtocolError("bad_json", "expected a text frame holding a JSON object, got a binary frame")
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = loads(text)
     except (ValueError, RecursionError) as exc:
         raise ProtocolError("bad_json", f"frame is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -286,33 +281,6 @@ def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
         raise validation_error(exc, _CLIENT_TYPES[kind], rid) from None
 
 
-def lone_surrogate(value: object) -> str | None:
-    """The dotted path of the first string (a value or a key) holding a lone surrogate, which JSON's \\ud800 escapes
-    can carry but UTF-8 and the tokenizer cannot ("" for a bare string); None when there is none. Iterative, so a
-    deeply nested body cannot exhaust the stack. Shared by the websocket and /v1."""
-    stack: list[tuple[object, str]] = [(value, "")]
-    while stack:
-        node, where = stack.pop()
-        if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:
-                return where
-            continue
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-        for key, child in items:
-            here = f"{where}.{key}" if where else str(key)
-            if isinstance(key, str) and lone_surrogate(key) is not None:
-                return here
-            stack.append((child, here))
-    return None
-
-
-def safe_text(text: str) -> str:
-    """text with lone surrogates written as \\udXXX escapes: always encodable, still recognisable."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def validation_error(exc: ValidationError, model: type[BaseModel], request_id: str | None) -> ProtocolError:
     """The first error of a ValidationError: `bad_settings` for a value out of range, else `bad_message`."""
     err = exc.errors(include_url=False)[0]
@@ -328,13 +296,8 @@ def validation_error(exc: ValidationError, model: type[BaseModel], request_id: s
         return ProtocolError("bad_settings", f"{loc}: {err['msg']}", request_id)
     if err["type"] == "last_not_user":
         return ProtocolError("bad_message", f"field '{loc}': {err['msg']}", request_id)
-    shown = _short_repr(err.get("input"))
+    shown = short_repr(err.get("input"))
     return ProtocolError("bad_message", f"field '{loc}': {err['msg']}, got {shown}", request_id)
-
-
-def _short_repr(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def describe_range(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:

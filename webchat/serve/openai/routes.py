@@ -27,6 +27,7 @@ from webchat.serve.config import ServerConfig, origin_allowed
 from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, parse
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
+from webchat.serve.rules import RuleError, speculative_mode
 from webchat.serve.runtime import Runtime
 
 log = logging.getLogger("webchat.openai")
@@ -137,10 +138,10 @@ class OpenAIApi:
                     reply: Reply, prompt_param: str) -> GenerationRequest:  # fmt: skip
         """The generator request; the prompt and the completion must fit the context together."""
         context = rt.context_length
-        mode = req.speculative if req.speculative is not None else rt.default_mode
-        if mode not in rt.modes:
-            raise APIError(400, f"speculative = {mode!r} is not available: allowed {rt.modes}", "invalid_value",
-                           "speculative")
+        try:
+            mode = speculative_mode(req.speculative, rt.default_mode, rt.modes)
+        except RuleError as exc:
+            raise APIError(400, exc.message, "invalid_value", exc.field) from None
         if rt.tokenizer is None:  # a remote engine checks the context itself; max_new_tokens 0: max_tokens not sent
             return GenerationRequest(prompt_ids=[], settings=req.sampling(2**31), max_new_tokens=limit or 0,
                                      stop_strings=req.stops(), return_probs=reply.logprobs is not None,

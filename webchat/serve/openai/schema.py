@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -19,7 +17,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
-from webchat.serve.protocol import lone_surrogate, safe_text
+from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 200
@@ -225,14 +223,10 @@ class CompletionRequest(_Request):
 
 
 # ---------------------------------------------------------------- parsing
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def parse(model: type[_Request], body: bytes) -> Any:
     """Decode and validate a request body, or raise APIError 400 naming the field (`param`) and the problem."""
     try:
-        obj = json.loads(body, parse_constant=_reject_constant)
+        obj = loads(body)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(obj, dict):
@@ -256,9 +250,4 @@ def invalid(exc: ValidationError) -> APIError:
     if err["type"] == "extra_forbidden":
         return APIError(400, f"field '{param}' is not supported by webchat's API (docs/api.md lists the fields)",
                         "unknown_parameter", param)
-    return APIError(400, f"field '{param}': {err['msg']}, got {_short(err.get('input'))}", "invalid_value", param)
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return APIError(400, f"field '{param}': {err['msg']}, got {short_repr(err.get('input'))}", "invalid_value", param)
