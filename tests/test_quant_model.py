@@ -73,6 +73,36 @@ def prefill(model: Transformer, ids: list[int]) -> torch.Tensor:
     return model.new_cache(len(ids)).feed(model, ids, all_logits=True)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_prefill_gemm_in_row_tiles_matches_the_dequantized_matrix(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                                   bias: bool) -> None:
+    """A matrix larger than one GEMM tile is dequantized and multiplied a tile of rows at a time (here 7 tiles of 3
+    rows, the last one short): the same product as the whole dequantized matrix, bias added once."""
+    from webchat.model import quant
+
+    torch.manual_seed(0)
+    n, k = 20, 64
+    w = torch.randn(n, k)
+    lin = QLinear(k, n, "q4_1", bias, qkernels.load())
+    lin.weight.data.copy_(quantize(w, "q4_1"))
+    if lin.bias is not None:
+        lin.bias.data.copy_(torch.randn(n))
+    x = torch.randn(rows, k)
+    ref = torch.nn.functional.linear(x, dequantize(lin.weight.data, "q4_1"), lin.bias)
+    whole = lin(x)
+    monkeypatch.setattr(quant, "GEMM_MAX_WEIGHTS", 3 * k)
+    monkeypatch.setattr(quant, "GEMM_ROWS", 8)
+    tiles: list[int] = []
+    deq = lin._dequantize
+    monkeypatch.setattr(lin, "_dequantize", lambda r: tiles.append(r.shape[0]) or deq(r))
+    tiled = lin(x)
+    assert tiles == ([3] * 6 + [2] if rows >= 8 else [])  # a matrix-vector kernel below GEMM_ROWS rows
+    assert tiled.shape == (rows, n) and tiled.is_contiguous()
+    torch.testing.assert_close(tiled, ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(whole, ref, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_quantize_at_load_matches_dequantized_float_model(tiny_model_dir: Path, tmp_path: Path, qtype: str) -> None:
     q = load_model(tiny_model_dir, quantize=qtype)

@@ -22,7 +22,7 @@ K_QTYPES: dict[str, tuple[int, int]] = {"q4_k": (12, 144), "q6_k": (14, 210)}
 QK_K = 256
 ALL_QTYPES = (*QTYPES, *K_QTYPES)
 GEMM_ROWS = 32  # from this many rows of x, QLinear dequantizes the matrix and calls torch's float32 GEMM
-GEMM_MAX_WEIGHTS = 4 << 20  # ... if its float32 copy stays under 16 MB (never the 28M-weight head)
+GEMM_MAX_WEIGHTS = 4 << 20  # ... a tile of at most this many weights at a time (a 16 MB float32 copy)
 
 
 def row_bytes(qtype: str, k: int) -> int:
@@ -53,20 +53,35 @@ class QLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
+        if x2.shape[0] >= GEMM_ROWS:  # prefill: torch's sgemm on dequantized rows (float32, exact)
+            return self._gemm(x2).view(*lead, self.out_features)
         if self.qtype in K_QTYPES:  # kernels/cpu/csrc/qkquant.cpp: one dequantized block dotted with every row
-            qk = K_QTYPES[self.qtype][0]
-            if x2.shape[0] >= GEMM_ROWS and self.weight.shape[0] * self.in_features <= GEMM_MAX_WEIGHTS:
-                y = F.linear(x2, torch.ops.webchat_kq.dequantize(self.weight, qk, self.in_features), self.bias)
-            else:
-                y = torch.ops.webchat_kq.matmul(x2, self.weight, qk, self.in_features, self.bias)
-            return y.view(*lead, self.out_features)
-        qt = QTYPES[self.qtype][0]
-        if x2.shape[0] >= GEMM_ROWS and self.weight.shape[0] * self.in_features <= GEMM_MAX_WEIGHTS:
-            # prefill: dequantize once (float32, exact) and let torch's sgemm do M x N x K; a transient matrix
-            y = F.linear(x2, self.kernels.dequantize(self.weight, qt, self.in_features), self.bias)
+            y: torch.Tensor = torch.ops.webchat_kq.matmul(x2, self.weight, K_QTYPES[self.qtype][0], self.in_features,
+                                                          self.bias)
         else:
-            y = self.kernels.qmatmul(x2, self.weight, qt, self.in_features, self.bias)
+            y = self.kernels.qmatmul(x2, self.weight, QTYPES[self.qtype][0], self.in_features, self.bias)
         return y.view(*lead, self.out_features)
+
+    def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.qtype in K_QTYPES:
+            deq: torch.Tensor = torch.ops.webchat_kq.dequantize(rows, K_QTYPES[self.qtype][0], self.in_features)
+            return deq
+        return self.kernels.dequantize(rows, QTYPES[self.qtype][0], self.in_features)  # type: ignore[no-any-return]
+
+    def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (M, K) @ dequant(weight)^T for M >= GEMM_ROWS: the matrix dequantized a tile of rows at a time (at most
+        GEMM_MAX_WEIGHTS floats, so the transient copy stays ~16 MB whatever the model), each tile one sgemm of all M
+        rows (a 1.1B model's 11.5M-weight FFN matrices no longer fall back to the matrix-vector kernel)."""
+        n, k = self.out_features, self.in_features
+        tile = max(1, GEMM_MAX_WEIGHTS // k)
+        if n <= tile:
+            return F.linear(x2, self._dequantize(self.weight), self.bias)
+        yt = torch.empty(n, x2.shape[0], dtype=x2.dtype)  # y transposed: each tile writes whole rows of it
+        xt = x2.t()
+        for r0 in range(0, n, tile):
+            torch.mm(self._dequantize(self.weight[r0:r0 + tile]), xt, out=yt[r0:r0 + tile])
+        y = yt.t()
+        return (y + self.bias if self.bias is not None else y).contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
