@@ -184,7 +184,11 @@ function repairThread(t, depth) {
  */
 export function repairConversation(c, newId) {
   const problem = checkConversation(c);
-  if (!problem) return /** @type {Conversation} */ (c);
+  if (!problem) {
+    // a repaired copy saved since: it checks out now, so its old mark goes
+    if (isObject(c) && "damaged" in c) delete (/** @type {Record<string, unknown>} */ (c)).damaged;
+    return /** @type {Conversation} */ (c);
+  }
   const raw = isObject(c) ? /** @type {Record<string, unknown>} */ (c) : {};
   const now = Date.now();
   return {
