@@ -106,7 +106,7 @@ async def clients(url: str, n: int, tokens: int, alternatives: int, eos_ids: lis
 def direct(runtime: Runtime, tokens: int, alternatives: int, eos_ids: list[int],
            messages: list[dict[str, str]] | None = None) -> tuple[float, float]:
     """The generator alone, no server: (decode tokens/s, time to first token ms)."""
-    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sequence import GenerationRequest
     from webchat.engine.settings import SamplingSettings
 
     gen = runtime.new_generator()
@@ -311,7 +311,8 @@ def memory_table(model: Path) -> None:
 
 PROBE = """
 import json, sys
-from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
 from webchat.model.loader import load_model
 from webchat.engine.settings import SamplingSettings
 from webchat.text.tokenizer import Tokenizer

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 
 PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than a century. Every night its keeper "

@@ -14,7 +14,8 @@ from test_fidelity import PROMPTS as FIDELITY_PROMPTS  # tests/ is on sys.path u
 
 from webchat.engine import events as ev
 from webchat.engine.engine import Engine
-from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import SeqCache

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from webchat.chat_cli import loop as chat_loop
-from webchat.engine.generator import GenerationRequest, Generator, StreamResult
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool

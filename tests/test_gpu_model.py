@@ -15,7 +15,8 @@ import torch
 from test_golden import GOLDEN_GREEDY, GOLDEN_PROMPT, greedy  # tests/ is on sys.path under pytest
 from test_kernels import ScalarReads
 
-from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.kernels.cuda.graphs import (
     GraphRunner,

@@ -167,7 +167,7 @@ def test_seed_makes_sampling_reproducible(live: Live, runtime: Runtime) -> None:
 
 
 def test_completions_read_the_prompt_as_text_or_ids(live: Live, runtime: Runtime) -> None:
-    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sequence import GenerationRequest
     from webchat.engine.settings import SamplingSettings
 
     client = openai_client(live)

@@ -104,7 +104,7 @@ def connect(c: TestClient, stack: ExitStack, **kwargs: Any) -> Any:
 
 
 def direct_greedy(runtime: Runtime, max_new_tokens: int, alternatives: int = 0) -> str:
-    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sequence import GenerationRequest
     from webchat.engine.settings import SamplingSettings
 
     gen = runtime.new_generator()
@@ -543,7 +543,7 @@ def test_wire_settings_mirror_sampling_settings() -> None:
     # the two are kept apart on purpose (wire vs internal); their names, defaults and ranges must not drift
     import dataclasses
 
-    from annotated_types import Ge, Gt, Le
+    from annotated_types import Ge, GroupedMetadata, Gt, Le
 
     from webchat.engine.settings import SamplingSettings, SettingsError
 
@@ -552,7 +552,7 @@ def test_wire_settings_mirror_sampling_settings() -> None:
     defaults = SamplingSettings()
     for name, info in p.WireSettings.model_fields.items():
         assert info.get_default(call_default_factory=True) == getattr(defaults, name), name
-        bounds = {type(m): m for m in info.metadata}
+        bounds = {type(c): c for m in info.metadata for c in (m if isinstance(m, GroupedMetadata) else [m])}
         if name in ("token_bias", "seed"):
             continue
         lo = bounds[Ge].ge if Ge in bounds else bounds[Gt].gt
@@ -568,7 +568,7 @@ def test_wire_settings_mirror_sampling_settings() -> None:
 # ---------------------------------------------------------------- continue a partial assistant message
 def test_continue_goes_on_from_the_partial_reply(client: TestClient, stack: ExitStack, runtime: Runtime) -> None:
     """A reply continued from its first part is the greedy continuation of the prompt that ends in that part."""
-    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sequence import GenerationRequest
     from webchat.engine.settings import SamplingSettings
 
     ws = connect(client, stack)
@@ -622,3 +622,23 @@ def test_a_lone_surrogate_in_content_is_refused_by_name(client: TestClient, stac
     err = ws.receive_json()
     assert err["code"] == "bad_message" and err["id"] == "s" and "messages.0.content" in err["message"], err
     assert_still_works(ws)
+
+
+def test_the_wire_settings_take_their_bounds_and_defaults_from_the_engine_s_table() -> None:
+    """One home for the sampling ranges: every field of RANGES is declared on the wire with the same bounds and the
+    engine's default, and a value just outside is refused by both."""
+    from webchat.engine.settings import RANGES, SamplingSettings, SettingsError
+
+    props = p.WireSettings.model_json_schema()["properties"]
+    default = SamplingSettings()
+    for name, r in RANGES.items():
+        schema = props[name] if "anyOf" not in props[name] else props[name]["anyOf"][0]
+        assert schema["maximum"] == r.hi, name
+        assert schema.get("exclusiveMinimum" if r.lo_open else "minimum") == r.lo, name
+        assert p.WireSettings().model_dump()[name] == getattr(default, name), name
+        for bad in ((r.lo if r.lo_open else r.lo - 1), r.hi + 1):
+            bad = int(bad) if r.integer else float(bad)
+            with pytest.raises(ValueError):
+                p.WireSettings.model_validate({name: bad})
+            with pytest.raises(SettingsError, match=name):
+                SamplingSettings(**{name: bad})

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from test_fidelity import PROMPTS as FIDELITY  # tests/ is on sys.path under pytest
 
 from webchat.convert import QUANT_FILE, QUANT_KEY
-from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.folder_check import check_recorded_files
 from webchat.kernels.cpu import build as qkernels

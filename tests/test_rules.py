@@ -29,3 +29,13 @@ def test_the_speculative_mode_is_the_request_s_or_the_default_and_must_be_offere
     with pytest.raises(rules.RuleError) as e:
         rules.speculative_mode("draft", "none", ("none", "self"))
     assert e.value.field == "speculative" and "'draft'" in e.value.message and "['none', 'self']" in e.value.message
+
+
+def test_the_context_leaves_room_for_at_least_one_new_token() -> None:
+    assert rules.context_room(10, 256) == 246
+    assert rules.context_room(255, 256) == 1
+    for n in (256, 300):
+        with pytest.raises(rules.RuleError) as e:
+            rules.context_room(n, 256)
+        assert e.value.field == "prompt"
+        assert e.value.message == f"prompt is {n} tokens; the context of 256 allows at most 255"

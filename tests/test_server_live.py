@@ -44,7 +44,7 @@ def gen_msg(rid: str, content: str, max_new_tokens: int = 24, **extra: Any) -> s
 
 
 def direct_greedy(runtime: Runtime, content: str, max_new_tokens: int) -> str:
-    from webchat.engine.generator import GenerationRequest
+    from webchat.engine.sequence import GenerationRequest
     from webchat.engine.settings import SamplingSettings
 
     gen = runtime.new_generator()

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.engine.generator import GenerationRequest, Generator, StreamResult
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.speculative import DraftVocabError, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
 from webchat.model.loader import load_model

@@ -9,12 +9,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from webchat.engine.events import Stats
-from webchat.engine.generator import GenerationRequest, Generator
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings, SettingsError
 from webchat.engine.speculative import MODES
+
+if TYPE_CHECKING:
+    from webchat.text.tokenizer import Tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     return loop(gen, tok, settings, args, sys.stdin, sys.stdout)
 
 
-def loop(gen: Generator, tok: Any, settings: SamplingSettings, args: argparse.Namespace, inp: TextIO,
+def loop(gen: Generator, tok: Tokenizer, settings: SamplingSettings, args: argparse.Namespace, inp: TextIO,
          out: TextIO) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict[str, str]] = list(system)

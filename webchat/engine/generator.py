@@ -21,7 +21,7 @@ from __future__ import annotations
 from webchat.engine.engine import PREFILL_CHUNK, Engine, Model, Tokenizer
 from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult
 
-__all__ = ["PREFILL_CHUNK", "GenerationRequest", "Generator", "StartInfo", "StreamResult"]
+__all__ = ["Generator"]  # the request and result types live in webchat.engine.sequence: one import path
 
 
 class Generator:

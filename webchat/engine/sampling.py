@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError
+from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, check_token_ids
 
 
 @dataclass
@@ -31,9 +31,7 @@ class Sampler:
     """Draws tokens for one stream with its own seeded torch.Generator: exactly one uniform per sampled token."""
 
     def __init__(self, settings: SamplingSettings, vocab_size: int) -> None:
-        bad = [t for t in settings.token_bias if t >= vocab_size]
-        if bad:
-            raise SettingsError("token_bias key", bad[0], f"a token id in [0, {vocab_size - 1}]")
+        check_token_ids(settings.token_bias, vocab_size, "token_bias key")
         self.settings = settings
         self.vocab_size = vocab_size
         self.seed = settings.seed if settings.seed is not None else secrets.randbits(63)

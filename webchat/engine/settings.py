@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 MAX_TOP_ALTS = 20
@@ -19,15 +20,43 @@ class SettingsError(ValueError):
         self.allowed = allowed
 
 
-def _number(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False, integer: bool = False) -> None:
-    kind = "an integer" if integer else "a number"
-    allowed = f"{kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok_type:
-        raise SettingsError(name, value, allowed)
-    v = float(value)  # type: ignore[arg-type]
-    if math.isnan(v) or v > hi or v < lo or (lo_open and v == lo):
-        raise SettingsError(name, value, allowed)
+@dataclass(frozen=True)
+class Range:
+    """The values one numeric setting allows: [lo, hi], or (lo, hi] when lo_open. The websocket's schema declares its
+    fields from the same table (webchat.serve.protocol.WireSettings), so the two cannot drift apart."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    integer: bool = False
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        return f"{kind} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+    def check(self, name: str, value: object) -> None:
+        ok_type = isinstance(value, int) if self.integer else isinstance(value, int | float)
+        if isinstance(value, bool) or not ok_type:
+            raise SettingsError(name, value, self.describe())
+        v = float(value)  # type: ignore[arg-type]
+        if math.isnan(v) or v > self.hi or v < self.lo or (self.lo_open and v == self.lo):
+            raise SettingsError(name, value, self.describe())
+
+
+RANGES: dict[str, Range] = {
+    "temperature": Range(0.0, 5.0),
+    "top_k": Range(0, 100_000, integer=True),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "min_p": Range(0.0, 1.0),
+    "typical_p": Range(0.0, 1.0, lo_open=True),
+    "repetition_penalty": Range(0.0, 10.0, lo_open=True),
+    "repetition_range": Range(0, 1_000_000, integer=True),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "seed": Range(0, 2**63 - 1, integer=True),
+}
+BIAS_RANGE = Range(-100.0, 100.0)  # each token_bias value
+TOKEN_ID_RANGE = Range(0, 10_000_000, integer=True)  # a token_bias key, before the vocabulary is known
 
 
 @dataclass(frozen=True)
@@ -52,22 +81,15 @@ class SamplingSettings:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        _number("temperature", self.temperature, 0.0, 5.0)
-        _number("top_k", self.top_k, 0, 100_000, integer=True)
-        _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _number("min_p", self.min_p, 0.0, 1.0)
-        _number("typical_p", self.typical_p, 0.0, 1.0, lo_open=True)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
-        _number("repetition_range", self.repetition_range, 0, 1_000_000, integer=True)
-        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            if value is not None or name != "seed":  # seed None: no seed
+                allowed.check(name, value)
         if not isinstance(self.token_bias, dict):
             raise SettingsError("token_bias", self.token_bias, "a mapping of token id to bias")
         for tid, bias in self.token_bias.items():
-            _number("token_bias key", tid, 0, 10_000_000, integer=True)
-            _number(f"token_bias[{tid}]", bias, -100.0, 100.0)
-        if self.seed is not None:
-            _number("seed", self.seed, 0, 2**63 - 1, integer=True)
+            TOKEN_ID_RANGE.check("token_bias key", tid)
+            BIAS_RANGE.check(f"token_bias[{tid}]", bias)
 
     @property
     def greedy(self) -> bool:
@@ -92,3 +114,10 @@ def token_id(key: object, vocab_size: int | None = None, name: str = "token_bias
     if vocab_size is not None and tid >= vocab_size:
         raise SettingsError(name, key, allowed)
     return tid
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, name: str) -> None:
+    """Every id inside the vocabulary (a bias's keys, a prompt of ids): SettingsError naming the first that is not."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SettingsError(name, bad, f"a token id in [0, {vocab_size - 1}]")

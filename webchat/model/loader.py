@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -153,7 +152,7 @@ def weights_name(model: torch.nn.Module) -> str:
 
 def _choose_weights(
     path: Path, device: torch.device, dtype: torch.dtype, weights: str, quantize: str | None
-) -> tuple[Any, bool]:
+) -> tuple[qkernels.QKernels | None, bool]:
     """(the C++ kernels or None, whether to load quantized weights)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")

@@ -7,12 +7,15 @@ its format (q4_0, q4_1, q8_0; q4_k, q6_k from GGUF files) lives on the module. A
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from webchat.kernels.cpu.build import QKernels
 
 # name → (ggml type number, bytes per block of 32 weights)
 QTYPES: dict[str, tuple[int, int]] = {"q4_0": (2, 18), "q4_1": (3, 20), "q8_0": (8, 34)}
@@ -37,6 +40,12 @@ def row_bytes(qtype: str, k: int) -> int:
     return k // BLOCK * QTYPES[qtype][1]
 
 
+def _compiled(kernels: QKernels | None, qtype: str) -> QKernels:
+    if kernels is None:
+        raise RuntimeError(f"{qtype} weights need webchat's C++ kernels, which could not be built here")
+    return kernels
+
+
 def _uint8_param(rows: int, nbytes: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(rows, nbytes, dtype=torch.uint8), requires_grad=False)
 
@@ -44,7 +53,7 @@ def _uint8_param(rows: int, nbytes: int) -> nn.Parameter:
 class QLinear(nn.Module):
     """y = x @ dequant(weight).T (+ bias) with weight (out_features, row_bytes) uint8 blocks; x (..., in_features)."""
 
-    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool, kernels: Any) -> None:
+    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool, kernels: QKernels | None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
         self.weight = _uint8_param(out_features, row_bytes(qtype, in_features))
@@ -59,14 +68,15 @@ class QLinear(nn.Module):
             y: torch.Tensor = torch.ops.webchat_kq.matmul(x2, self.weight, K_QTYPES[self.qtype][0], self.in_features,
                                                           self.bias)
         else:
-            y = self.kernels.qmatmul(x2, self.weight, QTYPES[self.qtype][0], self.in_features, self.bias)
+            kernels = _compiled(self.kernels, self.qtype)
+            y = kernels.qmatmul(x2, self.weight, QTYPES[self.qtype][0], self.in_features, self.bias)
         return y.view(*lead, self.out_features)
 
     def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
         if self.qtype in K_QTYPES:
             deq: torch.Tensor = torch.ops.webchat_kq.dequantize(rows, K_QTYPES[self.qtype][0], self.in_features)
             return deq
-        return self.kernels.dequantize(rows, QTYPES[self.qtype][0], self.in_features)  # type: ignore[no-any-return]
+        return _compiled(self.kernels, self.qtype).dequantize(rows, QTYPES[self.qtype][0], self.in_features)
 
     def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 (M, K) @ dequant(weight)^T for M >= GEMM_ROWS: the matrix dequantized a tile of rows at a time (at most
@@ -90,7 +100,7 @@ class QLinear(nn.Module):
 class QEmbedding(nn.Module):
     """Rows of a quantized (num_embeddings, row_bytes) table, dequantized to float32 as they are looked up."""
 
-    def __init__(self, num_embeddings: int, dim: int, qtype: str, kernels: Any) -> None:
+    def __init__(self, num_embeddings: int, dim: int, qtype: str, kernels: QKernels | None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.qtype = num_embeddings, dim, qtype
         self.weight = _uint8_param(num_embeddings, row_bytes(qtype, dim))
@@ -102,11 +112,11 @@ class QEmbedding(nn.Module):
             k_rows: torch.Tensor = torch.ops.webchat_kq.dequantize(blocks, K_QTYPES[self.qtype][0], self.embedding_dim)
             return k_rows.view(*ids.shape, self.embedding_dim)
         qt = QTYPES[self.qtype][0]
-        rows: torch.Tensor = self.kernels.dequantize(self.weight, qt, self.embedding_dim, ids.reshape(-1))
+        rows = _compiled(self.kernels, self.qtype).dequantize(self.weight, qt, self.embedding_dim, ids.reshape(-1))
         return rows.view(*ids.shape, self.embedding_dim)
 
 
-def swap_modules(model: nn.Module, qtypes: dict[str, str], kernels: Any) -> None:
+def swap_modules(model: nn.Module, qtypes: dict[str, str], kernels: QKernels | None) -> None:
     """Replace the nn.Linear/nn.Embedding named in qtypes ({"layers.0.attention.wq": "q4_1", ...}) on a meta model."""
     for name, qtype in qtypes.items():
         parent_name, _, leaf = name.rpartition(".")

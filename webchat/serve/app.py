@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from starlette.applications import Starlette
@@ -35,11 +35,14 @@ from webchat.serve.limits import (
 )
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
-from webchat.serve.rules import RuleError, speculative_mode
+from webchat.serve.rules import RuleError, context_room, speculative_mode
 from webchat.serve.runtime import RemoteRuntime, Runtime, load_remote_runtime, load_runtime, warm_up
 from webchat.serve.worker import Worker
 from webchat.text.chat_encode import ContentRewritten
 from webchat.text.trim import fit_history
+
+if TYPE_CHECKING:
+    from webchat.engine.sequence import GenerationRequest
 
 log = logging.getLogger("webchat.serve.app")
 
@@ -161,10 +164,10 @@ class Connection:
                                prompt_tokens=n_prompt, client=self.key,
                                messages=[m.model_dump() for m in msg.messages], continue_final=msg.continue_))
 
-    async def _prepare(self, msg: p.Generate) -> tuple[Any, int, int]:
+    async def _prepare(self, msg: p.Generate) -> tuple[GenerationRequest, int, int]:
         """Validate what pydantic cannot (mode, vocabulary, context), template, encode and trim the history: the
         generator request, its prompt length and how many messages were left out."""
-        from webchat.engine.generator import GenerationRequest
+        from webchat.engine.sequence import GenerationRequest
         from webchat.engine.settings import SamplingSettings, SettingsError, token_id
 
         rt = self.runtime
@@ -196,10 +199,11 @@ class Connection:
             raise p.ProtocolError("bad_message", f"field '{field}': the chat template failed on them: {exc}",
                                   msg.id) from None
         ids = fitted.ids
-        if len(ids) >= rt.context_length:  # not even one new token fits: the last message (and system) alone
-            raise p.ProtocolError("prompt_too_long", f"prompt is {len(ids)} tokens; the context of {rt.context_length} "
-                                  f"allows at most {rt.context_length - 1} (older messages are left out to fit, the "
-                                  "system prompt and the latest message are not)", msg.id)
+        try:  # not even one new token fits: the last message (and system) alone
+            context_room(len(ids), rt.context_length)
+        except RuleError as exc:
+            raise p.ProtocolError("prompt_too_long", f"{exc.message} (older messages are left out to fit, the system "
+                                  "prompt and the latest message are not)", msg.id) from None
         # fitted.fits False: the prompt fits but max_new_tokens does not; the reply ends at `context_full`
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=msg.max_new_tokens,
                                     stop_strings=list(msg.stop), stop_token_ids=None,
@@ -231,7 +235,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         if runtime is None and config.engine_url is not None:
             remote = await load_remote_runtime(config)
             rt: Runtime = remote
-            worker = remote.backend
+            worker = remote.remote()
         else:
             device = DeviceThread()  # the one thread that loads, warms and steps the model (webchat.serve.device)
             device.start()
@@ -242,16 +246,17 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
                 raise
             if isinstance(rt, RemoteRuntime):
                 device.stop()
-                worker = rt.backend
+                worker = rt.remote()
             else:
-                worker = Worker(rt.engine, rt.tokenizer.id_to_text, asyncio.get_running_loop(), config.max_sessions,
+                _, tokenizer, engine = rt.local()
+                worker = Worker(engine, tokenizer.id_to_text, asyncio.get_running_loop(), config.max_sessions,
                                 config.max_queue, device=device)
         worker.start()
         loop = asyncio.get_running_loop()
         previous_handler = loop.get_exception_handler()
         loop.set_exception_handler(AcceptErrorLog())
         if isinstance(rt, RemoteRuntime) and runtime is None:
-            caps = rt.backend.caps
+            caps = rt.remote().caps
             print(f"webchat: generation on {caps.url} ({caps.kind}, {caps.state}"
                   f"{': ' + caps.error if caps.error else ''}) ready at {display_url(config)}", flush=True)
         elif runtime is None:
@@ -264,7 +269,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
             api.close()
             worker.stop()
             if isinstance(rt, RemoteRuntime):
-                await rt.backend.aclose()
+                await rt.remote().aclose()
 
     async def index(request: Request) -> Response:
         rt: Runtime = request.state.runtime

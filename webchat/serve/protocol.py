@@ -12,7 +12,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
-from webchat.engine.settings import SettingsError, token_id
+from webchat.engine.settings import BIAS_RANGE, RANGES, Range, SamplingSettings, SettingsError, token_id
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 
 VERSION = 1
@@ -29,22 +29,31 @@ class _Strict(BaseModel):
 
 
 # ---------------------------------------------------------------- client → server
-class WireSettings(_Strict):
-    """Sampling settings on the wire: the names, defaults and ranges of webchat.engine.sampling.SamplingSettings."""
+def _within(name: str | Range) -> at.Interval:
+    """A field's bounds from webchat.engine.settings' table (one home: the engine checks the same numbers)."""
+    r = RANGES[name] if isinstance(name, str) else name
+    return at.Interval(gt=r.lo if r.lo_open else None, ge=None if r.lo_open else r.lo, le=r.hi)
 
-    temperature: Annotated[float, Field(ge=0.0, le=5.0)] = 0.7
-    top_k: Annotated[int, Field(ge=0, le=100_000)] = 40
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
-    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    repetition_range: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    token_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1000)] = Field(
+
+_DEFAULT = SamplingSettings()
+
+
+class WireSettings(_Strict):
+    """Sampling settings on the wire: the names, defaults and ranges of webchat.engine.settings.SamplingSettings."""
+
+    temperature: Annotated[float, _within("temperature")] = _DEFAULT.temperature
+    top_k: Annotated[int, _within("top_k")] = _DEFAULT.top_k
+    top_p: Annotated[float, _within("top_p")] = _DEFAULT.top_p
+    min_p: Annotated[float, _within("min_p")] = _DEFAULT.min_p
+    typical_p: Annotated[float, _within("typical_p")] = _DEFAULT.typical_p
+    repetition_penalty: Annotated[float, _within("repetition_penalty")] = _DEFAULT.repetition_penalty
+    repetition_range: Annotated[int, _within("repetition_range")] = _DEFAULT.repetition_range
+    frequency_penalty: Annotated[float, _within("frequency_penalty")] = _DEFAULT.frequency_penalty
+    presence_penalty: Annotated[float, _within("presence_penalty")] = _DEFAULT.presence_penalty
+    token_bias: Annotated[dict[str, Annotated[float, _within(BIAS_RANGE)]], Field(max_length=1000)] = Field(
         default_factory=dict
     )
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[int, _within("seed")] | None = None
 
     @field_validator("token_bias")
     @classmethod
@@ -302,7 +311,7 @@ def validation_error(exc: ValidationError, model: type[BaseModel], request_id: s
 
 def describe_range(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
     """The bounds declared on the field at `loc`, e.g. '0.0 <= value <= 10.0'."""
-    metadata = _field_metadata(model, loc)
+    metadata = [c for m in _field_metadata(model, loc) for c in (m if isinstance(m, at.GroupedMetadata) else [m])]
     lo = next((f"{m.ge} <=" for m in metadata if isinstance(m, at.Ge)), None)
     lo = lo or next((f"{m.gt} <" for m in metadata if isinstance(m, at.Gt)), None)
     hi = next((f"<= {m.le}" for m in metadata if isinstance(m, at.Le)), None)

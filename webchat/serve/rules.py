@@ -61,6 +61,15 @@ def safe_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def context_room(n_prompt: int, context: int) -> int:
+    """How many new tokens the context leaves after an n_prompt-token prompt; RuleError on `prompt` when not even one
+    fits. (What a request may ask beyond that is each wire's policy: the websocket ends at `context_full`, /v1
+    refuses.)"""
+    if n_prompt >= context:
+        raise RuleError("prompt", f"prompt is {n_prompt} tokens; the context of {context} allows at most {context - 1}")
+    return context - n_prompt
+
+
 def speculative_mode(requested: str | None, default: str, modes: Sequence[str]) -> str:
     """The speculative mode a request runs in: its own when the server offers it, else the server's default."""
     mode = requested if requested is not None else default

@@ -4,42 +4,53 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from webchat.engine.speculative import MODES
 from webchat.serve import protocol as p
 from webchat.serve.config import ServerConfig
 
 if TYPE_CHECKING:
+    from webchat.engine.engine import Engine
     from webchat.engine.generator import Generator
+    from webchat.model.transformer import Transformer
+    from webchat.serve.remote.capabilities import Capabilities
+    from webchat.serve.remote.engine import RemoteEngine
+    from webchat.text.tokenizer import Tokenizer
 
 
 @dataclass
 class Runtime:
     """What the lifespan loads once: the model, its tokenizer, an optional draft model, and how to describe them."""
 
-    model: Any  # webchat.model.transformer.Transformer
-    tokenizer: Any  # webchat.text.tokenizer.Tokenizer
+    model: Transformer | None  # None: a remote engine (RemoteRuntime)
+    tokenizer: Tokenizer | None
     model_name: str
     device: str
     dtype: str
     context_length: int
     modes: list[str]
     default_mode: str = "none"
-    engine: Any = None  # webchat.engine.engine.Engine: one KV pool and one batched forward for every connection
+    engine: Engine | None = None  # one KV pool and one batched forward for every connection
     weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
+
+    def local(self) -> tuple[Transformer, Tokenizer, Engine]:
+        """The local model, its tokenizer and the engine; a remote runtime has none of them (RuntimeError)."""
+        if self.model is None or self.tokenizer is None or self.engine is None:
+            raise RuntimeError("generation is upstream (--engine-url): there is no local model")
+        return self.model, self.tokenizer, self.engine
 
     def new_generator(self) -> Generator:
         """A handle on the shared engine that steps it itself (the terminal chat, tests, warm-up; never the server's
         loop, which is webchat.serve.worker's)."""
         from webchat.engine.generator import Generator
 
-        return Generator(self.model, self.tokenizer, engine=self.engine)
+        model, tokenizer, engine = self.local()
+        return Generator(model, tokenizer, engine=engine)
 
     def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False) -> list[int]:
         """The prompt ids: message contents tokenized as text, only the template's markers are control ids."""
-        ids: list[int] = self.tokenizer.encode_chat(messages, continue_final=continue_final)
-        return ids
+        return self.local()[1].encode_chat(messages, continue_final=continue_final)
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
@@ -80,16 +91,17 @@ def warm_up(rt: Runtime) -> Runtime:
     from webchat.engine.sequence import GenerationRequest
     from webchat.engine.settings import SamplingSettings
 
+    _, tokenizer, engine = rt.local()
     gen = rt.new_generator()
     # plain text, not the chat template: a template that fails is the requests' error to report, never startup's
-    ids = rt.tokenizer.encode_text("Hello, how are you?") or [0]
+    ids = tokenizer.encode_text("Hello, how are you?") or [0]
     gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0), max_new_tokens=2))
     while not gen.stream().eos:
         pass
     close = getattr(gen, "close", None)
     if close is not None:
         close()
-    rt.engine.reset()
+    engine.reset()
     return rt
 
 
@@ -98,20 +110,25 @@ class RemoteRuntime(Runtime):
     """Generation upstream (webchat.serve.remote): `tokenizer` and `model` are None, `backend` runs the jobs.
     context_length 0 means the upstream did not say."""
 
-    backend: Any = None  # webchat.serve.remote.engine.RemoteEngine
+    backend: RemoteEngine | None = None  # set by load_remote_runtime
 
     def new_generator(self) -> Generator:
         raise RuntimeError("a remote engine has no local generator")
 
-    def update(self, caps: Any) -> None:
-        """A new probe (webchat.serve.remote.capabilities.Capabilities): the served name and context follow it."""
+    def remote(self) -> RemoteEngine:
+        if self.backend is None:
+            raise RuntimeError("the remote engine was not set up")
+        return self.backend
+
+    def update(self, caps: Capabilities) -> None:
+        """A new probe: the served name and context follow it."""
         if caps.model is not None:
             self.model_name = caps.model
         if caps.context_length is not None:
             self.context_length = caps.context_length
 
     def hello(self) -> p.Hello:
-        caps = self.backend.caps
+        caps = self.remote().caps
         return p.Hello(model=caps.model or self.model_name, context_length=caps.context_length or 0,
                        device="remote", dtype="remote", speculative=list(self.modes), weights="remote",
                        max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES, engine=caps.wire())

@@ -15,9 +15,12 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from webchat.paths import webchat_home
+
+if TYPE_CHECKING:
+    import torch
 
 SOURCES = ("qmatmul.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp")
 CSRC = Path(__file__).parent / "csrc"
@@ -25,6 +28,30 @@ PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; defau
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wall"]
 STALE_LOCK_S = 900  # a build takes 2-4 minutes on 2 cores
+
+
+class StepHandle(Protocol):
+    """A compiled forward (`Step` in csrc/qops.cpp) over the model's matrices (webchat.kernels.cpu.step.CpuStep)."""
+
+    def forward(self, *args: Any) -> torch.Tensor: ...
+
+
+class QKernels(Protocol):
+    """The compiled module (csrc/qops.cpp's bindings), typed once here: every caller holds this, never the bare
+    extension handle."""
+
+    def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor: ...  # fmt: skip
+
+    def dequantize(self, w: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def set_path(self, path: int) -> int: ...
+
+    def path(self) -> int: ...
+
+    def best_path(self) -> int: ...
+
+    def Step(self, *args: Any) -> StepHandle: ...  # noqa: N802 (the C++ class's name)
 
 
 class KernelsUnavailable(RuntimeError):
@@ -54,7 +81,7 @@ def _missing_tool() -> str | None:
 
 
 @functools.cache
-def load(verbose: bool = False) -> Any:
+def load(verbose: bool = False) -> QKernels:
     """The compiled module (qmatmul, dequantize, Step, set_path, path, best_path)."""
     from torch.utils import cpp_extension
 
@@ -81,10 +108,10 @@ def load(verbose: bool = False) -> Any:
         if forced not in PATHS:
             raise KernelsUnavailable(f"WEBCHAT_QPATH must be one of {', '.join(PATHS)}, got {forced!r}")
         mod.set_path(PATHS[forced])
-    return mod
+    return cast(QKernels, mod)
 
 
-def try_load() -> Any | None:
+def try_load() -> QKernels | None:
     """The module, or None after one line on stderr saying why (callers then take the float path)."""
     try:
         return load()

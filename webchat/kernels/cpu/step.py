@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
 
+from webchat.kernels.cpu.build import QKernels
 from webchat.model.batch import Batch
 from webchat.model.config import ModelArgs
 from webchat.model.quant import QTYPES, QEmbedding, QLinear
@@ -45,7 +46,7 @@ def _bias(m: nn.Module) -> torch.Tensor:
 class CpuStep:
     """model.runner(model, batch, kv) -> logits (R, vocab), or None where the PyTorch path runs the batch."""
 
-    def __init__(self, model: Transformer, kernels: Any) -> None:
+    def __init__(self, model: Transformer, kernels: QKernels) -> None:
         a = model.args
         mats: list[torch.Tensor] = []
         qtypes: list[int] = []
@@ -90,7 +91,7 @@ def cpu_step_declines(args: ModelArgs) -> str | None:
     return f"{args.arch or 'this model'} needs {', '.join(extra)}" if extra else None
 
 
-def enable_cpu_step(model: Transformer, kernels: Any) -> bool:
+def enable_cpu_step(model: Transformer, kernels: QKernels | None) -> bool:
     """Install CpuStep as the model's runner where it can run (CPU, float32 activations, kernels built)."""
     if os.environ.get("WEBCHAT_CPU_STEP", "1") == "0":
         log.info("WEBCHAT_CPU_STEP=0: the model runs on PyTorch ops")

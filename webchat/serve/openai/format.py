@@ -15,9 +15,12 @@ import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from webchat.engine import events as ev
+
+if TYPE_CHECKING:
+    from webchat.text.tokenizer import Tokenizer
 
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_full": "length",
           "cancelled": "stop"}
@@ -55,7 +58,7 @@ class Reply:
 
     chat: bool
     model: str
-    tokenizer: Any  # webchat.text.tokenizer.Tokenizer: token_bytes, id_to_text
+    tokenizer: Tokenizer | None  # None: a remote engine (token bytes and texts come from upstream)
     logprobs: int | None = None
     include_usage: bool = False
     id: str = ""

@@ -22,12 +22,13 @@ from starlette.routing import BaseRoute, Route
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest
+from webchat.engine.settings import SettingsError, check_token_ids
 from webchat.serve.backend import Job
 from webchat.serve.config import ServerConfig, origin_allowed
 from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, parse
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
-from webchat.serve.rules import RuleError, speculative_mode
+from webchat.serve.rules import RuleError, context_room, speculative_mode
 from webchat.serve.runtime import Runtime
 
 log = logging.getLogger("webchat.openai")
@@ -122,11 +123,10 @@ class OpenAIApi:
         if isinstance(prompt, str):
             ids = await run_in_threadpool(rt.tokenizer.encode_text, prompt)
         else:
-            vocab = rt.tokenizer.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"prompt token ids must be in [0, {vocab - 1}], got {bad}", "invalid_value",
-                               "prompt")
+            try:
+                check_token_ids(prompt, rt.tokenizer.vocab_size, "each prompt token id")
+            except SettingsError as exc:
+                raise APIError(400, str(exc), "invalid_value", "prompt") from None
             ids = list(prompt)
         reply = Reply(chat=False, model=rt.model_name, tokenizer=rt.tokenizer, logprobs=req.logprobs,
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
@@ -148,12 +148,16 @@ class OpenAIApi:
                                      top_alts=reply.logprobs or 0, speculative=mode)
         if not ids:
             raise APIError(400, "the prompt is empty: it encodes to no tokens", "invalid_value", prompt_param)
+        try:
+            room = context_room(len(ids), context)
+        except RuleError as exc:
+            raise APIError(400, exc.message, "context_length_exceeded", prompt_param) from None
         if limit is None:
-            limit = context - len(ids)
-        if limit < 1 or len(ids) + limit > context:
+            limit = room
+        if limit > room:
             raise APIError(400, f"this model's context is {context} tokens; the request needs {len(ids) + limit} "
                            f"({len(ids)} in the prompt, {limit} to generate)", "context_length_exceeded",
-                           prompt_param if limit < 1 else "max_tokens")
+                           "max_tokens")
         return GenerationRequest(prompt_ids=ids, settings=req.sampling(rt.tokenizer.vocab_size),
                                  max_new_tokens=limit, stop_strings=req.stops(), stop_token_ids=None,
                                  return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -157,6 +157,9 @@ class _Request(_Strict):
             raise APIError(400, str(exc).replace("token_bias", "logit_bias"), "invalid_value", param) from None
 
 
+R = TypeVar("R", bound=_Request)
+
+
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -223,7 +226,7 @@ class CompletionRequest(_Request):
 
 
 # ---------------------------------------------------------------- parsing
-def parse(model: type[_Request], body: bytes) -> Any:
+def parse(model: type[R], body: bytes) -> R:
     """Decode and validate a request body, or raise APIError 400 naming the field (`param`) and the problem."""
     try:
         obj = loads(body)

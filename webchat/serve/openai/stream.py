@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from webchat.engine import events as ev
+from webchat.serve.backend import Backend
 from webchat.serve.openai.format import DONE, Reply, error_chunk, merge, sse
 
 FAILED_STATUS = {"busy": 429, "shutting_down": 503, "internal": 500, "upstream": 502}
@@ -24,7 +24,7 @@ GONE = None  # in a Pending queue: the client disconnected
 class Pending:
     """One request's worker events on the event loop, in order; GONE once its client disconnected."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Backend) -> None:
         self.worker = worker
         self.key = object()  # the worker's session key: one per API request, closed when it ends
         self.queue: asyncio.Queue[ev.Event | None] = asyncio.Queue()
