@@ -90,8 +90,9 @@ class QLinear(nn.Module):
         xt = x2.t()
         for r0 in range(0, n, tile):
             torch.mm(self._dequantize(self.weight[r0:r0 + tile]), xt, out=yt[r0:r0 + tile])
-        y = yt.t()
-        return (y + self.bias if self.bias is not None else y).contiguous()
+        if self.bias is not None:
+            yt.add_(self.bias[:, None])  # in place, before the one copy that transposes
+        return yt.t().contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
