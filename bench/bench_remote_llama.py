@@ -3,7 +3,8 @@ Stop reach the upstream, does a branch continue from the chosen token, and what 
 
 Both are real processes on loopback, on the same GGUF (the default model's Q4_1 unless --gguf). Printed:
 - heatmap: of one greedy reply through webchat's websocket, how many tokens carry p, a rank and alternatives;
-- branch: a reply continued (`continue: true`) from the 2nd alternative of its 4th token starts where it should;
+- branch: a reply continued (`continue: true`) from the 2nd alternative of its 4th token starts where it should, sent
+  as text and as token ids (`prefix_ids`: /apply-template's prompt text and the ids, one mixed prompt);
 - Stop: after 5 chunks, `stop` on webchat's websocket → llama-server's /slots shows no slot processing (polled every
   2 ms), and the same for a client that closes llama-server's own stream (the baseline), median over --trials;
 - throughput: 1 and 16 concurrent OpenAI streams (greedy, 96 tokens, end-of-turn biased away) straight to
@@ -84,6 +85,16 @@ def heatmap_and_branch(port: int) -> None:
         print(f"branch: from token 4's alternative {alt['text']!r}: prefix {prefix!r} + continuation {cont[:60]!r} "
               f"({len(more)} tokens, with p {sum(1 for t in more if t.get('p') is not None)})")
         assert more and not cont.startswith(prefix), "the continuation repeats the prefix"
+        ids = [t.get("id", -1) for t in tokens[:3]] + [alt.get("id", -1)]
+        if all(isinstance(i, int) and i >= 0 for i in ids):  # the page's prefix_ids: the tokens as they were
+            _, by_ids, cont_ids = ws_generate(port, {"messages": partial, "max_new_tokens": 24, "alternatives": 5,
+                                                     "continue": True, "prefix_ids": ids,
+                                                     "settings": {"temperature": 0}})
+            print(f"branch as token ids {ids} ({engine.get('token_prompt')}): continuation {cont_ids[:60]!r} "
+                  f"({len(by_ids)} tokens, with p {sum(1 for t in by_ids if t.get('p') is not None)}); "
+                  f"{'the same as' if cont_ids == cont else 'differs from'} the branch sent as text")
+        else:
+            print(f"branch as token ids: not possible, the upstream gave ids {ids}")
     print(f"greedy reply: {text[:100]!r}")
 
 

@@ -37,6 +37,8 @@ class Server:
     log_path: Path
     log: BinaryIO
     stopped: bool = False  # stopped on purpose: not a crash
+    engine: str = "local"  # "remote": a `webchat serve --engine-url` in front of another webchat
+    upstream: Server | None = None
 
     def stop(self) -> None:
         self.stopped = True
@@ -94,17 +96,23 @@ def e2e_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def tiny_server(e2e_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The tiny-model server; with WEBCHAT_E2E_REMOTE=1, a `webchat serve --engine-url` in front of it instead, so
-    the page's tests run once against a remote engine (docs/scale-out.md)."""
+ENGINES = [e for e in os.environ.get("WEBCHAT_E2E_ENGINES", "local,remote").split(",") if e]
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+def tiny_server(request: pytest.FixtureRequest, e2e_tiny_model_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # fmt: skip
+    """The tiny-model server, once as it is (`local`) and once behind a `webchat serve --engine-url` pointing at it
+    (`remote`), so every page test also runs on a remote engine (docs/scale-out.md). WEBCHAT_E2E_ENGINES=local runs
+    only the first (a quicker loop while working on the page)."""
     logs = tmp_path_factory.mktemp("logs")
     server = start_server(e2e_tiny_model_dir, logs / "tiny-server.log")
-    if os.environ.get("WEBCHAT_E2E_REMOTE") != "1":
+    if request.param == "local":
         yield server
         server.stop()
         return
     front = start_server(e2e_tiny_model_dir, logs / "remote-front.log", "--engine-url", server.url.rstrip("/"))
+    front.engine, front.upstream = "remote", server
     yield front
     front.stop()
     server.stop()

@@ -43,6 +43,7 @@ def test_branch_from_an_alternative_keeps_the_old_reply_one_click_away(chat: Cha
     req = generates(chat)[-1]
     assert req.get("continue") is True, f"expected a continue request, got {req}"
     assert req["messages"][-1] == {"role": "assistant", "content": alt["text"]}
+    assert alt["id"] >= 0 and req.get("prefix_ids") == [alt["id"]], "the branch goes as the chosen token's id"
     new_id = chat.request_frames("done")[-1]["id"]
     assert chat.reply_text() == alt["text"] + chat.received_text(new_id)
     assert chat.last_reply().get_by_test_id("message-body").evaluate(FIRST_TEXT_JS) == alt["text"]
@@ -65,6 +66,9 @@ def test_continue_appends_to_the_last_reply(chat: ChatPage) -> None:
     chat.wait_done()
     req = generates(chat)[-1]
     assert req.get("continue") is True and req["messages"][-1] == {"role": "assistant", "content": before}
+    first = chat.received_tokens(chat.request_frames("done")[-2]["id"])
+    whole = all(t["text"] != "" for t in first)  # no character split over byte tokens: the ids spell the reply
+    assert req.get("prefix_ids") == ([t["id"] for t in first] if whole else None)
     added = chat.received_text()
     assert added != "" and chat.reply_text() == before + added
     shown = [t for t in chat.received_tokens() if t["text"] != ""]

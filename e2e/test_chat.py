@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -183,9 +182,9 @@ def test_regenerate_and_edit_keep_the_old_versions(chat: ChatPage) -> None:
     expect(chat.last_reply().get_by_test_id("version")).to_have_text("1/2")  # the old question keeps its replies
 
 
-@pytest.mark.skipif(os.environ.get("WEBCHAT_E2E_REMOTE") == "1",
-                    reason="speculative modes are the local engine's; a remote engine offers only none")
 def test_speculative_reply_shows_its_acceptance_rate(chat: ChatPage) -> None:
+    if chat.server.engine == "remote":
+        pytest.skip("speculative modes are the local engine's; a remote engine offers only none")
     chat.page.get_by_test_id("settings-open").click()
     modes = chat.page.get_by_test_id("setting-speculative").locator("option").all_text_contents()
     assert "ngram" in modes, f"expected the server's hello to offer ngram, got {modes}"

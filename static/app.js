@@ -159,7 +159,9 @@ function applyHello(hello) {
       : [`probabilities ${engine.probabilities}`,
         engine.max_top_logprobs ? `top ${engine.max_top_logprobs} alternatives` : "no alternatives",
         "rank within the top k", `token ids ${engine.token_ids}`, `bytes ${engine.bytes}`,
-        `continue via ${engine.continue_final}`].join(" · ");
+        `continue via ${engine.continue_final}`,
+        `branches as ${engine.token_prompt === "tokenize" || engine.token_prompt === "apply_template"
+          ? `token ids (${engine.token_prompt})` : "text"}`].join(" · ");
     const el = $("engine-info");
     el.textContent = `heatmap: ${heat}`;
     el.title = el.textContent;

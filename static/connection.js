@@ -7,7 +7,7 @@
  *            weights?: string, speculative: string[], max_alternatives: number, engine?: Engine | null}} Hello
  * @typedef {{url: string, state: string, error: string | null, kind: string, models: string[], model: string | null,
  *            context_length: number | null, max_top_logprobs: number, probabilities: string, bytes: string,
- *            token_ids: string, continue_final: string}} Engine
+ *            token_ids: string, continue_final: string, token_prompt: string}} Engine
  *   A remote engine's probed capabilities (`webchat serve --engine-url`, docs/scale-out.md).
  * @typedef {{id: number, text: string, p: number | null, rank: number | null,
  *            top: {id: number, text: string, p: number}[], sampled_p?: number | null}} WireToken

@@ -30,6 +30,20 @@ import { addVersion, append, path, removeVersion, show } from "./tree.js";
 const STOP_TIMEOUT_MS = 15000;
 
 /**
+ * The reply's token ids when they spell its content exactly (protocol `prefix_ids`): a branch or Continue then runs
+ * on the model's own tokens, never re-tokenised. null (continue by text) when any token lacks an id (an engine that
+ * returns none), holds a character merged from several byte tokens, or the text no longer matches.
+ * @param {Message} msg
+ * @returns {number[] | null}
+ */
+export function prefixIds(msg) {
+  const toks = msg.tokens ?? [];
+  if (toks.length === 0 || toks.some((t) => !Number.isInteger(t.id) || /** @type {number} */ (t.id) < 0
+      || (t.parts ?? 1) > 1)) return null;
+  return toks.map((t) => t.text).join("") === msg.content ? toks.map((t) => /** @type {number} */ (t.id)) : null;
+}
+
+/**
  * @param {number} n
  * @returns {string}
  */
@@ -156,7 +170,11 @@ export class Turns {
     /** @type {Record<string, unknown>} */
     const frame = { type: "generate", id, messages: all, settings: req.settings, max_new_tokens: req.max_new_tokens,
       stop: req.stop, alternatives: Math.max(1, req.alternatives), speculative: req.speculative };
-    if (cont) frame.continue = true;
+    if (cont) {
+      frame.continue = true;
+      const ids = prefixIds(reply);
+      if (ids) frame.prefix_ids = ids;
+    }
     if (!d.connection.send(frame)) {
       d.error("the message could not be sent; it is kept in the input", "offline");
       return false;

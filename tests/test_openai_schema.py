@@ -106,8 +106,8 @@ def test_chat_chunks_and_logprobs() -> None:
     first = reply.chunk(ev.Tokens("", [info(200, "", 0.5, [(200, "<0xC8>", 0.5)])]))  # half a character: no text
     assert first is not None and first["choices"][0]["delta"] == {"content": ""} and first["usage"] is None
     entry = first["choices"][0]["logprobs"]["content"][0]
-    assert entry == {"token": "", "logprob": math.log(0.5), "bytes": [200],
-                     "top_logprobs": [{"token": "<0xC8>", "logprob": math.log(0.5), "bytes": [200]}]}
+    assert entry == {"id": 200, "token": "", "logprob": math.log(0.5), "bytes": [200],
+                     "top_logprobs": [{"id": 200, "token": "<0xC8>", "logprob": math.log(0.5), "bytes": [200]}]}
     reply.chunk(ev.Tokens("é", [info(201, "é", 0.25, [])]))
     done = ev.Finished("max_new_tokens", None, ev.Stats(prompt_tokens=5, new_tokens=2))
     finish, usage = reply.finish_chunks(done)
@@ -126,6 +126,17 @@ def test_text_completion_legacy_logprobs() -> None:
     lp = reply.response(ev.Finished("stop_string", "x", ev.Stats()))["choices"][0]["logprobs"]
     assert lp == {"tokens": ["a", "b"], "token_logprobs": [math.log(0.5), -9999.0],
                   "top_logprobs": [{"a": math.log(0.5)}, {}], "text_offset": [0, 1]}
+
+
+def test_return_token_ids_puts_each_chunks_ids_on_its_choice() -> None:
+    reply = Reply(chat=False, model="m", tokenizer=FakeTokenizer(), token_ids=True)
+    first = reply.chunk(ev.Tokens("ab", [info(7, "a", 0.5, []), info(8, "b", 0.5, [])]))
+    second = reply.chunk(ev.Tokens("c", [info(9, "c", 0.5, [])]))
+    assert first is not None and second is not None
+    assert first["choices"][0]["token_ids"] == [7, 8] and second["choices"][0]["token_ids"] == [9]
+    assert reply.response(ev.Finished("stop_token", None, ev.Stats()))["choices"][0]["token_ids"] == [7, 8, 9]
+    plain = Reply(chat=True, model="m", tokenizer=FakeTokenizer()).chunk(ev.Tokens("a", [info(7, "a", 0.5, [])]))
+    assert plain is not None and "token_ids" not in plain["choices"][0]
 
 
 def test_merge_joins_consecutive_tokens_only() -> None:

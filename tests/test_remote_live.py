@@ -5,6 +5,7 @@ failures (down, never answering, answering 4xx), through the websocket and /v1."
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -110,7 +111,8 @@ def test_capabilities_are_probed_and_shown(remote: str, upstream: Live, tiny_mod
     assert engine["state"] == "ready" and engine["kind"] == "webchat" and engine["url"] == upstream.url
     assert engine["models"] == [tiny_model_dir.name] and engine["model"] == tiny_model_dir.name
     assert engine["max_top_logprobs"] == 20 and engine["bytes"] == "returned" and engine["probabilities"] == "raw"
-    assert engine["token_ids"] == "absent"  # webchat's /v1 returns no ids: a named state, not zeros
+    assert engine["token_ids"] == "per_entry"  # webchat's /v1 entries carry `id`, as llama.cpp's do
+    assert engine["token_prompt"] == "tokenize"  # a branch's ids go after /tokenize's prompt ids
     assert engine["continue_final"] == "continue_final_message"
     assert engine["context_length"] == 256 and info["context_length"] == 256
     hello, _ = converse(remote, [{"role": "user", "content": "Hi"}], max_new_tokens=1)
@@ -130,7 +132,7 @@ def test_websocket_stream_matches_the_upstreams_own(remote: str, upstream: Live)
         assert b["text"] == a["text"] and b["p"] == pytest.approx(a["p"], abs=1e-4)
         assert b["rank"] == (a["rank"] if a["rank"] <= 5 else None)
         assert [x["p"] for x in b["top"]] == pytest.approx([x["p"] for x in a["top"]], abs=1e-4)
-        assert b["id"] == -1  # this upstream returns no ids
+        assert b["id"] == a["id"] and [x["id"] for x in b["top"]] == [x["id"] for x in a["top"]]
     assert far[-1]["stats"]["new_tokens"] == local[-1]["stats"]["new_tokens"]
     assert far[-1]["stats"]["prompt_tokens"] == local[-1]["stats"]["prompt_tokens"]  # from the upstream's usage
 
@@ -161,6 +163,77 @@ def test_continue_sends_the_prefix_upstream(remote: str, upstream: Live) -> None
     assert far[-1]["type"] == "done" and text_of(far) == text_of(local) and text_of(far)
     _, fresh = converse(remote, messages[:1])
     assert text_of(fresh) != text_of(far)  # the prefix changed what came next
+
+
+def spelled_out(runtime: Runtime, text: str) -> list[int]:
+    """`text` as one token per character: ids the tokenizer would never choose for it (it merges them)."""
+    ids = [i for c in text for i in runtime.local()[1].encode_text(c)]
+    assert len(ids) == len(text) and ids != runtime.local()[1].encode_text(text)
+    return ids
+
+
+def test_a_branch_given_as_token_ids_runs_on_those_ids(upstream: Live, remote: str, runtime: Runtime,
+                                                       tiny_model_dir: Path) -> None:  # fmt: skip
+    """prefix_ids: the prompt is the chat's generation prompt and then exactly these ids, locally (the same as a
+    /v1/completions on those ids) and through a remote webchat (sent as /tokenize's ids and these ids)."""
+    head = [{"role": "user", "content": PROMPT}]
+    messages = [*head, {"role": "assistant", "content": "The quick"}]
+    ids = spelled_out(runtime, "The quick")
+    prompt = runtime.encode_chat(head) + ids
+    _, local = converse(upstream.url, messages, alternatives=5, prefix_ids=ids, **{"continue": True})
+    assert local[-1]["type"] == "done" and local[-1]["stats"]["prompt_tokens"] == len(prompt)
+    _, by_text = converse(upstream.url, messages, **{"continue": True})  # re-tokenised: the merged ids
+    assert by_text[-1]["stats"]["prompt_tokens"] == len(runtime.encode_chat(messages, continue_final=True))
+    assert by_text[-1]["stats"]["prompt_tokens"] != len(prompt)
+    body = {"model": tiny_model_dir.name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 5}
+    direct = httpx.post(f"{upstream.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert text_of(local) == direct["text"] and text_of(local)
+    assert [t["p"] for t in tokens_of(local)] == pytest.approx(
+        [math.exp(v) for v in direct["logprobs"]["token_logprobs"]], abs=1e-4)
+    _, far = converse(remote, messages, alternatives=5, prefix_ids=ids, **{"continue": True})
+    assert far[-1]["type"] == "done" and text_of(far) == text_of(local)
+    assert far[-1]["stats"]["prompt_tokens"] == len(prompt)  # the upstream's usage: the ids went as they are
+    near_t, far_t = tokens_of(local), tokens_of(far)
+    assert [t["id"] for t in far_t] == [t["id"] for t in near_t]
+    assert [t["p"] for t in far_t] == pytest.approx([t["p"] for t in near_t], abs=1e-4)
+    for a, b in zip(near_t, far_t, strict=True):  # legacy alternatives: text and p; an id only on the sampled one
+        assert [x["text"] for x in b["top"]] == [x["text"] for x in a["top"]]
+        assert [x["p"] for x in b["top"]] == pytest.approx([x["p"] for x in a["top"]], abs=1e-4)
+
+
+def test_tokenize_answers_the_prompt_ids_the_chat_endpoint_runs_on(upstream: Live, runtime: Runtime) -> None:
+    """vLLM's /tokenize shape: chat messages as /v1/chat/completions templates them, or a text."""
+    chat = [{"role": "user", "content": PROMPT}]
+    got = httpx.post(f"{upstream.url}/tokenize", json={"messages": chat}, timeout=30).json()
+    assert got["tokens"] == runtime.encode_chat(chat) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 256
+    cont = [*chat, {"role": "assistant", "content": "The"}]
+    got = httpx.post(f"{upstream.url}/tokenize", json={"messages": cont, "add_generation_prompt": False,
+                                                       "continue_final_message": True}, timeout=30).json()
+    assert got["tokens"] == runtime.encode_chat(cont, continue_final=True)
+    got = httpx.post(f"{upstream.url}/tokenize", json={"prompt": "The quick"}, timeout=30).json()
+    assert got["tokens"] == runtime.local()[1].encode_text("The quick")
+    both = httpx.post(f"{upstream.url}/tokenize", json={"prompt": "x", "messages": chat}, timeout=30)
+    assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
+    wrong = httpx.post(f"{upstream.url}/tokenize", json={"prompt": "x", "model": "nope"}, timeout=30)
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"prefix_ids": [54]}, "need continue: true"),
+    ({"prefix_ids": [54, 100_000], "continue": True}, "prefix_ids must be a token id in [0, 511], got 100000"),
+    ({"prefix_ids": [54, -1], "continue": True}, "prefix_ids[1] = -1 is not a token id"),
+    ({"prefix_ids": [], "continue": True}, "prefix_ids"),
+    ({"prefix_ids": [327, 223], "continue": True},
+     'spell "The ", the final message is "The" (they differ from character 3)'),
+])
+def test_bad_prefix_ids_are_named(upstream: Live, extra: dict[str, Any], words: str) -> None:
+    messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "The"}]
+    if "continue" not in extra:
+        messages = messages[:1]
+    _, msgs = converse(upstream.url, messages, **extra)
+    assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "bad_message", msgs[-1]
+    assert words in msgs[-1]["message"] and "prefix_ids" in msgs[-1]["message"]
 
 
 def upstream_active(upstream: Live) -> int:

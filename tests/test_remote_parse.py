@@ -9,11 +9,16 @@ llama-server (none runs in this suite):
              tokens can come in one chunk.
   llama.cpp: tools/server/README.md — each logprobs entry has `id`, `token`, `bytes`, `logprob` and `top_logprobs`,
              or `prob` and `top_probs` under post_sampling_probs.
+Further down, llama-server's answers ARE recorded: tests/fixtures/llama_server.json, written by
+bench/record_llama_server.py from the build of bench/build_llama_server.sh (its build_info is in the file).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,7 +53,8 @@ def test_vllm_token_ids_bytes_and_rank() -> None:
     assert tok.id == 9906 and tok.piece == "Hello" and tok.rank == 1
     assert tok.prob == pytest.approx(0.6)
     assert [(t[1], round(t[2], 6)) for t in tok.top] == [("Hello", 0.6), ("Hi", 0.3)]
-    assert all(t[0] == NO_ID for t in tok.top)  # vLLM's chat alternatives carry no ids
+    # vLLM's chat alternatives carry no ids: only the one that is the sampled token gets that token's id
+    assert [t[0] for t in tok.top] == [9906, NO_ID]
 
 
 def test_split_utf8_bytes_render_whole_on_the_completing_token() -> None:
@@ -201,3 +207,112 @@ def test_a_job_stopped_before_its_task_ran_frees_its_slot_and_is_answered() -> N
     assert [type(e) for e in second] == [ev.Queued, ev.Finished]  # it waited behind the first, then was stopped
     assert second[1].reason == "cancelled"  # type: ignore[attr-defined]
     assert snap.active == [] and snap.pending == []  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- recorded from llama-server
+RECORDED = Path(__file__).parent / "fixtures" / "llama_server.json"  # bench/record_llama_server.py wrote it
+
+
+def recorded() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(RECORDED.read_text())
+    assert data["build_info"] and data["recorded_by"] == "bench/record_llama_server.py"
+    return data
+
+
+def parse_all(chunks: list[Any]) -> tuple[str, list[Any], str | None]:
+    parser, text, tokens, reason = StreamParser(), "", [], None
+    for c in chunks:
+        out = parser.feed(c)
+        text += out.text
+        tokens += out.tokens
+        reason = out.reason or reason
+    return text, tokens, reason
+
+
+def test_recorded_llama_server_chat_stream() -> None:
+    data = recorded()["chat"]
+    text, tokens, reason = parse_all(data["chunks"])
+    sent = "".join((c["choices"][0]["delta"].get("content") or "") for c in data["chunks"] if c.get("choices"))
+    assert text == sent and text and reason == "max_new_tokens"
+    assert len(tokens) == data["request"]["max_tokens"]
+    for t in tokens:  # greedy: each token is its own first alternative, ids on the token and every alternative
+        assert t.id >= 0 and t.rank == 1 and len(t.top) == 3 and t.top[0][0] == t.id
+        assert all(a[0] >= 0 for a in t.top) and 0.0 < t.prob <= 1.0
+
+
+def test_recorded_llama_server_post_sampling_probs() -> None:
+    _, tokens, _ = parse_all(recorded()["chat_post_sampling"]["chunks"])
+    assert tokens and all(t.prob is not None and t.rank == 1 and t.id >= 0 for t in tokens)
+
+
+def test_recorded_llama_server_completion_after_token_ids_continues_the_reply_exactly() -> None:
+    """The chat's template text then the reply's first ids, as one mixed prompt: the same next tokens and p."""
+    data = recorded()
+    _, chat, _ = parse_all(data["chat"]["chunks"])
+    request = data["completion_after_ids"]["request"]
+    assert request["prompt"][0] == data["apply_template"]["response"]["prompt"]
+    head = request["prompt"][1:]
+    assert head == [t.id for t in chat[: len(head)]]
+    text, more, _ = parse_all(data["completion_after_ids"]["chunks"])
+    assert text and [t.id for t in more] == [t.id for t in chat[len(head):]][: len(more)]
+    n = min(len(more), len(chat) - len(head))
+    assert n >= 8
+    assert [t.prob for t in more[:n]] == pytest.approx([t.prob for t in chat[len(head):len(head) + n]], abs=1e-4)
+
+
+def test_vllm_legacy_completion_chunks_with_token_ids() -> None:
+    """vLLM's text completion stream (protocol.py CompletionLogProbs {text_offset, token_logprobs, tokens,
+    top_logprobs: [{text: logprob}]}, CompletionResponseStreamChoice.token_ids with return_token_ids), written from
+    its schema, not recorded: an alternative gets an id only where it is the sampled token."""
+    c = {"id": "cmpl-1", "object": "text_completion", "choices": [{
+        "index": 0, "text": " fox jumps", "token_ids": [11, 12], "finish_reason": None,
+        "logprobs": {"tokens": [" fox", " jumps"], "token_logprobs": [lp(0.5), lp(0.9)], "text_offset": [0, 4],
+                     "top_logprobs": [{" fox": lp(0.5), " dog": lp(0.3)}, {" jumps": lp(0.9)}]}}]}
+    out = StreamParser().feed(c)
+    assert out.text == " fox jumps" and [t.id for t in out.tokens] == [11, 12]
+    first = out.tokens[0]
+    assert first.rank == 1 and first.prob == pytest.approx(0.5)
+    assert [(a[0], a[1]) for a in first.top] == [(11, " fox"), (NO_ID, " dog")]
+    plain = StreamParser().feed({"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
+    assert plain.text == "ok" and plain.tokens == [] and plain.reason == "max_new_tokens"
+    with pytest.raises(ChunkError, match="token_logprobs"):
+        StreamParser().feed({"choices": [{"index": 0, "text": "x", "logprobs": {"tokens": ["x"]}}]})
+
+
+@pytest.mark.parametrize(("how", "sent"), [("tokenize", [5, 6, 7, 40, 41]), ("apply_template", ["<chat>", 40, 41])])
+def test_a_branch_given_as_ids_is_a_text_completion_on_the_chats_prompt(how: str, sent: list[Any]) -> None:
+    import asyncio
+
+    from webchat.engine.sequence import GenerationRequest
+    from webchat.engine.settings import SamplingSettings
+    from webchat.serve.backend import Job
+    from webchat.serve.remote.capabilities import Capabilities
+    from webchat.serve.remote.client import Upstream
+    from webchat.serve.remote.engine import RemoteEngine
+
+    kind = "vllm" if how == "tokenize" else "llama.cpp"
+    caps = Capabilities(url="http://up", state="ready", kind=kind, model="m", max_top_logprobs=5,
+                        token_ids="per_entry", continue_final="continue_final_message", token_prompt=how)
+    engine = RemoteEngine(Upstream("http://up:1"), caps, max_active=1, max_queue=0)
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def post_json(path: str, body: dict[str, Any]) -> Any:
+        calls.append((path, body))
+        return {"tokens": [5, 6, 7]} if path == "/tokenize" else {"prompt": "<chat>"}
+
+    engine.upstream.post_json = post_json  # type: ignore[method-assign]
+    req = GenerationRequest(prompt_ids=[], settings=SamplingSettings(temperature=0.0), max_new_tokens=7,
+                            return_probs=True, top_alts=8)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    job = Job(key=1, request_id="r", request=req, deliver=print, messages=msgs, continue_final=True,
+              prefix_ids=[40, 41])
+    assert engine.by_ids(job)
+    body = asyncio.run(engine.completion_body(job))
+    assert body["prompt"] == sent and body["logprobs"] == 5 and body["max_tokens"] == 7 and body["stream"] is True
+    assert "messages" not in body and "top_logprobs" not in body and "continue_final_message" not in body
+    assert ("return_token_ids" in body) == (kind == "vllm")
+    assert calls[0][1]["messages"] == msgs[:1]  # the chat without the reply being branched
+    assert not engine.by_ids(Job(key=2, request_id="t", request=req, deliver=print, messages=msgs,
+                                 continue_final=True))  # no ids: continued as text
+    caps.token_prompt = "absent"
+    assert not engine.by_ids(job)

@@ -35,7 +35,7 @@ from webchat.serve.limits import (
 )
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
-from webchat.serve.rules import RuleError, context_room, speculative_mode
+from webchat.serve.rules import RuleError, context_room, short_repr, speculative_mode
 from webchat.serve.runtime import RemoteRuntime, Runtime, load_remote_runtime, load_runtime, warm_up
 from webchat.serve.worker import Worker
 from webchat.text.chat_encode import ContentRewritten
@@ -162,7 +162,8 @@ class Connection:
         deliver = functools.partial(self.deliver, msg.id, request.return_probs, trimmed)
         self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=deliver,
                                prompt_tokens=n_prompt, client=self.key,
-                               messages=[m.model_dump() for m in msg.messages], continue_final=msg.continue_))
+                               messages=[m.model_dump() for m in msg.messages], continue_final=msg.continue_,
+                               prefix_ids=msg.prefix_ids))
 
     async def _prepare(self, msg: p.Generate) -> tuple[GenerationRequest, int, int]:
         """Validate what pydantic cannot (mode, vocabulary, context), template, encode and trim the history: the
@@ -190,9 +191,11 @@ class Connection:
             settings = SamplingSettings(**msg.settings.model_dump(exclude={"token_bias"}), token_bias=bias)
         except SettingsError as exc:
             raise p.ProtocolError("bad_settings", f"settings.{exc}", msg.id) from None
+        if msg.prefix_ids is not None:
+            self._check_prefix(msg)
         budget = max(rt.context_length - msg.max_new_tokens, 1)
         try:
-            encode = functools.partial(rt.encode_chat, continue_final=msg.continue_)
+            encode = functools.partial(rt.encode_chat, continue_final=msg.continue_, prefix_ids=msg.prefix_ids)
             fitted = await run_in_threadpool(fit_history, encode, [m.model_dump() for m in msg.messages], budget)
         except (jinja2.TemplateError, ContentRewritten) as exc:
             field = "continue" if msg.continue_ and isinstance(exc, ContentRewritten) else "messages"
@@ -210,6 +213,25 @@ class Connection:
                                     return_probs=msg.alternatives > 0, top_alts=msg.alternatives,
                                     return_logits=False, speculative=mode)
         return request, len(ids), fitted.dropped
+
+    def _check_prefix(self, msg: p.Generate) -> None:
+        """prefix_ids inside the vocabulary and spelling the final message's content, else `bad_message`."""
+        from webchat.engine.settings import SettingsError, check_token_ids
+        from webchat.text.detok import decode_all
+
+        tokenizer = self.runtime.local()[1]
+        ids = msg.prefix_ids or []
+        try:
+            check_token_ids(ids, tokenizer.vocab_size, "prefix_ids")
+        except SettingsError as exc:
+            raise p.ProtocolError("bad_message", f"field 'prefix_ids': {exc}", msg.id) from None
+        text, content = decode_all(tokenizer.token_bytes, ids), msg.messages[-1].content
+        if text != content:
+            at = next((i for i, (a, b) in enumerate(zip(text, content, strict=False)) if a != b),
+                      min(len(text), len(content)))
+            raise p.ProtocolError("bad_message", f"field 'prefix_ids': the {len(ids)} ids spell {short_repr(text)}, "
+                                  f"the final message is {short_repr(content)} (they differ from character {at}); "
+                                  "they must be that message's tokens", msg.id)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

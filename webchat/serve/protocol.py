@@ -17,6 +17,7 @@ from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 
 VERSION = 1
 MAX_ALTERNATIVES = 20
+MAX_PREFIX_IDS = 131_072  # a continued reply's token ids (the frame's size limit binds first)
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
     "upstream",
@@ -89,6 +90,9 @@ class Generate(_Strict):
     alternatives: Annotated[int, Field(ge=0, le=MAX_ALTERNATIVES)] = 0
     speculative: str | None = None  # None: the server's default mode
     continue_: bool = Field(default=False, alias="continue")  # the last message is a partial assistant reply
+    # with continue: the final message's content as the token ids the model produced (a branch keeps the exact
+    # tokens, never re-tokenised); the prompt is then the history's generation prompt followed by these ids
+    prefix_ids: Annotated[list[int], Field(min_length=1, max_length=MAX_PREFIX_IDS)] | None = None
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
@@ -99,6 +103,13 @@ class Generate(_Strict):
             got = f"role {last.role!r}" if last.role != "assistant" else "an empty assistant message"
             raise PydanticCustomError("last_not_user", "with continue the last message must be an assistant message "
                                       "with text, got {got}", {"got": got})
+        if self.prefix_ids is not None and not self.continue_:
+            raise PydanticCustomError("prefix_without_continue", "prefix_ids are the final assistant message's tokens: "
+                                      "they need continue: true")
+        bad = next((i for i, t in enumerate(self.prefix_ids or ()) if t < 0), None)
+        if bad is not None:
+            raise PydanticCustomError("prefix_ids", "prefix_ids[{i}] = {t} is not a token id (ids are >= 0)",
+                                      {"i": bad, "t": (self.prefix_ids or [])[bad]})
         if not self.continue_ and last.role != "user":
             raise PydanticCustomError("last_not_user", "the last message must be from the user, got role {role}",
                                       {"role": repr(last.role)})
@@ -303,6 +314,8 @@ def validation_error(exc: ValidationError, model: type[BaseModel], request_id: s
         return ProtocolError("bad_message", f"field '{loc}' is not part of the protocol", request_id)
     if err["type"] == "bad_token_id":
         return ProtocolError("bad_settings", f"{loc}: {err['msg']}", request_id)
+    if err["type"] in ("prefix_ids", "prefix_without_continue"):  # whole-message checks of one field
+        return ProtocolError("bad_message", f"field 'prefix_ids': {err['msg']}", request_id)
     if err["type"] == "last_not_user":
         return ProtocolError("bad_message", f"field '{loc}': {err['msg']}", request_id)
     shown = short_repr(err.get("input"))

@@ -48,9 +48,17 @@ class Runtime:
         model, tokenizer, engine = self.local()
         return Generator(model, tokenizer, engine=engine)
 
-    def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False) -> list[int]:
-        """The prompt ids: message contents tokenized as text, only the template's markers are control ids."""
-        return self.local()[1].encode_chat(messages, continue_final=continue_final)
+    def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False,
+                    prefix_ids: list[int] | None = None) -> list[int]:  # fmt: skip
+        """The prompt ids: message contents tokenized as text, only the template's markers are control ids.
+
+        prefix_ids: the final (assistant) message as the model's own tokens: the prompt is the rest of the history
+        with its generation prompt, then these ids, as when the model produced them (never re-tokenised).
+        """
+        tokenizer = self.local()[1]
+        if prefix_ids is not None:
+            return tokenizer.encode_chat(messages[:-1]) + list(prefix_ids)
+        return tokenizer.encode_chat(messages, continue_final=continue_final)
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,

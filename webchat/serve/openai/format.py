@@ -61,11 +61,13 @@ class Reply:
     tokenizer: Tokenizer | None  # None: a remote engine (token bytes and texts come from upstream)
     logprobs: int | None = None
     include_usage: bool = False
+    token_ids: bool = False  # return_token_ids: each choice carries its tokens' ids (vLLM's extension)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
     entries: list[dict[str, Any]] = field(default_factory=list)  # chat: logprobs.content
     legacy: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in LEGACY_KEYS})  # text completions
+    ids: list[int] = field(default_factory=list)  # every token's id so far
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -81,12 +83,16 @@ class Reply:
             return None
         offset = len(self.text)
         self.text += event.text
+        self.ids += [t.id for t in event.tokens]
         if self.chat:
             entries = self._entries(event.tokens)
             self.entries += entries or []
-            return self._chunk({"content": event.text}, None if entries is None else {"content": entries}, None)
-        legacy = self._legacy(event.tokens, offset)
-        return self._chunk(event.text, legacy, None)
+            chunk = self._chunk({"content": event.text}, None if entries is None else {"content": entries}, None)
+        else:
+            chunk = self._chunk(event.text, self._legacy(event.tokens, offset), None)
+        if self.token_ids:
+            chunk["choices"][0]["token_ids"] = [t.id for t in event.tokens]
+        return chunk
 
     def finish_chunks(self, event: ev.Finished) -> list[dict[str, Any]]:
         """The finish_reason chunk (with webchat's `stats`), then with include_usage the usage chunk (no choices)."""
@@ -117,6 +123,8 @@ class Reply:
         else:
             choice["text"] = self.text
             choice["logprobs"] = None if self.logprobs is None else self.legacy
+        if self.token_ids:
+            choice["token_ids"] = self.ids
         choice["finish_reason"] = FINISH[event.reason]
         return {**self._head(chunk=False), "choices": [choice], "usage": usage(event.stats),
                 "stats": asdict(event.stats)}
@@ -128,7 +136,8 @@ class Reply:
 
     def _entries(self, tokens: list[ev.TokenInfo]) -> list[dict[str, Any]] | None:
         """Chat logprobs.content: token = the exact text it adds (the tokens' texts concatenate to the content),
-        bytes = the token's own bytes, top_logprobs = the most likely tokens by their vocabulary text."""
+        bytes = the token's own bytes, top_logprobs = the most likely tokens by their vocabulary text; `id` on each
+        entry and alternative is the token's id (llama.cpp's server adds the same field)."""
         if self.logprobs is None:
             return None
         tok = self.tokenizer  # None on a remote engine: a token's bytes are its text's
@@ -136,9 +145,11 @@ class Reply:
         def raw(tid: int, text: str) -> list[int]:
             return list(tok.token_bytes(tid) if tok is not None else text.encode())
 
-        return [{"token": t.piece, "logprob": logprob(t.prob), "bytes": raw(t.id, t.piece),
-                 "top_logprobs": [{"token": text, "logprob": logprob(p), "bytes": raw(tid, text)}
-                                  for tid, text, p in t.top]}
+        def entry(tid: int, text: str, p: float | None) -> dict[str, Any]:
+            out = {"id": tid} if tid >= 0 else {}  # a remote engine may not have given it
+            return {**out, "token": text, "logprob": logprob(p), "bytes": raw(tid, text)}
+
+        return [{**entry(t.id, t.piece, t.prob), "top_logprobs": [entry(tid, text, p) for tid, text, p in t.top]}
                 for t in tokens]
 
     def _legacy(self, tokens: list[ev.TokenInfo], offset: int) -> dict[str, Any] | None:

@@ -26,14 +26,14 @@ from webchat.engine.settings import SettingsError, check_token_ids
 from webchat.serve.backend import Job
 from webchat.serve.config import ServerConfig, origin_allowed
 from webchat.serve.openai.format import Reply
-from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, parse
+from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, TokenizeRequest, parse
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
 from webchat.serve.rules import RuleError, context_room, speculative_mode
 from webchat.serve.runtime import Runtime
 
 log = logging.getLogger("webchat.openai")
 
-PATHS = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
+PATHS = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST", "/tokenize": "POST"}
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -54,6 +54,7 @@ class OpenAIApi:
             Route("/v1/models/{model:path}", self._endpoint(self.model), methods=["GET", "OPTIONS"]),
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=both),
             Route("/v1/completions", self._endpoint(self.completions), methods=both),
+            Route("/tokenize", self._endpoint(self.tokenize), methods=both),
             Route("/v1/{rest:path}", self._endpoint(self.unknown), methods=ALL_METHODS),  # 404, or 405 on a known path
         ]
 
@@ -106,7 +107,7 @@ class OpenAIApi:
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None
         reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
-                      logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                      logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
         return await self._run(request, self._generation(rt, req, ids, req.limit(), reply, "messages"), reply,
                                bool(req.stream), messages, cont)
@@ -129,9 +130,34 @@ class OpenAIApi:
                 raise APIError(400, str(exc), "invalid_value", "prompt") from None
             ids = list(prompt)
         reply = Reply(chat=False, model=rt.model_name, tokenizer=rt.tokenizer, logprobs=req.logprobs,
+                      token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
         return await self._run(request, self._generation(rt, req, ids, req.max_tokens, reply, "prompt"), reply,
                                bool(req.stream))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the prompt ids a chat (as /v1/chat/completions templates it) or a text would run on; a
+        remote engine's front uses it to send a branch's token ids after the chat's own prompt."""
+        req: TokenizeRequest = parse(TokenizeRequest, await self._body(request))
+        req.check()
+        rt = request.state.runtime
+        if req.model is not None:
+            self._check_model(request, req.model, "model")
+        if rt.tokenizer is None:
+            raise APIError(400, "this server's model is upstream (--engine-url); tokenize there", "unsupported_value")
+        try:
+            if req.messages is not None:
+                messages = [m.for_template() for m in req.messages]
+                cont = bool(req.continue_final_message)
+                add = not cont if req.add_generation_prompt is None else req.add_generation_prompt
+                ids = await run_in_threadpool(rt.tokenizer.encode_chat, messages, add, cont)
+            else:
+                ids = await run_in_threadpool(rt.tokenizer.encode_text, req.prompt or "")
+        except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:
+            raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
+                           "invalid_messages", "messages") from None
+        return JSONResponse({"count": len(ids), "max_model_len": rt.context_length, "tokens": ids},
+                            headers=self._cors(request))
 
     # ------------------------------------------------------------ one generation
     def _generation(self, rt: Runtime, req: ChatRequest | CompletionRequest, ids: list[int], limit: int | None,

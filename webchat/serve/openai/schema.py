@@ -118,6 +118,7 @@ class _Request(_Strict):
     repetition_penalty: float | None = None
     repetition_range: int | None = None
     speculative: str | None = None
+    return_token_ids: bool | None = None  # vLLM's extension: each choice carries its tokens' ids as `token_ids`
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -157,7 +158,7 @@ class _Request(_Strict):
             raise APIError(400, str(exc).replace("token_bias", "logit_bias"), "invalid_value", param) from None
 
 
-R = TypeVar("R", bound=_Request)
+R = TypeVar("R", bound=_Strict)
 
 
 class ChatRequest(_Request):
@@ -223,6 +224,26 @@ class CompletionRequest(_Request):
                                "prompt")
             return p[0]
         return p  # type: ignore[return-value]
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize, in vLLM's shape: a text `prompt`, or chat `messages` as the chat endpoint would template them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None  # messages: default true
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None  # accepted; webchat's chat prompts carry the template's own markers
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either 'prompt' (text) or 'messages' (a chat), not "
+                           + ("both" if self.prompt is not None else "neither"), "invalid_value",
+                           "prompt" if self.prompt is not None else "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message: true needs add_generation_prompt: false", "invalid_value",
+                           "add_generation_prompt")
 
 
 # ---------------------------------------------------------------- parsing

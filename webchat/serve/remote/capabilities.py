@@ -5,6 +5,8 @@
     POST chat, max_tokens 1, logprobs → the largest top_logprobs it accepts (20, 10, 5, 1), bytes, ids per entry
     POST chat + return_token_ids      → token ids on the choice (vLLM)
     POST chat + continue_final_message, add_generation_prompt false → continues a final assistant message
+    POST /tokenize (vLLM, webchat) | /apply-template (llama.cpp) → a chat's prompt as ids | text, so a branch's
+                                      token ids can follow it in a /v1/completions prompt (token_prompt)
 Each field the upstream does not give is a named state (`"absent"`, `"unknown"`), never a zero.
 """
 
@@ -33,6 +35,9 @@ class Capabilities:
     bytes: str = "unknown"  # returned | absent | unknown
     token_ids: str = "unknown"  # per_entry (llama.cpp) | return_token_ids (vLLM) | absent | unknown
     continue_final: str = "unknown"  # continue_final_message | final_assistant_message | unknown
+    # how a branch's token ids reach the upstream: tokenize (the chat's prompt ids from /tokenize, then the ids) |
+    # apply_template (the chat's prompt text from /apply-template, then the ids, one mixed prompt) | absent (as text)
+    token_prompt: str = "unknown"
 
     def wire(self) -> dict[str, Any]:
         """What `hello.engine` and /api/info show (the key never is here: it is not part of this)."""
@@ -125,7 +130,27 @@ async def detect(up: Upstream, want_model: str | None) -> Capabilities:
                 raise
             # llama.cpp continues a final assistant message by itself (--prefill-assistant, on by default)
             caps.continue_final = "final_assistant_message"
+        caps.token_prompt = await _token_prompt(up, caps) if caps.token_ids != "absent" else "absent"
         caps.state = "ready"
     except UpstreamError as exc:
         caps.state, caps.error = "unreachable", str(exc)
     return caps
+
+
+async def _token_prompt(up: Upstream, caps: Capabilities) -> str:
+    """Whether the upstream can tell the chat's own prompt (as ids or as text) for a token-id completion."""
+    try:
+        resp = await up.post_json("/tokenize", {"model": caps.model, "messages": PROBE, "add_generation_prompt": True})
+        if isinstance(resp, dict) and isinstance(resp.get("tokens"), list) and resp["tokens"]:
+            return "tokenize"
+    except UpstreamError as exc:
+        if exc.status is None:
+            raise
+    try:
+        resp = await up.post_json("/apply-template", {"messages": PROBE})
+        if isinstance(resp, dict) and isinstance(resp.get("prompt"), str) and resp["prompt"]:
+            return "apply_template"
+    except UpstreamError as exc:
+        if exc.status is None:
+            raise
+    return "absent"

@@ -1,6 +1,6 @@
 """The upstream's HTTP client (httpx, async): JSON calls and the chat stream as decoded `data:` objects.
 
-Leaving `stream_chat` early (a Stop, a disconnect, an error) closes its response, and with it the TCP connection:
+Leaving `stream` early (a Stop, a disconnect, an error) closes its response, and with it the TCP connection:
 that close is what vLLM, SGLang, llama.cpp's server and webchat take as the client gone, and abort on.
 Every failure is an UpstreamError whose message names the upstream (its URL, never its key).
 """
@@ -84,11 +84,11 @@ class Upstream:
             raise UpstreamError(self._status_message(resp.status_code, resp.content), status=resp.status_code)
         return _json(resp.content, f"{self.url}{path}")
 
-    async def stream_chat(self, body: dict[str, Any],
-                          headers: dict[str, str] | None = None) -> AsyncGenerator[Any, None]:  # fmt: skip
-        """POST /v1/chat/completions with stream: true; yields each chunk object until `[DONE]` or the end."""
+    async def stream(self, body: dict[str, Any], headers: dict[str, str] | None = None,
+                     path: str = "/v1/chat/completions") -> AsyncGenerator[Any, None]:  # fmt: skip
+        """POST `path` (chat or text completions) with stream: true; yields each chunk object until `[DONE]`."""
         try:
-            async with self._client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+            async with self._client.stream("POST", path, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     raise UpstreamError(self._status_message(resp.status_code, await resp.aread()),
                                         status=resp.status_code)

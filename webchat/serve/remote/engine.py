@@ -1,6 +1,7 @@
 """RemoteEngine: a Backend (webchat.serve.backend) whose jobs run on an upstream OpenAI-compatible engine.
 
-    submit → pending (FIFO, `queued` positions) → active: one asyncio task streaming /v1/chat/completions
+    submit → pending (FIFO, `queued` positions) → active: one asyncio task streaming /v1/chat/completions (a branch
+           given as token ids: /v1/completions on the chat's prompt and those ids, where the upstream takes them)
            → Started at the first chunk, Tokens per chunk (one TokenInfo per upstream token), Finished | Failed
 Everything runs on the event loop; nothing here blocks. `cancel` and `close` cancel the job's task, which leaves the
 stream and closes its connection: the upstream aborts the request (measured in docs/scale-out.md). An upstream that
@@ -187,6 +188,44 @@ class RemoteEngine:
         # final_assistant_message (llama.cpp): the last assistant message is continued as it stands
         return {k: v for k, v in body.items() if v is not None}
 
+    def by_ids(self, job: Job) -> bool:
+        """Whether the job is a branch given as token ids that this upstream can take as ids."""
+        return bool(job.prefix_ids) and job.continue_final and self.caps.token_prompt in ("tokenize", "apply_template")
+
+    async def completion_body(self, job: Job) -> dict[str, Any]:
+        """A branch's request as a text completion: the chat's own prompt (all but the final message, with the
+        generation prompt: what the reply was first generated after), then the branch's token ids, never
+        re-tokenised. The prompt comes from /tokenize as ids (vLLM, webchat) or from /apply-template as text, sent
+        with the ids as one mixed prompt (llama.cpp's server reads `["text", 12, 34]` as one prompt)."""
+        caps, history = self.caps, list(job.messages or [])[:-1]
+        ids = list(job.prefix_ids or [])
+        prompt: list[Any]
+        if caps.token_prompt == "tokenize":
+            resp = await self.upstream.post_json("/tokenize", {"model": caps.model, "messages": history,
+                                                               "add_generation_prompt": True})
+            head = resp.get("tokens") if isinstance(resp, dict) else None
+            if not isinstance(head, list) or not all(isinstance(t, int) for t in head):
+                raise UpstreamError(f"the upstream engine at {self.upstream.url} answered /tokenize without a list "
+                                    "of token ids in 'tokens'")
+            prompt = [*head, *ids]
+        else:
+            resp = await self.upstream.post_json("/apply-template", {"messages": history})
+            text = resp.get("prompt") if isinstance(resp, dict) else None
+            if not isinstance(text, str):
+                raise UpstreamError(f"the upstream engine at {self.upstream.url} answered /apply-template without a "
+                                    "'prompt' string")
+            prompt = [text, *ids]
+        body = self.body(job)
+        for key in ("messages", "continue_final_message", "add_generation_prompt", "logprobs", "top_logprobs"):
+            body.pop(key, None)
+        body["prompt"] = prompt
+        req = job.request
+        if req.return_probs:  # the completions API's logprobs: how many alternatives, 0 for the token's own only
+            body["logprobs"] = min(req.top_alts, caps.max_top_logprobs)
+        if caps.kind in ("vllm", "webchat", "sglang"):
+            body["return_token_ids"] = True
+        return body
+
     async def _run(self, job: Job) -> None:
         stats = ev.Stats(prompt_tokens=job.prompt_tokens)
         t0 = time.perf_counter()
@@ -203,9 +242,11 @@ class RemoteEngine:
             parser = StreamParser()
             reason: str | None = None
             trigger: str | None = None
-            body = self.body(job)
+            by_ids = self.by_ids(job)
+            body = await self.completion_body(job) if by_ids else self.body(job)
+            path = "/v1/completions" if by_ids else "/v1/chat/completions"
             headers = {self.affinity_header: body["user"]} if self.affinity_header else None
-            async with aclosing(self.upstream.stream_chat(body, headers)) as chunks:
+            async with aclosing(self.upstream.stream(body, headers, path)) as chunks:
                 async for chunk in chunks:
                     out = parser.feed(chunk)
                     if not started:

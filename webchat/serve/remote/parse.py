@@ -4,7 +4,10 @@ events (webchat.engine.events), one token at a time, each with its own alternati
 What each engine sends in `choices[0].logprobs.content[]` (docs/scale-out.md cites the sources):
     {token, logprob, bytes?, id?, top_logprobs: [{token, logprob, bytes?, id?}]}        vLLM, SGLang, webchat, llama.cpp
     {token, prob, bytes?, id?, top_probs: [{token, prob, bytes?, id?}]}                  llama.cpp, post_sampling_probs
-Token ids come as each entry's `id` (llama.cpp) or as the choice's `token_ids` (vLLM's `return_token_ids`).
+Token ids come as each entry's `id` (llama.cpp, webchat) or as the choice's `token_ids` (vLLM's `return_token_ids`).
+A text completion (a branch sent as token ids) comes as `choices[0].text` with the same `logprobs.content` (llama.cpp)
+or the legacy shape {tokens, token_logprobs, top_logprobs: [{text: logprob}]} (vLLM, webchat): no bytes, and an
+alternative's id only where it is the sampled token.
 A token's text is rebuilt from its `bytes` through one incremental UTF-8 decoder per stream, so a character split
 across tokens shows whole on the token that completes it; without `bytes` the token's own string is used.
 """
@@ -107,17 +110,27 @@ class StreamParser:
         choice = choices[0]
         if not isinstance(choice, dict):
             raise ChunkError(f"expected choices[0] to be an object, got {type(choice).__name__}")
-        delta = choice.get("delta") or {}
-        content = delta.get("content") if isinstance(delta, dict) else None
+        if "delta" in choice:  # chat
+            delta = choice.get("delta") or {}
+            content = delta.get("content") if isinstance(delta, dict) else None
+        else:  # text completion
+            content = choice.get("text")
         content = content if isinstance(content, str) else ""
         logprobs = choice.get("logprobs")
         entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        legacy = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+        ids = choice.get("token_ids")
         if isinstance(entries, list) and entries:
-            ids = choice.get("token_ids")
             ids = ids if isinstance(ids, list) and len(ids) == len(entries) else None
             for i, entry in enumerate(entries):
                 if not isinstance(entry, dict):
                     raise ChunkError(f"expected logprobs.content[{i}] to be an object, got {type(entry).__name__}")
+                out.tokens.append(self._token(entry, ids[i] if ids is not None else None))
+            out.text = "".join(t.piece for t in out.tokens)
+        elif isinstance(legacy, list) and legacy:
+            assert isinstance(logprobs, dict)
+            ids = ids if isinstance(ids, list) and len(ids) == len(legacy) else None
+            for i, entry in enumerate(_legacy_entries(logprobs, legacy)):
                 out.tokens.append(self._token(entry, ids[i] if ids is not None else None))
             out.text = "".join(t.piece for t in out.tokens)
         else:
@@ -145,12 +158,30 @@ class StreamParser:
             tid = choice_id
         alts = entry.get("top_logprobs", entry.get("top_probs"))
         alts = [a for a in alts if isinstance(a, dict)] if isinstance(alts, list) else []
-        top = [(_id(a), _alt_text(a), p) for a in alts if (p := _prob(a)) is not None]
+        # an alternative without an id that is the token itself has the token's id (vLLM's token_ids, legacy maps)
+        top = [(tid if _id(a) == NO_ID and _same(a, entry) else _id(a), _alt_text(a), p)
+               for a in alts if (p := _prob(a)) is not None]
         top.sort(key=lambda t: -t[2])
         ranked = sorted((a for a in alts if _prob(a) is not None), key=lambda a: -(_prob(a) or 0.0))
         rank = next((i + 1 for i, a in enumerate(ranked) if _same(a, entry)), None)
         self.tokens_seen += 1
         return ev.TokenInfo(id=tid, piece=piece, prob=_prob(entry), rank=rank, top=top)
+
+
+def _legacy_entries(logprobs: dict[str, Any], tokens: list[Any]) -> list[dict[str, Any]]:
+    """The text-completion shape (parallel lists; alternatives a {text: logprob} map, no ids, no bytes) as chat
+    entries; an alternative whose text is the token's own gets the token's id later, by `_same`."""
+    lps, tops = logprobs.get("token_logprobs"), logprobs.get("top_logprobs")
+    if not isinstance(lps, list) or len(lps) != len(tokens):
+        raise ChunkError("expected logprobs.token_logprobs beside logprobs.tokens, one per token")
+    tops = tops if isinstance(tops, list) and len(tops) == len(tokens) else [None] * len(tokens)
+    out = []
+    for i, (token, lp, top) in enumerate(zip(tokens, lps, tops, strict=True)):
+        if not isinstance(token, str):
+            raise ChunkError(f"expected logprobs.tokens[{i}] to be a string, got {type(token).__name__}")
+        alts = [{"token": k, "logprob": v} for k, v in top.items()] if isinstance(top, dict) else []
+        out.append({"token": token, "logprob": lp, "top_logprobs": alts})
+    return out
 
 
 def _usage(raw: Any) -> dict[str, int] | None:
