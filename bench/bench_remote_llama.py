@@ -10,7 +10,8 @@ Both are real processes on loopback, on the same GGUF (the default model's Q4_1 
 - throughput: 1 and 16 concurrent OpenAI streams (greedy, 96 tokens, end-of-turn biased away) straight to
   llama-server and through webchat's /v1, alternating for --rounds; best aggregate tok/s of each and the ratio.
 
-    .venv/bin/python bench/bench_remote_llama.py [--rounds 2] [--trials 10] [--gguf FILE] [--llama-server BIN]
+    .venv/bin/python bench/bench_remote_llama.py [--rounds 2] [--trials 10] [--threads 2] [--gguf FILE]
+                                                 [--llama-server BIN]
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from websockets.sync.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_served import (  # noqa: E402 - bench/ is not a package
+import bench_served  # noqa: E402 - bench/ is not a package
+from bench_served import (  # noqa: E402
     HERE,
     Server,
     concurrent,
@@ -148,7 +150,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=bench_served.THREADS,
+                    help="llama-server's -t (default 2: every core of this machine, shared with webchat's front and "
+                         "the clients; 1 leaves a core to them, as when the engine has a machine of its own)")
     args = ap.parse_args()
+    bench_served.THREADS = args.threads
     gguf = args.gguf or default_gguf()
     binary = find_llama_server(args.llama_server)
     stops = stop_token_ids(gguf)
@@ -158,7 +164,7 @@ def main() -> None:
     front = front_server(up_port, front_port, stops)
     try:
         front.wait_ready()
-        print(f"llama-server {binary} on {gguf.name}; webchat serve --engine-url in front ({HERE})")
+        print(f"llama-server {binary} -t {args.threads} on {gguf.name}; webchat serve --engine-url in front ({HERE})")
         heatmap_and_branch(front_port)
         stops_ms = [stop_trial(front_port, up_port) for _ in range(args.trials)]
         closes_ms = [close_trial(up_port, upstream.model) for _ in range(args.trials)]
