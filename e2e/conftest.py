@@ -68,6 +68,8 @@ def free_port() -> int:
 def start_server(model_dir: Path, log_path: Path, *extra: str, port: int | None = None) -> Server:
     """Start `python -m webchat.cli serve` and wait until /healthz answers; fail with the log tail if it dies."""
     port = port or free_port()
+    if "--models-dir" not in extra and "--engine-url" not in extra:  # the one model, not the user's shelf
+        extra = (*extra, "--models-dir", str(log_path.parent / "no-models"))
     cmd = [sys.executable, "-m", "webchat.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--device", "cpu", *extra]
     log = log_path.open("wb")

@@ -33,6 +33,7 @@ from webchat.serve.limits import (
     TokenCheck,
     default_max_connections,
 )
+from webchat.serve.models import Card, Fleet, ModelError, Models, scan
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
 from webchat.serve.rules import RuleError, context_room, short_repr, speculative_mode
@@ -58,8 +59,9 @@ class Connection:
     """One browser tab: a receive task (generate, stop) beside a send loop (hello, worker messages, errors)."""
 
     def __init__(self, websocket: WebSocket, runtime: Runtime, worker: Backend, config: ServerConfig,
-                 guard: ConnectionGuard | None = None) -> None:  # fmt: skip
+                 guard: ConnectionGuard | None = None, models: Models | None = None) -> None:  # fmt: skip
         self.ws, self.runtime, self.worker, self.config, self.guard = websocket, runtime, worker, config, guard
+        self.models = models  # several local models (None: a remote engine)
         self.max_bytes = config.max_message_bytes
         self.key = object()  # the worker's handle for this connection's session
         self.current: str | None = None  # the id of the request in flight
@@ -68,7 +70,10 @@ class Connection:
         self.bad_frames = 0  # frames in a row answered with an error
 
     async def serve(self) -> None:
-        self.outbox.push(self.runtime.hello())
+        hello = self.runtime.hello()
+        if self.models is not None:
+            hello.models = self.models.wire()
+        self.outbox.push(hello)
         receiver = asyncio.create_task(self._receive_loop())
         sender = asyncio.create_task(self._send_loop())
         watchdog = asyncio.create_task(self._watch_stall())
@@ -150,7 +155,8 @@ class Connection:
                                   "send stop or wait for its done", msg.id)
         self.current = msg.id  # from here every error names this request and ends it
         try:
-            request, n_prompt, trimmed = await self._prepare(msg)
+            rt = await self._model(msg)
+            request, n_prompt, trimmed = await self._prepare(msg, rt)
         except p.ProtocolError:
             self.current = None
             raise
@@ -163,15 +169,26 @@ class Connection:
         self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=deliver,
                                prompt_tokens=n_prompt, client=self.key,
                                messages=[m.model_dump() for m in msg.messages], continue_final=msg.continue_,
-                               prefix_ids=msg.prefix_ids))
+                               prefix_ids=msg.prefix_ids, model=rt.model_name if self.models is not None else None))
 
-    async def _prepare(self, msg: p.Generate) -> tuple[GenerationRequest, int, int]:
+    async def _model(self, msg: p.Generate) -> Runtime:
+        """The runtime of the model the request names, loaded first if need be (`loading` messages meanwhile)."""
+        if self.models is None:
+            if msg.model is not None and msg.model != self.runtime.model_name:
+                raise p.ProtocolError("unknown_model", f"model {msg.model!r} is not served here; the model is "
+                                      f"{self.runtime.model_name!r}", msg.id)
+            return self.runtime
+        try:
+            return await self.models.use(msg.model, lambda info: self.outbox.push(p.Loading(id=msg.id, **info)))
+        except ModelError as exc:
+            raise p.ProtocolError(exc.code, exc.message, msg.id) from None
+
+    async def _prepare(self, msg: p.Generate, rt: Runtime) -> tuple[GenerationRequest, int, int]:
         """Validate what pydantic cannot (mode, vocabulary, context), template, encode and trim the history: the
         generator request, its prompt length and how many messages were left out."""
         from webchat.engine.sequence import GenerationRequest
         from webchat.engine.settings import SamplingSettings, SettingsError, token_id
 
-        rt = self.runtime
         try:
             mode = speculative_mode(msg.speculative, rt.default_mode, rt.modes)
         except RuleError as exc:
@@ -192,7 +209,7 @@ class Connection:
         except SettingsError as exc:
             raise p.ProtocolError("bad_settings", f"settings.{exc}", msg.id) from None
         if msg.prefix_ids is not None:
-            self._check_prefix(msg)
+            self._check_prefix(msg, rt)
         budget = max(rt.context_length - msg.max_new_tokens, 1)
         try:
             encode = functools.partial(rt.encode_chat, continue_final=msg.continue_, prefix_ids=msg.prefix_ids)
@@ -214,12 +231,12 @@ class Connection:
                                     return_logits=False, speculative=mode)
         return request, len(ids), fitted.dropped
 
-    def _check_prefix(self, msg: p.Generate) -> None:
+    def _check_prefix(self, msg: p.Generate, rt: Runtime) -> None:
         """prefix_ids inside the vocabulary and spelling the final message's content, else `bad_message`."""
         from webchat.engine.settings import SettingsError, check_token_ids
         from webchat.text.detok import decode_all
 
-        tokenizer = self.runtime.local()[1]
+        tokenizer = rt.local()[1]
         ids = msg.prefix_ids or []
         try:
             check_token_ids(ids, tokenizer.vocab_size, "prefix_ids")
@@ -243,6 +260,31 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 
 # ---------------------------------------------------------------- the app
+def _models(config: ServerConfig, rt: Runtime, device: DeviceThread) -> Models:
+    """The catalog (the loaded default, --models-dir) and its Fleet of workers on `device`."""
+    loop = asyncio.get_running_loop()
+
+    def make_worker(r: Runtime) -> Worker:
+        _, tokenizer, engine = r.local()
+        return Worker(engine, tokenizer.id_to_text, loop, config.max_sessions, config.max_queue, device=device)
+
+    try:
+        cards = scan(config.model_dir, config.models_dir)
+        default = next(iter(cards.values()))
+        if default.name != rt.model_name:  # a .gguf's cache folder: the name the runtime serves it under
+            cards = {rt.model_name: dataclasses.replace(default, name=rt.model_name), **{
+                k: v for k, v in cards.items() if k != default.name}}
+    except (OSError, ValueError) as exc:  # a runtime handed in without its folder (tests): described from itself
+        log.info("the default model's folder is not described (%s); serving it alone", exc)
+        cards = {rt.model_name: Card(rt.model_name, config.model_dir, 0, "unknown", rt.weights, rt.context_length,
+                                     default=True)}
+    models = Models(cards, config, Fleet(device, rt.model_name), make_worker, config.max_models,
+                    config.memory_budget)
+    models.attach(rt)
+    return models
+
+
+
 def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlette:
     """The app; its lifespan loads the model (unless `runtime` is given) and starts the worker."""
 
@@ -254,6 +296,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         worker: Backend
+        models: Models | None = None
         if runtime is None and config.engine_url is not None:
             remote = await load_remote_runtime(config)
             rt: Runtime = remote
@@ -270,9 +313,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
                 device.stop()
                 worker = rt.remote()
             else:
-                _, tokenizer, engine = rt.local()
-                worker = Worker(engine, tokenizer.id_to_text, asyncio.get_running_loop(), config.max_sessions,
-                                config.max_queue, device=device)
+                models = _models(config, rt, device)
+                worker = models.fleet
         worker.start()
         loop = asyncio.get_running_loop()
         previous_handler = loop.get_exception_handler()
@@ -285,7 +327,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
             print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}, weights {rt.weights}) ready at "
                   f"{display_url(config)}", flush=True)
         try:
-            yield {"runtime": rt, "worker": worker, "config": config}
+            yield {"runtime": rt, "worker": worker, "config": config, "models": models}
         finally:
             loop.set_exception_handler(previous_handler)
             api.close()
@@ -303,6 +345,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
     async def info(request: Request) -> Response:
         rt: Runtime = request.state.runtime
         body = rt.hello().model_dump(exclude={"type"})
+        if request.state.models is not None:
+            body["models"] = request.state.models.wire()
         snap = request.state.worker.snapshot()
         body.update(max_sessions=config.max_sessions, max_queue=config.max_queue, default_speculative=rt.default_mode,
                     active=len(snap.active), queued=len(snap.pending))
@@ -324,7 +368,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
                                      "or pass --allow-origin")
             return
         await websocket.accept()
-        conn = Connection(websocket, websocket.state.runtime, websocket.state.worker, config, guard)
+        conn = Connection(websocket, websocket.state.runtime, websocket.state.worker, config, guard,
+                          websocket.state.models)
         await conn.serve()
 
     routes = [

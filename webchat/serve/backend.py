@@ -32,6 +32,7 @@ class Job:
     messages: list[dict[str, str]] | None = None  # the chat the prompt ids were encoded from (None: a raw prompt)
     continue_final: bool = False  # the last message is an assistant prefix to continue
     prefix_ids: list[int] | None = None  # that prefix as the model's token ids (a branch), sent as ids where taken
+    model: str | None = None  # the model it runs on (webchat.serve.models; None: the default)
     # the backend's bookkeeping
     position: int = 0  # last `queued` position sent; 0 = never queued
     seq: Sequence | None = None  # the local engine's sequence while it runs

@@ -41,6 +41,9 @@ class ServerConfig:
     trusted_hosts: tuple[str, ...] | None = None  # Host names HTTP routes answer; None: any (`serve` sets loopback)
     access_token: str | None = None  # when set, every route needs it (webchat.serve.limits.TokenCheck)
     api_key: str | None = None  # when set, the OpenAI API (/v1) needs `Authorization: Bearer <key>`
+    models_dir: Path | None = None  # more models to serve beside model_dir (webchat.serve.models); None: that one
+    max_models: int = 2  # models loaded at once; the least recently used idle one is unloaded first
+    memory_budget: int | None = None  # bytes the loaded models' estimates may take; None: 80% of the RAM
     engine_url: str | None = None  # generate on this OpenAI-compatible upstream (serve/remote), no local model
     engine_model: str | None = None  # the upstream's model (default: the first it lists)
     engine_key: str | None = None  # sent upstream as Authorization: Bearer; never shown

@@ -19,6 +19,14 @@ from webchat.serve.limits import default_max_connections, guarded_protocols
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="folder or .gguf (default: the pulled SmolLM2)")
+    parser.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
+                        help="serve every model folder and .gguf in DIR too, each loaded on first use (default: "
+                        "$WEBCHAT_HOME/models, where `webchat pull` puts the default)")
+    parser.add_argument("--max-models", type=_positive, default=2,
+                        help="models loaded at once; the least recently used idle one is unloaded first (default 2)")
+    parser.add_argument("--memory-budget", default=None, metavar="SIZE",
+                        help="memory the loaded models may take, by their estimates (weights + KV pool), e.g. 8GiB; "
+                        "a model over it is refused before loading (default: 80%% of the RAM)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder for speculative mode 'draft'")
     parser.add_argument("--speculative", default="none", choices=list(MODES),
                         help="the speculative mode for requests that name none (default: none)")
@@ -78,6 +86,22 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def parse_size(text: str) -> int:
+    """'8GiB', '512MiB' or a byte count, as bytes; ValueError naming the value otherwise."""
+    value = text.strip().replace(" ", "")
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if value.endswith(unit):
+            try:
+                n = float(value[: -len(unit)])
+            except ValueError:
+                break
+            if n > 0:
+                return int(n * scale)
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise ValueError(f"--memory-budget must be a size like 8GiB or 512MiB (or bytes), got {text!r}")
+
+
 def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
     return ServerConfig(model_dir=model_dir, draft_dir=args.draft, speculative=args.speculative, device=args.device,
                         dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
@@ -89,7 +113,9 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         engine_url=getattr(args, "engine_url", None), engine_model=getattr(args, "engine_model", None),
                         engine_key=getattr(args, "engine_key", None),
                         engine_timeout=getattr(args, "engine_timeout", 60.0),
-                        engine_affinity_header=getattr(args, "engine_affinity_header", None))
+                        engine_affinity_header=getattr(args, "engine_affinity_header", None),
+                        models_dir=getattr(args, "models_dir", None), max_models=getattr(args, "max_models", 2),
+                        memory_budget=parse_size(args.memory_budget) if getattr(args, "memory_budget", None) else None)
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
@@ -107,7 +133,15 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
         from webchat.gguf_path import model_folder
 
         model_dir = model_folder(args.model)  # a .gguf: converted once into the cache
-    config = config_from_args(args, model_dir)
+    if getattr(args, "models_dir", None) is None and getattr(args, "engine_url", None) is None:
+        from webchat.paths import models_dir
+
+        args.models_dir = models_dir()
+    try:
+        config = config_from_args(args, model_dir)
+    except ValueError as exc:
+        print(f"webchat serve: {exc}", file=sys.stderr)
+        return 2
     if not is_loopback(config.host):
         if not config.allow_origins and not config.access_token:
             print(f"webchat serve: refusing to bind to {config.host}, which is not loopback, without --allow-origin "

@@ -20,7 +20,7 @@ MAX_ALTERNATIVES = 20
 MAX_PREFIX_IDS = 131_072  # a continued reply's token ids (the frame's size limit binds first)
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
-    "upstream",
+    "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
 )
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
@@ -89,6 +89,7 @@ class Generate(_Strict):
     )
     alternatives: Annotated[int, Field(ge=0, le=MAX_ALTERNATIVES)] = 0
     speculative: str | None = None  # None: the server's default mode
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # None: the server's default model
     continue_: bool = Field(default=False, alias="continue")  # the last message is a partial assistant reply
     # with continue: the final message's content as the token ids the model produced (a branch keeps the exact
     # tokens, never re-tokenised); the prompt is then the history's generation prompt followed by these ids
@@ -138,6 +139,9 @@ class Hello(_Strict):
     weights: str = "float32"  # what the matrices run as: "q4_1", "q8_0", ... (ggml blocks) or the float dtype
     # on a remote engine (--engine-url): what it serves and gives the heatmap (webchat.serve.remote.capabilities)
     engine: dict[str, Any] | None = None
+    # several local models (webchat.serve.models): each {name, size_bytes, architecture, weights, context_length,
+    # default, loaded}; `model` above is the default, which a generate that names none runs on
+    models: list[dict[str, Any]] | None = None
 
 
 class Queued(_Strict):
@@ -205,12 +209,26 @@ class Error(_Strict):
     id: str | None
     code: Literal[
         "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy",
-        "internal", "upstream",
+        "internal", "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
     ]
     message: str
 
 
-ServerMessage = Hello | Queued | Start | Chunk | Done | Error
+class Loading(_Strict):
+    """The request's model is being loaded (state "loading", with its size and the memory estimate), then is
+    (state "loaded", the seconds it took and the models loaded now); the request then goes on as usual."""
+
+    type: Literal["loading"] = "loading"
+    id: str
+    model: str
+    state: Literal["loading", "loaded"]
+    size_bytes: int | None = None
+    estimate_bytes: int | None = None
+    seconds: float | None = None
+    loaded: list[str] | None = None
+
+
+ServerMessage = Hello | Queued | Start | Chunk | Done | Error | Loading
 
 
 # ---------------------------------------------------------------- the websocket adapter of the worker's events
@@ -252,6 +270,8 @@ def dump(msg: ServerMessage) -> str:
         return msg.model_dump_json(exclude={"tokens"})
     if isinstance(msg, Start) and msg.trimmed_messages is None:
         return msg.model_dump_json(exclude={"trimmed_messages"})
+    if isinstance(msg, Loading):
+        return msg.model_dump_json(exclude_none=True)
     return msg.model_dump_json()
 
 

@@ -79,6 +79,13 @@ class Worker:
         self.device.drive(self)
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.halt()
+        self.device.drive(None)
+        self.device.stop(timeout)
+
+    def halt(self) -> None:
+        """No more work: running requests are dropped (their sequences cancelled), waiting ones too; the device
+        thread goes on (webchat.serve.models.Fleet unloads one model's worker this way)."""
         with self._cond:
             self._stopping = True
             for job in self._active:
@@ -86,8 +93,6 @@ class Worker:
                 if job.seq is not None:
                     job.seq.cancel.set()
             self._cond.notify_all()
-        self.device.drive(None)
-        self.device.stop(timeout)
 
     def submit(self, job: Job) -> None:
         """Queue a request; replies `busy_connection` or `busy` through job.deliver when it cannot be taken."""

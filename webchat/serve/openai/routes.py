@@ -25,6 +25,7 @@ from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SettingsError, check_token_ids
 from webchat.serve.backend import Job
 from webchat.serve.config import ServerConfig, origin_allowed
+from webchat.serve.models import ModelError, Models
 from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, TokenizeRequest, parse
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
@@ -33,6 +34,8 @@ from webchat.serve.runtime import Runtime
 
 log = logging.getLogger("webchat.openai")
 
+MODEL_ERRORS = {"unknown_model": (404, "model_not_found"), "model_too_large": (400, "model_too_large"),
+                "model_busy": (429, "model_busy"), "model_failed": (500, "model_failed")}
 PATHS = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST", "/tokenize": "POST"}
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
@@ -81,11 +84,14 @@ class OpenAIApi:
         return endpoint
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card(request)]}, headers=self._cors(request))
+        return JSONResponse({"object": "list", "data": self._model_cards(request)}, headers=self._cors(request))
 
     async def model(self, request: Request) -> Response:
-        self._check_model(request, request.path_params["model"], None)
-        return JSONResponse(self._model_card(request), headers=self._cors(request))
+        name = request.path_params["model"]
+        card = next((c for c in self._model_cards(request) if c["id"] == name), None)
+        if card is None:
+            self._check_model(request, name, None)
+        return JSONResponse(card, headers=self._cors(request))
 
     async def unknown(self, request: Request) -> Response:
         if request.url.path in PATHS:
@@ -97,8 +103,7 @@ class OpenAIApi:
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse(ChatRequest, await self._body(request))
         req.check()
-        self._check_model(request, req.model, "model")
-        rt = request.state.runtime
+        rt = await self._runtime(request, req.model)
         messages = [m.for_template() for m in req.messages]
         cont = bool(req.continue_final_message)
         try:  # a remote engine (no tokenizer) templates and counts the prompt itself
@@ -110,13 +115,12 @@ class OpenAIApi:
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
         return await self._run(request, self._generation(rt, req, ids, req.limit(), reply, "messages"), reply,
-                               bool(req.stream), messages, cont)
+                               bool(req.stream), messages, cont, self._job_model(request, rt))
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await self._body(request))
         req.check()
-        self._check_model(request, req.model, "model")
-        rt = request.state.runtime
+        rt = await self._runtime(request, req.model)
         if rt.tokenizer is None:
             raise APIError(400, "text completions are not forwarded to the remote engine; use /v1/chat/completions",
                            "unsupported_value", "prompt")
@@ -133,16 +137,14 @@ class OpenAIApi:
                       token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
         return await self._run(request, self._generation(rt, req, ids, req.max_tokens, reply, "prompt"), reply,
-                               bool(req.stream))
+                               bool(req.stream), model=self._job_model(request, rt))
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: the prompt ids a chat (as /v1/chat/completions templates it) or a text would run on; a
         remote engine's front uses it to send a branch's token ids after the chat's own prompt."""
         req: TokenizeRequest = parse(TokenizeRequest, await self._body(request))
         req.check()
-        rt = request.state.runtime
-        if req.model is not None:
-            self._check_model(request, req.model, "model")
+        rt = await self._runtime(request, req.model)
         if rt.tokenizer is None:
             raise APIError(400, "this server's model is upstream (--engine-url); tokenize there", "unsupported_value")
         try:
@@ -197,7 +199,8 @@ class OpenAIApi:
         return ("peer", request.client.host if request.client is not None else "")
 
     async def _run(self, request: Request, gen_request: GenerationRequest, reply: Reply, stream: bool,
-                   messages: list[dict[str, str]] | None = None, continue_final: bool = False) -> Response:
+                   messages: list[dict[str, str]] | None = None, continue_final: bool = False,
+                   model: str | None = None) -> Response:
         """Submit the job and answer: errors before the first event keep their status; streams begin at 200."""
         if self.closing:
             raise APIError(503, "the server is shutting down", "shutting_down")
@@ -205,7 +208,7 @@ class OpenAIApi:
         self.live.add(pending)
         pending.worker.submit(Job(key=pending.key, request_id=reply.id, request=gen_request, deliver=pending.deliver,
                                   prompt_tokens=len(gen_request.prompt_ids), client=self._client(request),
-                                  messages=messages, continue_final=continue_final))
+                                  messages=messages, continue_final=continue_final, model=model))
         watcher = asyncio.create_task(pending.watch(request.receive))
         streaming = False
         try:
@@ -260,6 +263,30 @@ class OpenAIApi:
             if len(body) > limit:
                 raise APIError(413, f"the body is over {limit} bytes, the limit", "request_too_large")
         return bytes(body)
+
+    async def _runtime(self, request: Request, name: str | None) -> Runtime:
+        """The runtime of the model a request names (loaded first where need be; None: the default)."""
+        models: Models | None = request.state.models
+        if models is None:
+            if name is not None:
+                self._check_model(request, name, "model")
+            return request.state.runtime  # type: ignore[no-any-return]
+        try:
+            return await models.use(name)
+        except ModelError as exc:
+            status, code = MODEL_ERRORS[exc.code]
+            raise APIError(status, exc.message, code, "model") from None
+
+    @staticmethod
+    def _job_model(request: Request, rt: Runtime) -> str | None:
+        return rt.model_name if request.state.models is not None else None
+
+    def _model_cards(self, request: Request) -> list[dict[str, Any]]:
+        models: Models | None = request.state.models
+        if models is None:
+            return [self._model_card(request)]
+        return [{"id": c["name"], "object": "model", "created": self.created, "owned_by": "webchat",
+                 **{k: v for k, v in c.items() if k != "name"}} for c in models.wire()]
 
     def _check_model(self, request: Request, name: str, param: str | None) -> None:
         served = request.state.runtime.model_name
