@@ -9,6 +9,7 @@ import { Announcer } from "./announce.js";
 import { ChatView } from "./chat.js";
 import { Connection, socketUrl } from "./connection.js";
 import { Library } from "./conversations.js";
+import { ModelPicker, describe } from "./models.js";
 import { Drawer, HeatmapControls } from "./panels.js";
 import { TokenPopover, nextLowConfidence } from "./popover.js";
 import { download, fileName, readExport } from "./portability.js";
@@ -45,6 +46,16 @@ const turns = new Turns({
     input.value = input.value.trim() === "" ? text : `${text}\n${input.value}`;
     saveDraft();
   },
+  model: () => picker.value,
+  loaded: (names) => picker.markLoaded(names),
+});
+/** The header while a model is picked: its name and what it is; with one model, hello's line stays. */
+const picker = new ModelPicker(/** @type {HTMLSelectElement} */ ($("model-picker")), (card) => {
+  $("model-name").hidden = card !== null;
+  if (card) {
+    $("model-info").textContent = describe(card);
+    document.title = `webchat · ${card.name}`;
+  }
 });
 const view = new ChatView(messagesEl, {
   onEdit: (step, text) => turns.edit(step, text),
@@ -102,6 +113,7 @@ function renderList() {
   const actions = {
     onSelect: (/** @type {string} */ id) => {
       lib.select(id);
+      picker.pick(lib.current.model);
       view.clearError();
       refresh();
       document.body.classList.remove("sidebar-open");
@@ -171,6 +183,7 @@ function applyHello(hello) {
     info.textContent = `${hello.device} · ${hello.dtype}${quantized} · context ${hello.context_length}`;
   }
   settings.setServerLimits(hello);
+  picker.set(hello.models, lib.current.model ?? null);
 }
 
 function send() {

@@ -98,6 +98,13 @@ export class ChatView {
     bar.className = "msg-actions";
     if (step.thread.versions.length > 1) bar.append(this.versions(step));
     const a = this.actions;
+    if (msg.role === "assistant" && msg.model) {
+      const who = document.createElement("span");
+      who.className = "msg-model";
+      who.dataset.testid = "reply-model";
+      who.textContent = msg.model;
+      bar.append(who);
+    }
     if (msg.role === "assistant") {
       bar.append(button("Copy", "copy", (b) => copy(msg.content, b)));
       bar.append(button("Regenerate", "regenerate", () => a.onRegenerate(step), this.busy));

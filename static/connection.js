@@ -4,7 +4,8 @@
 /**
  * @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnState
  * @typedef {{type: "hello", v: number, model: string, context_length: number, device: string, dtype: string,
- *            weights?: string, speculative: string[], max_alternatives: number, engine?: Engine | null}} Hello
+ *            weights?: string, speculative: string[], max_alternatives: number, engine?: Engine | null,
+ *            models?: import("./models.js").ModelCard[] | null}} Hello
  * @typedef {{url: string, state: string, error: string | null, kind: string, models: string[], model: string | null,
  *            context_length: number | null, max_top_logprobs: number, probabilities: string, bytes: string,
  *            token_ids: string, continue_final: string, token_prompt: string}} Engine
@@ -17,6 +18,8 @@
  *         | {type: "chunk", id: string, text: string, tokens?: WireToken[]}
  *         | {type: "done", id: string, reason: string, trigger?: unknown, stats: import("./store.js").Stats}
  *         | {type: "error", id: string | null, code: string, message: string}
+ *         | {type: "loading", id: string, model: string, state: "loading" | "loaded", size_bytes?: number,
+ *            estimate_bytes?: number, seconds?: number, loaded?: string[]}
  *         | Hello} ServerMessage
  * @typedef {{onState: (state: ConnState, detail: string) => void, onMessage: (msg: ServerMessage) => void,
  *            onClose: () => void}} Handlers

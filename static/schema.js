@@ -38,6 +38,7 @@ export function checkMessage(m, at) {
   if (typeof msg.content !== "string") return `${at}.content: expected a string, got ${shown(msg.content)}`;
   if (msg.reason !== undefined && typeof msg.reason !== "string") return `${at}.reason: expected a string, got ${shown(msg.reason)}`;
   if (msg.settings !== undefined && !isObject(msg.settings)) return `${at}.settings: expected an object, got ${shown(msg.settings)}`;
+  if (msg.model !== undefined && typeof msg.model !== "string") return `${at}.model: expected a string, got ${shown(msg.model)}`;
   if (msg.stats !== undefined) {
     if (!isObject(msg.stats)) return `${at}.stats: expected an object, got ${shown(msg.stats)}`;
     const stats = /** @type {Record<string, unknown>} */ (msg.stats);
@@ -130,6 +131,7 @@ export function checkConversation(c) {
   if (typeof conv.id !== "string" || conv.id === "") return `id: expected a non-empty string, got ${shown(conv.id)}`;
   if (conv.title !== undefined && typeof conv.title !== "string") return `title: expected a string, got ${shown(conv.title)}`;
   if (conv.named !== undefined && typeof conv.named !== "boolean") return `named: expected true or false, got ${shown(conv.named)}`;
+  if (conv.model !== undefined && typeof conv.model !== "string") return `model: expected a string, got ${shown(conv.model)}`;
   for (const key of ["created", "updated"]) {
     if (conv[key] !== undefined && !finite(conv[key])) return `${key}: expected a time in ms, got ${shown(conv[key])}`;
   }
@@ -149,7 +151,7 @@ function repairMessage(m) {
   if (raw.role !== "user" && raw.role !== "assistant") return null;
   /** @type {Message} */
   const msg = { role: raw.role, content: typeof raw.content === "string" ? raw.content : "" };
-  for (const key of /** @type {const} */ (["reason", "settings", "stats", "tokens"])) {
+  for (const key of /** @type {const} */ (["reason", "settings", "stats", "tokens", "model"])) {
     if (raw[key] === undefined) continue;
     const trial = /** @type {Record<string, unknown>} */ ({ role: msg.role, content: msg.content, [key]: raw[key] });
     if (!checkMessage(trial, "m")) /** @type {Record<string, unknown>} */ (msg)[key] = raw[key];
@@ -195,6 +197,7 @@ export function repairConversation(c, newId) {
     id: typeof raw.id === "string" && raw.id !== "" ? raw.id : newId(),
     title: typeof raw.title === "string" ? raw.title : "Damaged chat",
     named: raw.named === true,
+    ...(typeof raw.model === "string" ? { model: raw.model } : {}),
     created: finite(raw.created) ? /** @type {number} */ (raw.created) : now,
     updated: finite(raw.updated) ? /** @type {number} */ (raw.updated) : now,
     root: repairThread(raw.root, 0),

@@ -9,7 +9,8 @@
  * @typedef {import("./store.js").Message} Message
  * @typedef {{versions: Version[], current: number}} Thread
  * @typedef {{msg: Message, next: Thread | null}} Version
- * @typedef {{id: string, title: string, named?: boolean, created: number, updated: number, root: Thread | null}} Conversation
+ * @typedef {{id: string, title: string, named?: boolean, created: number, updated: number, root: Thread | null,
+ *            model?: string}} Conversation  `model`: the model its latest request ran on (the picker follows it)
  *   `named`: the user renamed it (the title no longer follows the first question).
  * @typedef {{msg: Message, thread: Thread, index: number}} Step  one message of the shown path and where it lives
  */

@@ -4,6 +4,7 @@
  * another alternative. One request at a time (one socket); it goes on streaming when another chat is shown.
  */
 
+import { sizeText } from "./models.js";
 import { ReplyData } from "./reply.js";
 import { newId } from "./store.js";
 import { addVersion, append, path, removeVersion, show } from "./tree.js";
@@ -24,7 +25,8 @@ import { addVersion, append, path, removeVersion, show } from "./tree.js";
  * @typedef {{connection: import("./connection.js").Connection, lib: import("./conversations.js").Library,
  *   settings: import("./settings.js").SettingsPanel, refresh: () => void, error: (text: string, code: string) => void,
  *   progress: (text: string) => void, announce: (text: string, final: boolean) => void,
- *   restoreInput: (text: string) => void}} Deps
+ *   restoreInput: (text: string) => void, model: () => string | null, loaded: (names: string[]) => void}} Deps
+ *   `model`: the picked model the next request names (null: the server's one); `loaded`: the models loaded now.
  */
 
 const STOP_TIMEOUT_MS = 15000;
@@ -170,6 +172,11 @@ export class Turns {
     /** @type {Record<string, unknown>} */
     const frame = { type: "generate", id, messages: all, settings: req.settings, max_new_tokens: req.max_new_tokens,
       stop: req.stop, alternatives: Math.max(1, req.alternatives), speculative: req.speculative };
+    const model = d.model();
+    if (model) {
+      frame.model = model;
+      conv.model = model;
+    }
     if (cont) {
       frame.continue = true;
       const ids = prefixIds(reply);
@@ -181,6 +188,7 @@ export class Turns {
     }
     delete reply.reason;
     reply.settings = req.settings;
+    if (model) reply.model = model;
     this.active = { id, conv, msg: reply, data: new ReplyData(reply), view: null, undo, typed, stopping: false,
       before: reply.content.length, trimmed: 0 };
     conv.updated = Date.now();
@@ -211,7 +219,14 @@ export class Turns {
       return;
     }
     if (!a || !("id" in msg) || msg.id !== a.id) return;
-    if (msg.type === "queued") {
+    if (msg.type === "loading") {
+      if (msg.state === "loading") {
+        this.d.progress(`Loading ${msg.model} (${sizeText(msg.size_bytes ?? 0)})…`);
+      } else {
+        this.d.progress(`Loaded ${msg.model} in ${(msg.seconds ?? 0).toFixed(1)} s`);
+        this.d.loaded(msg.loaded ?? []);
+      }
+    } else if (msg.type === "queued") {
       a.view?.queued(msg.position);
       this.d.progress(`Waiting in queue: position ${msg.position}`);
     } else if (msg.type === "start") {
