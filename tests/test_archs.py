@@ -56,6 +56,7 @@ ARCHS = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral": "
 # what the C++ step and CudaOps run; with a sliding window (MistralConfig's default 4096 included) sequences past it go
 # to the PyTorch path's windowed attention
 LLAMA_BLOCK = ("llama", "llama3", "mistral", "qwen2", "phi3", "mistral-window", "phi3-window")
+CPU_STEP = (*LLAMA_BLOCK, "qwen3")  # the C++ forward also runs Qwen3's per-head q/k norms
 
 
 def make_reference(kind: str, folder: Path) -> Any:
@@ -102,12 +103,12 @@ def check(kind: str, reference: Any, ids: list[int], got: torch.Tensor, n_prompt
 def test_config_reads_the_architecture(pair: tuple[str, Any, Transformer]) -> None:
     kind, _, model = pair
     assert model.args.arch == ARCHS[kind]
-    for reason in (cpu_step_declines(model.args), cuda_declines(model.args)):
-        if kind not in LLAMA_BLOCK:
+    for reason, runs in ((cpu_step_declines(model.args), CPU_STEP), (cuda_declines(model.args), LLAMA_BLOCK)):
+        if kind not in runs:
             assert reason is not None and ARCHS[kind] in reason
         else:  # Phi-3's fused matrices split at load: a Llama block the kernels run
             assert reason is None
-    assert (model.runner is not None) == (kind in LLAMA_BLOCK)  # the C++ step installed, or declined
+    assert (model.runner is not None) == (kind in CPU_STEP)  # the C++ step installed, or declined
 
 
 def test_alone_prompt_and_16_decoded_tokens(pair: tuple[str, Any, Transformer]) -> None:

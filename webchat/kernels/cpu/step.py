@@ -52,9 +52,12 @@ class CpuStep:
         qtypes: list[int] = []
         norms: list[torch.Tensor] = []
         biases: list[torch.Tensor] = []
+        qk_norms: list[torch.Tensor] = []  # Qwen3's per-head q and k norms, before rope
         for layer in cast(list[Block], list(model.layers)):
             att, ff = layer.attention, layer.feed_forward
             norms += [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
+            if att.q_norm is not None and att.k_norm is not None:
+                qk_norms += [att.q_norm.weight.detach(), att.k_norm.weight.detach()]
             for m in (att.wq, att.wk, att.wv, att.wo, ff.w1, ff.w3, ff.w2):
                 wt = _matrix(m)
                 if wt is None:
@@ -66,7 +69,7 @@ class CpuStep:
         if emb is None or head is None:
             raise TypeError("the embedding and head must be quantized or float32 for the C++ path")
         self.step = kernels.Step([a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim], a.norm_eps, emb[0], emb[1],
-                                 head[0], head[1], model.norm.weight.detach(), norms, mats, qtypes, biases)
+                                 head[0], head[1], model.norm.weight.detach(), norms, mats, qtypes, biases, qk_norms)
         self.window = min((w for w in a.layer_windows if w), default=0)  # past it, the PyTorch path's windows
         self.embedding = model.tok_embeddings
         self.layers = list(model.layers)
@@ -87,7 +90,8 @@ class CpuStep:
 
 def cpu_step_declines(args: ModelArgs) -> str | None:
     """Why the C++ forward cannot run this architecture (it computes a Llama block), or None where it can."""
-    extra = [x for x in args.beyond_llama if x != "sliding-window layers"]  # CpuStep passes longer batches on
+    # CpuStep runs q/k norms (Qwen3) itself, and passes batches longer than a sliding window on
+    extra = [x for x in args.beyond_llama if x not in ("sliding-window layers", "q/k norms")]
     return f"{args.arch or 'this model'} needs {', '.join(extra)}" if extra else None
 
 

@@ -97,10 +97,11 @@ int64_t set_path(int64_t p) {
 class Step {
  public:
   // dims: dim, n_heads, n_kv, head_dim, ffn; per layer norms (attn, ffn), mats (wq wk wv wo w1 w3 w2) with their
-  // qtypes (0: float32 (n, k)), biases (q, k, v; an empty tensor for none)
+  // qtypes (0: float32 (n, k)), biases (q, k, v; an empty tensor for none), qk_norms (q, k per head: Qwen3; empty
+  // for none)
   Step(std::vector<int64_t> dims, double eps, torch::Tensor emb, int64_t emb_qtype, torch::Tensor head,
        int64_t head_qtype, torch::Tensor final_norm, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> mats,
-       std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases) {
+       std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases, std::vector<torch::Tensor> qk_norms) {
     TORCH_CHECK(dims.size() == 5, "dims must be (dim, n_heads, n_kv, head_dim, ffn), got ", dims.size(), " values");
     m_.dim = dims[0], m_.n_heads = dims[1], m_.n_kv = dims[2], m_.head_dim = dims[3], m_.ffn = dims[4];
     TORCH_CHECK(m_.n_kv > 0 && m_.n_heads % m_.n_kv == 0 && m_.n_heads / m_.n_kv <= 64 && m_.head_dim % 2 == 0,
@@ -112,6 +113,8 @@ class Step {
                     biases.size() == 3 * n_layers,
                 "per layer: 2 norms, 7 matrices with 7 qtypes, 3 biases; got ", norms.size(), ", ", mats.size(), ", ",
                 qtypes.size(), ", ", biases.size());
+    TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * n_layers, "qk_norms: 2 per layer or none, got ",
+                qk_norms.size());
     m_.emb = mat(emb, emb_qtype, m_.dim, torch::Tensor());
     m_.head = mat(head, head_qtype, m_.dim, torch::Tensor());
     m_.final_norm = vec(final_norm, m_.dim);
@@ -122,6 +125,10 @@ class Step {
       Layer L;
       L.attn_norm = vec(norms[2 * i], m_.dim);
       L.ffn_norm = vec(norms[2 * i + 1], m_.dim);
+      if (!qk_norms.empty()) {
+        L.q_norm = vec(qk_norms[2 * i], m_.head_dim);
+        L.k_norm = vec(qk_norms[2 * i + 1], m_.head_dim);
+      }
       Mat* slots[7] = {&L.wq, &L.wk, &L.wv, &L.wo, &L.w1, &L.w3, &L.w2};
       for (int j = 0; j < 7; ++j) {
         *slots[j] = mat(mats[7 * i + j], qtypes[7 * i + j], ks[j], j < 3 ? biases[3 * i + j] : torch::Tensor());
@@ -249,6 +256,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<wq::Step>(m, "Step")
       .def(py::init<std::vector<int64_t>, double, torch::Tensor, int64_t, torch::Tensor, int64_t, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
-                    std::vector<torch::Tensor>>())
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
       .def("forward", &wq::Step::forward);
 }

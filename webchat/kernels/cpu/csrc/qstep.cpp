@@ -1,6 +1,6 @@
 // The model's forward over a ragged batch on the paged KV cache, as one C++ call. The same maths as
 // webchat.model.transformer.Transformer.layers_forward with webchat.model.ops.PagedTorchOps:
-//   h = x + wo(attn(rope(wq y), rope(wk y), wv y)) with y = rms_norm(x);  x' = h + w2(silu(w1 y) * w3 y) with
+//   h = x + wo(attn(rope(qn(wq y)), rope(kn(wk y)), wv y)) with y = rms_norm(x), qn/kn per-head norms (Qwen3) or none;  x' = h + w2(silu(w1 y) * w3 y) with
 //   y = rms_norm(h);  logits = head(rms_norm(x_L)) for the logit rows only.
 // Every row is computed on its own (its matmul accumulations, its norm, its attention over its own sequence), so a
 // row's numbers do not depend on what else is in the batch. What goes away is the Python and dispatch overhead
@@ -323,6 +323,16 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
     for (int64_t t = 0; t < T; ++t) {
       const float* c = cos + bv.positions[t] * half;
       const float* s = sin + bv.positions[t] * half;
+      if (L.q_norm != nullptr) {  // per head, in place (rms_norm_row reads a value before it writes it)
+        for (int64_t h = 0; h < n_heads; ++h) {
+          float* qh = q + t * qd + h * head_dim;
+          rms_norm_row(qh, L.q_norm, qh, head_dim, eps);
+        }
+        for (int64_t h = 0; h < n_kv; ++h) {
+          float* kh = k + t * kvd + h * head_dim;
+          rms_norm_row(kh, L.k_norm, kh, head_dim, eps);
+        }
+      }
       rope_heads(q + t * qd, n_heads, head_dim, c, s);
       rope_heads(k + t * kvd, n_kv, head_dim, c, s);
       std::memcpy(kv.k[i] + bv.slots[t] * kvd, k + t * kvd, kvd * sizeof(float));

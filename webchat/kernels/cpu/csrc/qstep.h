@@ -19,6 +19,8 @@ struct Mat {  // an (n, k) matrix: n rows of row_bytes, ggml type qtype (F32: fl
 struct Layer {
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
+  const float* q_norm = nullptr;  // (head_dim): RMS norm of each q head before rope (Qwen3), or none
+  const float* k_norm = nullptr;  // (head_dim): the same for each k head
   Mat wq, wk, wv, wo, w1, w3, w2;
 };
 
