@@ -108,12 +108,24 @@ def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.Mo
     assert torch.equal(down, torch.from_numpy(np.array(blocks.data)))
     model = load_model(folder)
     assert {m.qtype for m in model.modules() if isinstance(m, QLinear | QEmbedding)} == {"q4_k", "q6_k", "q8_0"}
-    assert model.runner is None  # the C++ step has no K-quant forward: QLinear's kernels run each matrix
-    ids, got = greedy_logits(model, PROMPT)
-    with torch.no_grad():
-        want = reference(torch.tensor([ids[:-1]])).logits[0]
-    assert (got - want).abs().max().item() <= 1e-4
-    assert want[len(PROMPT) - 1 :].argmax(-1).tolist() == ids[len(PROMPT) :]
+    step = model.runner
+    assert step is not None  # the C++ forward runs the K-quant matrices (and Qwen3's q/k norms) itself
+    mod = qkernels.load()
+    # the C++ forward on every path this CPU runs (AVX-512 uses the AVX2 K-quant dot), then the PyTorch path,
+    # QLinear's K-quant kernels matrix by matrix
+    runs = [(step, qkernels.PATHS[p]) for p in ("scalar", "avx2") if qkernels.PATHS[p] <= mod.best_path()]
+    try:
+        for runner, path in [*runs, (None, -1)]:
+            model.runner = runner
+            mod.set_path(path)
+            ids, got = greedy_logits(model, PROMPT)
+            with torch.no_grad():
+                want = reference(torch.tensor([ids[:-1]])).logits[0]
+            assert (got - want).abs().max().item() <= 1e-4, (runner, path)
+            assert want[len(PROMPT) - 1 :].argmax(-1).tolist() == ids[len(PROMPT) :]
+    finally:
+        mod.set_path(-1)
+    assert step.calls > 0 and len(runs) >= 1
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from torch import nn
 from webchat.kernels.cpu.build import QKernels
 from webchat.model.batch import Batch
 from webchat.model.config import ModelArgs
-from webchat.model.quant import QTYPES, QEmbedding, QLinear
+from webchat.model.quant import K_QTYPES, QTYPES, QEmbedding, QLinear
 from webchat.model.transformer import Block, PagedKV, Transformer
 
 log = logging.getLogger("webchat.kernels.cpu.step")
@@ -31,8 +31,9 @@ F32 = 0  # ggml's type number for float32 rows
 
 def _matrix(m: nn.Module) -> tuple[torch.Tensor, int] | None:
     """(weight, ggml type) of a QLinear/QEmbedding or a float32 Linear/Embedding; None for anything else."""
-    if isinstance(m, QLinear | QEmbedding):  # Q4_K/Q6_K (GGUF files) have no C++ forward yet: None
-        return (m.weight, QTYPES[m.qtype][0]) if m.qtype in QTYPES else None
+    if isinstance(m, QLinear | QEmbedding):  # Q4_0/Q4_1/Q8_0 (qmatmul.cpp), Q4_K/Q6_K from GGUF files (qkquant.cpp)
+        known = {**QTYPES, **K_QTYPES}
+        return (m.weight, known[m.qtype][0]) if m.qtype in known else None
     if isinstance(m, nn.Linear | nn.Embedding) and m.weight.dtype == torch.float32 and m.weight.is_contiguous():
         return m.weight.detach(), F32
     return None

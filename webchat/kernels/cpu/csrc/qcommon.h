@@ -6,7 +6,7 @@
 
 namespace wq {
 
-enum QType { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type numbers (gguf.GGMLQuantizationType)
+enum QType { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type numbers
 enum Path { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 template <int QT> struct BlockOf;
@@ -68,5 +68,12 @@ struct MatRef {  // one matrix of a qmatmul_multi call and where its output goes
 void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, float* xsum2);
 void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
                  float* xsum2, float* y);
+
+// Q4_K / Q6_K (qkquant.cpp): 256-value super-blocks of kq_block_bytes; rows [n0, n1) of a Job (its xsum the
+// (m, k / 32, 2) block sums) and one dequantized row (the embedding)
+inline bool is_kquant(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
+int64_t kq_block_bytes(int qtype);
+void kq_rows(const Job& j, int64_t n0, int64_t n1, int p);
+void kq_dequant_row(int qtype, const uint8_t* row, int64_t k, float* out);
 
 }  // namespace wq

@@ -18,7 +18,7 @@ namespace wq {
 namespace {
 
 constexpr int64_t QK = 256;
-constexpr int64_t Q4_K = 12, Q6_K = 14;  // ggml's type numbers
+// Q4_K = 12, Q6_K = 14: ggml's type numbers (qcommon.h)
 
 int64_t kblock_bytes(int64_t qtype) { return qtype == Q4_K ? 144 : qtype == Q6_K ? 210 : 0; }
 
@@ -144,9 +144,10 @@ __attribute__((target("avx2,fma"))) float qdot_avx2(const Unpacked& u, const flo
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
 
-// y[i * ldy] += block . x[i] for m rows of x (stride ldx); xsum: (m, k / 32) sums of x per 32 values (Q4_K's mins)
+// y[i * ldy] += block . x[i] for m rows of x (stride ldx); xsum: the sums of x per 32 values (Q4_K's mins), row i's
+// group j at xsum[i * lds + j * js]
 void block_dot(int64_t qtype, const uint8_t* b, const float* x, int64_t ldx, const float* xsum, int64_t lds,
-               int64_t m, float* y, int64_t ldy, bool avx2) {
+               int64_t m, float* y, int64_t ldy, bool avx2, int64_t js = 1) {
   Unpacked u;
   if (qtype == Q4_K) {
     unpack_q4_k(b, &u);
@@ -158,7 +159,7 @@ void block_dot(int64_t qtype, const uint8_t* b, const float* x, int64_t ldx, con
     float s;
     if (qtype == Q4_K) {
       s = avx2 ? qdot_avx2<32>(u, xr) : qdot_scalar<32>(u, xr);
-      for (int j = 0; j < 8; ++j) s -= u.minus[j] * xsum[i * lds + j];
+      for (int j = 0; j < 8; ++j) s -= u.minus[j] * xsum[i * lds + j * js];
     } else {
       s = avx2 ? qdot_avx2<16>(u, xr) : qdot_scalar<16>(u, xr);
     }
@@ -217,6 +218,27 @@ torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t 
 }
 
 }  // namespace
+
+// The C++ forward's share (qmatmul_multi, qstep.cpp's embedding): the same block_dot per super-block, in the same
+// order, as kq_matmul, so a model's logits do not depend on which of the two ran a matrix.
+int64_t kq_block_bytes(int qtype) { return kblock_bytes(qtype); }
+
+void kq_rows(const Job& j, int64_t n0, int64_t n1, int p) {
+  const int64_t bb = kblock_bytes(j.qtype), nb = j.k / 32;
+  const bool avx2 = p >= PATH_AVX2;
+  for (int64_t r = n0; r < n1; ++r) {
+    for (int i = 0; i < j.m; ++i) j.y[i * j.ldy + r] = 0.f;
+    for (int64_t b = 0; b < j.k / QK; ++b)  // xsum: (m, k / 32, 2) pairs, the sum second (qmatmul.cpp's block_sums)
+      block_dot(j.qtype, j.w + r * j.row_bytes + b * bb, j.x + b * QK, j.ldx, j.xsum + b * 16 + 1, 2 * nb, j.m,
+                j.y + r, j.ldy, avx2, 2);
+  }
+}
+
+void kq_dequant_row(int qtype, const uint8_t* row, int64_t k, float* out) {
+  const int64_t bb = kblock_bytes(qtype);
+  for (int64_t b = 0; b < k / QK; ++b) dequant_block(qtype, row + b * bb, out + b * QK);
+}
+
 }  // namespace wq
 
 TORCH_LIBRARY(webchat_kq, m) {

@@ -273,6 +273,8 @@ static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
     case F32: return rows<F32>(j, n0, n1, p);
     case Q4_0: return rows<Q4_0>(j, n0, n1, p);
     case Q4_1: return rows<Q4_1>(j, n0, n1, p);
+    case Q4_K:
+    case Q6_K: return kq_rows(j, n0, n1, p);
     default: return rows<Q8_0>(j, n0, n1, p);
   }
 }
@@ -295,7 +297,7 @@ void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int
   bool zero_points = false;
   int64_t total = 0, max_row_bytes = 0;
   for (int i = 0; i < count; ++i) {
-    zero_points |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1;
+    zero_points |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1 || mats[i].qtype == Q4_K;
     total += mats[i].n;
     max_row_bytes = std::max(max_row_bytes, mats[i].row_bytes);
   }

@@ -225,6 +225,12 @@ class Step {
       check_f32(w, "a float matrix");
       TORCH_CHECK(w.dim() == 2 && w.size(1) == k, "a float matrix must be (n, ", k, "), got ", w.sizes());
       m.w = reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), m.row_bytes = k * 4;
+    } else if (is_kquant(qtype)) {  // Q4_K / Q6_K from GGUF files (qkquant.cpp)
+      const int64_t bb = kq_block_bytes(static_cast<int>(qtype));
+      TORCH_CHECK(k % 256 == 0, "a Q4_K/Q6_K matrix needs K a multiple of 256, got ", k);
+      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == k / 256 * bb,
+                  "a Q4_K/Q6_K matrix must be contiguous uint8 (n, ", k / 256 * bb, "), got ", w.sizes());
+      m.w = w.data_ptr<uint8_t>(), m.row_bytes = w.size(1);
     } else {
       check_weight(w, qtype, k);
       m.w = w.data_ptr<uint8_t>(), m.row_bytes = w.size(1);

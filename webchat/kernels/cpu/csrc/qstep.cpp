@@ -186,6 +186,10 @@ static void dequant_row(const Mat& m, int64_t row, float* out) {
     std::memcpy(out, r, m.k * sizeof(float));
     return;
   }
+  if (is_kquant(m.qtype)) {
+    kq_dequant_row(m.qtype, r, m.k, out);
+    return;
+  }
   const int64_t bb = block_bytes(m.qtype);
   for (int64_t b = 0; b < m.k / 32; ++b) {
     const uint8_t* blk = r + b * bb;
