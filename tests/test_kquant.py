@@ -150,9 +150,12 @@ def test_cpp_matmul_against_the_dequantized_weights(kernels: object, fmt: str, m
         for path in sorted({0, best}):  # the portable loop and AVX2 where this CPU has it
             assert kernels.set_path(path) == path  # type: ignore[attr-defined]
             got = torch.ops.webchat_kq.matmul(x, w, int(kind), 512, bias)
-            assert got.shape == (m, 12)
-            delta = (got - want).abs().max().item()
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), f"path {path}: max |Δ| {delta:.2e}"
+            # the C++ forward's rows (qmatmul_multi → kq_rows; Q4_K on AVX2: q4k_rows_avx2, 8 x rows at a time)
+            step_rows = kernels.qmatmul(x, w, int(kind), 512, bias)  # type: ignore[attr-defined]
+            for out in (got, step_rows):
+                assert out.shape == (m, 12)
+                delta = (out - want).abs().max().item()
+                assert torch.allclose(out, want, rtol=1e-5, atol=1e-4), f"path {path}: max |Δ| {delta:.2e}"
     finally:
         kernels.set_path(-1)  # type: ignore[attr-defined]
 

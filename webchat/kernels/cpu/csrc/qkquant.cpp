@@ -219,13 +219,100 @@ torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t 
 
 }  // namespace
 
-// The C++ forward's share (qmatmul_multi, qstep.cpp's embedding): the same block_dot per super-block, in the same
-// order, as kq_matmul, so a model's logits do not depend on which of the two ran a matrix.
+namespace {
+
+// Q4_K rows straight from the nibbles, in Q4_1's form (qmatmul.cpp's rows_avx2_r): per sub-block of 32,
+// y += (d * sc_j) * (q . x) - (dmin * m_j) * sum(x), the products of a row kept in one vector across every block and
+// summed once at its end; x's sums per 32 come from the Job (qmatmul.cpp's block_sums). No int8 staging, no per-block
+// horizontal sum: about Q4_1's cost per weight instead of twice it.
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, int64_t n0, int64_t n1) {
+  const int64_t nsb = j.k / QK, nb = j.k / 32;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    __m256 acc[R];
+    float mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
+    for (int64_t b = 0; b < nsb; ++b) {
+      const uint8_t* blk = row + b * 144;
+      int32_t raw_dm;
+      std::memcpy(&raw_dm, blk, 4);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(raw_dm));  // (d, dmin) in lanes 0, 1
+      const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+      float sc[8], mn[8];
+      for (int g = 0; g < 8; ++g) {
+        int a, c;
+        scale_min(g, blk + 4, &a, &c);
+        sc[g] = d * float(a), mn[g] = dmin * float(c);
+      }
+      for (int r = 0; r < R; ++r) {  // the mins against x's sums per 32
+        const float* xs = j.xsum + (int64_t(r0 + r) * nb + b * 8) * 2 + 1;
+        float m = 0.f;
+        for (int g = 0; g < 8; ++g) m += mn[g] * xs[2 * g];
+        mins[r] += m;
+      }
+      for (int c = 0; c < 4; ++c) {  // 64 values: sub-block 2c in the low nibbles of 32 bytes, 2c + 1 in the high
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        const __m128i l0 = _mm256_castsi256_si128(lo), l1 = _mm256_extracti128_si256(lo, 1);
+        const __m128i h0 = _mm256_castsi256_si128(hi), h1 = _mm256_extracti128_si256(hi, 1);
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l0));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l0, 8)));
+        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l1));
+        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l1, 8)));
+        const __m256 w4 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h0));
+        const __m256 w5 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h0, 8)));
+        const __m256 w6 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h1));
+        const __m256 w7 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h1, 8)));
+        const __m256 slo = _mm256_set1_ps(sc[2 * c]), shi = _mm256_set1_ps(sc[2 * c + 1]);
+        for (int r = 0; r < R; ++r) {
+          const float* xb = j.x + int64_t(r0 + r) * j.ldx + b * QK + 64 * c;
+          __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
+          p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), p);
+          p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), p);
+          p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), p);
+          acc[r] = _mm256_fmadd_ps(slo, p, acc[r]);
+          __m256 p2 = _mm256_mul_ps(w4, _mm256_loadu_ps(xb + 32));
+          p2 = _mm256_fmadd_ps(w5, _mm256_loadu_ps(xb + 40), p2);
+          p2 = _mm256_fmadd_ps(w6, _mm256_loadu_ps(xb + 48), p2);
+          p2 = _mm256_fmadd_ps(w7, _mm256_loadu_ps(xb + 56), p2);
+          acc[r] = _mm256_fmadd_ps(shi, p2, acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      j.y[int64_t(r0 + r) * j.ldy + n] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) - mins[r];
+    }
+  }
+}
+
+void q4k_rows_avx2(const Job& j, int64_t n0, int64_t n1) {
+  for (int r0 = 0; r0 < j.m;) {  // x rows 4, 2 or 1 at a time: each row's accumulator stays in a register
+    const int left = j.m - r0;
+    if (left >= 4) {
+      q4k_rows_r<4>(j, r0, n0, n1), r0 += 4;
+    } else if (left >= 2) {
+      q4k_rows_r<2>(j, r0, n0, n1), r0 += 2;
+    } else {
+      q4k_rows_r<1>(j, r0, n0, n1), r0 += 1;
+    }
+  }
+}
+
+}  // namespace
+
+// The C++ forward's share (qmatmul_multi, qstep.cpp's embedding). Q6_K, and Q4_K on the scalar path, run the same
+// block_dot per super-block as kq_matmul; Q4_K on AVX2 runs q4k_rows_avx2 (x rows 4, 2 or 1 at a time; the same sums in another order: both
+// within float32 rounding of x @ dequant(w)^T, tests/test_kquant.py).
 int64_t kq_block_bytes(int qtype) { return kblock_bytes(qtype); }
 
 void kq_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   const int64_t bb = kblock_bytes(j.qtype), nb = j.k / 32;
   const bool avx2 = p >= PATH_AVX2;
+  if (avx2 && j.qtype == Q4_K) return q4k_rows_avx2(j, n0, n1);
   for (int64_t r = n0; r < n1; ++r) {
     for (int i = 0; i < j.m; ++i) j.y[i * j.ldy + r] = 0.f;
     for (int64_t b = 0; b < j.k / QK; ++b)  // xsum: (m, k / 32, 2) pairs, the sum second (qmatmul.cpp's block_sums)

@@ -23,7 +23,15 @@ inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
 // y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]
 torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
                       const c10::optional<torch::Tensor>& bias) {
-  check_weight(w, qtype, k);
+  if (is_kquant(qtype)) {  // the C++ forward's K-quant rows (kq_rows), the op its tests call
+    const int64_t bb = kq_block_bytes(static_cast<int>(qtype));
+    TORCH_CHECK(k > 0 && k % 256 == 0, "K must be a positive multiple of 256 for Q4_K/Q6_K, got ", k);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous() &&
+                    w.size(1) == k / 256 * bb,
+                "a Q4_K/Q6_K matrix must be contiguous uint8 (n, ", k / 256 * bb, ") on the CPU, got ", w.sizes());
+  } else {
+    check_weight(w, qtype, k);
+  }
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (M, ", k, "), got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "x must be float32 on the CPU, got ",
               x.scalar_type(), " on ", x.device());
