@@ -289,6 +289,75 @@ __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, i
   }
 }
 
+// Q6_K rows likewise: per group of 16, y += (d * sc_g) * ((q - 32) . x); 6-bit q from ql's nibble and qh's 2 bits,
+// 32 at a time (ggml's layout: per half of 128, q[l], q[l + 32], q[l + 64], q[l + 96] share ql[l], ql[l + 32], qh[l])
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void q6k_rows_r(const Job& j, int r0, int64_t n0, int64_t n1) {
+  const int64_t nsb = j.k / QK;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+      const uint8_t* blk = row + b * 210;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      uint16_t raw_d;
+      std::memcpy(&raw_d, blk + 208, 2);
+      const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(raw_d)));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+        for (int c = 0; c < 4; ++c) {  // 32 values, 128h + 32c: groups g and g + 1 of 16
+          const __m256i qs = _mm256_sub_epi8(q[c], off);
+          const __m128i a = _mm256_castsi256_si128(qs), e = _mm256_extracti128_si256(qs, 1);
+          const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+          const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+          const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e));
+          const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e, 8)));
+          const int g = (128 * h + 32 * c) / 16;
+          const __m256 s0 = _mm256_set1_ps(d * float(scales[g])), s1 = _mm256_set1_ps(d * float(scales[g + 1]));
+          for (int r = 0; r < R; ++r) {
+            const float* xb = j.x + int64_t(r0 + r) * j.ldx + b * QK + 128 * h + 32 * c;
+            const __m256 p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(w0, _mm256_loadu_ps(xb)));
+            acc[r] = _mm256_fmadd_ps(s0, p, acc[r]);
+            const __m256 p2 =
+                _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(w2, _mm256_loadu_ps(xb + 16)));
+            acc[r] = _mm256_fmadd_ps(s1, p2, acc[r]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m128 hs = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+      const __m128 h2 = _mm_add_ps(hs, _mm_movehl_ps(hs, hs));
+      j.y[int64_t(r0 + r) * j.ldy + n] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    }
+  }
+}
+
+void q6k_rows_avx2(const Job& j, int64_t n0, int64_t n1) {
+  for (int r0 = 0; r0 < j.m;) {
+    const int left = j.m - r0;
+    if (left >= 4) {
+      q6k_rows_r<4>(j, r0, n0, n1), r0 += 4;
+    } else if (left >= 2) {
+      q6k_rows_r<2>(j, r0, n0, n1), r0 += 2;
+    } else {
+      q6k_rows_r<1>(j, r0, n0, n1), r0 += 1;
+    }
+  }
+}
+
 void q4k_rows_avx2(const Job& j, int64_t n0, int64_t n1) {
   for (int r0 = 0; r0 < j.m;) {  // x rows 4, 2 or 1 at a time: each row's accumulator stays in a register
     const int left = j.m - r0;
@@ -304,8 +373,8 @@ void q4k_rows_avx2(const Job& j, int64_t n0, int64_t n1) {
 
 }  // namespace
 
-// The C++ forward's share (qmatmul_multi, qstep.cpp's embedding). Q6_K, and Q4_K on the scalar path, run the same
-// block_dot per super-block as kq_matmul; Q4_K on AVX2 runs q4k_rows_avx2 (x rows 4, 2 or 1 at a time; the same sums in another order: both
+// The C++ forward's share (qmatmul_multi, qstep.cpp's embedding). On the scalar path the same block_dot per
+// super-block as kq_matmul; on AVX2 q4k_rows_avx2 / q6k_rows_avx2 (x rows 4, 2 or 1 at a time; the same sums in another order: both
 // within float32 rounding of x @ dequant(w)^T, tests/test_kquant.py).
 int64_t kq_block_bytes(int qtype) { return kblock_bytes(qtype); }
 
@@ -313,6 +382,7 @@ void kq_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   const int64_t bb = kblock_bytes(j.qtype), nb = j.k / 32;
   const bool avx2 = p >= PATH_AVX2;
   if (avx2 && j.qtype == Q4_K) return q4k_rows_avx2(j, n0, n1);
+  if (avx2 && j.qtype == Q6_K) return q6k_rows_avx2(j, n0, n1);
   for (int64_t r = n0; r < n1; ++r) {
     for (int i = 0; i < j.m; ++i) j.y[i * j.ldy + r] = 0.f;
     for (int64_t b = 0; b < j.k / QK; ++b)  // xsum: (m, k / 32, 2) pairs, the sum second (qmatmul.cpp's block_sums)
