@@ -1,7 +1,9 @@
 """One decode matvec (x of 1 row) per weight format on the CPU: Q4_K and Q6_K (kernels/cpu/csrc/qkquant.cpp) against
 Q4_1 and Q8_0 (the C++ qmatmul the default model runs) and float32 torch, same matrix, same run, 2 threads.
 
-Prints the median of `--repeats` timed calls per format and its ratio to float32. The K-quant blocks come from the test
+Prints the median of `--repeats` timed calls per format and its ratio to float32. Q4_K and Q6_K twice: `op` is
+torch.ops.webchat_kq.matmul (the PyTorch path's QLinear), `step` the rows the C++ forward runs (qmatmul_multi →
+kq_rows, through the `qmatmul` binding). The K-quant blocks come from the test
 encoder (tests/kquant_encode.py); speed does not depend on the values.
 Run: `.venv/bin/python bench/bench_kquant.py`
 """
@@ -49,7 +51,8 @@ def bench_shape(kernels: Any, n: int, k: int, repeats: int) -> str:
     if k % 256 == 0:
         for name, qt, enc in (("q4_k", 12, encode_q4_k), ("q6_k", 14, encode_q6_k)):
             blocks = torch.from_numpy(enc(w.numpy()))
-            runs[name] = lambda b=blocks, q=qt: torch.ops.webchat_kq.matmul(x, b, q, k, None)
+            runs[f"{name} op"] = lambda b=blocks, q=qt: torch.ops.webchat_kq.matmul(x, b, q, k, None)
+            runs[f"{name} step"] = lambda b=blocks, q=qt: kernels.qmatmul(x, b, q, k, None)
     times = {name: median_ms(fn, repeats) for name, fn in runs.items()}
     cells = [f"{name} {ms:.3f} ({ms / times['float32']:.2f}x)" for name, ms in times.items()]
     return f"{n}x{k}: " + ", ".join(cells)
