@@ -1,6 +1,8 @@
 // Shared by the quantized-matmul sources: block formats, the job a thread works on, float16 decoding.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -52,6 +54,15 @@ inline float half_to_float(const uint8_t* p) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// the sum of a vector's 8 lanes, ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)): every AVX2 kernel's one
+// horizontal sum (target avx2 only, so it inlines into callers built for avx2+fma(+f16c))
+__attribute__((target("avx2"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 extern int g_path;

@@ -139,9 +139,7 @@ __attribute__((target("avx2,fma"))) float qdot_avx2(const Unpacked& u, const flo
     }
     total = _mm256_fmadd_ps(_mm256_set1_ps(u.scale[g]), acc, total);
   }
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  return hsum256(total);
 }
 
 // y[i * ldy] += block . x[i] for m rows of x (stride ldx); xsum: the sums of x per 32 values (Q4_K's mins), row i's
@@ -281,11 +279,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, i
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      j.y[int64_t(r0 + r) * j.ldy + n] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) - mins[r];
-    }
+    for (int r = 0; r < R; ++r) j.y[int64_t(r0 + r) * j.ldy + n] = hsum256(acc[r]) - mins[r];
   }
 }
 
@@ -337,52 +331,33 @@ __attribute__((target("avx2,fma,f16c"))) void q6k_rows_r(const Job& j, int r0, i
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m128 hs = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-      const __m128 h2 = _mm_add_ps(hs, _mm_movehl_ps(hs, hs));
-      j.y[int64_t(r0 + r) * j.ldy + n] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
-    }
+    for (int r = 0; r < R; ++r) j.y[int64_t(r0 + r) * j.ldy + n] = hsum256(acc[r]);
   }
 }
 
-void q6k_rows_avx2(const Job& j, int64_t n0, int64_t n1) {
+using RowsFn = void (*)(const Job&, int, int64_t, int64_t);
+
+// x rows 4, 2 or 1 at a time (each row's accumulator stays in a register): rows<4>, rows<2>, rows<1> of one kernel
+void in_tiles(const Job& j, int64_t n0, int64_t n1, RowsFn by4, RowsFn by2, RowsFn by1) {
   for (int r0 = 0; r0 < j.m;) {
-    const int left = j.m - r0;
-    if (left >= 4) {
-      q6k_rows_r<4>(j, r0, n0, n1), r0 += 4;
-    } else if (left >= 2) {
-      q6k_rows_r<2>(j, r0, n0, n1), r0 += 2;
-    } else {
-      q6k_rows_r<1>(j, r0, n0, n1), r0 += 1;
-    }
-  }
-}
-
-void q4k_rows_avx2(const Job& j, int64_t n0, int64_t n1) {
-  for (int r0 = 0; r0 < j.m;) {  // x rows 4, 2 or 1 at a time: each row's accumulator stays in a register
-    const int left = j.m - r0;
-    if (left >= 4) {
-      q4k_rows_r<4>(j, r0, n0, n1), r0 += 4;
-    } else if (left >= 2) {
-      q4k_rows_r<2>(j, r0, n0, n1), r0 += 2;
-    } else {
-      q4k_rows_r<1>(j, r0, n0, n1), r0 += 1;
-    }
+    const int left = j.m - r0, step = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    (step == 4 ? by4 : step == 2 ? by2 : by1)(j, r0, n0, n1);
+    r0 += step;
   }
 }
 
 }  // namespace
 
 // The C++ forward's share (qmatmul_multi, qstep.cpp's embedding). On the scalar path the same block_dot per
-// super-block as kq_matmul; on AVX2 q4k_rows_avx2 / q6k_rows_avx2 (x rows 4, 2 or 1 at a time; the same sums in another order: both
+// super-block as kq_matmul; on AVX2 q4k_rows_r / q6k_rows_r (x rows 4, 2 or 1 at a time; the same sums in another order: both
 // within float32 rounding of x @ dequant(w)^T, tests/test_kquant.py).
 int64_t kq_block_bytes(int qtype) { return kblock_bytes(qtype); }
 
 void kq_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   const int64_t bb = kblock_bytes(j.qtype), nb = j.k / 32;
   const bool avx2 = p >= PATH_AVX2;
-  if (avx2 && j.qtype == Q4_K) return q4k_rows_avx2(j, n0, n1);
-  if (avx2 && j.qtype == Q6_K) return q6k_rows_avx2(j, n0, n1);
+  if (avx2 && j.qtype == Q4_K) return in_tiles(j, n0, n1, q4k_rows_r<4>, q4k_rows_r<2>, q4k_rows_r<1>);
+  if (avx2 && j.qtype == Q6_K) return in_tiles(j, n0, n1, q6k_rows_r<4>, q6k_rows_r<2>, q6k_rows_r<1>);
   for (int64_t r = n0; r < n1; ++r) {
     for (int i = 0; i < j.m; ++i) j.y[i * j.ldy + r] = 0.f;
     for (int64_t b = 0; b < j.k / QK; ++b)  // xsum: (m, k / 32, 2) pairs, the sum second (qmatmul.cpp's block_sums)

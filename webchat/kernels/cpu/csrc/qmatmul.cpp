@@ -73,13 +73,6 @@ static void rows_scalar(const Job& j, int64_t n0, int64_t n1) {
 // ---------------------------------------------------------------- AVX2: 8 lanes, 4 vectors per block
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-AVX2_TARGET static inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 AVX2_TARGET static inline float f16_avx2(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);

@@ -29,10 +29,7 @@ AVX2_FN static float dot_avx2(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float r = _mm_cvtss_f32(s);
+  float r = hsum256(acc);
   for (; i < n; ++i) r += a[i] * b[i];
   return r;
 }
@@ -82,10 +79,7 @@ AVX2_FN static float exp_sum_avx2(float* x, int64_t n, float shift) {
     _mm256_storeu_ps(x + i, e);
     acc = _mm256_add_ps(acc, e);
   }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float r = _mm_cvtss_f32(s);
+  float r = hsum256(acc);
   for (; i < n; ++i) r += (x[i] = std::exp(x[i] - shift));
   return r;
 }
@@ -139,10 +133,7 @@ AVX2_FN static void score_keys_avx2(const float* q, const float* kp, int64_t kvd
     const float* k0 = kp + i * kvd;
     __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
     for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a);
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_add_ss(t, _mm_movehdup_ps(t));
-    s[i] = _mm_cvtss_f32(t) * scale;
+    s[i] = hsum256(a) * scale;
   }
 }
 
