@@ -273,6 +273,19 @@ CPU_POOL_BYTES = 1 << 30  # default KV pool on the CPU: 1 GiB (untouched pages c
 GPU_POOL_FRACTION = 0.5  # default on a GPU: half the memory free after loading the model
 
 
+def size_bytes(text: str) -> int | None:
+    """"512MiB", "2 GiB", "1.5GiB" as bytes; None when it is not a positive size in MiB or GiB."""
+    value = text.strip().replace(" ", "")
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if value.endswith(unit):
+            try:
+                n = float(value[: -len(unit)])
+            except ValueError:
+                return None
+            return int(n * scale) if n > 0 else None
+    return None
+
+
 def pool_tokens(spec: str | None, args: ModelArgs, dtype: torch.dtype, device: torch.device | str) -> int:
     """Token slots of a pool sized by `spec`: "N" tokens, "N MiB"/"NMiB"/"N GiB", or None for the device default."""
     per_token = kv_bytes_per_token(args, dtype)
@@ -282,15 +295,10 @@ def pool_tokens(spec: str | None, args: ModelArgs, dtype: torch.dtype, device: t
             free, _ = torch.cuda.mem_get_info(dev)
             return max(1, int(free * GPU_POOL_FRACTION) // per_token)
         return max(1, CPU_POOL_BYTES // per_token)
+    nbytes = size_bytes(spec)
+    if nbytes is not None:
+        return max(1, nbytes // per_token)
     text = spec.strip().replace(" ", "")
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
-        if text.endswith(unit):
-            try:
-                n = float(text[: -len(unit)])
-            except ValueError:
-                break
-            if n > 0:
-                return max(1, int(n * scale) // per_token)
     if text.isdigit() and int(text) > 0:
         return int(text)
     raise ValueError(f"KV pool size must be a positive token count or a size like 512MiB or 2GiB, got {spec!r}")

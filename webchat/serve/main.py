@@ -88,15 +88,12 @@ def _non_negative(text: str) -> int:
 
 def parse_size(text: str) -> int:
     """'8GiB', '512MiB' or a byte count, as bytes; ValueError naming the value otherwise."""
+    from webchat.model.kv_cache import size_bytes
+
+    nbytes = size_bytes(text)
+    if nbytes is not None:
+        return nbytes
     value = text.strip().replace(" ", "")
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
-        if value.endswith(unit):
-            try:
-                n = float(value[: -len(unit)])
-            except ValueError:
-                break
-            if n > 0:
-                return int(n * scale)
     if value.isdigit() and int(value) > 0:
         return int(value)
     raise ValueError(f"--memory-budget must be a size like 8GiB or 512MiB (or bytes), got {text!r}")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from webchat.engine import events as ev
 from webchat.serve.backend import Job, Snapshot
 from webchat.serve.config import ServerConfig
 from webchat.serve.device import DeviceThread
@@ -172,8 +173,6 @@ class Fleet:
     def submit(self, job: Job) -> None:
         worker = self.workers.get(job.model or self.default)
         if worker is None:  # unloaded between the front end's use() and now: the front end loads it again
-            from webchat.engine import events as ev
-
             job.deliver(ev.Failed("model_busy", f"model {job.model!r} was unloaded before the request started; "
                                                 "send it again"))
             return
@@ -249,16 +248,10 @@ class Models:
     def estimate(self, card: Card) -> tuple[int, int]:
         """(weights, KV pool) bytes: the weight files it runs from (a .gguf's size before its conversion) and the
         KV pool --kv-pool gives it."""
-        from webchat.model.kv_cache import CPU_POOL_BYTES
+        from webchat.model.kv_cache import CPU_POOL_BYTES, size_bytes
 
-        pool = CPU_POOL_BYTES
-        spec = (self.config.kv_pool or "").replace(" ", "")
-        for unit, scale in (("GiB", 1 << 30), ("MiB", MIB)):
-            if spec.endswith(unit):
-                try:
-                    pool = int(float(spec[: -len(unit)]) * scale)
-                except ValueError:
-                    pass
+        # a pool given in tokens counts as the default size here (its bytes depend on the model's shape)
+        pool = size_bytes(self.config.kv_pool or "") or CPU_POOL_BYTES
         return card.size_bytes, pool
 
     def attach(self, runtime: Runtime) -> None:

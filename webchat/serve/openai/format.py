@@ -67,7 +67,7 @@ class Reply:
     text: str = ""
     entries: list[dict[str, Any]] = field(default_factory=list)  # chat: logprobs.content
     legacy: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in LEGACY_KEYS})  # text completions
-    ids: list[int] = field(default_factory=list)  # every token's id so far
+    ids: list[int] = field(default_factory=list)  # every token's id so far (kept with token_ids only)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -83,7 +83,8 @@ class Reply:
             return None
         offset = len(self.text)
         self.text += event.text
-        self.ids += [t.id for t in event.tokens]
+        if self.token_ids:
+            self.ids += [t.id for t in event.tokens]
         if self.chat:
             entries = self._entries(event.tokens)
             self.entries += entries or []
