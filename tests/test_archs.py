@@ -61,8 +61,11 @@ CPU_STEP = (*LLAMA_BLOCK, "qwen3")  # the C++ forward also runs Qwen3's per-head
 
 def make_reference(kind: str, folder: Path) -> Any:
     """A random float32 model of this kind saved to folder; norms perturbed so Gemma's 1 + w is exercised."""
+    return random_model(CONFIGS[kind](), folder)
+
+
+def random_model(config: Any, folder: Path) -> Any:
     torch.manual_seed(0)
-    config = CONFIGS[kind]()
     config.initializer_range = 0.2
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():

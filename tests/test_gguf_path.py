@@ -184,12 +184,12 @@ def test_a_file_webchat_cannot_read_is_named_in_one_line(tmp_path: Path, home: P
     assert cli(["complete", "hi", "--model", str(junk)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert "junk.gguf: not a GGUF file" in err[-1]
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch="gemma2")
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch="rwkv6")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConversionError, match="architecture 'gemma2' is not supported"):
+    with pytest.raises(ConversionError, match="architecture 'rwkv6' is not supported"):
         model_folder(tmp_path / "g.gguf", out=io.StringIO())
 
 

@@ -1,4 +1,6 @@
-"""Convert a llama, qwen2 or qwen3 GGUF file into a Hugging Face-style folder (float32 safetensors + tokenizer).
+"""Convert a llama, qwen2, qwen3, gemma2, gemma3 or phi3 GGUF file into a Hugging Face-style folder (float32
+safetensors + tokenizer), undoing what llama.cpp's convert_hf_to_gguf.py did (llama's q/k rows permuted, Gemma's norms
+stored as 1 + w).
 
 Beside model.safetensors (float32, what transformers loads) it writes quantized.safetensors: the same tensors with
 Q4_0/Q4_1/Q8_0 matrices kept as their ggml blocks (docs/quant.md), which webchat runs on the CPU by default.
@@ -16,12 +18,15 @@ from typing import Any
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from webchat.text.gguf_vocab import Fields, VocabError, build_tokenizer, special_tokens
 
 # GGUF general.architecture → the Hugging Face architecture and model_type the folder's config.json names
 HF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-            "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+            "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3")}
+GEMMAS = ("gemma2", "gemma3")
 SUPPORTED_ARCHS = tuple(HF_ARCHS)
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 
@@ -43,6 +48,19 @@ LAYER_MAP = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# Gemma's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, and two norms follow attention and MLP
+GEMMA_LAYER_MAP = {**LAYER_MAP, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                   "post_attention_norm.weight": "post_attention_layernorm.weight",
+                   "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# Phi-3's fused matrices, kept fused as transformers holds them (the loader splits them by rows)
+PHI3_LAYER_MAP = {**{k: v for k, v in LAYER_MAP.items() if k.split(".")[0] not in ("attn_q", "attn_k", "attn_v",
+                                                                                   "ffn_gate", "ffn_up")},
+                  "attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
+
+
+def layer_map(arch: str) -> dict[str, str]:
+    return GEMMA_LAYER_MAP if arch in GEMMAS else PHI3_LAYER_MAP if arch == "phi3" else LAYER_MAP
 GLOBAL_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -62,13 +80,6 @@ KEPT_QUANTIZED = {
     gguf.GGMLQuantizationType.Q6_K: "q6_k",
 }
 K_QUANTS = {gguf.GGMLQuantizationType.Q4_K: "q4_k", gguf.GGMLQuantizationType.Q6_K: "q6_k"}
-
-# llama.cpp's `tokenizer.ggml.pre` -> the Hugging Face pre-tokenizer that splits text the same way
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
 
 class ConversionError(ValueError):
     """The GGUF file holds something this converter does not handle (architecture, tokenizer, tensor)."""
@@ -118,7 +129,8 @@ def _f32(x: float) -> float:
 def read_hyper(meta: _Meta, arch: str, n_tokens: int) -> Hyper:
     dim = int(meta.need(f"{arch}.embedding_length"))
     n_heads = int(meta.need(f"{arch}.attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", dim // n_heads)))
+    rotary = dim // n_heads if arch == "phi3" else meta.get(f"{arch}.rope.dimension_count", dim // n_heads)
+    head_dim = int(meta.get(f"{arch}.attention.key_length", rotary))
     return Hyper(
         n_layers=int(meta.need(f"{arch}.block_count")),
         dim=dim,
@@ -146,13 +158,14 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensor_name(name: str) -> str:
+def hf_tensor_name(name: str, arch: str = "llama") -> str:
     if name in GLOBAL_MAP:
         return GLOBAL_MAP[name]
     m = _LAYER_RE.fullmatch(name)
-    if m is not None and m.group(2) in LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{LAYER_MAP[m.group(2)]}"
-    raise ConversionError(f"GGUF tensor {name!r} has no Hugging Face llama equivalent")
+    table = layer_map(arch)
+    if m is not None and m.group(2) in table:
+        return f"model.layers.{m.group(1)}.{table[m.group(2)]}"
+    raise ConversionError(f"GGUF tensor {name!r} has no Hugging Face {arch} equivalent")
 
 
 def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
@@ -163,6 +176,10 @@ def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
         "norm.weight": (h.dim,),
         "input_layernorm.weight": (h.dim,),
         "post_attention_layernorm.weight": (h.dim,),
+        "pre_feedforward_layernorm.weight": (h.dim,),
+        "post_feedforward_layernorm.weight": (h.dim,),
+        "qkv_proj.weight": (q + 2 * kv, h.dim),
+        "gate_up_proj.weight": (2 * h.ffn_dim, h.dim),
         "q_proj.weight": (q, h.dim),
         "k_proj.weight": (kv, h.dim),
         "v_proj.weight": (kv, h.dim),
@@ -181,14 +198,14 @@ def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
 
 def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False,
                  progress: Progress | None = None) -> dict[str, np.ndarray]:
-    """All tensors with HF names, [out, in] shapes, llama's q/k rows un-permuted: float32 (any type gguf.quants
-    reads, K-quants included, dequantized), or with keep_quantized the Q4_0/Q4_1/Q8_0 matrices as uint8
-    (out, in / 32 * block bytes) blocks (see quantized_types for which)."""
+    """All tensors with HF names, [out, in] shapes, llama's q/k rows un-permuted, Gemma's norms back to w: float32
+    (any type gguf.quants reads, K-quants included, dequantized), or with keep_quantized the Q4_0/Q4_1/Q8_0 matrices as
+    uint8 (out, in / 32 * block bytes) blocks (see quantized_types for which)."""
     out: dict[str, np.ndarray] = {}
     for n, t in enumerate(reader.tensors):
         if t.name == ROPE_FREQS:  # not a weight: the rope scaling, read by rope_scaling_of
             continue
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, h.arch)
         want = expected_shape(name, h)
         if keep_quantized and t.tensor_type in KEPT_QUANTIZED:
             w = np.asarray(t.data, dtype=np.uint8)
@@ -202,10 +219,13 @@ def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False
             w = unpermute_rows(w, h.n_heads)
         elif h.arch == "llama" and ".k_proj." in name:
             w = unpermute_rows(w, h.n_kv_heads)
+        elif h.arch in GEMMAS and name.endswith("norm.weight"):  # stored as 1 + w; exact for w + 1 in [0.5, 2]
+            w = np.subtract(w, np.float32(1.0), dtype=np.float32)
         out[name] = np.ascontiguousarray(w)
         if progress is not None:
             progress(n + 1, len(reader.tensors))
-    per_layer = [v for v in LAYER_MAP.values() if v.endswith("weight") and (h.arch == "qwen3" or v not in QK_NORMS)]
+    qk_norms = h.arch in ("qwen3", "gemma3")
+    per_layer = [v for v in layer_map(h.arch).values() if v.endswith("weight") and (qk_norms or v not in QK_NORMS)]
     for name in ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{v}" for i in range(h.n_layers) for v in per_layer
     ]:
@@ -270,7 +290,8 @@ def rope_scaling_of(reader: gguf.GGUFReader, h: Hyper) -> dict[str, Any] | None:
 def quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
     """{HF tensor name: "q4_1", ...} for the tensors read_tensors(keep_quantized=True) keeps as blocks."""
     kept = [t for t in reader.tensors if t.tensor_type in KEPT_QUANTIZED]
-    return {hf_tensor_name(t.name): KEPT_QUANTIZED[t.tensor_type] for t in kept}
+    arch = str(_Meta(reader).get("general.architecture"))
+    return {hf_tensor_name(t.name, arch): KEPT_QUANTIZED[t.tensor_type] for t in kept}
 
 
 def write_quantized(reader: gguf.GGUFReader, h: Hyper, out_dir: Path, progress: Progress | None = None) -> None:
@@ -290,59 +311,10 @@ def add_quantized(gguf_path: Path, out_dir: Path) -> None:
     write_quantized(reader, read_hyper(meta, arch, len(meta.need("tokenizer.ggml.tokens"))), out_dir)
 
 
-def pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":  # digits one by one, then GPT-2's regex
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("gpt-2", "default"):
-        return byte_level
-    if pre in ("llama-bpe", "llama3", "qwen2"):
-        pattern = LLAMA3_PATTERN if pre != "qwen2" else LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
-        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise ConversionError(
-        f"tokenizer.ggml.pre {pre!r} is not supported; expected one of smollm, gpt-2, default, llama-bpe, qwen2"
-    )
-
-
-def build_tokenizer(meta: _Meta) -> HFTokenizer:
-    """Byte-level BPE from `tokenizer.ggml.{tokens,merges,token_type}`; control tokens become special tokens."""
-    kind = meta.need("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ConversionError(f"tokenizer.ggml.model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)")
-    tokens: list[str] = meta.need("tokenizer.ggml.tokens")
-    types: list[int] = meta.get("tokenizer.ggml.token_type", [int(gguf.TokenType.NORMAL)] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.need("tokenizer.ggml.merges")]
-    pre = str(meta.get("tokenizer.ggml.pre", "default"))
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False,
-                     ignore_merges=pre in ("llama-bpe", "llama3"))
-    tok = HFTokenizer(bpe)
-    tok.pre_tokenizer = pre_tokenizer_for(pre)
-    tok.decoder = decoders.ByteLevel()
-    added = [
-        AddedToken(tokens[i], special=t == int(gguf.TokenType.CONTROL), normalized=False)
-        for i, t in enumerate(types)
-        if t in (int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED))
-    ]
-    tok.add_tokens(added)
-    return tok
-
-
-def special_tokens(meta: _Meta, tokens: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    keys = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
-    for name, key in keys.items():
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if idx is not None:
-            out[f"{name}_token"] = tokens[int(idx)]
-    return out
-
-
 def model_config(meta: _Meta, h: Hyper, tied: bool, bias: bool,
                  rope_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return {
+    base = {
         "architectures": [HF_ARCHS[h.arch][0]],
         "model_type": HF_ARCHS[h.arch][1],
         "vocab_size": h.vocab_size,
@@ -368,6 +340,51 @@ def model_config(meta: _Meta, h: Hyper, tied: bool, bias: bool,
         "use_cache": True,
         "torch_dtype": "float32",
     }
+    return {**base, **arch_config(meta, h)}
+
+
+def arch_config(meta: _Meta, h: Hyper) -> dict[str, Any]:
+    """The config.json keys beyond a Llama's, from the `<arch>.*` keys and llama.cpp's defaults for them."""
+    a, n = h.arch, h.n_layers
+    if a in GEMMAS:
+        big = n == {"gemma2": 46, "gemma3": 62}[a]  # llama.cpp's 27B: queries scaled by 1/sqrt(dim / heads)
+        window = int(meta.get(f"{a}.attention.sliding_window", 4096 if a == "gemma2" else 0))
+        pattern = meta.get(f"{a}.attention.sliding_window_pattern", 2 if a == "gemma2" else 6)
+        swa = ([bool(x) for x in pattern] if isinstance(pattern, list)
+               else [pattern == 0 or i % pattern < pattern - 1 for i in range(n)])  # llama.cpp's set_swa_pattern
+        if len(swa) != n:
+            raise ConversionError(f"{a}.attention.sliding_window_pattern names {len(swa)} layers, the file has {n}")
+        out: dict[str, Any] = {
+            "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": h.dim // h.n_heads if big else h.head_dim,
+            "sliding_window": window or None,
+            "layer_types": ["sliding_attention" if s and window else "full_attention" for s in swa],
+        }
+        if a == "gemma2":
+            out["attn_logit_softcapping"] = _f32(meta.get("gemma2.attn_logit_softcapping", 50.0))
+            out["final_logit_softcapping"] = _f32(meta.get("gemma2.final_logit_softcapping", 30.0))
+            return out
+        cap = meta.get("gemma3.final_logit_softcapping")
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": h.rope_theta}
+        kind = meta.get("gemma3.rope.scaling.type")
+        if kind == "linear":
+            full = {"rope_type": "linear", "factor": _f32(meta.need("gemma3.rope.scaling.factor")),
+                    "rope_theta": h.rope_theta}
+        elif kind not in (None, "none"):
+            raise ConversionError(f"gemma3.rope.scaling.type {kind!r} is not supported; expected linear")
+        local = {"rope_type": "default", "rope_theta": _f32(meta.get("gemma3.rope.freq_base_swa", 10000.0))}
+        return {**out, "attn_logit_softcapping": None, "final_logit_softcapping": _f32(cap) if cap else None,
+                "rope_scaling": None, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
+    if a == "phi3":
+        rotary = int(meta.get("phi3.rope.dimension_count", h.head_dim))
+        if rotary != h.head_dim:
+            raise ConversionError(f"phi3.rope.dimension_count {rotary} is not the head size {h.head_dim}: partial "
+                                  "rotary embeddings are not supported; webchat rotates the whole head")
+        window = int(meta.get("phi3.attention.sliding_window", 0))
+        return {"sliding_window": window or None, "partial_rotary_factor": 1.0,
+                "original_max_position_embeddings": int(meta.get("phi3.rope.scaling.original_context_length",
+                                                                 h.context_length))}
+    return {}
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -395,7 +412,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
         )
     tokens: list[str] = meta.need("tokenizer.ggml.tokens")
     h = read_hyper(meta, arch, len(tokens))
-    tokenizer = build_tokenizer(meta)  # before the tensors: refuse an unsupported tokenizer cheaply
+    longrope = [t.name for t in reader.tensors if t.name in ROPE_FACTORS]
+    if longrope:
+        raise ConversionError(f"{gguf_path.name}: {longrope[0]!r} is Phi-3's longrope scaling, which webchat does not "
+                              "run")
+    fields = Fields({k: meta.get(k) for k in reader.fields if k.startswith("tokenizer.ggml.")})
+    try:
+        tokenizer: HFTokenizer = build_tokenizer(fields)  # before the tensors: refuse an unsupported one cheaply
+        specials = special_tokens(fields)
+    except VocabError as e:
+        raise ConversionError(f"{gguf_path.name}: {e}") from None
+    model_config(meta, h, False, False)  # likewise an unsupported rope or window setting
     scaling = rope_scaling_of(reader, h)  # likewise an unknown rope scaling
     passes = 2 if quantized_types(reader) else 1  # the float tensors, then the quantized file's
     tensors = read_tensors(reader, h, progress=None if progress is None else lambda i, n: progress(i, n * passes))
@@ -409,13 +436,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = model_config(meta, h, tied, bias, scaling)
     _write_json(out_dir / "config.json", config)
+    spm = meta.get("tokenizer.ggml.model") == "llama"  # llama.cpp adds BOS to a SentencePiece vocabulary by default
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": h.context_length,
-        **special_tokens(meta, tokens),
+        **specials,
     }
     template = meta.get("tokenizer.chat_template")
     if template is not None:

@@ -94,7 +94,7 @@ def load_model(
     args = ModelArgs.from_dir(path)
     kernels, quantized = _choose_weights(path, device, dtype, weights, quantize)
     if quantized and quantize is None:
-        tensors, qtypes = _read_quantized(path)
+        tensors, qtypes = _prepare_quantized(*_read_quantized(path), args)
     elif quantized and quantize is not None:
         tensors, qtypes = _quantize_tensors(_prepare(_read_tensors(path), args), quantize, args)
     else:
@@ -183,6 +183,21 @@ def _read_quantized(path: Path) -> tuple[list[tuple[str, torch.Tensor]], dict[st
     if bad:
         raise ModelLoadError(f"{path / QUANT_FILE}: quantized type(s) {bad}; webchat runs {', '.join(ALL_QTYPES)}")
     return tensors, qtypes
+
+
+def _prepare_quantized(tensors: list[tuple[str, torch.Tensor]], qtypes: dict[str, str],
+                       args: ModelArgs) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """A blocks file's tensors as _prepare leaves float ones: a fused matrix split by rows (whole rows of blocks, the
+    bytes unchanged; each part keeps the matrix's type), Gemma's float norms as 1 + w."""
+    parts: dict[str, str] = {}
+    for name, qt in qtypes.items():
+        m = re.match(r"(model\.layers\.\d+)\.(.*)$", name)
+        if m and m.group(2) in FUSED:
+            group = m.group(2).split(".")[0]
+            parts.update({f"{m.group(1)}.{group}.{part}.weight": qt for part in FUSED[m.group(2)]})
+        else:
+            parts[name] = qt
+    return _prepare(tensors, args), parts
 
 
 def _quantize_tensors(
