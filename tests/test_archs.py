@@ -4,7 +4,8 @@ ragged batch of two rows of different lengths."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,6 @@ ARCHS = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral": "
          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
-# what the C++ step and CudaOps run; with a sliding window (MistralConfig's default 4096 included) sequences past it go
-# to the PyTorch path's windowed attention
-LLAMA_BLOCK = ("llama", "llama3", "mistral", "qwen2", "phi3", "mistral-window", "phi3-window")
-CPU_STEP = (*LLAMA_BLOCK, "qwen3")  # the C++ forward also runs Qwen3's per-head q/k norms
 
 
 def make_reference(kind: str, folder: Path) -> Any:
@@ -84,6 +81,21 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return kind, reference, load_model(folder, dtype=torch.float32)
 
 
+@pytest.fixture(params=["cpp", "torch"])
+def path(request: pytest.FixtureRequest, pair: tuple[str, Any, Transformer]) -> Iterator[str]:
+    """cpp: the model as it loads (the C++ forward where it runs); torch: the same model on PyTorch ops."""
+    model, runner = pair[2], pair[2].runner
+    if request.param == "torch":
+        model.runner = None
+    yield request.param
+    model.runner = runner
+
+
+def runs(model: Transformer) -> int:
+    """Forwards the C++ step has run so far (0 on PyTorch ops)."""
+    return int(getattr(model.runner, "calls", 0))
+
+
 def reference_logits(reference: Any, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         out: torch.Tensor = reference(torch.tensor([ids])).logits[0].float()
@@ -106,17 +118,17 @@ def check(kind: str, reference: Any, ids: list[int], got: torch.Tensor, n_prompt
 def test_config_reads_the_architecture(pair: tuple[str, Any, Transformer]) -> None:
     kind, _, model = pair
     assert model.args.arch == ARCHS[kind]
-    for reason, runs in ((cpu_step_declines(model.args), CPU_STEP), (cuda_declines(model.args), LLAMA_BLOCK)):
-        if kind not in runs:
-            assert reason is not None and ARCHS[kind] in reason
-        else:  # Phi-3's fused matrices split at load: a Llama block the kernels run
-            assert reason is None
-    assert (model.runner is not None) == (kind in CPU_STEP)  # the C++ step installed, or declined
+    # the C++ forward and the CUDA kernels run every one (Phi-3's fused matrices split at load into a Llama block)
+    assert cpu_step_declines(model.args) is None and cuda_declines(model.args) is None
+    assert model.runner is not None  # the C++ step installed
+    unknown = dataclasses.replace(model.args, act="relu")  # something neither runs: both decline, naming it
+    assert "relu MLP" in (cpu_step_declines(unknown) or "") and "relu MLP" in (cuda_declines(unknown) or "")
 
 
-def test_alone_prompt_and_16_decoded_tokens(pair: tuple[str, Any, Transformer]) -> None:
+def test_alone_prompt_and_16_decoded_tokens(pair: tuple[str, Any, Transformer], path: str) -> None:
     kind, reference, model = pair
     ids = prompt(11, seed=1)
+    before = runs(model)
     cache = model.new_cache(len(ids) + DECODE)
     rows = [cache.feed(model, ids, all_logits=True)]
     n_prompt = len(ids)
@@ -124,10 +136,12 @@ def test_alone_prompt_and_16_decoded_tokens(pair: tuple[str, Any, Transformer]) 
         ids.append(int(rows[-1][-1].argmax()))
         rows.append(cache.feed(model, ids[-1:]))
     check(kind, reference, ids, torch.cat(rows[:-1]), n_prompt)
+    assert runs(model) - before == (1 + DECODE if path == "cpp" else 0)  # every forward: the C++ one
 
 
-def test_batched_two_rows_of_different_lengths(pair: tuple[str, Any, Transformer]) -> None:
+def test_batched_two_rows_of_different_lengths(pair: tuple[str, Any, Transformer], path: str) -> None:
     kind, reference, model = pair
+    before = runs(model)
     seqs = [prompt(9, seed=2), prompt(14, seed=3)]
     n_prompt = [len(s) for s in seqs]
     pool = model.new_pool(2 * (max(n_prompt) + DECODE) + 16)
@@ -150,6 +164,7 @@ def test_batched_two_rows_of_different_lengths(pair: tuple[str, Any, Transformer
     for b in range(2):
         check(kind, reference, seqs[b], torch.cat(got[b]), n_prompt[b])
     assert len(seqs[0]) != len(seqs[1])
+    assert runs(model) - before == (DECODE if path == "cpp" else 0)
 
 
 def test_phi3_refuses_partial_rotary() -> None:

@@ -127,6 +127,17 @@ def test_silu_mul(ops: CudaOps, dtype: torch.dtype, shape: tuple[int, int]) -> N
     close(ops.silu_mul(gate, up, out=poisoned(gate)), TorchOps.silu_mul(gate, up), TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1536), (7, 128), (3, 9216), (1, 1), (5, 333)])
+def test_gelu_tanh_mul(ops: CudaOps, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """Gemma's MLP activation against F.gelu(approximate="tanh") * up, over both tails of the tanh."""
+    torch.manual_seed(shape[1])
+    gate, up = rand(*shape, dtype=dtype, device=ops.device, scale=4.0), rand(*shape, dtype=dtype, device=ops.device)
+    got, want = ops.gelu_tanh_mul(gate, up, out=poisoned(gate)), TorchOps.gelu_tanh_mul(gate, up)
+    close(got, want, TOL[dtype])
+    assert not torch.allclose(got.float(), TorchOps.silu_mul(gate, up).float(), rtol=1e-2, atol=1e-2)
+
+
 # ---- anywhere: input checks, launch geometry, sources ----
 
 

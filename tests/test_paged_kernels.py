@@ -66,14 +66,14 @@ class Case:
     def write_new(self) -> None:
         PagedTorchOps.kv_write(self.k_cache, self.v_cache, self.k, self.v, self.batch.slot_mapping)
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, **kw: float) -> torch.Tensor:
         # float32 of the same inputs, rounded once to the dtype: the truth both implementations approximate. A fresh
         # Batch of the same tensors: the reference may keep a plan on the batch it saw, and the lengths may change
         # Page 0 (NaN here, never written) is zero for the reference, which may gather it as masked padding
         q, kc, vc = self.q.float(), self.k_cache.float(), self.v_cache.float()
         kc[0], vc[0] = 0.0, 0.0
         batch = Batch(**{f.name: getattr(self.batch, f.name) for f in dataclasses.fields(Batch) if f.name != "plan"})
-        return PagedTorchOps.paged_attention(q, kc, vc, batch).to(self.q.dtype)
+        return PagedTorchOps.paged_attention(q, kc, vc, batch, **kw).to(self.q.dtype)  # type: ignore[arg-type]
 
 
 # (cached, new) per sequence, page_size, (n_heads, n_kv, head_dim)
@@ -94,6 +94,32 @@ def test_paged_attention(ops: CudaOps, dtype: torch.dtype, name: str) -> None:
     case.write_new()
     out = ops.paged_attention(case.q, case.k_cache, case.v_cache, case.batch, out=poisoned(case.q))
     close(out, case.reference(), ATTN_TOL[dtype])
+
+
+# Gemma's attention: a sliding window that cuts keys mid-page and mid-split (decode rows up to 63 keys, chunk and
+# verify rows), a soft cap, a score scale other than 1/sqrt(hd), and all three at once
+GEMMA_ATTENTION = {
+    "window-5": dict(window=5),
+    "window-20": dict(window=20),
+    "cap-1.5": dict(softcap=1.5),
+    "scale": dict(scale=0.07),
+    "window-cap-scale": dict(window=9, softcap=2.0, scale=0.2),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", ["decode", "chunked-prefill", "verify"])
+@pytest.mark.parametrize("kind", sorted(GEMMA_ATTENTION))
+def test_paged_attention_with_window_cap_and_scale(ops: CudaOps, dtype: torch.dtype, case_name: str,
+                                                   kind: str) -> None:
+    seqs, page_size, heads = PAGED_CASES[case_name]
+    case = Case(seqs, page_size, heads, dtype, ops.device, seed=len(case_name))
+    case.write_new()
+    kw = GEMMA_ATTENTION[kind]
+    out = ops.paged_attention(case.q, case.k_cache, case.v_cache, case.batch, out=poisoned(case.q), **kw)
+    want = case.reference(**kw)
+    close(out, want, ATTN_TOL[dtype])
+    assert not torch.allclose(want.float(), case.reference().float(), rtol=1e-3, atol=1e-3)  # the setting matters
 
 
 def padded(batch: Batch, extra_rows: int) -> Batch:

@@ -13,6 +13,10 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 QK_NORM = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")  # webchat.model.transformer.rope_inv_freq
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config's hidden_act → ours
+# what a model may compute beyond a Llama block (ModelArgs.beyond_llama), all of which the C++ forward and the CUDA
+# kernels run; a name outside it makes them decline (webchat.kernels.cpu.step, webchat.kernels.cuda.graphs)
+BEYOND_LLAMA = ("q/k norms", "pre/post norms", "an embedding scale", "gelu_tanh MLP", "attention scale",
+                "attention soft-capping", "final soft-capping", "sliding-window layers", "local rope")
 
 
 class ModelConfigError(ValueError):
@@ -74,7 +78,7 @@ class ModelArgs:
             raise ModelConfigError(f"layer_types names {len(self.layer_windows)} layers, the model has {self.n_layers}")
 
     @property
-    def beyond_llama(self) -> list[str]:
+    def beyond_llama(self) -> list[str]:  # each a name in BEYOND_LLAMA
         """What this model computes that a Llama block does not (empty for Llama, Mistral, Qwen2, Phi-3)."""
         parts = [("q/k norms", self.qk_norm), ("pre/post norms", self.sandwich_norm),
                  ("an embedding scale", self.embed_scale != 1.0), (f"{self.act} MLP", self.act != "silu"),

@@ -45,6 +45,11 @@ class TorchOps:
         # y = silu(gate) * up
         return F.silu(gate) * up
 
+    @staticmethod
+    def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        # y = gelu(gate, approximate="tanh") * up (Gemma)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 @dataclass
 class _AttnPlan:
@@ -69,9 +74,15 @@ class PagedTorchOps(TorchOps):
         v_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v)
 
     @staticmethod
-    def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, *,
+                        scale: float | None = None, softcap: float = 0.0, window: int = 0) -> torch.Tensor:
         # per sequence b: o = softmax(q k^T / sqrt(hd) + causal by position) v over its pages; q, o (T, H, hd).
-        # Single-token sequences go through one padded SDPA call; longer chunks one call each.
+        # Single-token sequences go through one padded SDPA call; longer chunks one call each. A score scale, a soft
+        # cap or a window that cuts keys: paged_attention_ex.
+        if scale is not None or softcap > 0 or (window > 0 and batch.max_seq_len > window):
+            hd = q.shape[-1]
+            return paged_attention_ex(q, k_cache, v_cache, batch, hd ** -0.5 if scale is None else scale, softcap,
+                                      window)
         plan = batch.plan if isinstance(batch.plan, _AttnPlan) else _plan(batch, k_cache.shape[1])
         batch.plan = plan
         n_kv, hd = k_cache.shape[2], k_cache.shape[3]
@@ -93,6 +104,35 @@ class PagedTorchOps(TorchOps):
                                                enable_gqa=True)
             out[lo:hi] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+def paged_attention_ex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, scale: float,
+                       softcap: float, window: int) -> torch.Tensor:
+    """Paged attention with a score scale, soft-capping and a sliding window (Gemma), sequence by sequence.
+
+    s = scale * q k^T; s = cap * tanh(s / cap) if cap; row i (position p) sees positions j with p - window < j <= p
+    (window 0: all j <= p); o = softmax(s) v. q, o (T, H, hd); caches (num_pages, page_size, n_kv, hd).
+    """
+    page_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    kf, vf = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)  # (slots, n_kv, hd)
+    g = q.shape[1] // n_kv
+    out = torch.empty_like(q)
+    starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+    offsets = torch.arange(page_size, device=q.device)
+    for b, length in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        pages = batch.block_tables[b, : -(-length // page_size)].long()
+        slots = (pages.unsqueeze(1) * page_size + offsets).reshape(-1)[:length]  # (L,)
+        k = kf.index_select(0, slots).float().repeat_interleave(g, dim=1).transpose(0, 1)  # (H, L, hd)
+        v = vf.index_select(0, slots).float().repeat_interleave(g, dim=1).transpose(0, 1)
+        s = torch.matmul(q[lo:hi].float().transpose(0, 1), k.transpose(1, 2)) * scale  # (H, t, L)
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        pos, j = batch.positions[lo:hi].unsqueeze(1), torch.arange(length, device=q.device).unsqueeze(0)
+        seen = (j <= pos) & (j > pos - window) if window > 0 else j <= pos  # (t, L)
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+        out[lo:hi] = torch.matmul(p, v).transpose(0, 1).to(q.dtype)  # (t, H, hd)
+    return out
 
 
 def _plan(batch: Batch, page_size: int) -> _AttnPlan:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from webchat.model.batch import Batch
@@ -34,10 +33,11 @@ class Ops(Protocol):
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
     def kv_write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None: ...
-    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        batch: Batch) -> torch.Tensor: ...
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, *,
+                        scale: float | None = None, softcap: float = 0.0, window: int = 0) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +58,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd) if args.qk_norm else None  # Qwen3, Gemma 3: per head, before rope
         self.k_norm = RMSNorm(hd) if args.qk_norm else None
         self.eps, self.scale, self.softcap, self.window = args.norm_eps, args.attn_scale, args.attn_softcap, window
-        self.plain = self.softcap == 0 and abs(self.scale - hd ** -0.5) < 1e-12  # the ops' attention, if no window
+        self.default_scale = abs(self.scale - hd ** -0.5) < 1e-12
 
     def forward(
         self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch,
@@ -68,14 +68,13 @@ class Attention(nn.Module):
         q = self.wq(x).view(t, self.n_heads, self.head_dim)  # (T, H, hd)
         k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)  # (T, n_kv, hd)
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = ops.rms_norm(q, self.q_norm.weight, self.eps), ops.rms_norm(k, self.k_norm.weight, self.eps)
+        if self.q_norm is not None and self.k_norm is not None:  # per head: rows of head_dim
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps).view_as(q)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps).view_as(k)
         q, k = ops.rope(q, k, *rope)
         ops.kv_write(k_cache, v_cache, k, v, batch.slot_mapping)
-        if self.plain and (self.window == 0 or batch.max_seq_len <= self.window):  # the window cuts nothing
-            o = ops.paged_attention(q, k_cache, v_cache, batch)  # (T, H, hd)
-        else:
-            o = paged_attention_ex(q, k_cache, v_cache, batch, self.scale, self.softcap, self.window)
+        o = ops.paged_attention(q, k_cache, v_cache, batch, scale=None if self.default_scale else self.scale,
+                                softcap=self.softcap, window=self.window)  # (T, H, hd)
         out: torch.Tensor = self.wo(o.reshape(t, self.n_heads * self.head_dim))
         return out
 
@@ -90,7 +89,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.act == "gelu_tanh":  # Gemma: y = w2(gelu_tanh(w1 x) * w3 x)
-            h = F.gelu(self.w1(x), approximate="tanh") * self.w3(x)
+            h = ops.gelu_tanh_mul(self.w1(x), self.w3(x))
         else:
             h = ops.silu_mul(self.w1(x), self.w3(x))
         out: torch.Tensor = self.w2(h)
@@ -222,35 +221,6 @@ class Transformer(nn.Module):
         if a.final_softcap > 0:  # Gemma 2: logits = cap * tanh(logits / cap)
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
-
-
-def paged_attention_ex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, scale: float,
-                       softcap: float, window: int) -> torch.Tensor:
-    """Paged attention with a score scale, soft-capping and a sliding window (Gemma), sequence by sequence.
-
-    s = scale * q k^T; s = cap * tanh(s / cap) if cap; row i (position p) sees positions j with p - window < j <= p
-    (window 0: all j <= p); o = softmax(s) v. q, o (T, H, hd); caches (num_pages, page_size, n_kv, hd).
-    """
-    page_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    kf, vf = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)  # (slots, n_kv, hd)
-    g = q.shape[1] // n_kv
-    out = torch.empty_like(q)
-    starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
-    offsets = torch.arange(page_size, device=q.device)
-    for b, length in enumerate(lens):
-        lo, hi = starts[b], starts[b + 1]
-        pages = batch.block_tables[b, : -(-length // page_size)].long()
-        slots = (pages.unsqueeze(1) * page_size + offsets).reshape(-1)[:length]  # (L,)
-        k = kf.index_select(0, slots).float().repeat_interleave(g, dim=1).transpose(0, 1)  # (H, L, hd)
-        v = vf.index_select(0, slots).float().repeat_interleave(g, dim=1).transpose(0, 1)
-        s = torch.matmul(q[lo:hi].float().transpose(0, 1), k.transpose(1, 2)) * scale  # (H, t, L)
-        if softcap > 0:
-            s = torch.tanh(s / softcap) * softcap
-        pos, j = batch.positions[lo:hi].unsqueeze(1), torch.arange(length, device=q.device).unsqueeze(0)
-        seen = (j <= pos) & (j > pos - window) if window > 0 else j <= pos  # (t, L)
-        p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
-        out[lo:hi] = torch.matmul(p, v).transpose(0, 1).to(q.dtype)  # (t, H, hd)
-    return out
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:

@@ -4,6 +4,8 @@ A decode step of the 135M model is ~30 layers x ~15 small ops; in PyTorch their 
 matmuls. `CpuStep` hands the whole batch (tokens, positions, slot mapping, block tables, logit rows) and the paged
 pool to `Step.forward`, which runs every layer with the quantized (or float32) matrices, RoPE, the paged KV write and
 attention in C++ on torch's thread pool. Each row is computed on its own, so its logits do not depend on the batch.
+Gemma's parts run there too: the embedding scale, the post norms, GELU-tanh, the score scale and soft cap, sliding
+windows per layer and Gemma 3's local rope tables; the final soft cap is one op on the logits here.
 Batches of more than MAX_ROWS tokens (long prefill chunks) return None and run the PyTorch path, whose matmuls are
 GEMMs (webchat.model.quant.QLinear dequantizes a layer's matrix for them).
 """
@@ -19,7 +21,7 @@ from torch import nn
 
 from webchat.kernels.cpu.build import QKernels
 from webchat.model.batch import Batch
-from webchat.model.config import ModelArgs
+from webchat.model.config import BEYOND_LLAMA, ModelArgs
 from webchat.model.quant import K_QTYPES, QTYPES, QEmbedding, QLinear
 from webchat.model.transformer import Block, PagedKV, Transformer
 
@@ -27,6 +29,7 @@ log = logging.getLogger("webchat.kernels.cpu.step")
 
 MAX_ROWS = 64  # tokens per forward up to which the C++ step runs it
 F32 = 0  # ggml's type number for float32 rows
+NONE = torch.empty(0)
 
 
 def _matrix(m: nn.Module) -> tuple[torch.Tensor, int] | None:
@@ -53,12 +56,15 @@ class CpuStep:
         qtypes: list[int] = []
         norms: list[torch.Tensor] = []
         biases: list[torch.Tensor] = []
-        qk_norms: list[torch.Tensor] = []  # Qwen3's per-head q and k norms, before rope
+        qk_norms: list[torch.Tensor] = []  # Qwen3's and Gemma 3's per-head q and k norms, before rope
+        post_norms: list[torch.Tensor] = []  # Gemma's norms of the attention's and the MLP's outputs
         for layer in cast(list[Block], list(model.layers)):
             att, ff = layer.attention, layer.feed_forward
             norms += [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
             if att.q_norm is not None and att.k_norm is not None:
                 qk_norms += [att.q_norm.weight.detach(), att.k_norm.weight.detach()]
+            if layer.attention_post_norm is not None and layer.ffn_post_norm is not None:
+                post_norms += [layer.attention_post_norm.weight.detach(), layer.ffn_post_norm.weight.detach()]
             for m in (att.wq, att.wk, att.wv, att.wo, ff.w1, ff.w3, ff.w2):
                 wt = _matrix(m)
                 if wt is None:
@@ -69,9 +75,12 @@ class CpuStep:
         emb, head = _matrix(model.tok_embeddings), _matrix(model.output)
         if emb is None or head is None:
             raise TypeError("the embedding and head must be quantized or float32 for the C++ path")
+        layers = cast(list[Block], list(model.layers))
+        scalars = [a.embed_scale, a.attn_scale, a.attn_softcap, 1.0 if a.act == "gelu_tanh" else 0.0]
         self.step = kernels.Step([a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim], a.norm_eps, emb[0], emb[1],
-                                 head[0], head[1], model.norm.weight.detach(), norms, mats, qtypes, biases, qk_norms)
-        self.window = min((w for w in a.layer_windows if w), default=0)  # past it, the PyTorch path's windows
+                                 head[0], head[1], model.norm.weight.detach(), norms, mats, qtypes, biases, qk_norms,
+                                 post_norms, list(a.layer_windows), [int(b.local_rope) for b in layers], scalars)
+        self.final_softcap = a.final_softcap
         self.embedding = model.tok_embeddings
         self.layers = list(model.layers)
         self.calls = 0
@@ -80,19 +89,21 @@ class CpuStep:
         n = len(model.layers)
         if (batch.tokens.shape[0] > MAX_ROWS or model.tok_embeddings is not self.embedding
                 or n > len(self.layers) or model.layers[n - 1] is not self.layers[n - 1]
-                or kv.k[0].dtype != torch.float32 or (self.window and batch.max_seq_len > self.window)):
-            return None  # a long prefill chunk, a sequence past a sliding window, or another model sharing this hook
+                or kv.k[0].dtype != torch.float32):
+            return None  # a long prefill chunk, or another model sharing this hook
         self.calls += 1
+        local = model.rope_local or (NONE, NONE)
         logits: torch.Tensor = self.step.forward(
             batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,
-            batch.logit_rows, kv.k, kv.v, model.rope_cos, model.rope_sin, n)
+            batch.logit_rows, kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n)
+        if self.final_softcap > 0:  # Gemma 2: logits = cap * tanh(logits / cap), as the PyTorch path computes it
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
 
 def cpu_step_declines(args: ModelArgs) -> str | None:
-    """Why the C++ forward cannot run this architecture (it computes a Llama block), or None where it can."""
-    # CpuStep runs q/k norms (Qwen3) itself, and passes batches longer than a sliding window on
-    extra = [x for x in args.beyond_llama if x not in ("sliding-window layers", "q/k norms")]
+    """Why the C++ forward cannot run this architecture, or None where it can."""
+    extra = [x for x in args.beyond_llama if x not in BEYOND_LLAMA]  # it runs each of them
     return f"{args.arch or 'this model'} needs {', '.join(extra)}" if extra else None
 
 

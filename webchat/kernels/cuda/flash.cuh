@@ -8,10 +8,11 @@
 #define MAX_HD 256
 #define PER_LANE (MAX_HD / 32)
 
-// One key for one warp: s = q . k (q pre-scaled; lane holds dims d = lane + 32 j), then the online-softmax update.
+// One key for one warp: s = q . k (q pre-scaled; lane holds dims d = lane + 32 j), soft-capped to
+// cap * tanh(s / cap) where cap > 0 (Gemma 2), then the online-softmax update.
 template <typename T>
 __device__ __forceinline__ void attend_key(const float* qr, const T* __restrict__ kp, const T* __restrict__ vp,
-                                           int lane, int head_dim, float& m, float& l, float* acc) {
+                                           int lane, int head_dim, float cap, float& m, float& l, float* acc) {
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j) {
@@ -19,6 +20,7 @@ __device__ __forceinline__ void attend_key(const float* qr, const T* __restrict_
         if (d < head_dim) s += qr[j] * to_float(kp[d]);
     }
     s = warp_sum(s);
+    if (cap > 0.0f) s = tanhf(s / cap) * cap;
     const float m_new = fmaxf(m, s);
     const float corr = expf(m - m_new);  // 0 on the first key (m = -inf)
     const float e = expf(s - m_new);

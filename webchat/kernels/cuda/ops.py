@@ -61,12 +61,13 @@ def plan_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return Launch("rope", f"rope_{sfx}", (blocks(pairs, ELEMENTWISE_THREADS), 1, 1), (ELEMENTWISE_THREADS, 1, 1))
 
 
-def plan_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> Launch:
+def plan_silu_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> Launch:
+    """silu_mul.cu's silu_mul_* or (act "gelu_tanh") gelu_tanh_mul_* over gate's values."""
     sfx = suffix("gate", gate)
     check("gate", gate, tuple(gate.shape))
     check("up", up, tuple(gate.shape), gate.dtype)
     grid = (blocks(gate.numel(), ELEMENTWISE_THREADS), 1, 1)
-    return Launch("silu_mul", f"silu_mul_{sfx}", grid, (ELEMENTWISE_THREADS, 1, 1))
+    return Launch("silu_mul", f"{act}_mul_{sfx}", grid, (ELEMENTWISE_THREADS, 1, 1))
 
 
 class CudaOps:
@@ -124,7 +125,13 @@ class CudaOps:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         # y = silu(gate) * up
-        launch = plan_silu_mul(gate, up)
+        return self._gated(plan_silu_mul(gate, up), gate, up, out)
+
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        # y = gelu(gate, approximate="tanh") * up (Gemma)
+        return self._gated(plan_silu_mul(gate, up, "gelu_tanh"), gate, up, out)
+
+    def _gated(self, launch: Launch, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         y = _output("out", out, gate)
         check_device(self.device, gate=gate, up=up, out=y)
         self._launch(launch, (ptr(gate), ptr(up), ptr(y), np.int64(gate.numel())))
@@ -149,9 +156,10 @@ class CudaOps:
 
     def paged_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, *,
-        out: torch.Tensor | None = None,
+        scale: float | None = None, softcap: float = 0.0, window: int = 0, out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        # per sequence b: o = softmax(q k^T / sqrt(hd) + causal by position) v over its pages; q, o (T, H, hd)
+        # per sequence b: o = softmax(cap(scale q k^T) + causal by position, within the window) v over its pages;
+        # q, o (T, H, hd); scale 1/sqrt(hd) by default, cap(s) = softcap tanh(s / softcap) where softcap > 0
         from webchat.kernels.cuda.paged import plan_paged_attention
 
         plan = plan_paged_attention(q, k_cache, v_cache, batch, self.n_sm)
@@ -164,8 +172,8 @@ class CudaOps:
         part_ml = torch.empty((t, n_heads, plan.n_splits, 2), device=q.device, dtype=torch.float32)
         args = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(batch.positions), ptr(batch.query_start), ptr(batch.seq_lens),
                 ptr(batch.block_tables), i32(batch.num_seqs), i32(batch.block_tables.shape[1]), i32(page_size),
-                i32(n_heads), i32(n_kv), i32(hd), np.float32(1.0 / math.sqrt(hd)), ptr(part_acc),
-                ptr(part_ml))  # fmt: skip
+                i32(n_heads), i32(n_kv), i32(hd), np.float32(1.0 / math.sqrt(hd) if scale is None else scale),
+                np.float32(softcap), i32(window), ptr(part_acc), ptr(part_ml))  # fmt: skip
         self._launch(plan.split, args)
         self._launch(plan.reduce, (ptr(part_acc), ptr(part_ml), ptr(o), i32(plan.n_splits), i32(hd)))
         return o

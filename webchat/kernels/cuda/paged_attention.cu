@@ -1,9 +1,12 @@
-// o[i,h] = sum_{j <= p_i} softmax_j(q[i,h] . k_b[j,g] / sqrt(hd)) v_b[j,g], b = the sequence owning row i, p_i =
-// positions[i], g = h / (n_heads / n_kv); key j of b in slot block_tables[b, j / page_size] * page_size + j % page_size.
+// o[i,h] = sum_{p_i - w < j <= p_i} softmax_j(cap(scale q[i,h] . k_b[j,g])) v_b[j,g], b = the sequence owning row i,
+// p_i = positions[i], g = h / (n_heads / n_kv), w the sliding window (0: none, every j <= p_i), cap(s) = c tanh(s / c)
+// for a soft cap c > 0 (Gemma 2) else s, scale 1 / sqrt(hd) or the model's (Gemma's query_pre_attn_scalar);
+// key j of b in slot block_tables[b, j / page_size] * page_size + j % page_size.
 // A ragged batch (webchat/model/batch.py): sequence b owns rows [query_start[b], query_start[b+1]); a row sees
 // min(p_i + 1, seq_lens[b], max_pages * page_size) keys; rows past query_start[n_seqs] (padding) see none and get 0.
-// Flash-decoding as in attention.cu: block (split, h, i) takes keys [split * chunk, (split + 1) * chunk) of its row,
-// chunk = max(MIN_CHUNK, ceil(seen / n_splits)); paged_attention_reduce_* merges the splits.
+// Flash-decoding: block (split, h, i) takes keys [first + split * chunk, first + (split + 1) * chunk) of its row, first
+// the window's first key, chunk = max(MIN_CHUNK, ceil((seen - first) / n_splits)); paged_attention_reduce_* merges
+// the splits.
 // q, o (T, n_heads, hd); caches (num_pages, page_size, n_kv, hd); part_acc (T, n_heads, n_splits, hd),
 // part_ml (T, n_heads, n_splits, 2). Every length is read on the device, so a CUDA graph replays any batch.
 #include "flash.cuh"
@@ -27,8 +30,8 @@ __device__ void paged_split_block(const T* __restrict__ q, const T* __restrict__
                                   const T* __restrict__ v_cache, const long long* __restrict__ positions,
                                   const int* __restrict__ query_start, const int* __restrict__ seq_lens,
                                   const int* __restrict__ block_tables, int n_seqs, int max_pages, int page_size,
-                                  int n_heads, int n_kv, int head_dim, float scale, float* __restrict__ part_acc,
-                                  float* __restrict__ part_ml) {
+                                  int n_heads, int n_kv, int head_dim, float scale, float cap, int window,
+                                  float* __restrict__ part_acc, float* __restrict__ part_ml) {
     const int split = blockIdx.x, n_splits = gridDim.x, h = blockIdx.y, t = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = owner(query_start, n_seqs, t);
@@ -39,9 +42,10 @@ __device__ void paged_split_block(const T* __restrict__ q, const T* __restrict__
         if (seen > (long long)max_pages * page_size) seen = (long long)max_pages * page_size;  // inside the table
     }
     const int n_keys = seen > 0 ? (int)seen : 0;
-    int chunk = (n_keys + n_splits - 1) / n_splits;
+    const int first = window > 0 && n_keys > window ? n_keys - window : 0;  // the window: keys (p - w, p]
+    int chunk = (n_keys - first + n_splits - 1) / n_splits;
     if (chunk < MIN_CHUNK) chunk = MIN_CHUNK;
-    const int lo = split * chunk;
+    const int lo = first + split * chunk;
     const int hi = lo + chunk < n_keys ? lo + chunk : n_keys;
     const int g = h / (n_heads / n_kv);
     const int* table = block_tables + (long)(b > 0 ? b : 0) * max_pages;
@@ -58,7 +62,7 @@ __device__ void paged_split_block(const T* __restrict__ q, const T* __restrict__
     for (int p = lo + warp; p < hi; p += WARPS) {
         const long slot = (long)table[p / page_size] * page_size + p % page_size;
         const long at = (slot * n_kv + g) * head_dim;  // (slot, g, 0) of (slots, n_kv, hd)
-        attend_key(qr, k_cache + at, v_cache + at, lane, head_dim, m, l, acc);
+        attend_key(qr, k_cache + at, v_cache + at, lane, head_dim, cap, m, l, acc);
     }
     store_split(m, l, acc, head_dim, ((long)t * n_heads + h) * n_splits + split, part_acc, part_ml);
 }
@@ -67,9 +71,10 @@ __device__ void paged_split_block(const T* __restrict__ q, const T* __restrict__
     extern "C" __global__ void __launch_bounds__(32 * WARPS) paged_attention_split_##SUFFIX(                    \
         const T* q, const T* k_cache, const T* v_cache, const long long* positions, const int* query_start,     \
         const int* seq_lens, const int* block_tables, int n_seqs, int max_pages, int page_size, int n_heads,     \
-        int n_kv, int head_dim, float scale, float* part_acc, float* part_ml) {                                 \
+        int n_kv, int head_dim, float scale, float cap, int window, float* part_acc, float* part_ml) {          \
         paged_split_block<T>(q, k_cache, v_cache, positions, query_start, seq_lens, block_tables, n_seqs,        \
-                             max_pages, page_size, n_heads, n_kv, head_dim, scale, part_acc, part_ml);           \
+                             max_pages, page_size, n_heads, n_kv, head_dim, scale, cap, window, part_acc,         \
+                             part_ml);                                                                          \
     }                                                                                                           \
     extern "C" __global__ void paged_attention_reduce_##SUFFIX(const float* part_acc, const float* part_ml,     \
                                                                T* o, int n_splits, int head_dim) {              \

@@ -105,11 +105,15 @@ int64_t set_path(int64_t p) {
 class Step {
  public:
   // dims: dim, n_heads, n_kv, head_dim, ffn; per layer norms (attn, ffn), mats (wq wk wv wo w1 w3 w2) with their
-  // qtypes (0: float32 (n, k)), biases (q, k, v; an empty tensor for none), qk_norms (q, k per head: Qwen3; empty
-  // for none)
+  // qtypes (0: float32 (n, k)), biases (q, k, v; an empty tensor for none), qk_norms (q, k per head: Qwen3, Gemma 3;
+  // empty for none), post_norms (attention, MLP output: Gemma; empty for none), windows (per layer, 0: none; empty:
+  // none anywhere), local (per layer 1 where the local rope tables apply), scalars (embed scale, attention scale
+  // (0: 1 / sqrt(head_dim)), attention soft cap (0: none), 1 for gelu_tanh instead of silu)
   Step(std::vector<int64_t> dims, double eps, torch::Tensor emb, int64_t emb_qtype, torch::Tensor head,
        int64_t head_qtype, torch::Tensor final_norm, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> mats,
-       std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases, std::vector<torch::Tensor> qk_norms) {
+       std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases, std::vector<torch::Tensor> qk_norms,
+       std::vector<torch::Tensor> post_norms, std::vector<int64_t> windows, std::vector<int64_t> local,
+       std::vector<double> scalars) {
     TORCH_CHECK(dims.size() == 5, "dims must be (dim, n_heads, n_kv, head_dim, ffn), got ", dims.size(), " values");
     m_.dim = dims[0], m_.n_heads = dims[1], m_.n_kv = dims[2], m_.head_dim = dims[3], m_.ffn = dims[4];
     TORCH_CHECK(m_.n_kv > 0 && m_.n_heads % m_.n_kv == 0 && m_.n_heads / m_.n_kv <= 64 && m_.head_dim % 2 == 0,
@@ -123,6 +127,14 @@ class Step {
                 qtypes.size(), ", ", biases.size());
     TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * n_layers, "qk_norms: 2 per layer or none, got ",
                 qk_norms.size());
+    TORCH_CHECK(post_norms.empty() || post_norms.size() == 2 * n_layers, "post_norms: 2 per layer or none, got ",
+                post_norms.size());
+    TORCH_CHECK((windows.empty() || windows.size() == n_layers) && (local.empty() || local.size() == n_layers),
+                "windows and local: one per layer or none, got ", windows.size(), " and ", local.size());
+    TORCH_CHECK(scalars.size() == 4, "scalars must be (embed scale, attention scale, soft cap, gelu), got ",
+                scalars.size(), " values");
+    m_.embed_scale = static_cast<float>(scalars[0]), m_.attn_scale = static_cast<float>(scalars[1]);
+    m_.attn_softcap = static_cast<float>(scalars[2]), m_.gelu = scalars[3] != 0.0;
     m_.emb = mat(emb, emb_qtype, m_.dim, torch::Tensor());
     m_.head = mat(head, head_qtype, m_.dim, torch::Tensor());
     m_.final_norm = vec(final_norm, m_.dim);
@@ -137,6 +149,13 @@ class Step {
         L.q_norm = vec(qk_norms[2 * i], m_.head_dim);
         L.k_norm = vec(qk_norms[2 * i + 1], m_.head_dim);
       }
+      if (!post_norms.empty()) {
+        L.attn_post_norm = vec(post_norms[2 * i], m_.dim);
+        L.ffn_post_norm = vec(post_norms[2 * i + 1], m_.dim);
+      }
+      L.window = windows.empty() ? 0 : windows[i];
+      L.local_rope = !local.empty() && local[i] != 0;
+      TORCH_CHECK(L.window >= 0, "layer ", i, " has a negative window");
       Mat* slots[7] = {&L.wq, &L.wk, &L.wv, &L.wo, &L.w1, &L.w3, &L.w2};
       for (int j = 0; j < 7; ++j) {
         *slots[j] = mat(mats[7 * i + j], qtypes[7 * i + j], ks[j], j < 3 ? biases[3 * i + j] : torch::Tensor());
@@ -151,7 +170,7 @@ class Step {
                         const torch::Tensor& query_start, const torch::Tensor& block_tables,
                         const torch::Tensor& logit_rows, const std::vector<torch::Tensor>& k,
                         const std::vector<torch::Tensor>& v, const torch::Tensor& cos, const torch::Tensor& sin,
-                        int64_t n_layers) {
+                        const torch::Tensor& cos_l, const torch::Tensor& sin_l, int64_t n_layers) {
     TORCH_CHECK(n_layers >= 1 && n_layers <= static_cast<int64_t>(m_.layers.size()), "n_layers must be in [1, ",
                 m_.layers.size(), "], got ", n_layers);
     const int64_t T = tokens.numel();
@@ -185,6 +204,13 @@ class Step {
     check_f32(sin, "sin");
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) * 2 == m_.head_dim && sin.sizes() == cos.sizes(),
                 "cos/sin must be (positions, ", m_.head_dim / 2, "), got ", cos.sizes(), " and ", sin.sizes());
+    const bool local = cos_l.numel() > 0;
+    if (local) {
+      check_f32(cos_l, "cos_l");
+      check_f32(sin_l, "sin_l");
+      TORCH_CHECK(cos_l.sizes() == cos.sizes() && sin_l.sizes() == cos.sizes(), "the local rope tables must be ",
+                  cos.sizes(), ", got ", cos_l.sizes(), " and ", sin_l.sizes());
+    }
     BatchView bv;
     bv.tokens = tokens.data_ptr<int64_t>(), bv.positions = positions.data_ptr<int64_t>();
     bv.slots = slots.data_ptr<int64_t>(), bv.t = T;
@@ -196,7 +222,8 @@ class Step {
     PoolView pv{kp.data(), vp.data(), ps};
     {
       py::gil_scoped_release nogil;
-      m_.forward(bv, pv, cos.data_ptr<float>(), sin.data_ptr<float>(), n_layers, logits.data_ptr<float>());
+      m_.forward(bv, pv, cos.data_ptr<float>(), sin.data_ptr<float>(), local ? cos_l.data_ptr<float>() : nullptr,
+                 local ? sin_l.data_ptr<float>() : nullptr, n_layers, logits.data_ptr<float>());
     }
     return logits;
   }
@@ -270,6 +297,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<wq::Step>(m, "Step")
       .def(py::init<std::vector<int64_t>, double, torch::Tensor, int64_t, torch::Tensor, int64_t, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
-                    std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<double>>())
       .def("forward", &wq::Step::forward);
 }

@@ -1,7 +1,9 @@
 // The model's forward over a ragged batch on the paged KV cache, as one C++ call. The same maths as
 // webchat.model.transformer.Transformer.layers_forward with webchat.model.ops.PagedTorchOps:
-//   h = x + wo(attn(rope(qn(wq y)), rope(kn(wk y)), wv y)) with y = rms_norm(x), qn/kn per-head norms (Qwen3) or none;  x' = h + w2(silu(w1 y) * w3 y) with
-//   y = rms_norm(h);  logits = head(rms_norm(x_L)) for the logit rows only.
+//   h = x + pn(wo(attn(rope(qn(wq y)), rope(kn(wk y)), wv y))) with y = rms_norm(x);  x' = h + fn(w2(act(w1 y) * w3 y))
+//   with y = rms_norm(h);  logits = head(rms_norm(x_L)) for the logit rows only. qn/kn: per-head norms (Qwen3,
+//   Gemma 3) or none; pn/fn: Gemma's post norms or none; act: silu, or Gemma's gelu_tanh; attn: softmax of the scaled
+//   (Gemma 2: soft-capped) scores over the row's sliding window or its whole past; x_0 = embedding (Gemma: x sqrt(dim)).
 // Every row is computed on its own (its matmul accumulations, its norm, its attention over its own sequence), so a
 // row's numbers do not depend on what else is in the batch. What goes away is the Python and dispatch overhead
 // around ~15 small ops per layer; the numbers are float32 throughout.
@@ -94,6 +96,28 @@ AVX2_FN static void silu_mul_avx2(float* g, const float* u, int64_t n) {
     _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
   }
   for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// g[i] = gelu_tanh(g[i]) * u[i] = 0.5 g (1 + tanh(b (g + k g^3))) * u, tanh(z) = 1 - 2 / (1 + e^2z) (PyTorch's
+// gelu(approximate="tanh") constants; the tanh within ~1e-7 of std::tanh)
+constexpr float GELU_B = 0.7978845608028654f, GELU_K = 0.044715f;
+AVX2_FN static void gelu_mul_avx2(float* g, const float* u, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
+  const __m256 b = _mm256_set1_ps(GELU_B), k = _mm256_set1_ps(GELU_K);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 z = _mm256_mul_ps(b, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, exp256(_mm256_add_ps(z, z)))));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t)),
+                                          _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) g[i] = 0.5f * g[i] * (1.f + std::tanh(GELU_B * (g[i] + GELU_K * g[i] * g[i] * g[i]))) * u[i];
+}
+
+static void gelu_mul_scalar(float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    g[i] = 0.5f * g[i] * (1.f + std::tanh(GELU_B * (g[i] + GELU_K * g[i] * g[i] * g[i]))) * u[i];
 }
 
 static float exp_sum_scalar(float* x, int64_t n, float shift) {
@@ -214,15 +238,17 @@ void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys
         for (int64_t i = 0; i < my.first->n; ++i) my.second[r * my.first->n + i] += my.first->bias[i];
 }
 
-// o_ (T, H, hd): row t of sequence b, query head h attends softmax(q k^T / sqrt(hd)) v over positions
-// [0, positions[t]] of b, with kv head h / (H / n_kv). The work comes in units of (sequence, query heads, rows):
+// o_ (T, H, hd): row t of sequence b, query head h attends softmax(cap(scale q k^T)) v over positions
+// [0, positions[t]] of b (with a window w: (positions[t] - w, positions[t]]), with kv head h / (H / n_kv); scale
+// 1 / sqrt(hd) unless the model sets one, cap(s) = c tanh(s / c) where the model soft-caps. A window's unit starts at
+// the page of its first row's first key; keys below a row's window get weight 0. The work comes in units of (sequence, query heads, rows):
 // a decoding sequence's one row makes a unit per query head, split evenly over the threads in order (neighbouring
 // heads share their kv head's pages in cache); a prefill or verify chunk makes units of up to 8 rows with every query
 // head of one kv group, so a page's keys and values are read once for all of them, taken by the threads as they go,
 // heaviest first. Each row's sums run in the same order whatever else is in the batch.
-void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, int64_t ps) {
+void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, int64_t ps, int64_t window) {
   const int64_t g = n_heads / n_kv, hd = head_dim, qd = n_heads * hd, kvd = n_kv * hd;
-  const float scale = 1.f / std::sqrt(float(hd));
+  const float scale = attn_scale > 0.f ? attn_scale : 1.f / std::sqrt(float(hd)), cap = attn_softcap;
   const bool vec = path() >= PATH_AVX2;
   const int nv = vec && hd == 64 ? 8 : vec && hd == 128 ? 16 : 0;  // a register kernel, or the generic loops
   constexpr int64_t ROWS = 8;
@@ -251,9 +277,11 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
     const int32_t* pages = bv.block_tables + U.b * bv.width;
     // query row j of the unit: head h0 + j / rows, token r0 + j % rows
     auto len = [&](int64_t j) { return bv.positions[U.r0 + j % U.rows] + 1; };
+    auto first = [&](int64_t j) { return window > 0 ? std::max<int64_t>(0, len(j) - window) : int64_t(0); };
+    const int64_t start = first(0) / ps * ps;  // the unit's first row has the smallest position
     auto q = [&](int64_t j) { return q_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
     auto o = [&](int64_t j) { return o_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
-    for (int64_t pos0 = 0; pos0 < lmax; pos0 += ps) {  // scores
+    for (int64_t pos0 = start; pos0 < lmax; pos0 += ps) {  // scores
       const float* kp = kc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
       for (int64_t j = 0; j < n_rows; ++j) {
         const int64_t n = std::min(ps, len(j) - pos0);
@@ -265,13 +293,17 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
             s[i] = (vec ? dot_avx2(q(j), kp + i * kvd, hd) : dot_scalar(q(j), kp + i * kvd, hd)) * scale;
       }
     }
-    for (int64_t j = 0; j < n_rows; ++j) {  // softmax numerators and 1 / their sum
+    for (int64_t j = 0; j < n_rows; ++j) {  // softmax numerators over the row's keys and 1 / their sum
       float* s = sc.data() + j * lmax;
-      const float mx = *std::max_element(s, s + len(j));
-      inv[j] = 1.f / (vec ? exp_sum_avx2(s, len(j), mx) : exp_sum_scalar(s, len(j), mx));
+      const int64_t lo = first(j), n = len(j) - lo;
+      if (cap > 0.f)
+        for (int64_t i = lo; i < len(j); ++i) s[i] = std::tanh(s[i] / cap) * cap;
+      const float mx = *std::max_element(s + lo, s + len(j));
+      inv[j] = 1.f / (vec ? exp_sum_avx2(s + lo, n, mx) : exp_sum_scalar(s + lo, n, mx));
+      std::fill(s + start, s + lo, 0.f);  // keys before the window
       std::fill(o(j), o(j) + hd, 0.f);
     }
-    for (int64_t pos0 = 0; pos0 < lmax; pos0 += ps) {  // o = sum p v
+    for (int64_t pos0 = start; pos0 < lmax; pos0 += ps) {  // o = sum p v
       const float* vp = vc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
       for (int64_t j = 0; j < n_rows; ++j) {
         const int64_t n = std::min(ps, len(j) - pos0);
@@ -299,7 +331,7 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
 }
 
 void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin,
-                        int64_t n_layers, float* logits) {
+                        const float* cos_l, const float* sin_l, int64_t n_layers, float* logits) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t T = bv.t, d = dim, qd = n_heads * head_dim, kvd = n_kv * head_dim, half = head_dim / 2;
   const int64_t widest = std::max({d, qd, ffn});
@@ -311,13 +343,16 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
   float *g = g_.data(), *u = u_.data(), *out = out_.data();
 
   for (int64_t t = 0; t < T; ++t) dequant_row(emb, bv.tokens[t], x + t * d);
+  if (embed_scale != 1.f)
+    for (int64_t c = 0; c < T * d; ++c) x[c] *= embed_scale;
   for (int64_t i = 0; i < n_layers; ++i) {
     const Layer& L = layers[i];
     for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.attn_norm, y + t * d, d, eps);
     linears({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, y, T);
+    const bool local = L.local_rope && cos_l != nullptr;
     for (int64_t t = 0; t < T; ++t) {
-      const float* c = cos + bv.positions[t] * half;
-      const float* s = sin + bv.positions[t] * half;
+      const float* c = (local ? cos_l : cos) + bv.positions[t] * half;
+      const float* s = (local ? sin_l : sin) + bv.positions[t] * half;
       if (L.q_norm != nullptr) {  // per head, in place (rms_norm_row reads a value before it writes it)
         for (int64_t h = 0; h < n_heads; ++h) {
           float* qh = q + t * qd + h * head_dim;
@@ -333,14 +368,19 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
       std::memcpy(kv.k[i] + bv.slots[t] * kvd, k + t * kvd, kvd * sizeof(float));
       std::memcpy(kv.v[i] + bv.slots[t] * kvd, v + t * kvd, kvd * sizeof(float));
     }
-    attend(bv, kv.k[i], kv.v[i], kv.page_size);
+    attend(bv, kv.k[i], kv.v[i], kv.page_size, L.window);
     linears({{&L.wo, out}}, o, T);
+    if (L.attn_post_norm != nullptr)
+      for (int64_t t = 0; t < T; ++t) rms_norm_row(out + t * d, L.attn_post_norm, out + t * d, d, eps);
     for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
     for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.ffn_norm, y + t * d, d, eps);
     linears({{&L.w1, g}, {&L.w3, u}}, y, T);
-    if (path() >= PATH_AVX2) silu_mul_avx2(g, u, T * ffn);
-    else silu_mul_scalar(g, u, T * ffn);
+    const bool avx2 = path() >= PATH_AVX2;
+    if (gelu) avx2 ? gelu_mul_avx2(g, u, T * ffn) : gelu_mul_scalar(g, u, T * ffn);
+    else avx2 ? silu_mul_avx2(g, u, T * ffn) : silu_mul_scalar(g, u, T * ffn);
     linears({{&L.w2, out}}, g, T);
+    if (L.ffn_post_norm != nullptr)
+      for (int64_t t = 0; t < T; ++t) rms_norm_row(out + t * d, L.ffn_post_norm, out + t * d, d, eps);
     for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
   }
   for (int64_t r = 0; r < bv.r; ++r) rms_norm_row(x + bv.logit_rows[r] * d, final_norm, y + r * d, d, eps);

@@ -21,6 +21,10 @@ struct Layer {
   const float* ffn_norm = nullptr;
   const float* q_norm = nullptr;  // (head_dim): RMS norm of each q head before rope (Qwen3), or none
   const float* k_norm = nullptr;  // (head_dim): the same for each k head
+  const float* attn_post_norm = nullptr;  // (dim): Gemma's norm of the attention output before the residual, or none
+  const float* ffn_post_norm = nullptr;   // (dim): the same for the MLP's output
+  int64_t window = 0;                     // sliding window: a row at position p sees (p - window, p]; 0: all of [0, p]
+  bool local_rope = false;                // Gemma 3's sliding layers: the local rope tables
   Mat wq, wk, wv, wo, w1, w3, w2;
 };
 
@@ -48,20 +52,25 @@ struct PoolView {
 struct StepModel {
   int64_t dim = 0, n_heads = 0, n_kv = 0, head_dim = 0, ffn = 0;
   float eps = 0.f;
+  float embed_scale = 1.f;   // Gemma: the embedding times sqrt(dim)
+  float attn_scale = 0.f;    // the score scale; 0: 1 / sqrt(head_dim)
+  float attn_softcap = 0.f;  // Gemma 2: scores = cap * tanh(scores / cap); 0: none
+  bool gelu = false;         // Gemma: gelu_tanh(w1 y) * w3 y instead of silu
   Mat emb, head;
   const float* final_norm = nullptr;
   std::vector<Layer> layers;
 
   // logits (R, vocab) of the batch's logit rows through the first n_layers layers, after writing every token's k/v;
-  // cos/sin: rope tables (positions, head_dim/2). Calls are serialised (the scratch buffers are the model's).
-  void forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin, int64_t n_layers,
-               float* logits);
+  // cos/sin: rope tables (positions, head_dim/2), cos_l/sin_l those of the local_rope layers (nullptr: the same).
+  // Calls are serialised (the scratch buffers are the model's).
+  void forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin, const float* cos_l,
+               const float* sin_l, int64_t n_layers, float* logits);
 
  private:
   std::mutex mu_;
   std::vector<float> x_, y_, q_, k_, v_, o_, g_, u_, out_, xsum2_;
   void linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m);
-  void attend(const BatchView& bv, const float* kc, const float* vc, int64_t page_size);
+  void attend(const BatchView& bv, const float* kc, const float* vc, int64_t page_size, int64_t window);
 };
 
 }  // namespace wq
