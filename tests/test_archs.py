@@ -139,30 +139,37 @@ def test_alone_prompt_and_16_decoded_tokens(pair: tuple[str, Any, Transformer], 
     assert runs(model) - before == (1 + DECODE if path == "cpp" else 0)  # every forward: the C++ one
 
 
-def test_batched_two_rows_of_different_lengths(pair: tuple[str, Any, Transformer], path: str) -> None:
-    kind, reference, model = pair
-    before = runs(model)
-    seqs = [prompt(9, seed=2), prompt(14, seed=3)]
-    n_prompt = [len(s) for s in seqs]
-    pool = model.new_pool(2 * (max(n_prompt) + DECODE) + 16)
-    tables = [PageTable(pool), PageTable(pool)]
-    got: list[list[torch.Tensor]] = [[], []]
-    new, start = [list(s) for s in seqs], [0, 0]
-    for _ in range(DECODE):
-        for b in range(2):
-            tables[b].ensure(start[b] + len(new[b]))
-        spec = [(new[b], start[b], tables[b].pages, list(range(len(new[b])))) for b in range(2)]
+def ragged_greedy(model: Transformer, seqs: list[list[int]], decode: int) -> list[torch.Tensor]:
+    """The sequences' prompts in one ragged batch, then `decode` greedy steps of all of them together; each sequence
+    gets its tokens appended, and its logits at every position but the last come back."""
+    pool = model.new_pool(len(seqs) * (max(len(s) for s in seqs) + decode) + 16)
+    tables = [PageTable(pool) for _ in seqs]
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    new, start = [list(s) for s in seqs], [0] * len(seqs)
+    for _ in range(decode):
+        for b, table in enumerate(tables):
+            table.ensure(start[b] + len(new[b]))
+        spec = [(new[b], start[b], tables[b].pages, list(range(len(new[b])))) for b in range(len(seqs))]
         logits = model(make_batch(spec, pool.page_size), pool)
         lo = 0
-        for b in range(2):
+        for b in range(len(seqs)):
             part = logits[lo : lo + len(new[b])]
             lo += len(new[b])
             got[b].append(part)
             start[b] += len(new[b])
             new[b] = [int(part[-1].argmax())]
             seqs[b].append(new[b][0])
+    return [torch.cat(g) for g in got]
+
+
+def test_batched_two_rows_of_different_lengths(pair: tuple[str, Any, Transformer], path: str) -> None:
+    kind, reference, model = pair
+    before = runs(model)
+    seqs = [prompt(9, seed=2), prompt(14, seed=3)]
+    n_prompt = [len(s) for s in seqs]
+    got = ragged_greedy(model, seqs, DECODE)
     for b in range(2):
-        check(kind, reference, seqs[b], torch.cat(got[b]), n_prompt[b])
+        check(kind, reference, seqs[b], got[b], n_prompt[b])
     assert len(seqs[0]) != len(seqs[1])
     assert runs(model) - before == (DECODE if path == "cpp" else 0)
 

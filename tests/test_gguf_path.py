@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from tests.gguf_write import F32, write_gguf
+from tests.test_archs import ragged_greedy
 from webchat.cli import cli
 from webchat.convert import QUANT_FILE, QUANT_KEY, ConversionError
 from webchat.gguf_path import gguf_models_dir, model_folder
@@ -90,11 +91,19 @@ def test_float_gguf_runs_exact_to_transformers(tmp_path: Path, home: Path, arch:
     write_gguf(tmp_path / "hf", tmp_path / f"tiny-{arch}.gguf", arch)
     folder = model_folder(tmp_path / f"tiny-{arch}.gguf", out=io.StringIO())
     assert folder.parent == gguf_models_dir(home) and re.fullmatch(rf"tiny-{arch}-[0-9a-f]{{16}}", folder.name)
-    ids, got = greedy_logits(load_model(folder), PROMPT)
+    model = load_model(folder)
+    ids, got = greedy_logits(model, PROMPT)
     with torch.no_grad():
         want = reference(torch.tensor([ids[:-1]])).logits[0]
     assert (got - want).abs().max().item() <= 1e-4
     assert want[len(PROMPT) - 1 :].argmax(-1).tolist() == ids[len(PROMPT) :]
+    seqs = [PROMPT[:4], PROMPT[2:]]  # batched: two prompts of different lengths in one ragged batch
+    n_prompt = [len(s) for s in seqs]
+    for seq, logits, n in zip(seqs, ragged_greedy(model, seqs, DECODE), n_prompt, strict=True):
+        with torch.no_grad():
+            want = reference(torch.tensor([seq[:-1]])).logits[0]
+        assert (logits - want).abs().max().item() <= 1e-4
+        assert want[n - 1 :].argmax(-1).tolist() == seq[n:]
 
 
 def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path, home: Path) -> None:

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from tests.gguf_write import SpmVocab, train_spm, write_gguf
-from tests.test_archs import random_model
+from tests.test_archs import ragged_greedy, random_model
 from tests.test_gguf_path import greedy_logits
 from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.gguf_path import model_folder
@@ -58,8 +58,9 @@ CONFIGS = {  # what a GGUF can say: Gemma's query scale is the head size, Gemma 
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
     "phi3": lambda v: transformers.Phi3Config(vocab_size=v, **SHAPE, num_hidden_layers=2, sliding_window=5),
+    "llama": lambda v: transformers.LlamaConfig(vocab_size=v, **SHAPE, num_hidden_layers=2, head_dim=16),  # Llama 2
 }
-PREFIX = {"gemma2": False, "gemma3": False, "phi3": True}  # Gemma's files say add_space_prefix false
+PREFIX = {"gemma2": False, "gemma3": False, "phi3": True, "llama": True}  # Gemma's files: add_space_prefix false
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +150,20 @@ def test_float_gguf_runs_exact_to_transformers(tmp_path: Path, home: Path, vocab
     reference, folder = converted(arch, tmp_path, vocabs[PREFIX[arch]])
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == [type(reference).__name__]
-    prompt = Tokenizer.from_dir(folder).encode_text("The quick brown fox")
-    ids, got = greedy_logits(load_model(folder), prompt)
+    tok, model = Tokenizer.from_dir(folder), load_model(folder)
+    prompt = tok.encode_text("The quick brown fox")
+    ids, got = greedy_logits(model, prompt)
     with torch.no_grad():
         want = reference(torch.tensor([ids[:-1]])).logits[0]
     assert (got - want).abs().max().item() <= 1e-4
     assert want[len(prompt) - 1 :].argmax(-1).tolist() == ids[len(prompt) :]
+    seqs = [tok.encode_text("Two prompts"), tok.encode_text("of different lengths in one batch")]  # batched
+    n_prompt = [len(s) for s in seqs]
+    for seq, logits, n in zip(seqs, ragged_greedy(model, seqs, 12), n_prompt, strict=True):
+        with torch.no_grad():
+            want = reference(torch.tensor([seq[:-1]])).logits[0]
+        assert (logits - want).abs().max().item() <= 1e-4
+        assert want[n - 1 :].argmax(-1).tolist() == seq[n:]
 
 
 def quantized(name: str, w: np.ndarray) -> Q:
