@@ -275,10 +275,20 @@ def test_cache_reuse_matches_a_cold_start_and_prefills_only_new_tokens(tiny: tup
     assert counting.fed == len(prompt2) - shared + 19  # the new prompt tokens, then one per token after the first
     cold = run(Generator(model, tok), prompt_ids=prompt2, settings=GREEDY, max_new_tokens=20, stop_token_ids=[])
     assert ids_of(turn2) == ids_of(cold)
-    again = Generator(counting, tok)  # the very same prompt twice: everything but the last token is reused
+    # the very same prompt twice (a regenerate): all of it is reused, and the logits kept from its first run give the
+    # first token with no forward at all
+    again = Generator(counting, tok)
+    first = run(again, prompt_ids=prompt2, settings=GREEDY, max_new_tokens=4, stop_token_ids=[], return_probs=True)
+    counting.fed = 0
+    second = run(again, prompt_ids=prompt2, settings=GREEDY, max_new_tokens=4, stop_token_ids=[], return_probs=True)
+    assert second[-1].stats is not None and second[-1].stats.reused_tokens == len(prompt2)
+    assert counting.fed == 3  # the three tokens after the first
+    assert ids_of(second) == ids_of(first)
+    assert [t.prob for r in second for t in r.tokens] == [t.prob for r in first for t in r.tokens]
+    again.engine.reset()  # a cold start forgets the kept logits with the pages
+    counting.fed = 0
     run(again, prompt_ids=prompt2, settings=GREEDY, max_new_tokens=1)
-    info = again.begin_stream(GenerationRequest(prompt_ids=prompt2, settings=GREEDY))
-    assert info.reused_tokens == len(prompt2) - 1
+    assert counting.fed == len(prompt2)
 
 
 def test_cancel_interrupts_prefill_between_chunks(tiny: tuple[Any, Tokenizer]) -> None:
@@ -374,7 +384,7 @@ def test_real_model_text_pieces_stops_accents_and_reuse(real_model_dir: Path) ->
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = run(gen, prompt_ids=prompt, settings=GREEDY, max_new_tokens=40, stop_strings=[stop])
     assert text_of(cut) == text[: text.find(stop)] and cut[-1].eos_reason == "stop_string"
-    assert cut[-1].stats is not None and cut[-1].stats.reused_tokens == len(prompt) - 1
+    assert cut[-1].stats is not None and cut[-1].stats.reused_tokens == len(prompt)  # and its kept first logits
     turn2 = chat_ids(tok, [*messages, {"role": "assistant", "content": text_of(cut)},
                            {"role": "user", "content": "Thanks!"}])
     warm = run(gen, prompt_ids=turn2, settings=GREEDY, max_new_tokens=16)

@@ -469,14 +469,14 @@ def test_sessions_are_kept_between_turns_and_evicted_least_recently_used(
         assert reused(a, "a1") == 0
         shared = reused(b, "b1")  # another tab, the same prompt: its whole pages were computed once, by a
         assert 0 < shared <= n_prompt - 1  # to the token: a's pages hold b's prompt (its last page copied)
-        assert reused(a, "a2") == n_prompt - 1  # a's own last turn: everything but the last prompt token
+        assert reused(a, "a2") == n_prompt  # a's own last turn: all of it (the first token from the kept logits)
         assert c.get("/healthz").json()["sessions"] == 2
         other = [{"role": "user", "content": "something else entirely " * 4}]
         ids, other_ids = runtime.encode_chat(prompt), runtime.encode_chat(other)
         opening = next(i for i, (x, y) in enumerate(zip(ids, other_ids, strict=False)) if x != y)  # the template's
         assert reused(d, "d1", other) == opening  # a third session: b, the least recently used idle one, is closed
         assert c.get("/healthz").json()["sessions"] == 2
-        assert reused(a, "a3") == n_prompt - 1  # a survived
+        assert reused(a, "a3") == n_prompt  # a survived
         reused(b, "b2")  # b's own turn is gone (a's pages still hold its prompt: reused from them, to the token)
         assert c.get("/healthz").json()["sessions"] == 2  # d, now the least recently used, made room
 

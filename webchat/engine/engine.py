@@ -46,6 +46,7 @@ from webchat.text.stops import StopHolder
 
 PREFILL_CHUNK = 256  # prompt tokens per step when no other sequence is decoding
 MIXED_CHUNK = 32  # prompt tokens per step while others decode (bounds their gap between tokens)
+FIRST_LOGITS_BYTES = 16 << 20  # kept last-row logits of recent prompts (Engine.first_logits): 85 rows of a 49152 vocab
 
 
 class Model(Protocol):
@@ -114,6 +115,10 @@ class Engine:
         self._closing: list[object] = []  # owners gone (appended from any thread, handled on the engine's)
         self.steps = 0
         self.preemptions = 0
+        # a prompt's last-row logits, kept with its cached pages: the same prompt again (a regenerate, a retry) samples
+        # its first token from them with no forward, when the pool still holds all of its k/v
+        self.first_logits: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self.first_logits_bytes = FIRST_LOGITS_BYTES
 
     # ------------------------------------------------------------------ requests
     def fits(self, req: GenerationRequest) -> bool:
@@ -137,9 +142,11 @@ class Engine:
             if seq.owner is owner:
                 raise RuntimeError("this handle already has a sequence running")
         kept = self.retained.pop(owner, None)
-        own = min(common_prefix(kept.ids, prompt), len(prompt) - 1) if kept is not None else 0
+        first = self.first_logits.get(tuple(prompt))
+        most = len(prompt) if first is not None else len(prompt) - 1  # with its logits kept, the whole prompt
+        own = min(common_prefix(kept.ids, prompt), most) if kept is not None else 0
         table = PageTable(self.pool)
-        reused = self._reuse(table, prompt, len(prompt) - 1, keep=kept.table.pages if kept is not None else [])
+        reused = self._reuse(table, prompt, most, keep=kept.table.pages if kept is not None else [])
         if kept is not None and own >= reused:
             table.release()
             table, reused = kept.table, own
@@ -152,7 +159,9 @@ class Engine:
                        holder=StopHolder(req.stop_strings), stop_ids=frozenset(stop_ids), tokens=prompt, table=table,
                        stats=Stats(prompt_tokens=len(prompt), reused_tokens=reused),
                        drafter=self._drafter(owner, req.speculative), limit=self.capacity, n_cached=reused,
-                       owner=owner)
+                       owner=owner, first_logits=first if reused == len(prompt) else None)
+        if first is not None:
+            self.first_logits.move_to_end(tuple(prompt))
         self.running.append(seq)
         return seq, StartInfo(prompt_tokens=len(prompt), reused_tokens=reused, seed=sampler.seed)
 
@@ -186,6 +195,7 @@ class Engine:
         while self._evict_idle():
             pass
         self.pool.forget()
+        self.first_logits.clear()
 
     def take(self, seq: Sequence) -> StreamResult | None:
         return self.outbox.pop(seq, None)
@@ -216,6 +226,8 @@ class Engine:
                 seq.end(out, "cancelled", None)
             elif not seq.prefilling and len(seq.tokens) >= seq.limit:
                 seq.end(out, "context_full", None)
+            elif seq.first_logits is not None and seq.n_cached == len(seq.tokens):
+                self._first_from_kept(seq)
             elif seq.prefilling or seq.n_cached < len(seq.tokens) - 1:  # the prompt, or recomputing after preemption
                 if not seq.table.pages and seq.n_cached == 0:
                     seq.n_cached = self._reuse(seq.table, seq.tokens, len(seq.tokens) - 1)
@@ -235,6 +247,28 @@ class Engine:
             self._forward(rows)
         self.running = [s for s in self.running if not s.done]
         self.steps += 1
+
+    def _first_from_kept(self, seq: Sequence) -> None:
+        """A prompt whose k/v the pool holds whole and whose last row's logits were kept: its first token, sampled from
+        them, with no forward (the rest of the step runs as ever)."""
+        logits, seq.first_logits = seq.first_logits, None
+        assert logits is not None
+        out = StreamResult()
+        seq.stats.prefill_ms = (time.perf_counter() - seq.t_begin) * 1000
+        if len(seq.tokens) >= seq.limit:
+            seq.end(out, "context_full", None)
+        else:
+            self._verify(seq, out, [], logits[None], [self._sample(seq, logits)])
+        self._post(seq, out)
+
+    def _keep_first(self, prompt: list[int], row: torch.Tensor) -> None:
+        """Keep a prompt's last-row logits (least recently used dropped past first_logits_bytes)."""
+        key = tuple(prompt)
+        self.first_logits[key] = row.detach().clone()
+        self.first_logits.move_to_end(key)
+        size = row.numel() * row.element_size()
+        while len(self.first_logits) * size > self.first_logits_bytes:
+            self.first_logits.popitem(last=False)
 
     def _reserve(self, rows: list[_Row]) -> list[_Row]:
         """Pages for every row's new tokens, oldest sequence first; when the pool runs out, the newest sequence is
@@ -297,6 +331,7 @@ class Engine:
             n_rows = 0 if not r.sample else len(r.feed) if r.drafts else 1
             if r.sample and seq.prefilling:
                 seq.stats.prefill_ms = (time.perf_counter() - seq.t_begin) * 1000
+                self._keep_first(seq.tokens, logits[at])
                 if len(seq.tokens) >= seq.limit:
                     seq.end(out, "context_full", None)
             todo.append((r, at, n_rows if not seq.done else 0, out))

@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from webchat.engine.events import Stats, TokenInfo
 from webchat.engine.sampling import Sampler
 from webchat.engine.settings import SamplingSettings
@@ -81,6 +83,7 @@ class Sequence:
     t_first: float = 0.0
     done: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
+    first_logits: torch.Tensor | None = None  # the whole prompt was cached with its last row's logits: no forward
 
     @property
     def prefilling(self) -> bool:
