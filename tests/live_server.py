@@ -26,7 +26,7 @@ class Probe:
 
     def __init__(self, engine: Any, delay: float = 0.0) -> None:
         self.engine, self.delay = engine, delay
-        self.after_cancel: dict[Any, int] = {}  # sequence -> steps it was in after its cancel was set
+        self.after_cancel: dict[Any, int] = {}  # sequence -> steps that began with its cancel already set
         self.started: list[tuple[int, list[int], Any]] = []  # (engine step, prompt ids, StartInfo) per admission
 
     def __getattr__(self, name: str) -> Any:
@@ -39,11 +39,13 @@ class Probe:
 
     def step(self) -> None:
         time.sleep(self.delay)
-        stepped = list(self.engine.running)
+        # a cancel set while a step runs is that step's to miss (it checked before); from the next step on, each
+        # one the sequence is in counts: "stops within one step" is at most one such step
+        stepped = [(seq, seq.cancel.is_set()) for seq in self.engine.running]
         self.engine.step()
-        for seq in stepped:
-            if seq.cancel.is_set():  # set before or during this step: counted once it is stepped
-                self.after_cancel[seq] = self.after_cancel.get(seq, 0) + 1
+        for seq, began_cancelled in stepped:
+            if seq.cancel.is_set():
+                self.after_cancel[seq] = self.after_cancel.get(seq, 0) + began_cancelled
 
     @property
     def steps_after_cancel(self) -> int:
