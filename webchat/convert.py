@@ -422,7 +422,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
         specials = special_tokens(fields)
     except VocabError as e:
         raise ConversionError(f"{gguf_path.name}: {e}") from None
-    model_config(meta, h, False, False)  # likewise an unsupported rope or window setting
+    arch_config(meta, h)  # likewise an unsupported rope or window setting
     scaling = rope_scaling_of(reader, h)  # likewise an unknown rope scaling
     passes = 2 if quantized_types(reader) else 1  # the float tensors, then the quantized file's
     tensors = read_tensors(reader, h, progress=None if progress is None else lambda i, n: progress(i, n * passes))

@@ -254,12 +254,17 @@ class Engine:
         logits, seq.first_logits = seq.first_logits, None
         assert logits is not None
         out = StreamResult()
+        self._prompt_done(seq, out)
+        if not seq.done:
+            self._verify(seq, out, [], logits[None], [self._sample(seq, logits)])
+        self._post(seq, out)
+
+    @staticmethod
+    def _prompt_done(seq: Sequence, out: StreamResult) -> None:
+        """The whole prompt is in the cache: its prefill time, and the end if it fills the context."""
         seq.stats.prefill_ms = (time.perf_counter() - seq.t_begin) * 1000
         if len(seq.tokens) >= seq.limit:
             seq.end(out, "context_full", None)
-        else:
-            self._verify(seq, out, [], logits[None], [self._sample(seq, logits)])
-        self._post(seq, out)
 
     def _keep_first(self, prompt: list[int], row: torch.Tensor) -> None:
         """Keep a prompt's last-row logits (least recently used dropped past first_logits_bytes)."""
@@ -330,10 +335,8 @@ class Engine:
             seq.n_cached += len(r.feed)
             n_rows = 0 if not r.sample else len(r.feed) if r.drafts else 1
             if r.sample and seq.prefilling:
-                seq.stats.prefill_ms = (time.perf_counter() - seq.t_begin) * 1000
                 self._keep_first(seq.tokens, logits[at])
-                if len(seq.tokens) >= seq.limit:
-                    seq.end(out, "context_full", None)
+                self._prompt_done(seq, out)
             todo.append((r, at, n_rows if not seq.done else 0, out))
             at += n_rows
         # one call samples every sequence's first row, and a greedy sequence's verify rows too (they draw nothing);

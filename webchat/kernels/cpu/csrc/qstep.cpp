@@ -3,7 +3,8 @@
 //   h = x + pn(wo(attn(rope(qn(wq y)), rope(kn(wk y)), wv y))) with y = rms_norm(x);  x' = h + fn(w2(act(w1 y) * w3 y))
 //   with y = rms_norm(h);  logits = head(rms_norm(x_L)) for the logit rows only. qn/kn: per-head norms (Qwen3,
 //   Gemma 3) or none; pn/fn: Gemma's post norms or none; act: silu, or Gemma's gelu_tanh; attn: softmax of the scaled
-//   (Gemma 2: soft-capped) scores over the row's sliding window or its whole past; x_0 = embedding (Gemma: x sqrt(dim)).
+//   (Gemma 2: soft-capped) scores over the row's sliding window or its whole past; x_0 = embedding (Gemma: times
+//   sqrt(dim)).
 // Every row is computed on its own (its matmul accumulations, its norm, its attention over its own sequence), so a
 // row's numbers do not depend on what else is in the batch. What goes away is the Python and dispatch overhead
 // around ~15 small ops per layer; the numbers are float32 throughout.
@@ -87,6 +88,10 @@ AVX2_FN static float exp_sum_avx2(float* x, int64_t n, float shift) {
 }
 
 // g[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u
+static void silu_mul_scalar(float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
 AVX2_FN static void silu_mul_avx2(float* g, const float* u, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.f);
   int64_t i = 0;
@@ -95,12 +100,17 @@ AVX2_FN static void silu_mul_avx2(float* g, const float* u, int64_t n) {
     const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
     _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
   }
-  for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  silu_mul_scalar(g + i, u + i, n - i);
 }
 
 // g[i] = gelu_tanh(g[i]) * u[i] = 0.5 g (1 + tanh(b (g + k g^3))) * u, tanh(z) = 1 - 2 / (1 + e^2z) (PyTorch's
 // gelu(approximate="tanh") constants; the tanh within ~1e-7 of std::tanh)
 constexpr float GELU_B = 0.7978845608028654f, GELU_K = 0.044715f;
+static void gelu_mul_scalar(float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    g[i] = 0.5f * g[i] * (1.f + std::tanh(GELU_B * (g[i] + GELU_K * g[i] * g[i] * g[i]))) * u[i];
+}
+
 AVX2_FN static void gelu_mul_avx2(float* g, const float* u, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
   const __m256 b = _mm256_set1_ps(GELU_B), k = _mm256_set1_ps(GELU_K);
@@ -112,22 +122,13 @@ AVX2_FN static void gelu_mul_avx2(float* g, const float* u, int64_t n) {
     _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t)),
                                           _mm256_loadu_ps(u + i)));
   }
-  for (; i < n; ++i) g[i] = 0.5f * g[i] * (1.f + std::tanh(GELU_B * (g[i] + GELU_K * g[i] * g[i] * g[i]))) * u[i];
-}
-
-static void gelu_mul_scalar(float* g, const float* u, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    g[i] = 0.5f * g[i] * (1.f + std::tanh(GELU_B * (g[i] + GELU_K * g[i] * g[i] * g[i]))) * u[i];
+  gelu_mul_scalar(g + i, u + i, n - i);
 }
 
 static float exp_sum_scalar(float* x, int64_t n, float shift) {
   float r = 0.f;
   for (int64_t i = 0; i < n; ++i) r += (x[i] = std::exp(x[i] - shift));
   return r;
-}
-
-static void silu_mul_scalar(float* g, const float* u, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
 // Attention kernels for one query head, hd = 8 * NV. k/v of the n keys of a page sit kvd floats apart.
@@ -241,8 +242,9 @@ void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys
 // o_ (T, H, hd): row t of sequence b, query head h attends softmax(cap(scale q k^T)) v over positions
 // [0, positions[t]] of b (with a window w: (positions[t] - w, positions[t]]), with kv head h / (H / n_kv); scale
 // 1 / sqrt(hd) unless the model sets one, cap(s) = c tanh(s / c) where the model soft-caps. A window's unit starts at
-// the page of its first row's first key; keys below a row's window get weight 0. The work comes in units of (sequence, query heads, rows):
-// a decoding sequence's one row makes a unit per query head, split evenly over the threads in order (neighbouring
+// the page of its first row's first key; keys below a row's window get weight 0. The work comes in units of
+// (sequence, query heads, rows): a decoding sequence's one row makes a unit per query head, split evenly over the
+// threads in order (neighbouring
 // heads share their kv head's pages in cache); a prefill or verify chunk makes units of up to 8 rows with every query
 // head of one kv group, so a page's keys and values are read once for all of them, taken by the threads as they go,
 // heaviest first. Each row's sums run in the same order whatever else is in the batch.
