@@ -4,6 +4,7 @@ a model over the memory budget refused before loading, an unknown model named, a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -12,11 +13,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from live_server import serve  # tests/ is on sys.path under pytest
 from websockets.sync.client import connect
 
 from webchat.serve.config import ServerConfig
-from webchat.serve.models import describe, scan
+from webchat.serve.models import Models, describe, scan
 from webchat.serve.runtime import Runtime, load_runtime
 from webchat.tiny import make_tiny_model
 
@@ -88,6 +90,26 @@ def test_the_catalog_describes_folders_and_ggufs_without_loading_them(shelf: Pat
     assert c.architecture == "llama" and c.weights == "f32" and c.size_bytes == (shelf / "tiny-c.gguf").stat().st_size
     with pytest.raises(ValueError, match="neither a model folder"):
         describe(shelf / "notes")
+
+
+def test_a_pool_given_in_tokens_is_estimated_from_each_models_shape(shelf: Path, runtime_a: Runtime) -> None:
+    from webchat.model.kv_cache import CPU_POOL_BYTES, kv_bytes_per_token
+
+    cards = scan(shelf / "tiny-a", shelf)
+    per_token = kv_bytes_per_token(runtime_a.model.args, torch.float32)
+    # tiny-b shares tiny-a's shape; its .gguf (tiny-c) states the same shape in GGUF keys
+    assert {c.kv_per_token for c in cards.values()} == {per_token}
+
+    def pool(kv_pool: str | None, card: str = "tiny-c") -> int:
+        cfg = ServerConfig(model_dir=shelf / "tiny-a", device="cpu", models_dir=shelf, kv_pool=kv_pool)
+        models = Models(cards, cfg, None, lambda rt: None)  # type: ignore[arg-type,return-value]  # no loading here
+        return models.estimate(cards[card])[1]
+
+    assert pool("3000") == 3000 * per_token and pool("3000", "tiny-a") == 3000 * per_token
+    assert pool("4MiB") == 4 << 20 and pool(None) == CPU_POOL_BYTES
+    unknown = dataclasses.replace(cards["tiny-b"], kv_per_token=None)  # no shape: the default size, not a guess
+    cards["tiny-x"] = unknown
+    assert pool("3000", "tiny-x") == CPU_POOL_BYTES
 
 
 def test_a_request_names_its_model_which_loads_on_first_use(shelf: Path, runtime_a: Runtime) -> None:

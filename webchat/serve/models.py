@@ -59,6 +59,7 @@ class Card:
     weights: str  # the commonest weight format: "q4_1", "q4_k", "float32", ...
     context_length: int | None
     default: bool = False
+    kv_per_token: int | None = None  # bytes of k and v a token takes in a float32 pool; None: shape unknown
 
     def wire(self, loaded: bool) -> dict[str, Any]:
         return {"name": self.name, "size_bytes": self.size_bytes, "architecture": self.architecture,
@@ -88,8 +89,12 @@ def describe(path: Path, default: bool = False) -> Card:
         arch = str(field("general.architecture") or "unknown")
         kinds = Counter(t.tensor_type.name.lower() for t in reader.tensors if len(t.shape) > 1)
         ctx = field(f"{arch}.context_length")
+        heads = field(f"{arch}.attention.head_count")
+        kv = kv_bytes(field(f"{arch}.block_count"), field(f"{arch}.attention.head_count_kv") or heads,
+                      field(f"{arch}.attention.key_length") or _div(field(f"{arch}.embedding_length"), heads),
+                      field(f"{arch}.attention.value_length") or _div(field(f"{arch}.embedding_length"), heads))
         return Card(path.stem, path, path.stat().st_size, arch, kinds.most_common(1)[0][0] if kinds else "unknown",
-                    int(ctx) if isinstance(ctx, int) else None, default)
+                    int(ctx) if isinstance(ctx, int) else None, default, kv)
     config = path / "config.json"
     if not config.is_file():
         raise ValueError(f"{path}: neither a model folder (config.json) nor a .gguf file")
@@ -104,7 +109,24 @@ def describe(path: Path, default: bool = False) -> Card:
         weights = str(cfg.get("torch_dtype") or "float32")
         size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     ctx = cfg.get("max_position_embeddings")
-    return Card(path.name, path, size, str(arch), weights, ctx if isinstance(ctx, int) else None, default)
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim") or _div(cfg.get("hidden_size"), heads)
+    kv = kv_bytes(cfg.get("num_hidden_layers"), cfg.get("num_key_value_heads") or heads, head_dim, head_dim)
+    return Card(path.name, path, size, str(arch), weights, ctx if isinstance(ctx, int) else None, default, kv)
+
+
+def _div(a: Any, b: Any) -> int | None:
+    return a // b if isinstance(a, int) and isinstance(b, int) and b > 0 else None
+
+
+def kv_bytes(layers: Any, kv_heads: Any, key_len: Any, value_len: Any) -> int | None:
+    """Float32 bytes of one token's k and v over all layers (kv_cache.kv_bytes_per_token's count from a model's
+    metadata); a per-layer list of kv heads (some GGUFs) counts each layer's own; None when a figure is missing."""
+    if isinstance(kv_heads, list):
+        kv_heads = sum(int(h) for h in kv_heads) / len(kv_heads) if kv_heads else None
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (layers, kv_heads, key_len, value_len)):
+        return None
+    return int(4 * layers * kv_heads * (key_len + value_len))
 
 
 def scan(default: Path, models_dir: Path | None) -> dict[str, Card]:
@@ -247,11 +269,14 @@ class Models:
 
     def estimate(self, card: Card) -> tuple[int, int]:
         """(weights, KV pool) bytes: the weight files it runs from (a .gguf's size before its conversion) and the
-        KV pool --kv-pool gives it."""
+        KV pool --kv-pool gives it (a pool given in tokens: that many tokens of this model's float32 k and v; the
+        default size when the model's shape is unknown)."""
         from webchat.model.kv_cache import CPU_POOL_BYTES, size_bytes
 
-        # a pool given in tokens counts as the default size here (its bytes depend on the model's shape)
-        pool = size_bytes(self.config.kv_pool or "") or CPU_POOL_BYTES
+        spec = (self.config.kv_pool or "").strip().replace(" ", "")
+        pool = size_bytes(spec)
+        if pool is None:
+            pool = int(spec) * card.kv_per_token if spec.isdigit() and card.kv_per_token else CPU_POOL_BYTES
         return card.size_bytes, pool
 
     def attach(self, runtime: Runtime) -> None:
