@@ -56,6 +56,18 @@ def test_qmatmul_matches_dequantize_then_matmul(kernels: Any, path: str, qtype: 
     assert (got - want).abs().max().item() <= tol, f"{path} {qtype} {shape}: max error above {tol:.1e}"
 
 
+@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("k", [32, 96, 576])  # one block, an odd count (AVX2 Q4 pairs blocks), an even one
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Any, path: str, qtype: str, k: int) -> None:
+    """Bit for bit: row i of an m-row call equals row i alone (every group size a path takes rows in: 1 to 8, 9)."""
+    gen = torch.Generator().manual_seed(k)
+    wq = quantize(torch.randn(37, k, generator=gen), qtype)
+    x = torch.randn(9, k, generator=gen)
+    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, QTYPES[qtype][0], k) for i in range(9)])
+    for m in (2, 3, 5, 8, 9):
+        assert torch.equal(kernels.qmatmul(x[:m], wq, QTYPES[qtype][0], k), alone[:m]), f"{path} {qtype} m={m}"
+
+
 def test_bias_and_strided_input(kernels: Any) -> None:
     gen = torch.Generator().manual_seed(1)
     wq = quantize(torch.randn(48, 64, generator=gen), "q4_1")

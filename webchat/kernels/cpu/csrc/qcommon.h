@@ -30,6 +30,8 @@ struct Job {
   int qtype;
   float* y;
   int64_t ldy;
+  const float* xp = nullptr;  // the AVX2 Q4 path's x, rows of ldxp laid out as its nibbles fall (qmatmul.cpp)
+  int64_t ldxp = 0;
 };
 
 // IEEE half -> float without F16C (the scalar path must run on any x86-64)

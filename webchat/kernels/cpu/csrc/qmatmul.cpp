@@ -12,7 +12,8 @@
 // Three code paths, chosen at run time (__builtin_cpu_supports) or forced by set_path(): scalar (any x86-64),
 // AVX2+FMA+F16C, AVX-512F+BW. Threads: at::parallel_for, so the work runs on torch's own OpenMP pool (one runtime,
 // no oversubscription). Rows of x go through a 16-row tile of w in groups (8 on AVX2, 4 on AVX-512), so each
-// decoded weight block feeds a group's rows; each row's sums run in the same order whatever the group.
+// decoded weight block feeds a group's rows; each row's sums run in the same order whatever the group. AVX2's Q4
+// kernel masks the nibbles in place, two blocks a pass, against a copy of x laid out to match (rows_avx2_q4).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -20,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
+#include <vector>
 
 #include "qcommon.h"
 
@@ -102,7 +105,8 @@ AVX2_TARGET static inline void decode_avx2(const uint8_t* blk, __m256 w[4]) {
 // y[r, n] for R rows of x against weight rows [n0, n1): each block's integer q is widened once and feeds R rows.
 // Per row and block, y += d * (q . x) + m * sum(x) (the zero-point term from xsum, Q4_0's m = -8d), the same form as
 // the scalar and AVX-512 paths: 4 multiply-adds per block and row, not 4 more to dequantize first. The order of a
-// row's sums does not depend on R, so a row's result does not depend on how many rows share the call.
+// row's sums does not depend on R, so a row's result does not depend on how many rows share the call. (Q8_0 here;
+// Q4_0 and Q4_1 take rows_avx2_q4 below.)
 template <int QT, int R>
 AVX2_TARGET static void rows_avx2_r(const Job& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nb = j.k / 32;
@@ -136,6 +140,103 @@ AVX2_TARGET static void rows_avx2_r(const Job& j, int r0, int64_t n0, int64_t n1
       }
     }
     for (int r = 0; r < R; ++r) j.y[(r0 + r) * j.ldy + n] = hsum256(acc[r]) + _mm_cvtss_f32(macc[r]);
+  }
+}
+
+// Q4_0 / Q4_1 on AVX2, two blocks a pass, the nibbles never moved. The 16 nibble bytes of block A and of block B fill
+// the two halves of one vector: 8 words of 8 nibbles. `word & (15 << 4v)` is q * 2^4v exactly, so the 8 nibble
+// positions v give 8 vectors of 8 weights with one AND and one conversion each (no widening shuffles, no shifts;
+// v = 7 is a shift, its bit 31 would read as a sign). Row r of x comes in j.xp laid out to match (permute_x):
+// vector v, lane l holds x at that nibble's element, times 2^-4v, so each product is exactly q * x as before. Per
+// lane, the 8 products sum in a fixed order, then acc += (dA x4, dB x4) * that; m * sum(x) goes in a 4-lane
+// accumulator (lanes 1, 3). A row's order does not depend on R, nor on the other rows.
+template <int QT>
+AVX2_TARGET static inline __m128 dm_pair(const uint8_t* a, const uint8_t* b) {  // (dA, mA, dB, mB); Q4_0: m = 0
+  int32_t ra, rb = 0;
+  std::memcpy(&ra, a, 4);
+  if (b) std::memcpy(&rb, b, 4);
+  if (QT == Q4_0) ra &= 0xffff, rb &= 0xffff;
+  return _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(ra), _mm_cvtsi32_si128(rb)));
+}
+
+template <int QT, int R>
+AVX2_TARGET static void rows_avx2_q4(const Job& j, int r0, int64_t n0, int64_t n1) {
+  constexpr int64_t BB = BlockOf<QT>::bytes, Q = QT == Q4_1 ? 4 : 2;
+  const int64_t nb = j.k / 32, np = (nb + 1) / 2;
+  const float* x[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) x[r] = j.xp + (r0 + r) * j.ldxp, xs[r] = j.xsum + (r0 + r) * nb * 2;
+  const __m256i sel = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    __m256 acc[R];
+    __m128 macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
+    for (int64_t b = 0; b < np; ++b) {
+      const uint8_t* a = row + 2 * b * BB;
+      const bool pair = 2 * b + 1 < nb;  // the last pass of an odd count has block A only: B's half is zeros
+      const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + Q));
+      const __m256i wd = pair ? _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
+                                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + BB + Q)), 1)
+                              : _mm256_zextsi128_si256(qa);
+      const __m128 dm = dm_pair<QT>(a, pair ? a + BB : nullptr);
+      const __m256 vd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), sel);
+      // the zero points in lanes 1, 3 (lanes 0, 2 meet xsum's zeros); Q4_0's is -8d
+      const __m128 mn = QT == Q4_0 ? _mm_mul_ps(_mm_moveldup_ps(dm), _mm_set1_ps(-8.f)) : dm;
+      __m256 p[R], p2[R];
+      {
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF)));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF0)));
+        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF00)));
+        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF000)));
+        for (int r = 0; r < R; ++r) {
+          const float* xb = x[r] + b * 64;
+          p[r] = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
+          p2[r] = _mm256_mul_ps(w1, _mm256_loadu_ps(xb + 8));
+          p[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), p[r]);
+          p2[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), p2[r]);
+        }
+      }
+      const __m256 w4 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF0000)));
+      const __m256 w5 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF00000)));
+      const __m256 w6 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF000000)));
+      const __m256 w7 = _mm256_cvtepi32_ps(_mm256_srli_epi32(wd, 28));
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x[r] + b * 64;
+        p[r] = _mm256_fmadd_ps(w4, _mm256_loadu_ps(xb + 32), p[r]);
+        p2[r] = _mm256_fmadd_ps(w5, _mm256_loadu_ps(xb + 40), p2[r]);
+        p[r] = _mm256_fmadd_ps(w6, _mm256_loadu_ps(xb + 48), p[r]);
+        p2[r] = _mm256_fmadd_ps(w7, _mm256_loadu_ps(xb + 56), p2[r]);
+        acc[r] = _mm256_fmadd_ps(vd, _mm256_add_ps(p[r], p2[r]), acc[r]);
+        const __m128 s = pair ? _mm_loadu_ps(xs[r] + 4 * b)  // (0, sum A, 0, sum B)
+                              : _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xs[r] + 4 * b)));
+        macc[r] = _mm_fmadd_ps(mn, s, macc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m128 m = _mm_add_ss(_mm_movehdup_ps(macc[r]), _mm_shuffle_ps(macc[r], macc[r], 3));
+      j.y[(r0 + r) * j.ldy + n] = hsum256(acc[r]) + _mm_cvtss_f32(m);
+    }
+  }
+}
+
+// x rows (m, k) -> xp rows (m, ldxp = 64 per pair of blocks, an odd count padded with zeros) for rows_avx2_q4:
+// pass b, vector v, lane l holds x[32 (2b + l / 4) + e] * 2^-4v (v < 7; v = 7 unscaled), e = 4 (l % 4) + v / 2 +
+// 16 (v % 2): the element whose nibble sits at bits 4v of word l % 4 of its block (ggml's order: byte i holds
+// elements i and i + 16). Scaling by a power of two is exact.
+static void permute_x(const float* x, int64_t m, int64_t k, int64_t ldx, float* xp, int64_t ldxp) {
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < m; ++r) {
+    float* out = xp + r * ldxp;
+    for (int64_t b = 0; b < ldxp / 64; ++b)
+      for (int v = 0; v < 8; ++v) {
+        const float scale = v < 7 ? 1.f / float(1 << 4 * v) : 1.f;
+        for (int l = 0; l < 8; ++l) {
+          const int64_t blk = 2 * b + l / 4;
+          const int e = 4 * (l % 4) + v / 2 + 16 * (v % 2);
+          out[b * 64 + v * 8 + l] = blk < nb ? x[r * ldx + 32 * blk + e] * scale : 0.f;
+        }
+      }
   }
 }
 
@@ -245,6 +346,17 @@ static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
           case 3: rows_avx512_r<QT, 3>(j, r0, t0, t1); break;
           default: rows_avx512_r<QT, 4>(j, r0, t0, t1); break;
         }
+      } else if constexpr (QT == Q4_0 || QT == Q4_1) {
+        switch (rr) {
+          case 1: rows_avx2_q4<QT, 1>(j, r0, t0, t1); break;
+          case 2: rows_avx2_q4<QT, 2>(j, r0, t0, t1); break;
+          case 3: rows_avx2_q4<QT, 3>(j, r0, t0, t1); break;
+          case 4: rows_avx2_q4<QT, 4>(j, r0, t0, t1); break;
+          case 5: rows_avx2_q4<QT, 5>(j, r0, t0, t1); break;
+          case 6: rows_avx2_q4<QT, 6>(j, r0, t0, t1); break;
+          case 7: rows_avx2_q4<QT, 7>(j, r0, t0, t1); break;
+          default: rows_avx2_q4<QT, 8>(j, r0, t0, t1); break;
+        }
       } else {
         switch (rr) {
           case 1: rows_avx2_r<QT, 1>(j, r0, t0, t1); break;
@@ -287,31 +399,41 @@ static void block_sums(const float* x, int64_t m, int64_t k, float* xsum2) {
 
 void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, float* xsum2) {
   const int64_t nb = k / 32;
-  bool zero_points = false;
+  bool zero_points = false, q4 = false;
   int64_t total = 0, max_row_bytes = 0;
   for (int i = 0; i < count; ++i) {
     zero_points |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1 || mats[i].qtype == Q4_K;
+    q4 |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1;
     total += mats[i].n;
     max_row_bytes = std::max(max_row_bytes, mats[i].row_bytes);
   }
   if (zero_points) block_sums(x, m, k, xsum2);
   const int p = path();
+  const int64_t ldxp = (nb + 1) / 2 * 64;
+  thread_local std::vector<float> xp;  // rows_avx2_q4's x, per calling thread (the workers only read it)
   for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time keep x in L2 while w streams
     const int mm = static_cast<int>(m - m0 < 64 ? m - m0 : 64);
+    if (q4 && p == PATH_AVX2) {
+      xp.resize(mm * ldxp);
+      permute_x(x + m0 * k, mm, k, k, xp.data(), ldxp);
+    }
+    const float* xpp = xp.data();  // a thread_local named inside the lambda would be each worker's own (empty) one
     // grain: enough rows that a task streams >= ~16 KB of weights, at least 8 rows
     const int64_t grain = std::max<int64_t>(8, 16384 / (max_row_bytes * std::min(mm, 4)));
-    at::parallel_for(0, total, grain, [&](int64_t b, int64_t e) {
+    const auto work = [&](int64_t b, int64_t e) {
       int64_t base = 0;
       for (int i = 0; i < count; ++i) {
         const MatRef& mr = mats[i];
         const int64_t lo = std::max(b, base), hi = std::min(e, base + mr.n);
         if (lo < hi) {
-          const Job j{x + m0 * k, k, xsum2 + m0 * nb * 2, mr.w, mr.row_bytes, mm, k, mr.qtype, mr.y + m0 * mr.n, mr.n};
+          const Job j{x + m0 * k, k, xsum2 + m0 * nb * 2, mr.w, mr.row_bytes, mm, k, mr.qtype, mr.y + m0 * mr.n, mr.n,
+                      xpp, ldxp};
           run_rows(j, lo - base, hi - base, p);
         }
         base += mr.n;
       }
-    });
+    };
+    at::parallel_for(0, total, grain, work);
   }
 }
 
