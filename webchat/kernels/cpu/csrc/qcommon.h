@@ -32,6 +32,7 @@ struct Job {
   int64_t ldy;
   const float* xp = nullptr;  // the AVX2 Q4 path's x, rows of ldxp laid out as its nibbles fall (qmatmul.cpp)
   int64_t ldxp = 0;
+  const float* xk = nullptr;  // the AVX2 Q4_K path's x, rows of k laid out likewise (qkquant.cpp)
 };
 
 // IEEE half -> float without F16C (the scalar path must run on any x86-64)

@@ -219,14 +219,15 @@ torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t 
 
 namespace {
 
-// Q4_K rows straight from the nibbles, in Q4_1's form (qmatmul.cpp's rows_avx2_r): per sub-block of 32,
-// y += (d * sc_j) * (q . x) - (dmin * m_j) * sum(x), the products of a row kept in one vector across every block and
-// summed once at its end; x's sums per 32 come from the Job (qmatmul.cpp's block_sums). No int8 staging, no per-block
-// horizontal sum: about Q4_1's cost per weight instead of twice it.
+// Q4_K rows straight from the nibbles, in Q4_1's form: per sub-block of 32, y += (d * sc_j) * (q . x) - (dmin * m_j)
+// * sum(x), the products of a row kept in one vector across every block and summed once at its end; x's sums per 32
+// come from the Job (qmatmul.cpp's block_sums). The nibbles are masked where they lie, as qmatmul.cpp's
+// rows_avx2_q4 does: 64 values (32 bytes) are 8 words of 8 nibbles, `word & (15 << 4v)` is q * 2^4v, one AND and one
+// conversion for 8 weights. Even v are sub-block 2c (the low nibbles), odd v sub-block 2c + 1; row r of x comes in
+// j.xk laid out to match, times 2^-4v (qmatmul.cpp's permute_xk), so each product is exactly q * x.
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nsb = j.k / QK, nb = j.k / 32;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
     __m256 acc[R];
@@ -251,31 +252,29 @@ __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, i
         mins[r] += m;
       }
       for (int c = 0; c < 4; ++c) {  // 64 values: sub-block 2c in the low nibbles of 32 bytes, 2c + 1 in the high
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        const __m128i l0 = _mm256_castsi256_si128(lo), l1 = _mm256_extracti128_si256(lo, 1);
-        const __m128i h0 = _mm256_castsi256_si128(hi), h1 = _mm256_extracti128_si256(hi, 1);
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l0));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l0, 8)));
-        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l1));
-        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l1, 8)));
-        const __m256 w4 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h0));
-        const __m256 w5 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h0, 8)));
-        const __m256 w6 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h1));
-        const __m256 w7 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h1, 8)));
+        const __m256i wd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
         const __m256 slo = _mm256_set1_ps(sc[2 * c]), shi = _mm256_set1_ps(sc[2 * c + 1]);
+        __m256 plo[R], phi[R];
+        {
+          const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF)));
+          const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF0)));
+          const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF00)));
+          const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF000)));
+          for (int r = 0; r < R; ++r) {
+            const float* xb = j.xk + int64_t(r0 + r) * j.k + b * QK + 64 * c;
+            plo[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), _mm256_mul_ps(w0, _mm256_loadu_ps(xb)));
+            phi[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(w1, _mm256_loadu_ps(xb + 8)));
+          }
+        }
+        const __m256 w4 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF0000)));
+        const __m256 w5 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF00000)));
+        const __m256 w6 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF000000)));
+        const __m256 w7 = _mm256_cvtepi32_ps(_mm256_srli_epi32(wd, 28));
         for (int r = 0; r < R; ++r) {
-          const float* xb = j.x + int64_t(r0 + r) * j.ldx + b * QK + 64 * c;
-          __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-          p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), p);
-          p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), p);
-          p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), p);
-          acc[r] = _mm256_fmadd_ps(slo, p, acc[r]);
-          __m256 p2 = _mm256_mul_ps(w4, _mm256_loadu_ps(xb + 32));
-          p2 = _mm256_fmadd_ps(w5, _mm256_loadu_ps(xb + 40), p2);
-          p2 = _mm256_fmadd_ps(w6, _mm256_loadu_ps(xb + 48), p2);
-          p2 = _mm256_fmadd_ps(w7, _mm256_loadu_ps(xb + 56), p2);
-          acc[r] = _mm256_fmadd_ps(shi, p2, acc[r]);
+          const float* xb = j.xk + int64_t(r0 + r) * j.k + b * QK + 64 * c;
+          plo[r] = _mm256_fmadd_ps(w6, _mm256_loadu_ps(xb + 48), _mm256_fmadd_ps(w4, _mm256_loadu_ps(xb + 32), plo[r]));
+          phi[r] = _mm256_fmadd_ps(w7, _mm256_loadu_ps(xb + 56), _mm256_fmadd_ps(w5, _mm256_loadu_ps(xb + 40), phi[r]));
+          acc[r] = _mm256_fmadd_ps(shi, phi[r], _mm256_fmadd_ps(slo, plo[r], acc[r]));
         }
       }
     }

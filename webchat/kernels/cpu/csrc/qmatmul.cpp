@@ -358,6 +358,18 @@ static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   }
 }
 
+// x rows (m, k) -> xk rows (m, k) for qkquant.cpp's Q4_K rows: super-block b, chunk c of 64, vector v, lane l holds
+// x[256 b + 64 c + 32 (v % 2) + 4 l + v / 2] * 2^-4v (v < 7; v = 7 unscaled): the value whose nibble sits at bits 4v
+// of word l of the chunk's 32 bytes (Q4_K: byte i of chunk c holds values i and i + 32 of its 64)
+static void permute_xk(const float* x, int64_t m, int64_t k, float* xk) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c0 = 0; c0 < k; c0 += 64)
+      for (int v = 0; v < 8; ++v) {
+        const float scale = v < 7 ? 1.f / float(1 << 4 * v) : 1.f;
+        for (int l = 0; l < 8; ++l) xk[r * k + c0 + 8 * v + l] = x[r * k + c0 + 32 * (v % 2) + 4 * l + v / 2] * scale;
+      }
+}
+
 // xsum2[r, b] = (0, sum of x[r, 32b .. 32b+31]): the zero-point term of Q4_0/Q4_1, shared by every output row
 static void block_sums(const float* x, int64_t m, int64_t k, float* xsum2) {
   const int64_t nb = k / 32;
@@ -373,25 +385,31 @@ static void block_sums(const float* x, int64_t m, int64_t k, float* xsum2) {
 
 void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, float* xsum2) {
   const int64_t nb = k / 32;
-  bool zero_points = false, q4 = false;
+  bool zero_points = false, q4 = false, q4k = false;
   int64_t total = 0, max_row_bytes = 0;
   for (int i = 0; i < count; ++i) {
     zero_points |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1 || mats[i].qtype == Q4_K;
     q4 |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1;
+    q4k |= mats[i].qtype == Q4_K;
     total += mats[i].n;
     max_row_bytes = std::max(max_row_bytes, mats[i].row_bytes);
   }
   if (zero_points) block_sums(x, m, k, xsum2);
   const int p = path();
   const int64_t ldxp = (nb + 1) / 2 * 64;
-  thread_local std::vector<float> xp;  // rows_avx2_q4's x, per calling thread (the workers only read it)
+  thread_local std::vector<float> xp, xk;  // rows_avx2_q4's and Q4_K's x, per calling thread (workers only read)
   for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time keep x in L2 while w streams
     const int mm = static_cast<int>(m - m0 < 64 ? m - m0 : 64);
     if (q4 && p == PATH_AVX2) {
       xp.resize(mm * ldxp);
       permute_x(x + m0 * k, mm, k, k, xp.data(), ldxp);
     }
-    const float* xpp = xp.data();  // a thread_local named inside the lambda would be each worker's own (empty) one
+    if (q4k && p >= PATH_AVX2) {  // the AVX-512 path runs the AVX2 K-quant rows
+      xk.resize(mm * k);
+      permute_xk(x + m0 * k, mm, k, xk.data());
+    }
+    // a thread_local named inside the lambda would be each worker's own (empty) one
+    const float *xpp = xp.data(), *xkp = xk.data();
     // grain: enough rows that a task streams >= ~16 KB of weights, at least 8 rows
     const int64_t grain = std::max<int64_t>(8, 16384 / (max_row_bytes * std::min(mm, 4)));
     const auto work = [&](int64_t b, int64_t e) {
@@ -401,7 +419,7 @@ void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int
         const int64_t lo = std::max(b, base), hi = std::min(e, base + mr.n);
         if (lo < hi) {
           const Job j{x + m0 * k, k, xsum2 + m0 * nb * 2, mr.w, mr.row_bytes, mm, k, mr.qtype, mr.y + m0 * mr.n, mr.n,
-                      xpp, ldxp};
+                      xpp, ldxp, xkp};
           run_rows(j, lo - base, hi - base, p);
         }
         base += mr.n;
