@@ -12,8 +12,9 @@
 // Three code paths, chosen at run time (__builtin_cpu_supports) or forced by set_path(): scalar (any x86-64),
 // AVX2+FMA+F16C, AVX-512F+BW. Threads: at::parallel_for, so the work runs on torch's own OpenMP pool (one runtime,
 // no oversubscription). Rows of x go through a 16-row tile of w in groups (8 on AVX2, 4 on AVX-512), so each
-// decoded weight block feeds a group's rows; each row's sums run in the same order whatever the group. AVX2's Q4
-// kernel masks the nibbles in place, two blocks a pass, against a copy of x laid out to match (rows_avx2_q4).
+// decoded weight block feeds a group's rows; each row's sums run in the same order whatever the group. Both vector
+// paths' Q4 kernels mask the nibbles in place against a copy of x laid out to match (permute_x): rows_avx2_q4 two
+// blocks a pass, rows_avx512_q4 four.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -194,21 +195,24 @@ AVX2_TARGET static void rows_avx2_q4(const Job& j, int r0, int64_t n0, int64_t n
   }
 }
 
-// x rows (m, k) -> xp rows (m, ldxp = 64 per pair of blocks, an odd count padded with zeros) for rows_avx2_q4:
-// pass b, vector v, lane l holds x[32 (2b + l / 4) + e] * 2^-4v (v < 7; v = 7 unscaled), e = 4 (l % 4) + v / 2 +
-// 16 (v % 2): the element whose nibble sits at bits 4v of word l % 4 of its block (ggml's order: byte i holds
-// elements i and i + 16). Scaling by a power of two is exact.
-static void permute_x(const float* x, int64_t m, int64_t k, int64_t ldx, float* xp, int64_t ldxp) {
-  const int64_t nb = k / 32;
+// x rows (m, k) -> xp rows (m, ldxp) for the masked Q4 kernels: L lanes (8 on AVX2, 16 on AVX-512) hold L / 4
+// blocks a pass, 8 L values; an unfilled last pass is padded with zeros. Pass b, vector v, lane l holds
+// x[32 (b L / 4 + l / 4) + e] * 2^-4v (v < 7; v = 7 unscaled), e = 4 (l % 4) + v / 2 + 16 (v % 2): the element whose
+// nibble sits at bits 4v of word l % 4 of its block (ggml's order: byte i holds elements i and i + 16). Scaling by a
+// power of two is exact.
+static int64_t xp_stride(int64_t nb, int lanes) { return (nb + lanes / 4 - 1) / (lanes / 4) * 8 * lanes; }
+
+static void permute_x(const float* x, int64_t m, int64_t k, int64_t ldx, float* xp, int64_t ldxp, int lanes) {
+  const int64_t nb = k / 32, per = lanes / 4, width = 8 * lanes;
   for (int64_t r = 0; r < m; ++r) {
     float* out = xp + r * ldxp;
-    for (int64_t b = 0; b < ldxp / 64; ++b)
+    for (int64_t b = 0; b < ldxp / width; ++b)
       for (int v = 0; v < 8; ++v) {
         const float scale = v < 7 ? 1.f / float(1 << 4 * v) : 1.f;
-        for (int l = 0; l < 8; ++l) {
-          const int64_t blk = 2 * b + l / 4;
+        for (int l = 0; l < lanes; ++l) {
+          const int64_t blk = per * b + l / 4;
           const int e = 4 * (l % 4) + v / 2 + 16 * (v % 2);
-          out[b * 64 + v * 8 + l] = blk < nb ? x[r * ldx + 32 * blk + e] * scale : 0.f;
+          out[b * width + v * lanes + l] = blk < nb ? x[r * ldx + 32 * blk + e] * scale : 0.f;
         }
       }
   }
@@ -262,6 +266,82 @@ AVX512_TARGET static void rows_avx512_r(const Job& j, int r0, int64_t n0, int64_
   }
 }
 
+// Q4_0 / Q4_1 on AVX-512: rows_avx2_q4's masking at 16 lanes, four blocks a pass (their 16 nibble bytes in the four
+// 128-bit quarters of one vector), x from j.xp laid out by permute_x with 16 lanes. (dA, mA, .., dD, mD) come from
+// one conversion of the four blocks' headers; the zero points go in an 8-lane accumulator against xsum's
+// (0, sum) pairs of the same four blocks. A missing block of the last pass reads as zeros.
+template <int QT, int R>
+AVX512_TARGET static void rows_avx512_q4(const Job& j, int r0, int64_t n0, int64_t n1) {
+  constexpr int64_t BB = BlockOf<QT>::bytes, Q = QT == Q4_1 ? 4 : 2;
+  const int64_t nb = j.k / 32, np = (nb + 3) / 4;
+  const float* x[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) x[r] = j.xp + (r0 + r) * j.ldxp, xs[r] = j.xsum + (r0 + r) * nb * 2;
+  const __m512i sel = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    __m512 acc[R];
+    __m256 macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < np; ++b) {
+      const uint8_t* a = row + 4 * b * BB;
+      const int have = nb - 4 * b < 4 ? static_cast<int>(nb - 4 * b) : 4;
+      __m512i wd;
+      __m128i hdr;
+      if (have == 4) {
+        wd = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + Q)));
+        wd = _mm512_inserti32x4(wd, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + BB + Q)), 1);
+        wd = _mm512_inserti32x4(wd, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2 * BB + Q)), 2);
+        wd = _mm512_inserti32x4(wd, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 3 * BB + Q)), 3);
+        int32_t h[4];
+        for (int i = 0; i < 4; ++i) std::memcpy(&h[i], a + i * BB, 4);
+        hdr = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+      } else {
+        alignas(64) uint8_t q[64] = {};
+        int32_t h[4] = {0, 0, 0, 0};
+        for (int i = 0; i < have; ++i) std::memcpy(q + 16 * i, a + i * BB + Q, 16), std::memcpy(&h[i], a + i * BB, 4);
+        wd = _mm512_load_si512(q);
+        hdr = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+      }
+      if (QT == Q4_0) hdr = _mm_and_si128(hdr, _mm_set1_epi32(0xffff));  // Q4_0's header is d alone
+      const __m256 dm = _mm256_cvtph_ps(hdr);                             // (dA, mA, dB, mB, dC, mC, dD, mD)
+      const __m512 vd = _mm512_permutexvar_ps(sel, _mm512_castps256_ps512(dm));
+      // the zero points in the odd lanes (the even ones meet xsum's zeros); Q4_0's is -8d
+      const __m256 mn = QT == Q4_0 ? _mm256_mul_ps(_mm256_moveldup_ps(dm), _mm256_set1_ps(-8.f)) : dm;
+      const __mmask16 smask = static_cast<__mmask16>((1u << (2 * have)) - 1);
+      __m512 p[R], p2[R];
+      {
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF)));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF0)));
+        const __m512 w2 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF00)));
+        const __m512 w3 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF000)));
+        for (int r = 0; r < R; ++r) {
+          const float* xb = x[r] + b * 128;
+          p[r] = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));
+          p2[r] = _mm512_mul_ps(w1, _mm512_loadu_ps(xb + 16));
+          p[r] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xb + 32), p[r]);
+          p2[r] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xb + 48), p2[r]);
+        }
+      }
+      const __m512 w4 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF0000)));
+      const __m512 w5 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF00000)));
+      const __m512 w6 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF000000)));
+      const __m512 w7 = _mm512_cvtepi32_ps(_mm512_srli_epi32(wd, 28));
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x[r] + b * 128;
+        p[r] = _mm512_fmadd_ps(w4, _mm512_loadu_ps(xb + 64), p[r]);
+        p2[r] = _mm512_fmadd_ps(w5, _mm512_loadu_ps(xb + 80), p2[r]);
+        p[r] = _mm512_fmadd_ps(w6, _mm512_loadu_ps(xb + 96), p[r]);
+        p2[r] = _mm512_fmadd_ps(w7, _mm512_loadu_ps(xb + 112), p2[r]);
+        acc[r] = _mm512_fmadd_ps(vd, _mm512_add_ps(p[r], p2[r]), acc[r]);
+        const __m256 s = _mm512_castps512_ps256(_mm512_maskz_loadu_ps(smask, xs[r] + 8 * b));  // (0, sum A, .., 0, sum D)
+        macc[r] = _mm256_fmadd_ps(mn, s, macc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) j.y[(r0 + r) * j.ldy + n] = _mm512_reduce_add_ps(acc[r]) + hsum256(macc[r]);
+  }
+}
+
 // ---------------------------------------------------------------- float32 rows (the float path's matrices)
 template <int R>
 AVX2_TARGET static void rows_f32_avx2_r(const Job& j, int r0, int64_t n0, int64_t n1) {
@@ -312,6 +392,13 @@ static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
           case 2: rows_f32_avx2_r<2>(j, r0, t0, t1); break;
           case 3: rows_f32_avx2_r<3>(j, r0, t0, t1); break;
           default: rows_f32_avx2_r<4>(j, r0, t0, t1); break;
+        }
+      } else if (p == PATH_AVX512 && (QT == Q4_0 || QT == Q4_1)) {
+        switch (rr) {
+          case 1: rows_avx512_q4<QT, 1>(j, r0, t0, t1); break;
+          case 2: rows_avx512_q4<QT, 2>(j, r0, t0, t1); break;
+          case 3: rows_avx512_q4<QT, 3>(j, r0, t0, t1); break;
+          default: rows_avx512_q4<QT, 4>(j, r0, t0, t1); break;
         }
       } else if (p == PATH_AVX512) {
         switch (rr) {
@@ -396,13 +483,14 @@ void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int
   }
   if (zero_points) block_sums(x, m, k, xsum2);
   const int p = path();
-  const int64_t ldxp = (nb + 1) / 2 * 64;
+  const int lanes = p == PATH_AVX512 ? 16 : 8;
+  const int64_t ldxp = xp_stride(nb, lanes);
   thread_local std::vector<float> xp, xk;  // rows_avx2_q4's and Q4_K's x, per calling thread (workers only read)
   for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time keep x in L2 while w streams
     const int mm = static_cast<int>(m - m0 < 64 ? m - m0 : 64);
-    if (q4 && p == PATH_AVX2) {
+    if (q4 && p >= PATH_AVX2) {
       xp.resize(mm * ldxp);
-      permute_x(x + m0 * k, mm, k, k, xp.data(), ldxp);
+      permute_x(x + m0 * k, mm, k, k, xp.data(), ldxp, lanes);
     }
     if (q4k && p >= PATH_AVX2) {  // the AVX-512 path runs the AVX2 K-quant rows
       xk.resize(mm * k);
