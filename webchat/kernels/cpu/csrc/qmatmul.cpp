@@ -218,51 +218,34 @@ static void permute_x(const float* x, int64_t m, int64_t k, int64_t ldx, float* 
   }
 }
 
-// ---------------------------------------------------------------- AVX-512: 16 lanes, 2 vectors per block
+// ---------------------------------------------------------------- AVX-512: 16 lanes
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
-template <int QT>
-AVX512_TARGET static inline void decode_avx512(const uint8_t* blk, __m512 w[2]) {
-  if (QT == Q8_0) {
-    const uint8_t* q = blk + 2;
-    for (int i = 0; i < 2; ++i)
-      w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(15);
-    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
-  }
-}
-
-template <int QT, int R>
-AVX512_TARGET static void rows_avx512_r(const Job& j, int r0, int64_t n0, int64_t n1) {
+// Q8_0 on AVX-512: a block's 32 int8 sign-extended into two vectors of 16, acc += d * (q . x)
+template <int R>
+AVX512_TARGET static void rows_avx512_q8(const Job& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nb = j.k / 32;
   const float* x[R];
   for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
     __m512 acc[R];
-    float macc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = 0.f;
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * BlockOf<QT>::bytes;
+      const uint8_t* blk = row + b * BlockOf<Q8_0>::bytes;
       __m512 w[2];
-      decode_avx512<QT>(blk, w);
-      const float d = f16_avx2(blk);
-      const __m512 vd = _mm512_set1_ps(d);
-      float mn = 0.f;
-      if (QT == Q4_1) mn = f16_avx2(blk + 2);
-      if (QT == Q4_0) mn = -8.f * d;
+      for (int i = 0; i < 2; ++i)
+        w[i] = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * i))));
+      const __m512 vd = _mm512_set1_ps(f16_avx2(blk));
       for (int r = 0; r < R; ++r) {
         const float* xb = x[r] + b * 32;
         __m512 p = _mm512_mul_ps(w[0], _mm512_loadu_ps(xb));
         p = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), p);
         acc[r] = _mm512_fmadd_ps(vd, p, acc[r]);
-        if (QT != Q8_0) macc[r] += mn * j.xsum[((r0 + r) * nb + b) * 2 + 1];
       }
     }
-    for (int r = 0; r < R; ++r) j.y[(r0 + r) * j.ldy + n] = _mm512_reduce_add_ps(acc[r]) + macc[r];
+    for (int r = 0; r < R; ++r) j.y[(r0 + r) * j.ldy + n] = _mm512_reduce_add_ps(acc[r]);
   }
 }
 
@@ -289,13 +272,15 @@ AVX512_TARGET static void rows_avx512_q4(const Job& j, int r0, int64_t n0, int64
       __m512i wd;
       __m128i hdr;
       if (have == 4) {
+        // (one 64-byte load and a vpermt2w or vpermt2b to gather the four blocks measured slower than these inserts)
         wd = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + Q)));
         wd = _mm512_inserti32x4(wd, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + BB + Q)), 1);
         wd = _mm512_inserti32x4(wd, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2 * BB + Q)), 2);
         wd = _mm512_inserti32x4(wd, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 3 * BB + Q)), 3);
-        int32_t h[4];
-        for (int i = 0; i < 4; ++i) std::memcpy(&h[i], a + i * BB, 4);
-        hdr = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+        int32_t h0, h1, h2, h3;
+        std::memcpy(&h0, a, 4), std::memcpy(&h1, a + BB, 4), std::memcpy(&h2, a + 2 * BB, 4);
+        std::memcpy(&h3, a + 3 * BB, 4);
+        hdr = _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1), h2, 2), h3, 3);
       } else {
         alignas(64) uint8_t q[64] = {};
         int32_t h[4] = {0, 0, 0, 0};
@@ -393,19 +378,21 @@ static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
           case 3: rows_f32_avx2_r<3>(j, r0, t0, t1); break;
           default: rows_f32_avx2_r<4>(j, r0, t0, t1); break;
         }
-      } else if (p == PATH_AVX512 && (QT == Q4_0 || QT == Q4_1)) {
-        switch (rr) {
-          case 1: rows_avx512_q4<QT, 1>(j, r0, t0, t1); break;
-          case 2: rows_avx512_q4<QT, 2>(j, r0, t0, t1); break;
-          case 3: rows_avx512_q4<QT, 3>(j, r0, t0, t1); break;
-          default: rows_avx512_q4<QT, 4>(j, r0, t0, t1); break;
-        }
       } else if (p == PATH_AVX512) {
-        switch (rr) {
-          case 1: rows_avx512_r<QT, 1>(j, r0, t0, t1); break;
-          case 2: rows_avx512_r<QT, 2>(j, r0, t0, t1); break;
-          case 3: rows_avx512_r<QT, 3>(j, r0, t0, t1); break;
-          default: rows_avx512_r<QT, 4>(j, r0, t0, t1); break;
+        if constexpr (QT == Q4_0 || QT == Q4_1) {
+          switch (rr) {
+            case 1: rows_avx512_q4<QT, 1>(j, r0, t0, t1); break;
+            case 2: rows_avx512_q4<QT, 2>(j, r0, t0, t1); break;
+            case 3: rows_avx512_q4<QT, 3>(j, r0, t0, t1); break;
+            default: rows_avx512_q4<QT, 4>(j, r0, t0, t1); break;
+          }
+        } else {  // Q8_0
+          switch (rr) {
+            case 1: rows_avx512_q8<1>(j, r0, t0, t1); break;
+            case 2: rows_avx512_q8<2>(j, r0, t0, t1); break;
+            case 3: rows_avx512_q8<3>(j, r0, t0, t1); break;
+            default: rows_avx512_q8<4>(j, r0, t0, t1); break;
+          }
         }
       } else if constexpr (QT == Q4_0 || QT == Q4_1) {
         switch (rr) {
