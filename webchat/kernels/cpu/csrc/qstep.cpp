@@ -174,6 +174,62 @@ AVX2_FN static void accumulate_avx2(float* o, const float* w, const float* vp, i
   for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + 8 * c, ov[c]);
 }
 
+// The same two kernels at 16 lanes (hd = 16 * NV): scores four keys at a time, each key's zmm halves added before
+// the AVX2 reduction; o += w v over two interleaved sets of accumulators (even and odd keys, added at the end), so
+// the FMA chains are not one key's latency apart.
+#define AVX512_FN __attribute__((target("avx512f,avx2,fma,f16c")))
+AVX512_FN static inline __m256 halves(__m512 a) {  // the two 8-lane halves added
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+template <int NV>
+AVX512_FN static void score_keys_avx512(const float* q, const float* kp, int64_t kvd, int64_t n, float scale, float* s) {
+  __m512 qv[NV];
+  for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  const __m128 vscale = _mm_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* k0 = kp + i * kvd;
+    __m512 a0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0));
+    __m512 a1 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + kvd));
+    __m512 a2 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + 2 * kvd));
+    __m512 a3 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + 3 * kvd));
+    for (int c = 1; c < NV; ++c) {
+      a0 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 16 * c), a0);
+      a1 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kvd + 16 * c), a1);
+      a2 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 2 * kvd + 16 * c), a2);
+      a3 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 3 * kvd + 16 * c), a3);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves(a0), halves(a1)), _mm256_hadd_ps(halves(a2), halves(a3)));
+    _mm_storeu_ps(s + i, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vscale));
+  }
+  for (; i < n; ++i) {
+    const float* k0 = kp + i * kvd;
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0));
+    for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 16 * c), a);
+    s[i] = hsum256(halves(a)) * scale;
+  }
+}
+
+template <int NV>
+AVX512_FN static void accumulate_avx512(float* o, const float* w, const float* vp, int64_t kvd, int64_t n) {
+  __m512 ov[NV], ow[NV];
+  for (int c = 0; c < NV; ++c) ov[c] = _mm512_loadu_ps(o + 16 * c), ow[c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const __m512 b0 = _mm512_set1_ps(w[i]), b1 = _mm512_set1_ps(w[i + 1]);
+    for (int c = 0; c < NV; ++c) {
+      ov[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(vp + i * kvd + 16 * c), ov[c]);
+      ow[c] = _mm512_fmadd_ps(b1, _mm512_loadu_ps(vp + (i + 1) * kvd + 16 * c), ow[c]);
+    }
+  }
+  if (i < n) {
+    const __m512 b0 = _mm512_set1_ps(w[i]);
+    for (int c = 0; c < NV; ++c) ov[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(vp + i * kvd + 16 * c), ov[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(ov[c], ow[c]));
+}
+
 // y = w * x / sqrt(mean(x*x) + eps)
 static void rms_norm_row(const float* x, const float* w, float* y, int64_t d, float eps) {
   float ss = 0.f;
@@ -253,6 +309,7 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
   const float scale = attn_scale > 0.f ? attn_scale : 1.f / std::sqrt(float(hd)), cap = attn_softcap;
   const bool vec = path() >= PATH_AVX2;
   const int nv = vec && hd == 64 ? 8 : vec && hd == 128 ? 16 : 0;  // a register kernel, or the generic loops
+  const bool wide = path() == PATH_AVX512;                            // its 16-lane form
   constexpr int64_t ROWS = 8;
   struct Unit {
     int64_t b, h0, heads, r0, rows, lmax;
@@ -288,7 +345,9 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
       for (int64_t j = 0; j < n_rows; ++j) {
         const int64_t n = std::min(ps, len(j) - pos0);
         float* s = sc.data() + j * lmax + pos0;
-        if (nv == 8) score_keys_avx2<8>(q(j), kp, kvd, n, scale, s);
+        if (wide && nv == 8) score_keys_avx512<4>(q(j), kp, kvd, n, scale, s);
+        else if (wide && nv == 16) score_keys_avx512<8>(q(j), kp, kvd, n, scale, s);
+        else if (nv == 8) score_keys_avx2<8>(q(j), kp, kvd, n, scale, s);
         else if (nv == 16) score_keys_avx2<16>(q(j), kp, kvd, n, scale, s);
         else
           for (int64_t i = 0; i < n; ++i)
@@ -310,7 +369,9 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
       for (int64_t j = 0; j < n_rows; ++j) {
         const int64_t n = std::min(ps, len(j) - pos0);
         const float* w = sc.data() + j * lmax + pos0;
-        if (nv == 8) accumulate_avx2<8>(o(j), w, vp, kvd, n);
+        if (wide && nv == 8) accumulate_avx512<4>(o(j), w, vp, kvd, n);
+        else if (wide && nv == 16) accumulate_avx512<8>(o(j), w, vp, kvd, n);
+        else if (nv == 8) accumulate_avx2<8>(o(j), w, vp, kvd, n);
         else if (nv == 16) accumulate_avx2<16>(o(j), w, vp, kvd, n);
         else
           for (int64_t i = 0; i < n; ++i)
