@@ -111,9 +111,8 @@ def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.Mo
     step = model.runner
     assert step is not None  # the C++ forward runs the K-quant matrices (and Qwen3's q/k norms) itself
     mod = qkernels.load()
-    # the C++ forward on every path this CPU runs (AVX-512 uses the AVX2 K-quant dot), then the PyTorch path,
-    # QLinear's K-quant kernels matrix by matrix
-    runs = [(step, qkernels.PATHS[p]) for p in ("scalar", "avx2") if qkernels.PATHS[p] <= mod.best_path()]
+    # the C++ forward on every path this CPU runs, then the PyTorch path, QLinear's K-quant kernels matrix by matrix
+    runs = [(step, path) for path in qkernels.PATHS.values() if path <= mod.best_path()]
     try:
         for runner, path in [*runs, (None, -1)]:
             model.runner = runner
@@ -147,10 +146,10 @@ def test_cpp_matmul_against_the_dequantized_weights(kernels: object, fmt: str, m
     want = x @ dense.T + bias
     best = kernels.best_path()  # type: ignore[attr-defined]
     try:
-        for path in sorted({0, best}):  # the portable loop and AVX2 where this CPU has it
+        for path in range(best + 1):  # every path this CPU runs: scalar, AVX2, AVX-512
             assert kernels.set_path(path) == path  # type: ignore[attr-defined]
             got = torch.ops.webchat_kq.matmul(x, w, int(kind), 512, bias)
-            # the C++ forward's rows (qmatmul_multi → kq_rows; Q4_K on AVX2: q4k_rows_avx2, 8 x rows at a time)
+            # the C++ forward's rows (qmatmul_multi → kq_rows: q4k_rows_r on AVX2, q4k_rows_avx512, 4 x rows at a time)
             step_rows = kernels.qmatmul(x, w, int(kind), 512, bias)  # type: ignore[attr-defined]
             for out in (got, step_rows):
                 assert out.shape == (m, 12)

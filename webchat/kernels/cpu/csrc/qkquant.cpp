@@ -219,37 +219,62 @@ torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t 
 
 namespace {
 
+// The 8 six-bit scales and the 8 mins of a Q4_K super-block's 12 bytes, as bytes (ggml's kmask unpacking: the same
+// values as scale_min, four at a time)
+inline void scales_mins_k4(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t u[3], out[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  out[0] = u[0] & k1;
+  out[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  out[2] = u[1] & k1;
+  out[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  std::memcpy(sc, out, 8), std::memcpy(mn, out + 2, 8);
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 widen8(const uint8_t* b8) {  // 8 bytes as 8 floats
+  int64_t v;
+  std::memcpy(&v, b8, 8);
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v)));
+}
+
+// (d * sc_g) and (dmin * m_g), g < 8, as two vectors of 8
+__attribute__((target("avx2,fma,f16c"))) inline void k4_scales(const uint8_t* blk, __m256* sc, __m256* mn) {
+  uint8_t s8[8], m8[8];
+  scales_mins_k4(blk + 4, s8, m8);
+  int32_t raw_dm;
+  std::memcpy(&raw_dm, blk, 4);
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(raw_dm));  // (d, dmin) in lanes 0, 1
+  *sc = _mm256_mul_ps(widen8(s8), _mm256_broadcastss_ps(dm));
+  *mn = _mm256_mul_ps(widen8(m8), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)));
+}
+
 // Q4_K rows straight from the nibbles, in Q4_1's form: per sub-block of 32, y += (d * sc_j) * (q . x) - (dmin * m_j)
 // * sum(x), the products of a row kept in one vector across every block and summed once at its end; x's sums per 32
-// come from the Job (qmatmul.cpp's block_sums). The nibbles are masked where they lie, as qmatmul.cpp's
-// rows_avx2_q4 does: 64 values (32 bytes) are 8 words of 8 nibbles, `word & (15 << 4v)` is q * 2^4v, one AND and one
-// conversion for 8 weights. Even v are sub-block 2c (the low nibbles), odd v sub-block 2c + 1; row r of x comes in
-// j.xk laid out to match, times 2^-4v (qmatmul.cpp's permute_xk), so each product is exactly q * x.
+// come from the Job (qmatmul.cpp's block_sums), the mins against them in a vector of their own. The nibbles are
+// masked where they lie, as qmatmul.cpp's rows_avx2_q4 does: 64 values (32 bytes) are 8 words of 8 nibbles,
+// `word & (15 << 4v)` is q * 2^4v, one AND and one conversion for 8 weights. Even v are sub-block 2c (the low
+// nibbles), odd v sub-block 2c + 1; row r of x comes in j.xk laid out to match, times 2^-4v (qmatmul.cpp's
+// permute_xk), so each product is exactly q * x.
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nsb = j.k / QK, nb = j.k / 32;
+  const __m256i lo4 = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), hi4 = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
-    __m256 acc[R];
-    float mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
+    __m256 acc[R], macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
       const uint8_t* blk = row + b * 144;
-      int32_t raw_dm;
-      std::memcpy(&raw_dm, blk, 4);
-      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(raw_dm));  // (d, dmin) in lanes 0, 1
-      const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-      float sc[8], mn[8];
-      for (int g = 0; g < 8; ++g) {
-        int a, c;
-        scale_min(g, blk + 4, &a, &c);
-        sc[g] = d * float(a), mn[g] = dmin * float(c);
-      }
-      for (int r = 0; r < R; ++r) {  // the mins against x's sums per 32
-        const float* xs = j.xsum + (int64_t(r0 + r) * nb + b * 8) * 2 + 1;
-        float m = 0.f;
-        for (int g = 0; g < 8; ++g) m += mn[g] * xs[2 * g];
-        mins[r] += m;
+      __m256 scv, mnv;
+      k4_scales(blk, &scv, &mnv);
+      alignas(32) float sc[8];
+      _mm256_store_ps(sc, scv);
+      // the mins in the odd lanes against xsum's (0, sum) pairs of the 8 sub-blocks
+      const __m256 mlo = _mm256_permutevar8x32_ps(mnv, lo4), mhi = _mm256_permutevar8x32_ps(mnv, hi4);
+      for (int r = 0; r < R; ++r) {
+        const float* xs = j.xsum + (int64_t(r0 + r) * nb + b * 8) * 2;
+        macc[r] = _mm256_fmadd_ps(mhi, _mm256_loadu_ps(xs + 8), _mm256_fmadd_ps(mlo, _mm256_loadu_ps(xs), macc[r]));
       }
       for (int c = 0; c < 4; ++c) {  // 64 values: sub-block 2c in the low nibbles of 32 bytes, 2c + 1 in the high
         const __m256i wd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
@@ -278,7 +303,64 @@ __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, i
         }
       }
     }
-    for (int r = 0; r < R; ++r) j.y[int64_t(r0 + r) * j.ldy + n] = hsum256(acc[r]) - mins[r];
+    for (int r = 0; r < R; ++r) j.y[int64_t(r0 + r) * j.ldy + n] = hsum256(acc[r]) - hsum256(macc[r]);
+  }
+}
+
+// The same at 16 lanes: a super-block's four 64-value chunks go two to a vector (lanes 0-7 chunk 2p, 8-15 chunk
+// 2p + 1), so the scales are per half: (sc[4p] x8, sc[4p + 2] x8) for even v, (sc[4p + 1], sc[4p + 3]) for odd v;
+// x laid out by permute_xk with 16 lanes.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void q4k_rows_avx512(const Job& j, int r0, int64_t n0,
+                                                                             int64_t n1) {
+  const int64_t nsb = j.k / QK, nb = j.k / 32;
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  __m512i sel[4];  // pass p: even v, odd v
+  for (int p = 0; p < 2; ++p)
+    for (int odd = 0; odd < 2; ++odd)
+      sel[2 * p + odd] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(4 * p + odd)),
+                                            _mm256_set1_epi32(4 * p + 2 + odd), 1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    __m512 acc[R], macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+      const uint8_t* blk = row + b * 144;
+      __m256 scv, mnv;
+      k4_scales(blk, &scv, &mnv);
+      const __m512 sc16 = _mm512_castps256_ps512(scv);
+      const __m512 m16 = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(mnv));
+      for (int r = 0; r < R; ++r)
+        macc[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(j.xsum + (int64_t(r0 + r) * nb + b * 8) * 2), macc[r]);
+      for (int p = 0; p < 2; ++p) {
+        const __m512i wd = _mm512_loadu_si512(blk + 16 + 64 * p);
+        const __m512 slo = _mm512_permutexvar_ps(sel[2 * p], sc16), shi = _mm512_permutexvar_ps(sel[2 * p + 1], sc16);
+        __m512 plo[R], phi[R];
+        {
+          const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF)));
+          const __m512 w1 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF0)));
+          const __m512 w2 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF00)));
+          const __m512 w3 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF000)));
+          for (int r = 0; r < R; ++r) {
+            const float* xb = j.xk + int64_t(r0 + r) * j.k + b * QK + 128 * p;
+            plo[r] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xb + 32), _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));
+            phi[r] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xb + 48), _mm512_mul_ps(w1, _mm512_loadu_ps(xb + 16)));
+          }
+        }
+        const __m512 w4 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF0000)));
+        const __m512 w5 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF00000)));
+        const __m512 w6 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF000000)));
+        const __m512 w7 = _mm512_cvtepi32_ps(_mm512_srli_epi32(wd, 28));
+        for (int r = 0; r < R; ++r) {
+          const float* xb = j.xk + int64_t(r0 + r) * j.k + b * QK + 128 * p;
+          plo[r] = _mm512_fmadd_ps(w6, _mm512_loadu_ps(xb + 96), _mm512_fmadd_ps(w4, _mm512_loadu_ps(xb + 64), plo[r]));
+          phi[r] = _mm512_fmadd_ps(w7, _mm512_loadu_ps(xb + 112), _mm512_fmadd_ps(w5, _mm512_loadu_ps(xb + 80), phi[r]));
+          acc[r] = _mm512_fmadd_ps(shi, phi[r], _mm512_fmadd_ps(slo, plo[r], acc[r]));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      j.y[int64_t(r0 + r) * j.ldy + n] = _mm512_reduce_add_ps(acc[r]) - _mm512_reduce_add_ps(macc[r]);
   }
 }
 
@@ -355,6 +437,8 @@ int64_t kq_block_bytes(int qtype) { return kblock_bytes(qtype); }
 void kq_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   const int64_t bb = kblock_bytes(j.qtype), nb = j.k / 32;
   const bool avx2 = p >= PATH_AVX2;
+  if (p == PATH_AVX512 && j.qtype == Q4_K)
+    return in_tiles(j, n0, n1, q4k_rows_avx512<4>, q4k_rows_avx512<2>, q4k_rows_avx512<1>);
   if (avx2 && j.qtype == Q4_K) return in_tiles(j, n0, n1, q4k_rows_r<4>, q4k_rows_r<2>, q4k_rows_r<1>);
   if (avx2 && j.qtype == Q6_K) return in_tiles(j, n0, n1, q6k_rows_r<4>, q6k_rows_r<2>, q6k_rows_r<1>);
   for (int64_t r = n0; r < n1; ++r) {

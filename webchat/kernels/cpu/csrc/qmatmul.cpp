@@ -432,15 +432,17 @@ static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   }
 }
 
-// x rows (m, k) -> xk rows (m, k) for qkquant.cpp's Q4_K rows: super-block b, chunk c of 64, vector v, lane l holds
-// x[256 b + 64 c + 32 (v % 2) + 4 l + v / 2] * 2^-4v (v < 7; v = 7 unscaled): the value whose nibble sits at bits 4v
-// of word l of the chunk's 32 bytes (Q4_K: byte i of chunk c holds values i and i + 32 of its 64)
-static void permute_xk(const float* x, int64_t m, int64_t k, float* xk) {
+// x rows (m, k) -> xk rows (m, k) for qkquant.cpp's Q4_K rows, L lanes (8 on AVX2, 16 on AVX-512) holding L / 8
+// chunks of 64 values a vector: per L * 8 values, vector v, lane i holds x[64 (i / 8) + 32 (v % 2) + 4 (i % 8) + v / 2]
+// * 2^-4v (v < 7; v = 7 unscaled) of them: the value whose nibble sits at bits 4v of word i % 8 of its chunk's
+// 32 bytes (Q4_K: byte l of a chunk holds values l and l + 32 of its 64)
+static void permute_xk(const float* x, int64_t m, int64_t k, float* xk, int lanes) {
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t c0 = 0; c0 < k; c0 += 64)
+    for (int64_t c0 = 0; c0 < k; c0 += 8 * lanes)
       for (int v = 0; v < 8; ++v) {
         const float scale = v < 7 ? 1.f / float(1 << 4 * v) : 1.f;
-        for (int l = 0; l < 8; ++l) xk[r * k + c0 + 8 * v + l] = x[r * k + c0 + 32 * (v % 2) + 4 * l + v / 2] * scale;
+        for (int i = 0; i < lanes; ++i)
+          xk[r * k + c0 + lanes * v + i] = x[r * k + c0 + 64 * (i / 8) + 32 * (v % 2) + 4 * (i % 8) + v / 2] * scale;
       }
 }
 
@@ -479,9 +481,9 @@ void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int
       xp.resize(mm * ldxp);
       permute_x(x + m0 * k, mm, k, k, xp.data(), ldxp, lanes);
     }
-    if (q4k && p >= PATH_AVX2) {  // the AVX-512 path runs the AVX2 K-quant rows
+    if (q4k && p >= PATH_AVX2) {
       xk.resize(mm * k);
-      permute_xk(x + m0 * k, mm, k, xk.data());
+      permute_xk(x + m0 * k, mm, k, xk.data(), lanes);
     }
     // a thread_local named inside the lambda would be each worker's own (empty) one
     const float *xpp = xp.data(), *xkp = xk.data();
