@@ -286,6 +286,15 @@ def size_bytes(text: str) -> int | None:
     return None
 
 
+def pool_spec(spec: str) -> tuple[int | None, int | None]:
+    """(bytes, tokens) a pool size names: "512MiB" -> (bytes, None), "3000" -> (None, 3000); (None, None) if neither."""
+    nbytes = size_bytes(spec)
+    if nbytes is not None:
+        return nbytes, None
+    text = spec.strip().replace(" ", "")
+    return None, int(text) if text.isdigit() and int(text) > 0 else None
+
+
 def pool_tokens(spec: str | None, args: ModelArgs, dtype: torch.dtype, device: torch.device | str) -> int:
     """Token slots of a pool sized by `spec`: "N" tokens, "N MiB"/"NMiB"/"N GiB", or None for the device default."""
     per_token = kv_bytes_per_token(args, dtype)
@@ -295,10 +304,9 @@ def pool_tokens(spec: str | None, args: ModelArgs, dtype: torch.dtype, device: t
             free, _ = torch.cuda.mem_get_info(dev)
             return max(1, int(free * GPU_POOL_FRACTION) // per_token)
         return max(1, CPU_POOL_BYTES // per_token)
-    nbytes = size_bytes(spec)
+    nbytes, tokens = pool_spec(spec)
     if nbytes is not None:
         return max(1, nbytes // per_token)
-    text = spec.strip().replace(" ", "")
-    if text.isdigit() and int(text) > 0:
-        return int(text)
+    if tokens is not None:
+        return tokens
     raise ValueError(f"KV pool size must be a positive token count or a size like 512MiB or 2GiB, got {spec!r}")

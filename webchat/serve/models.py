@@ -271,12 +271,11 @@ class Models:
         """(weights, KV pool) bytes: the weight files it runs from (a .gguf's size before its conversion) and the
         KV pool --kv-pool gives it (a pool given in tokens: that many tokens of this model's float32 k and v; the
         default size when the model's shape is unknown)."""
-        from webchat.model.kv_cache import CPU_POOL_BYTES, size_bytes
+        from webchat.model.kv_cache import CPU_POOL_BYTES, pool_spec
 
-        spec = (self.config.kv_pool or "").strip().replace(" ", "")
-        pool = size_bytes(spec)
+        pool, tokens = pool_spec(self.config.kv_pool or "")
         if pool is None:
-            pool = int(spec) * card.kv_per_token if spec.isdigit() and card.kv_per_token else CPU_POOL_BYTES
+            pool = tokens * card.kv_per_token if tokens and card.kv_per_token else CPU_POOL_BYTES
         return card.size_bytes, pool
 
     def attach(self, runtime: Runtime) -> None:

@@ -30,9 +30,9 @@ struct Job {
   int qtype;
   float* y;
   int64_t ldy;
-  const float* xp = nullptr;  // the AVX2 Q4 path's x, rows of ldxp laid out as its nibbles fall (qmatmul.cpp)
+  const float* xp = nullptr;  // the vector paths' Q4_0/Q4_1 x, rows of ldxp laid out as the nibbles fall (permute_x)
   int64_t ldxp = 0;
-  const float* xk = nullptr;  // the AVX2 Q4_K path's x, rows of k laid out likewise (qkquant.cpp)
+  const float* xk = nullptr;  // their Q4_K x, rows of k laid out likewise (qkquant.cpp)
 };
 
 // IEEE half -> float without F16C (the scalar path must run on any x86-64)
@@ -66,6 +66,18 @@ __attribute__((target("avx2"))) inline float hsum256(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Nibbles masked where they lie (the vector paths' Q4_0/Q4_1 and Q4_K kernels): of each 32-bit word of w, the nibble
+// at bits 4V as q * 2^4V, exactly, in float (V = 7 by a shift: its bit 31 would read as a sign). x is laid out to
+// match, times 2^-4V (permute_x in qmatmul.cpp), so each product is q * x.
+template <int V>
+__attribute__((target("avx2"))) inline __m256 nibble_at(__m256i w) {
+  return _mm256_cvtepi32_ps(V == 7 ? _mm256_srli_epi32(w, 28) : _mm256_and_si256(w, _mm256_set1_epi32(15 << 4 * V)));
+}
+template <int V>
+__attribute__((target("avx512f"))) inline __m512 nibble_at(__m512i w) {
+  return _mm512_cvtepi32_ps(V == 7 ? _mm512_srli_epi32(w, 28) : _mm512_and_si512(w, _mm512_set1_epi32(15 << 4 * V)));
 }
 
 extern int g_path;

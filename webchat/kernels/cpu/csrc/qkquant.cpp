@@ -255,7 +255,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void k4_scales(const uint8_t* bl
 // masked where they lie, as qmatmul.cpp's rows_avx2_q4 does: 64 values (32 bytes) are 8 words of 8 nibbles,
 // `word & (15 << 4v)` is q * 2^4v, one AND and one conversion for 8 weights. Even v are sub-block 2c (the low
 // nibbles), odd v sub-block 2c + 1; row r of x comes in j.xk laid out to match, times 2^-4v (qmatmul.cpp's
-// permute_xk), so each product is exactly q * x.
+// permute_x), so each product is exactly q * x.
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nsb = j.k / QK, nb = j.k / 32;
@@ -281,20 +281,20 @@ __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, i
         const __m256 slo = _mm256_set1_ps(sc[2 * c]), shi = _mm256_set1_ps(sc[2 * c + 1]);
         __m256 plo[R], phi[R];
         {
-          const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF)));
-          const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF0)));
-          const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF00)));
-          const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF000)));
+          const __m256 w0 = nibble_at<0>(wd);
+          const __m256 w1 = nibble_at<1>(wd);
+          const __m256 w2 = nibble_at<2>(wd);
+          const __m256 w3 = nibble_at<3>(wd);
           for (int r = 0; r < R; ++r) {
             const float* xb = j.xk + int64_t(r0 + r) * j.k + b * QK + 64 * c;
             plo[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), _mm256_mul_ps(w0, _mm256_loadu_ps(xb)));
             phi[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(w1, _mm256_loadu_ps(xb + 8)));
           }
         }
-        const __m256 w4 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF0000)));
-        const __m256 w5 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF00000)));
-        const __m256 w6 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF000000)));
-        const __m256 w7 = _mm256_cvtepi32_ps(_mm256_srli_epi32(wd, 28));
+        const __m256 w4 = nibble_at<4>(wd);
+        const __m256 w5 = nibble_at<5>(wd);
+        const __m256 w6 = nibble_at<6>(wd);
+        const __m256 w7 = nibble_at<7>(wd);
         for (int r = 0; r < R; ++r) {
           const float* xb = j.xk + int64_t(r0 + r) * j.k + b * QK + 64 * c;
           plo[r] = _mm256_fmadd_ps(w6, _mm256_loadu_ps(xb + 48), _mm256_fmadd_ps(w4, _mm256_loadu_ps(xb + 32), plo[r]));
@@ -309,7 +309,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, i
 
 // The same at 16 lanes: a super-block's four 64-value chunks go two to a vector (lanes 0-7 chunk 2p, 8-15 chunk
 // 2p + 1), so the scales are per half: (sc[4p] x8, sc[4p + 2] x8) for even v, (sc[4p + 1], sc[4p + 3]) for odd v;
-// x laid out by permute_xk with 16 lanes.
+// x laid out by permute_x with 16 lanes.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void q4k_rows_avx512(const Job& j, int r0, int64_t n0,
                                                                              int64_t n1) {
@@ -337,20 +337,20 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void q4k_rows_avx512(c
         const __m512 slo = _mm512_permutexvar_ps(sel[2 * p], sc16), shi = _mm512_permutexvar_ps(sel[2 * p + 1], sc16);
         __m512 plo[R], phi[R];
         {
-          const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF)));
-          const __m512 w1 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF0)));
-          const __m512 w2 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF00)));
-          const __m512 w3 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF000)));
+          const __m512 w0 = nibble_at<0>(wd);
+          const __m512 w1 = nibble_at<1>(wd);
+          const __m512 w2 = nibble_at<2>(wd);
+          const __m512 w3 = nibble_at<3>(wd);
           for (int r = 0; r < R; ++r) {
             const float* xb = j.xk + int64_t(r0 + r) * j.k + b * QK + 128 * p;
             plo[r] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xb + 32), _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));
             phi[r] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xb + 48), _mm512_mul_ps(w1, _mm512_loadu_ps(xb + 16)));
           }
         }
-        const __m512 w4 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF0000)));
-        const __m512 w5 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF00000)));
-        const __m512 w6 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF000000)));
-        const __m512 w7 = _mm512_cvtepi32_ps(_mm512_srli_epi32(wd, 28));
+        const __m512 w4 = nibble_at<4>(wd);
+        const __m512 w5 = nibble_at<5>(wd);
+        const __m512 w6 = nibble_at<6>(wd);
+        const __m512 w7 = nibble_at<7>(wd);
         for (int r = 0; r < R; ++r) {
           const float* xb = j.xk + int64_t(r0 + r) * j.k + b * QK + 128 * p;
           plo[r] = _mm512_fmadd_ps(w6, _mm512_loadu_ps(xb + 96), _mm512_fmadd_ps(w4, _mm512_loadu_ps(xb + 64), plo[r]));

@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #include "qcommon.h"
@@ -160,10 +159,10 @@ AVX2_TARGET static void rows_avx2_q4(const Job& j, int r0, int64_t n0, int64_t n
       const __m128 mn = QT == Q4_0 ? _mm_mul_ps(_mm_moveldup_ps(dm), _mm_set1_ps(-8.f)) : dm;
       __m256 p[R], p2[R];
       {
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF)));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF0)));
-        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF00)));
-        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF000)));
+        const __m256 w0 = nibble_at<0>(wd);
+        const __m256 w1 = nibble_at<1>(wd);
+        const __m256 w2 = nibble_at<2>(wd);
+        const __m256 w3 = nibble_at<3>(wd);
         for (int r = 0; r < R; ++r) {
           const float* xb = x[r] + b * 64;
           p[r] = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
@@ -172,10 +171,10 @@ AVX2_TARGET static void rows_avx2_q4(const Job& j, int r0, int64_t n0, int64_t n
           p2[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), p2[r]);
         }
       }
-      const __m256 w4 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF0000)));
-      const __m256 w5 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF00000)));
-      const __m256 w6 = _mm256_cvtepi32_ps(_mm256_and_si256(wd, _mm256_set1_epi32(0xF000000)));
-      const __m256 w7 = _mm256_cvtepi32_ps(_mm256_srli_epi32(wd, 28));
+      const __m256 w4 = nibble_at<4>(wd);
+      const __m256 w5 = nibble_at<5>(wd);
+      const __m256 w6 = nibble_at<6>(wd);
+      const __m256 w7 = nibble_at<7>(wd);
       for (int r = 0; r < R; ++r) {
         const float* xb = x[r] + b * 64;
         p[r] = _mm256_fmadd_ps(w4, _mm256_loadu_ps(xb + 32), p[r]);
@@ -195,24 +194,26 @@ AVX2_TARGET static void rows_avx2_q4(const Job& j, int r0, int64_t n0, int64_t n
   }
 }
 
-// x rows (m, k) -> xp rows (m, ldxp) for the masked Q4 kernels: L lanes (8 on AVX2, 16 on AVX-512) hold L / 4
-// blocks a pass, 8 L values; an unfilled last pass is padded with zeros. Pass b, vector v, lane l holds
-// x[32 (b L / 4 + l / 4) + e] * 2^-4v (v < 7; v = 7 unscaled), e = 4 (l % 4) + v / 2 + 16 (v % 2): the element whose
-// nibble sits at bits 4v of word l % 4 of its block (ggml's order: byte i holds elements i and i + 16). Scaling by a
-// power of two is exact.
+// x rows (m, k) -> rows of ldxp for the kernels that mask nibbles in place. The weights come in chunks of W words
+// (W = 4: a Q4_0/Q4_1 block's 16 bytes, 32 values; W = 8: a Q4_K chunk's 32 bytes, 64 values), byte i of a chunk
+// holding values i (low nibble) and i + 4W (high); a vector of L lanes (8 on AVX2, 16 on AVX-512) holds L / W chunks.
+// Pass b, vector v, lane l holds value 4W (v % 2) + 4 (l % W) + v / 2 of chunk (L / W) b + l / W, times 2^-4v
+// (v < 7; v = 7 unscaled): the value whose nibble sits at bits 4v of that lane's word. A last pass short of chunks is
+// padded with zeros. Scaling by a power of two is exact.
 static int64_t xp_stride(int64_t nb, int lanes) { return (nb + lanes / 4 - 1) / (lanes / 4) * 8 * lanes; }
 
-static void permute_x(const float* x, int64_t m, int64_t k, int64_t ldx, float* xp, int64_t ldxp, int lanes) {
-  const int64_t nb = k / 32, per = lanes / 4, width = 8 * lanes;
+static void permute_x(const float* x, int64_t m, int64_t k, int64_t ldx, float* xp, int64_t ldxp, int lanes,
+                      int words) {
+  const int64_t chunks = k / (8 * words), per = lanes / words, width = 8 * lanes;
   for (int64_t r = 0; r < m; ++r) {
     float* out = xp + r * ldxp;
     for (int64_t b = 0; b < ldxp / width; ++b)
       for (int v = 0; v < 8; ++v) {
         const float scale = v < 7 ? 1.f / float(1 << 4 * v) : 1.f;
         for (int l = 0; l < lanes; ++l) {
-          const int64_t blk = per * b + l / 4;
-          const int e = 4 * (l % 4) + v / 2 + 16 * (v % 2);
-          out[b * width + v * lanes + l] = blk < nb ? x[r * ldx + 32 * blk + e] * scale : 0.f;
+          const int64_t chunk = per * b + l / words;
+          const int e = 4 * words * (v % 2) + 4 * (l % words) + v / 2;
+          out[b * width + v * lanes + l] = chunk < chunks ? x[r * ldx + 8 * words * chunk + e] * scale : 0.f;
         }
       }
   }
@@ -296,10 +297,10 @@ AVX512_TARGET static void rows_avx512_q4(const Job& j, int r0, int64_t n0, int64
       const __mmask16 smask = static_cast<__mmask16>((1u << (2 * have)) - 1);
       __m512 p[R], p2[R];
       {
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF)));
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF0)));
-        const __m512 w2 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF00)));
-        const __m512 w3 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF000)));
+        const __m512 w0 = nibble_at<0>(wd);
+        const __m512 w1 = nibble_at<1>(wd);
+        const __m512 w2 = nibble_at<2>(wd);
+        const __m512 w3 = nibble_at<3>(wd);
         for (int r = 0; r < R; ++r) {
           const float* xb = x[r] + b * 128;
           p[r] = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));
@@ -308,10 +309,10 @@ AVX512_TARGET static void rows_avx512_q4(const Job& j, int r0, int64_t n0, int64
           p2[r] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xb + 48), p2[r]);
         }
       }
-      const __m512 w4 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF0000)));
-      const __m512 w5 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF00000)));
-      const __m512 w6 = _mm512_cvtepi32_ps(_mm512_and_si512(wd, _mm512_set1_epi32(0xF000000)));
-      const __m512 w7 = _mm512_cvtepi32_ps(_mm512_srli_epi32(wd, 28));
+      const __m512 w4 = nibble_at<4>(wd);
+      const __m512 w5 = nibble_at<5>(wd);
+      const __m512 w6 = nibble_at<6>(wd);
+      const __m512 w7 = nibble_at<7>(wd);
       for (int r = 0; r < R; ++r) {
         const float* xb = x[r] + b * 128;
         p[r] = _mm512_fmadd_ps(w4, _mm512_loadu_ps(xb + 64), p[r]);
@@ -432,20 +433,6 @@ static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   }
 }
 
-// x rows (m, k) -> xk rows (m, k) for qkquant.cpp's Q4_K rows, L lanes (8 on AVX2, 16 on AVX-512) holding L / 8
-// chunks of 64 values a vector: per L * 8 values, vector v, lane i holds x[64 (i / 8) + 32 (v % 2) + 4 (i % 8) + v / 2]
-// * 2^-4v (v < 7; v = 7 unscaled) of them: the value whose nibble sits at bits 4v of word i % 8 of its chunk's
-// 32 bytes (Q4_K: byte l of a chunk holds values l and l + 32 of its 64)
-static void permute_xk(const float* x, int64_t m, int64_t k, float* xk, int lanes) {
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t c0 = 0; c0 < k; c0 += 8 * lanes)
-      for (int v = 0; v < 8; ++v) {
-        const float scale = v < 7 ? 1.f / float(1 << 4 * v) : 1.f;
-        for (int i = 0; i < lanes; ++i)
-          xk[r * k + c0 + lanes * v + i] = x[r * k + c0 + 64 * (i / 8) + 32 * (v % 2) + 4 * (i % 8) + v / 2] * scale;
-      }
-}
-
 // xsum2[r, b] = (0, sum of x[r, 32b .. 32b+31]): the zero-point term of Q4_0/Q4_1, shared by every output row
 static void block_sums(const float* x, int64_t m, int64_t k, float* xsum2) {
   const int64_t nb = k / 32;
@@ -479,11 +466,11 @@ void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int
     const int mm = static_cast<int>(m - m0 < 64 ? m - m0 : 64);
     if (q4 && p >= PATH_AVX2) {
       xp.resize(mm * ldxp);
-      permute_x(x + m0 * k, mm, k, k, xp.data(), ldxp, lanes);
+      permute_x(x + m0 * k, mm, k, k, xp.data(), ldxp, lanes, 4);
     }
     if (q4k && p >= PATH_AVX2) {
       xk.resize(mm * k);
-      permute_xk(x + m0 * k, mm, k, xk.data(), lanes);
+      permute_x(x + m0 * k, mm, k, k, xk.data(), k, lanes, 8);  // k is whole super-blocks: no padding
     }
     // a thread_local named inside the lambda would be each worker's own (empty) one
     const float *xpp = xp.data(), *xkp = xk.data();
