@@ -262,6 +262,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4k_rows_r(const Job& j, int r0, i
   const __m256i lo4 = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), hi4 = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
+    prefetch_ahead(row, j.row_bytes);
     __m256 acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
@@ -322,6 +323,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void q4k_rows_avx512(c
                                             _mm256_set1_epi32(4 * p + 2 + odd), 1);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
+    prefetch_ahead(row, j.row_bytes);
     __m512 acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
@@ -372,6 +374,7 @@ __attribute__((target("avx2,fma,f16c"))) void q6k_rows_r(const Job& j, int r0, i
   const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
+    prefetch_ahead(row, j.row_bytes);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {

@@ -93,6 +93,7 @@ AVX2_TARGET static void rows_avx2_q8(const Job& j, int r0, int64_t n0, int64_t n
   for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
+    prefetch_ahead(row, j.row_bytes);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -143,6 +144,7 @@ AVX2_TARGET static void rows_avx2_q4(const Job& j, int r0, int64_t n0, int64_t n
   const __m256i sel = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
+    prefetch_ahead(row, j.row_bytes);
     __m256 acc[R];
     __m128 macc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
@@ -230,6 +232,7 @@ AVX512_TARGET static void rows_avx512_q8(const Job& j, int r0, int64_t n0, int64
   for (int r = 0; r < R; ++r) x[r] = j.x + (r0 + r) * j.ldx;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
+    prefetch_ahead(row, j.row_bytes);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -264,6 +267,7 @@ AVX512_TARGET static void rows_avx512_q4(const Job& j, int r0, int64_t n0, int64
   const __m512i sel = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
+    prefetch_ahead(row, j.row_bytes);
     __m512 acc[R];
     __m256 macc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
@@ -334,6 +338,7 @@ AVX2_TARGET static void rows_f32_avx2_r(const Job& j, int r0, int64_t n0, int64_
   const int64_t k = j.k, k8 = k / 8 * 8;
   for (int64_t n = n0; n < n1; ++n) {
     const float* w = reinterpret_cast<const float*>(j.w + n * j.row_bytes);
+    prefetch_ahead(j.w + n * j.row_bytes, j.row_bytes);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < k8; c += 8) {
