@@ -134,6 +134,7 @@ def test_identical_prefixes_are_computed_once(tiny: tuple[Any, Tokenizer]) -> No
     counting.args, counting.device, counting.dtype = model.args, model.device, model.dtype  # type: ignore[attr-defined]
     counting.new_pool, counting.ensure_rope = model.new_pool, model.ensure_rope  # type: ignore[attr-defined]
     counting.truncated, counting.sampler_factory = model.truncated, None  # type: ignore[attr-defined]
+    counting.row_scan = model.row_scan  # type: ignore[attr-defined]
     engine = Engine(counting, tok, max_seq_len=256, pool_tokens=4096)  # type: ignore[arg-type]
     system = prompts(4, model.args.vocab_size, seed=3)[3][:100]
     first = run_alone(Generator(model, tok, engine=engine),

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels against a plain reference: dequantize-then-matmul in float64.
+"""The C++ CPU kernels against a plain reference: dequantize-then-matmul in float64, the sampler's row scans against
+softmax in float64 and the torch ops they replace.
 
 Every code path this CPU can run (scalar, avx2, avx512) is forced in turn; shapes are odd on purpose: one output row,
 one block per row, output rows not a multiple of the 16-row tile, activation rows not a multiple of 4.
@@ -12,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from webchat.engine.sampling import RowAsk, Sampler, sample_batch
+from webchat.engine.settings import SamplingSettings
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.quant import QTYPES, dequantize, quantize
 
@@ -95,3 +98,60 @@ def test_wrong_inputs_are_refused_by_name(kernels: Any) -> None:
         kernels.qmatmul(torch.randn(1, 48), wq, QTYPES["q8_0"][0], 48)
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.dequantize(wq, QTYPES["q8_0"][0], 64, torch.tensor([8]))
+
+
+def scan_rows() -> tuple[torch.Tensor, list[int]]:
+    """Rows of a vocabulary's size and of odd sizes (not whole vectors), with ties at the top and in the middle; the
+    tokens asked about: a row's best, one of its tied values, one anywhere."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for n in (49152, 1003, 7):
+        x = torch.randn(n, generator=g) * 4
+        x[n // 3 : n // 3 + 3] = x.max() + 1  # three tied best
+        x[n // 2 : n // 2 + 2] = x[1]  # a tie below
+        rows.append(x)
+    width = max(r.numel() for r in rows)
+    return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel()), value=-1e30) for r in rows]), [
+        int(rows[0].argmax()), 1003 // 2 + 1, 3]
+
+
+def test_the_samplers_row_scans_match_softmax_in_float64(kernels: Any, path: str) -> None:
+    x, tokens = scan_rows()
+    assert kernels.argmax_rows(x) == x.argmax(-1).tolist()  # the first of tied best, as torch picks
+    ks = [20, 5, 7]
+    found = kernels.describe_rows(x, [0, 1, 2], tokens, ks)
+    for r, (token, k, (prob, rank, top)) in enumerate(zip(tokens, ks, found, strict=True)):
+        p = torch.softmax(x[r].double(), -1)
+        assert prob == pytest.approx(float(p[token]), rel=1e-6, abs=1e-30)
+        assert rank == int((x[r] > x[r, token]).sum()) + 1
+        order = sorted(range(x.shape[1]), key=lambda i: (-float(x[r, i]), i))[:k]  # ties: the lower id first
+        assert [t for t, _ in top] == order
+        assert [v for _, v in top] == pytest.approx([float(p[i]) for i in order], rel=1e-6, abs=1e-30)
+
+
+def test_sample_batch_with_the_scans_matches_the_torch_ops(kernels: Any) -> None:
+    x = torch.randn(3, 49152, generator=torch.Generator().manual_seed(9)) * 3
+    settings = [SamplingSettings(temperature=0.0), SamplingSettings(temperature=0.8, seed=4),
+                SamplingSettings(temperature=0.0, token_bias={7: 50.0})]
+
+    def asks() -> list[RowAsk]:
+        return [RowAsk(Sampler(s, 49152), [1, 2, 3], top_alts=5, want_probs=True) for s in settings]
+
+    fast, slow = sample_batch(x, asks(), kernels), sample_batch(x, asks())
+    assert [c.token for c in fast] == [c.token for c in slow] and fast[2].token == 7
+    for f, s in zip(fast, slow, strict=True):
+        assert (f.rank, f.sampled_prob, [t for t, _ in f.top]) == (s.rank, s.sampled_prob, [t for t, _ in s.top])
+        assert f.prob == pytest.approx(s.prob, rel=2e-5)  # torch's float32 softmax is the less exact of the two
+        assert [v for _, v in f.top] == pytest.approx([v for _, v in s.top], rel=2e-5)
+
+
+def test_the_row_scans_refuse_what_is_outside_the_logits(kernels: Any) -> None:
+    x = torch.randn(2, 10)
+    with pytest.raises(RuntimeError, match="row 2 is outside the 2 logits rows"):
+        kernels.describe_rows(x, [2], [0], [1])
+    with pytest.raises(RuntimeError, match="token 10 is outside the vocabulary of 10"):
+        kernels.describe_rows(x, [0], [10], [1])
+    with pytest.raises(RuntimeError, match="cannot list 11 alternatives of 10"):
+        kernels.describe_rows(x, [0], [0], [11])
+    with pytest.raises(RuntimeError, match="logits must be a contiguous float32"):
+        kernels.argmax_rows(x.double())

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from webchat.engine.events import Stats, TokenInfo
-from webchat.engine.sampling import Choice, RowAsk, Sampler, sample_batch
+from webchat.engine.sampling import Choice, RowAsk, RowScan, Sampler, sample_batch
 from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult, add
 from webchat.engine.settings import MAX_TOP_ALTS
 from webchat.engine.speculative import (
@@ -54,6 +54,7 @@ class Model(Protocol):
 
     args: ModelArgs
     sampler_factory: Callable[..., object] | None  # installed by a backend (webchat.kernels.cuda.graphs)
+    row_scan: RowScan | None  # installed by webchat.model.loader where the C++ kernels are built
 
     @property
     def device(self) -> torch.device: ...
@@ -350,7 +351,7 @@ class Engine:
             asks += [self._ask(r.seq)] * k
         picked = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when every row is asked
             torch.tensor(at_rows, dtype=torch.long, device=logits.device)]
-        choices = iter(sample_batch(picked, asks) if asks else [])
+        choices = iter(sample_batch(picked, asks, self.model.row_scan) if asks else [])
         for r, first, n, out in todo:
             if n:
                 k = n if r.seq.sampler.settings.greedy else 1

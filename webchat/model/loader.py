@@ -139,6 +139,7 @@ def load_model(
         from webchat.kernels.cpu.step import enable_cpu_step
 
         enable_cpu_step(model, kernels)
+        model.row_scan = kernels  # the sampler's argmax and heatmap numbers in C++ (webchat.engine.sampling.RowScan)
     return model
 
 

@@ -132,9 +132,11 @@ class Transformer(nn.Module):
         self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None  # Gemma 3's sliding layers
         # what a backend installs (webchat.kernels.cpu.step, webchat.kernels.cuda.graphs): runner(model, batch, kv) ->
         # logits, or None to run eagerly; sampler_factory(settings, vocab_size) -> a webchat.engine.sampling.Sampler
-        # subclass that runs where the logits live (None: the engine's own torch Sampler)
+        # subclass that runs where the logits live (None: the engine's own torch Sampler); row_scan: the C++ scans of
+        # CPU logits rows (webchat.engine.sampling.RowScan, by webchat.model.loader where the kernels are built)
         self.runner: Runner | None = None
         self.sampler_factory: Callable[..., object] | None = None
+        self.row_scan: Any = None
 
     @property
     def device(self) -> torch.device:

@@ -22,7 +22,7 @@ from webchat.paths import webchat_home
 if TYPE_CHECKING:
     import torch
 
-SOURCES = ("qmatmul.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp")
+SOURCES = ("qmatmul.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
@@ -52,6 +52,11 @@ class QKernels(Protocol):
     def best_path(self) -> int: ...
 
     def Step(self, *args: Any) -> StepHandle: ...  # noqa: N802 (the C++ class's name)
+
+    def argmax_rows(self, x: torch.Tensor) -> list[int]: ...
+
+    def describe_rows(self, x: torch.Tensor, rows: list[int], tokens: list[int],
+                      ks: list[int]) -> list[tuple[float, int, list[tuple[int, float]]]]: ...  # fmt: skip
 
 
 class KernelsUnavailable(RuntimeError):

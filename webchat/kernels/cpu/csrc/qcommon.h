@@ -80,6 +80,24 @@ __attribute__((target("avx2"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), within ~2 ulp of
+// std::exp for x in [-87.3, 88.7]; outside it the result saturates (to ~1e-38 and ~1.6e38), never NaN or inf
+__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
 // Nibbles masked where they lie (the vector paths' Q4_0/Q4_1 and Q4_K kernels): of each 32-bit word of w, the nibble
 // at bits 4V as q * 2^4V, exactly, in float (V = 7 by a shift: its bit 31 would read as a sign). x is laid out to
 // match, times 2^-4V (permute_x in qmatmul.cpp), so each product is q * x.
@@ -113,5 +131,13 @@ inline bool is_kquant(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
 int64_t kq_block_bytes(int qtype);
 void kq_rows(const Job& j, int64_t n0, int64_t n1, int p);
 void kq_dequant_row(int qtype, const uint8_t* row, int64_t k, float* out);
+
+// The sampler's scans of one logits row of n floats (qsample.cpp), on the calling thread:
+// the index of its first largest value (torch.argmax's rule) ...
+int64_t argmax_row(const float* x, int64_t n);
+// ... and what softmax makes of token t: its probability, its 1-based rank (1 + how many logits exceed its own), and
+// the k most likely tokens by logit (ties: the lower id first) with their probabilities, k <= n
+void describe_row(const float* x, int64_t n, int64_t t, int k, float* prob, int64_t* rank, int64_t* top_ids,
+                  float* top_probs);
 
 }  // namespace wq

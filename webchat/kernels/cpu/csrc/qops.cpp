@@ -5,6 +5,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "qcommon.h"
 #include "qstep.h"
@@ -92,6 +95,42 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k, const
 static void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(), name,
               " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+// the sampler's scans (qsample.cpp) over rows of x (N, V): the greedy token of every row ...
+std::vector<int64_t> argmax_rows(const torch::Tensor& x) {
+  check_f32(x, "logits");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "logits must be (rows, vocab), got ", x.sizes());
+  std::vector<int64_t> out(x.size(0));
+  for (int64_t r = 0; r < x.size(0); ++r) out[r] = argmax_row(x.data_ptr<float>() + r * x.size(1), x.size(1));
+  return out;
+}
+
+// ... and, for rows[i] and its token tokens[i]: (probability, rank, [(id, probability)] of its ks[i] alternatives)
+std::vector<std::tuple<double, int64_t, std::vector<std::pair<int64_t, double>>>> describe_rows(
+    const torch::Tensor& x, const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+    const std::vector<int64_t>& ks) {
+  check_f32(x, "logits");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "logits must be (rows, vocab), got ", x.sizes());
+  TORCH_CHECK(rows.size() == tokens.size() && rows.size() == ks.size(), "rows, tokens and ks must be as long");
+  const int64_t v = x.size(1);
+  std::vector<std::tuple<double, int64_t, std::vector<std::pair<int64_t, double>>>> out;
+  std::vector<int64_t> ids;
+  std::vector<float> probs;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "row ", rows[i], " is outside the ", x.size(0), " logits rows");
+    TORCH_CHECK(tokens[i] >= 0 && tokens[i] < v, "token ", tokens[i], " is outside the vocabulary of ", v);
+    TORCH_CHECK(ks[i] >= 0 && ks[i] <= v, "cannot list ", ks[i], " alternatives of ", v);
+    ids.resize(ks[i]), probs.resize(ks[i]);
+    float prob;
+    int64_t rank;
+    describe_row(x.data_ptr<float>() + rows[i] * v, v, tokens[i], static_cast<int>(ks[i]), &prob, &rank, ids.data(),
+                 probs.data());
+    std::vector<std::pair<int64_t, double>> top(ks[i]);
+    for (int64_t j = 0; j < ks[i]; ++j) top[j] = {ids[j], probs[j]};
+    out.emplace_back(prob, rank, std::move(top));
+  }
+  return out;
 }
 
 int64_t set_path(int64_t p) {
@@ -293,6 +332,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("ids") = py::none());
   m.def("set_path", &wq::set_path, "force a code path (-1 best, 0 scalar, 1 avx2, 2 avx512); returns the one set");
   m.def("path", &wq::path);
+  m.def("argmax_rows", &wq::argmax_rows, "the first largest logit's index of each row", py::arg("x"));
+  m.def("describe_rows", &wq::describe_rows, "(prob, rank, top alternatives) of tokens[i] in row rows[i]",
+        py::arg("x"), py::arg("rows"), py::arg("tokens"), py::arg("ks"));
   m.def("best_path", &wq::best_path);
   py::class_<wq::Step>(m, "Step")
       .def(py::init<std::vector<int64_t>, double, torch::Tensor, int64_t, torch::Tensor, int64_t, torch::Tensor,
