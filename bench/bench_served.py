@@ -102,9 +102,10 @@ class Server:
     """One server process on one port; `body` adds its own way of biasing end-of-turn away."""
 
     def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
-                 extra_body: dict[str, object] | None = None, ready_path: str = "/health") -> None:
+                 extra_body: dict[str, object] | None = None, ready_path: str = "/health",
+                 cwd: Path | None = None) -> None:
         self.name, self.port, self.extra_body, self.ready_path = name, port, extra_body or {}, ready_path
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.peak_rss = 0
         self.model = "default"
         self._sampling = True
@@ -234,9 +235,11 @@ def stop_token_ids(gguf: Path) -> list[int]:
 
 
 def webchat_server(gguf: Path, port: int, stops: list[int], src: Path) -> Server:
+    """`webchat serve` from the checkout `src`: run from inside it, since `python -m` puts the working directory ahead
+    of PYTHONPATH (from another checkout's folder, that checkout's package would be the one served)."""
     env = dict(os.environ, PYTHONPATH=str(src))
     argv = [sys.executable, "-m", "webchat.cli", "serve", "--model", str(gguf), "--device", "cpu", "--port", str(port)]
-    return Server("webchat", argv, port, env, {"logit_bias": {str(t): -100 for t in stops}}, "/healthz")
+    return Server("webchat", argv, port, env, {"logit_bias": {str(t): -100 for t in stops}}, "/healthz", cwd=src)
 
 
 def llama_server(binary: Path, gguf: Path, port: int, ctx: int) -> Server:
