@@ -42,6 +42,9 @@ class Sampler:
             self._bias = torch.zeros(vocab_size)
             for tid, b in settings.token_bias.items():
                 self._bias[tid] = b
+            # the same bias as (ids, values), for sample_batch to add in place: the keys are unique
+            self._bias_ids = torch.tensor(list(settings.token_bias), dtype=torch.long)
+            self._bias_values = torch.tensor(list(settings.token_bias.values()), dtype=torch.float32)
 
     def sample(self, logits: torch.Tensor, history: list[int], top_alts: int = 0, want_probs: bool = False,
                want_logits: bool = False) -> Choice:
@@ -177,9 +180,8 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk], scan: RowScan | None 
     if penalised or biased:
         x = raw.clone()
         for i in biased:  # only the biased ids (adding 0.0 elsewhere changes nothing): no (N, vocab) temporaries
-            bias = asks[i].sampler.settings.token_bias
-            ids = torch.tensor(list(bias), dtype=torch.long)
-            x[i, ids] = raw[i, ids] + torch.tensor(list(bias.values()), dtype=raw.dtype)
+            sampler = asks[i].sampler
+            x[i].index_add_(0, sampler._bias_ids, sampler._bias_values.to(raw.dtype))
         for i in penalised:
             x[i] = asks[i].sampler._adjust(raw[i], asks[i].history)
     greedy = [i for i, a in enumerate(asks) if a.sampler.settings.greedy]
