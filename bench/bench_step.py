@@ -2,12 +2,18 @@
 the default model, as the server's device thread runs it: engine.step() for 1 and 4 greedy decoding sequences, with
 and without 5 alternatives per token. Issue 20's target: outside-forward time at most 10% of a one-row step.
 
+Then whether the forward's matmuls wait on memory: the C++ matmul called on each of the model's quantized matrices in
+turn, one row of x (every matrix read from memory once, as a token reads them), against the same calls each repeated
+on a matrix already in cache. On the 2-vCPU Xeon, default model, ac8baec and c2a735d's prefetch (qcommon.h
+prefetch_ahead) alternating: 8.89 / 5.64 ms before, 5.67 / 5.44 ms after.
+
     .venv/bin/python bench/bench_step.py [--model DIR] [--steps 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -61,6 +67,34 @@ def measure(rt: Runtime, rows: int, alts: int, steps: int) -> tuple[float, float
     return total * 1000 / steps, spent[0] * 1000 / steps
 
 
+def streamed_vs_cached(rt: Runtime, repeats: int = 20) -> tuple[float, float]:
+    """(ms for one call on each quantized matrix in turn, ms for the same calls each on a matrix already in cache)."""
+    from webchat.kernels.cpu import build
+    from webchat.model.quant import QTYPES, QLinear
+
+    kernels = build.load()
+    calls = [(torch.randn(1, m.in_features), m.weight, QTYPES[m.qtype][0], m.in_features)
+             for m in rt.model.modules() if isinstance(m, QLinear) and m.qtype in QTYPES]
+
+    def one_pass() -> float:
+        t = time.perf_counter()
+        for x, w, qtype, k in calls:
+            kernels.qmatmul(x, w, qtype, k, None)
+        return time.perf_counter() - t
+
+    one_pass()
+    streamed = statistics.median(one_pass() for _ in range(repeats))
+    cached = 0.0
+    for x, w, qtype, k in calls:
+        for _ in range(3):
+            kernels.qmatmul(x, w, qtype, k, None)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            kernels.qmatmul(x, w, qtype, k, None)
+        cached += (time.perf_counter() - t) / repeats
+    return streamed * 1000, cached * 1000
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled default model)")
@@ -78,6 +112,9 @@ def main() -> None:
     for rows, alts in ((1, 0), (1, 5), (4, 0), (4, 5)):
         step, fwd = device.call(lambda r=rows, a=alts: measure(rt, r, a, args.steps)).result()
         print(f"{rows:>4} {alts:>12} {step:>8.2f} {fwd:>10.2f} {(step - fwd) / step * 100:>7.1f}%")
+    streamed, cached = device.call(lambda: streamed_vs_cached(rt)).result()
+    print(f"the quantized matrices, one row of x: {streamed:.2f} ms called in turn (from memory), {cached:.2f} ms "
+          f"each in cache")
     device.stop()
 
 
