@@ -13,6 +13,7 @@ prefetch_ahead) alternating: 8.89 / 5.64 ms before, 5.67 / 5.44 ms after.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -72,9 +73,10 @@ def streamed_vs_cached(rt: Runtime, repeats: int = 20) -> tuple[float, float]:
     from webchat.kernels.cpu import build
     from webchat.model.quant import QTYPES, QLinear
 
-    kernels = build.load()
+    kernels, model = build.load(), rt.model
+    assert model is not None, "a local model"
     calls = [(torch.randn(1, m.in_features), m.weight, QTYPES[m.qtype][0], m.in_features)
-             for m in rt.model.modules() if isinstance(m, QLinear) and m.qtype in QTYPES]
+             for m in model.modules() if isinstance(m, QLinear) and m.qtype in QTYPES]
 
     def one_pass() -> float:
         t = time.perf_counter()
@@ -112,7 +114,7 @@ def main() -> None:
     for rows, alts in ((1, 0), (1, 5), (4, 0), (4, 5)):
         step, fwd = device.call(lambda r=rows, a=alts: measure(rt, r, a, args.steps)).result()
         print(f"{rows:>4} {alts:>12} {step:>8.2f} {fwd:>10.2f} {(step - fwd) / step * 100:>7.1f}%")
-    streamed, cached = device.call(lambda: streamed_vs_cached(rt)).result()
+    streamed, cached = device.call(functools.partial(streamed_vs_cached, rt)).result()
     print(f"the quantized matrices, one row of x: {streamed:.2f} ms called in turn (from memory), {cached:.2f} ms "
           f"each in cache")
     device.stop()
