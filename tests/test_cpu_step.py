@@ -115,6 +115,10 @@ def mixed_spec(tables: list[PageTable]) -> list[tuple[list[int], int, list[int],
             (list(range(40, 60)), 0, tables[2].pages, [-1])]
 
 
+# the decode and the verify rows follow their prompts; the prefill chunk is a prompt's (the C++ forward's GEMM rows)
+PROMPT_ENDS = [15, 33, 20]
+
+
 def run_both(model: Transformer, owner: Transformer) -> tuple[torch.Tensor, torch.Tensor, KVPool, KVPool,
                                                               list[PageTable]]:
     """The mixed batch through the C++ forward (owner's runner, checked to have run) and through the PyTorch path,
@@ -125,7 +129,7 @@ def run_both(model: Transformer, owner: Transformer) -> tuple[torch.Tensor, torc
     twin = clone(pool)
     spec = mixed_spec(tables)
     calls = runner.calls
-    ours = model(make_batch(spec, PAGE), pool)
+    ours = model(make_batch(spec, PAGE, prompt_ends=PROMPT_ENDS), pool)
     assert runner.calls == calls + 1
     return ours, eager(model, spec, twin), pool, twin, tables
 
@@ -181,14 +185,51 @@ def test_gemma_in_cpp_matches_the_pytorch_path(shapes_root: Path, kind: str, cod
 @pytest.mark.parametrize("shape", ["hd64-gqa2", "hd32-gqa4-qwen2-bias"])
 def test_a_rows_logits_do_not_depend_on_the_batch(tiny_model_dir: Path, shapes_root: Path, shape: str,
                                                   code_path: str) -> None:
-    """Each sequence alone gives bit-identical logits to the same sequence inside the mixed batch."""
+    """Each sequence alone gives bit-identical logits to the same sequence inside the mixed batch, its prefill chunk
+    taken as prompt rows (the GEMM) or not (the row kernels)."""
     model = load_model(model_dir(shapes_root, tiny_model_dir, shape), quantize="q4_1")
-    pool, tables = setup_sequences(model)
-    twin = clone(pool)
-    spec = mixed_spec(tables)
-    together = model(make_batch(spec, PAGE), pool)
-    alone = torch.cat([model(make_batch([s], PAGE), twin) for s in spec])
-    assert torch.equal(together, alone)
+    for ends in (None, PROMPT_ENDS):
+        pool, tables = setup_sequences(model)
+        twin = clone(pool)
+        spec = mixed_spec(tables)
+        together = model(make_batch(spec, PAGE, prompt_ends=ends), pool)
+        alone = torch.cat([model(make_batch([s], PAGE, prompt_ends=None if ends is None else [e]), twin)
+                           for s, e in zip(spec, ends or [0] * len(spec), strict=True)])
+        assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("weights", ["float32", "q4_1"])
+def test_a_prompt_is_computed_alike_however_it_is_chunked(tiny_model_dir: Path, shapes_root: Path, weights: str,
+                                                           code_path: str) -> None:
+    """Bit for bit: a prompt's k/v and its last row's logits fed whole, in chunks of 1, 7 and 22, or row by row
+    (a GEMM row depends on its own x only), so a recomputation after a preemption meets the same cache."""
+    path = model_dir(shapes_root, tiny_model_dir, "hd64-gqa2")
+    model = load_model(path, weights="float32") if weights == "float32" else load_model(path, quantize=weights)
+    runner = model.runner
+    assert isinstance(runner, CpuStep)
+    ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+
+    def feed(chunks: list[int], prompt: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        pool = model.new_pool(8 * PAGE, PAGE)
+        table = PageTable(pool)
+        table.ensure(len(ids))
+        start, calls = 0, runner.calls
+        for n in chunks:
+            logits = model(make_batch([(ids[start : start + n], start, table.pages, [-1])], PAGE,
+                                      prompt_ends=[len(ids) if prompt else 0]), pool)
+            start += n
+        assert start == len(ids) and runner.calls == calls + len(chunks)
+        slots = torch.tensor([table.pages[p // PAGE] * PAGE + p % PAGE for p in range(len(ids))])
+        return logits, [t.flatten(0, 1).index_select(0, slots) for t in pool.k + pool.v]
+
+    whole, whole_kv = feed([30])
+    for chunks in ([1, 7, 22], [1] * 30):
+        logits, kv = feed(chunks)
+        assert torch.equal(logits, whole), chunks
+        assert all(torch.equal(a, b) for a, b in zip(kv, whole_kv, strict=True)), chunks
+    if weights == "q4_1":  # the same rows as non-prompt rows take the row kernels: other roundings, so other bits
+        _, row_kv = feed([30], prompt=False)
+        assert not all(torch.equal(a, b) for a, b in zip(row_kv, whole_kv, strict=True))
 
 
 def test_self_draft_truncation_runs_in_cpp_and_matches(tiny_model_dir: Path, shapes_root: Path) -> None:

@@ -151,7 +151,9 @@ def test_cpp_matmul_against_the_dequantized_weights(kernels: object, fmt: str, m
             got = torch.ops.webchat_kq.matmul(x, w, int(kind), 512, bias)
             # the C++ forward's rows (qmatmul_multi → kq_rows: q4k_rows_r on AVX2, q4k_rows_avx512, 4 x rows at a time)
             step_rows = kernels.qmatmul(x, w, int(kind), 512, bias)  # type: ignore[attr-defined]
-            for out in (got, step_rows):
+            # ... and its prompt rows (qgemm_multi: the matrix dequantized by tiles, each output one chain over k)
+            prompt_rows = kernels.qmatmul(x, w, int(kind), 512, bias, gemm=True)  # type: ignore[attr-defined]
+            for out in (got, step_rows, prompt_rows):
                 assert out.shape == (m, 12)
                 delta = (out - want).abs().max().item()
                 assert torch.allclose(out, want, rtol=1e-5, atol=1e-4), f"path {path}: max |Δ| {delta:.2e}"

@@ -44,14 +44,16 @@ def reference(x: torch.Tensor, wq: torch.Tensor, qtype: str) -> torch.Tensor:
     return (x.double() @ dequantize(wq, qtype).double().T).float()
 
 
+@pytest.mark.parametrize("gemm", [False, True], ids=["rows", "gemm"])  # the row kernels; the prompt rows' GEMM
 @pytest.mark.parametrize("qtype", list(QTYPES))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_qmatmul_matches_dequantize_then_matmul(kernels: Any, path: str, qtype: str, shape: tuple[int, ...]) -> None:
+def test_qmatmul_matches_dequantize_then_matmul(kernels: Any, path: str, qtype: str, shape: tuple[int, ...],
+                                                gemm: bool) -> None:
     m, n, k = shape
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     wq = quantize(torch.randn(n, k, generator=gen), qtype)
     x = torch.randn(m, k, generator=gen)
-    got = kernels.qmatmul(x, wq, QTYPES[qtype][0], k)
+    got = kernels.qmatmul(x, wq, QTYPES[qtype][0], k, gemm=gemm)
     want = reference(x, wq, qtype)
     # float32 accumulation in another order: error ~ eps * sqrt(K) * |x||w|, far below 1e-4 of the scale here
     tol = 2e-6 * k**0.5 * float(want.abs().max().clamp(min=1.0))
@@ -59,16 +61,20 @@ def test_qmatmul_matches_dequantize_then_matmul(kernels: Any, path: str, qtype: 
     assert (got - want).abs().max().item() <= tol, f"{path} {qtype} {shape}: max error above {tol:.1e}"
 
 
+@pytest.mark.parametrize("gemm", [False, True], ids=["rows", "gemm"])
 @pytest.mark.parametrize("qtype", list(QTYPES))
 @pytest.mark.parametrize("k", [32, 96, 576])  # one block, an odd count (AVX2 Q4 pairs blocks), an even one
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Any, path: str, qtype: str, k: int) -> None:
-    """Bit for bit: row i of an m-row call equals row i alone (every group size a path takes rows in: 1 to 8, 9)."""
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Any, path: str, qtype: str, k: int,
+                                                             gemm: bool) -> None:
+    """Bit for bit: row i of an m-row call equals row i alone (every group size a path takes rows in: 1 to 8, 9;
+    the GEMM's groups of 4 and its 16-row weight tiles, 37 rows = 2 tiles and 5)."""
     gen = torch.Generator().manual_seed(k)
     wq = quantize(torch.randn(37, k, generator=gen), qtype)
     x = torch.randn(9, k, generator=gen)
-    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, QTYPES[qtype][0], k) for i in range(9)])
+    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, QTYPES[qtype][0], k, gemm=gemm) for i in range(9)])
     for m in (2, 3, 5, 8, 9):
-        assert torch.equal(kernels.qmatmul(x[:m], wq, QTYPES[qtype][0], k), alone[:m]), f"{path} {qtype} m={m}"
+        got = kernels.qmatmul(x[:m], wq, QTYPES[qtype][0], k, gemm=gemm)
+        assert torch.equal(got, alone[:m]), f"{path} {qtype} m={m}"
 
 
 def test_bias_and_strided_input(kernels: Any) -> None:
@@ -81,7 +87,9 @@ def test_bias_and_strided_input(kernels: Any) -> None:
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
-def test_dequantize_is_bit_exact_to_gguf(kernels: Any, qtype: str) -> None:
+def test_dequantize_is_bit_exact_to_gguf(kernels: Any, path: str, qtype: str) -> None:
+    """On every path: the vector paths' dequantization (the PyTorch path's matrices, the GEMM's tiles) gives the
+    scalar values bit for bit."""
     wq = quantize(torch.randn(37, 96, generator=torch.Generator().manual_seed(2)), qtype)
     assert torch.equal(kernels.dequantize(wq, QTYPES[qtype][0], 96), dequantize(wq, qtype))
     ids = torch.tensor([36, 0, 5, 5])

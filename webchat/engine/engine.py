@@ -329,7 +329,9 @@ class Engine:
             r.seq.table.ensure(r.seq.n_cached + len(r.feed))
             offsets = [] if not r.sample else list(range(len(r.feed))) if r.drafts else [-1]
             spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, offsets))
-        logits = self.model(make_batch(spec, self.pool.page_size, self.model.device), self.pool)  # (R, vocab)
+        # a prompt's positions: computed alike however the prompt is chunked, recomputed alike after a preemption
+        ends = [r.seq.stats.prompt_tokens for r in rows]
+        logits = self.model(make_batch(spec, self.pool.page_size, self.model.device, ends), self.pool)  # (R, vocab)
         at, todo = 0, []  # (row, its first logits row, how many it samples, its results)
         for r in rows:
             seq, out = r.seq, StreamResult()

@@ -23,6 +23,9 @@ class Batch:
     block_tables: torch.Tensor  # (B, max_pages) int32 page ids of each sequence, padded with 0
     logit_rows: torch.Tensor  # (R,) int64 rows of `tokens` whose logits the forward returns
     max_seq_len: int = 0  # max(seq_lens), read on the host without a device sync
+    # (B,) int64: b's rows at positions below prompt_ends[b] are its prompt's (the CPU forward computes them as a
+    # GEMM, the same numbers however the prompt is chunked); None: no row is
+    prompt_ends: torch.Tensor | None = None
     plan: object = field(default=None, repr=False, compare=False)  # ops' per-batch precomputation, built once
 
     @property
@@ -31,12 +34,15 @@ class Batch:
 
 
 def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_size: int,
-               device: torch.device | str = "cpu") -> Batch:
+               device: torch.device | str = "cpu", prompt_ends: list[int] | None = None) -> Batch:
     """A Batch from (new_tokens, start_position, pages, logit_offsets) per sequence.
 
     new_tokens sit at positions start_position.. of a sequence whose cache pages are `pages` (enough for
     start_position + len(new_tokens) tokens); logit_offsets index new_tokens (e.g. [-1] for the last, or all rows).
+    prompt_ends: per sequence, how many of its first positions are its prompt (Batch.prompt_ends).
     """
+    if prompt_ends is not None and len(prompt_ends) != len(seqs):
+        raise ValueError(f"prompt_ends needs one value per sequence ({len(seqs)}), got {len(prompt_ends)}")
     if not seqs:
         raise ValueError("a batch needs at least one sequence, got none")
     tokens: list[int] = []
@@ -68,4 +74,5 @@ def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_siz
 
     return Batch(tokens=t(tokens, torch.long), positions=t(positions, torch.long), slot_mapping=t(slots, torch.long),
                  query_start=t(starts, torch.int32), seq_lens=t(lens, torch.int32),
-                 block_tables=t(tables, torch.int32), logit_rows=t(rows, torch.long), max_seq_len=max(lens))
+                 block_tables=t(tables, torch.int32), logit_rows=t(rows, torch.long), max_seq_len=max(lens),
+                 prompt_ends=None if prompt_ends is None else t(prompt_ends, torch.long))

@@ -22,7 +22,7 @@ from webchat.paths import webchat_home
 if TYPE_CHECKING:
     import torch
 
-SOURCES = ("qmatmul.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp")
+SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
@@ -40,8 +40,8 @@ class QKernels(Protocol):
     """The compiled module (csrc/qops.cpp's bindings), typed once here: every caller holds this, never the bare
     extension handle."""
 
-    def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor: ...  # fmt: skip
+    def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
+                gemm: bool = False) -> torch.Tensor: ...  # fmt: skip
 
     def dequantize(self, w: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor: ...
 

@@ -95,7 +95,8 @@ class CpuStep:
         local = model.rope_local or (NONE, NONE)
         logits: torch.Tensor = self.step.forward(
             batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,
-            batch.logit_rows, kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n)
+            batch.logit_rows, NONE if batch.prompt_ends is None else batch.prompt_ends, kv.k, kv.v, model.rope_cos,
+            model.rope_sin, *local, n)
         if self.final_softcap > 0:  # Gemma 2: logits = cap * tanh(logits / cap), as the PyTorch path computes it
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -122,6 +122,11 @@ struct MatRef {  // one matrix of a qmatmul_multi call and where its output goes
 // y_i (m, n_i) = x (m, k) @ W_i^T for matrices sharing x and k (q/k/v, gate/up): one parallel region over all
 // their output rows; xsum2 scratch (m, k/32, 2)
 void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, float* xsum2);
+// the same products for rows of a prompt, as a GEMM over dequantized tiles of W (qgemm.cpp): each output the same
+// whatever else is in x
+void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count);
+// one row of a matrix of any type as float32 (k values): the embedding lookup, the PyTorch path's dequantized matrices
+void dequant_row(int qtype, const uint8_t* row, int64_t k, float* out);
 void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
                  float* xsum2, float* y);
 

@@ -23,9 +23,9 @@ inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.size(1) == k / 32 * bb, "w rows must hold ", k / 32 * bb, " bytes for K=", k, ", got ", w.size(1));
 }
 
-// y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]
+// y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]: the row kernels, or (gemm) the prompt rows' GEMM
 torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
-                      const c10::optional<torch::Tensor>& bias) {
+                      const c10::optional<torch::Tensor>& bias, bool gemm) {
   if (is_kquant(qtype)) {  // the C++ forward's K-quant rows (kq_rows), the op its tests call
     const int64_t bb = kq_block_bytes(static_cast<int>(qtype));
     TORCH_CHECK(k > 0 && k % 256 == 0, "K must be a positive multiple of 256 for Q4_K/Q6_K, got ", k);
@@ -42,33 +42,16 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qt
   const int64_t m = xc.size(0), n = w.size(0);
   torch::Tensor y = torch::empty({m, n}, xc.options());
   if (m == 0 || n == 0) return y;
-  torch::Tensor xsum2 = torch::empty({m, k / 32, 2}, xc.options());
-  qmatmul_raw(xc.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype),
-              xsum2.data_ptr<float>(), y.data_ptr<float>());
+  if (gemm) {
+    const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype), y.data_ptr<float>()};
+    qgemm_multi(xc.data_ptr<float>(), m, k, &r, 1);
+  } else {
+    torch::Tensor xsum2 = torch::empty({m, k / 32, 2}, xc.options());
+    qmatmul_raw(xc.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype),
+                xsum2.data_ptr<float>(), y.data_ptr<float>());
+  }
   if (bias.has_value()) y.add_(*bias);
   return y;
-}
-
-// out[k] for one row: w = d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1)
-static void dequant_row(const uint8_t* row, int64_t qtype, int64_t k, float* out) {
-  const int64_t bb = block_bytes(qtype);
-  for (int64_t b = 0; b < k / 32; ++b) {
-    const uint8_t* blk = row + b * bb;
-    const float d = half_to_float(blk);
-    float* o = out + b * 32;
-    if (qtype == Q8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-      for (int i = 0; i < 32; ++i) o[i] = d * float(q[i]);
-    } else {
-      const uint8_t* q = blk + (qtype == Q4_1 ? 4 : 2);
-      const float m = qtype == Q4_1 ? half_to_float(blk + 2) : 0.f;
-      const float off = qtype == Q4_1 ? 0.f : 8.f;
-      for (int i = 0; i < 16; ++i) {
-        o[i] = d * (float(q[i] & 15) - off) + m;
-        o[i + 16] = d * (float(q[i] >> 4) - off) + m;
-      }
-    }
-  }
 }
 
 // (len(ids), K) float32 rows ids of w; ids None: every row (the whole matrix)
@@ -86,8 +69,9 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k, const
   torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  const int qt = static_cast<int>(qtype);
   at::parallel_for(0, n, 64, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) dequant_row(wp + (ip ? ip[i] : i) * w.size(1), qtype, k, op + i * k);
+    for (int64_t i = a; i < b; ++i) dequant_row(qt, wp + (ip ? ip[i] : i) * w.size(1), k, op + i * k);
   });
   return out;
 }
@@ -204,10 +188,12 @@ class Step {
     }
   }
 
-  // logits (R, vocab) of a webchat.model.batch.Batch through the first n_layers layers, k/v written into the pool
+  // logits (R, vocab) of a webchat.model.batch.Batch through the first n_layers layers, k/v written into the pool;
+  // prompt_ends (B) int64, or empty: rows of b at positions below prompt_ends[b] are prompt rows (qgemm.cpp)
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions, const torch::Tensor& slots,
                         const torch::Tensor& query_start, const torch::Tensor& block_tables,
-                        const torch::Tensor& logit_rows, const std::vector<torch::Tensor>& k,
+                        const torch::Tensor& logit_rows, const torch::Tensor& prompt_ends,
+                        const std::vector<torch::Tensor>& k,
                         const std::vector<torch::Tensor>& v, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& cos_l, const torch::Tensor& sin_l, int64_t n_layers) {
     TORCH_CHECK(n_layers >= 1 && n_layers <= static_cast<int64_t>(m_.layers.size()), "n_layers must be in [1, ",
@@ -256,6 +242,13 @@ class Step {
     bv.query_start = query_start.data_ptr<int32_t>(), bv.b = block_tables.size(0);
     bv.block_tables = block_tables.data_ptr<int32_t>(), bv.width = block_tables.size(1);
     bv.logit_rows = logit_rows.data_ptr<int64_t>(), bv.r = logit_rows.numel();
+    if (prompt_ends.numel() > 0) {
+      TORCH_CHECK(prompt_ends.scalar_type() == torch::kInt64 && prompt_ends.dim() == 1 && prompt_ends.is_contiguous() &&
+                      prompt_ends.device().is_cpu() && prompt_ends.numel() == bv.b,
+                  "prompt_ends must be a contiguous 1-D int64 CPU tensor of ", bv.b, " values (or empty), got ",
+                  prompt_ends.scalar_type(), " ", prompt_ends.sizes());
+      bv.prompt_ends = prompt_ends.data_ptr<int64_t>();
+    }
     check_batch(bv, num_pages, ps, cos.size(0));
     torch::Tensor logits = torch::empty({bv.r, m_.head.n}, torch::dtype(torch::kFloat32));
     PoolView pv{kp.data(), vp.data(), ps};
@@ -326,8 +319,9 @@ class Step {
 }  // namespace wq
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qmatmul", &wq::qmatmul, "y = x @ dequant(w).T (+ bias), float32", py::arg("x"), py::arg("w"),
-        py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none());
+  m.def("qmatmul", &wq::qmatmul, "y = x @ dequant(w).T (+ bias), float32; gemm: as the forward computes prompt rows",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none(),
+        py::arg("gemm") = false);
   m.def("dequantize", &wq::dequantize, "float32 rows of a quantized matrix", py::arg("w"), py::arg("qtype"),
         py::arg("k"), py::arg("ids") = py::none());
   m.def("set_path", &wq::set_path, "force a code path (-1 best, 0 scalar, 1 avx2, 2 avx512); returns the one set");

@@ -233,44 +233,25 @@ static void rope_heads(float* x, int64_t heads, int64_t hd, const float* c, cons
   }
 }
 
-// one row of a matrix as floats (the embedding lookup)
-static void dequant_row(const Mat& m, int64_t row, float* out) {
-  const uint8_t* r = m.w + row * m.row_bytes;
-  if (m.qtype == F32) {
-    std::memcpy(out, r, m.k * sizeof(float));
-    return;
+// y_i (m, n_i) = x (m, k) @ W_i^T (+ bias_i) for matrices sharing x and k, in one parallel region per run of rows:
+// with `tokens` (x holds the batch's token rows), a prompt's rows take the GEMM (qgemm.cpp) and the others the row
+// kernels, each a row's numbers whatever the batch; otherwise (the head's logit rows) the row kernels
+void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m,
+                        bool tokens) {
+  const int64_t k = mys.begin()->first->k;
+  const Rows all{0, m, false};
+  const Rows* runs = tokens ? runs_.data() : &all;
+  const size_t n_runs = tokens ? runs_.size() : 1;
+  for (size_t i = 0; i < n_runs; ++i) {
+    const Rows& run = runs[i];
+    MatRef refs[4];
+    int count = 0;
+    for (const auto& my : mys)
+      refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype,
+                             my.second + run.lo * my.first->n};
+    if (run.prompt) qgemm_multi(x + run.lo * k, run.hi - run.lo, k, refs, count);
+    else qmatmul_multi(x + run.lo * k, run.hi - run.lo, k, refs, count, xsum2_.data());
   }
-  if (is_kquant(m.qtype)) {
-    kq_dequant_row(m.qtype, r, m.k, out);
-    return;
-  }
-  const int64_t bb = block_bytes(m.qtype);
-  for (int64_t b = 0; b < m.k / 32; ++b) {
-    const uint8_t* blk = r + b * bb;
-    const float dd = half_to_float(blk);
-    float* o = out + b * 32;
-    if (m.qtype == Q8_0) {
-      const int8_t* qq = reinterpret_cast<const int8_t*>(blk + 2);
-      for (int i = 0; i < 32; ++i) o[i] = dd * float(qq[i]);
-    } else {
-      const uint8_t* qq = blk + (m.qtype == Q4_1 ? 4 : 2);
-      const float mn = m.qtype == Q4_1 ? half_to_float(blk + 2) : 0.f;
-      const float off = m.qtype == Q4_1 ? 0.f : 8.f;
-      for (int i = 0; i < 16; ++i) {
-        o[i] = dd * (float(qq[i] & 15) - off) + mn;
-        o[i + 16] = dd * (float(qq[i] >> 4) - off) + mn;
-      }
-    }
-  }
-}
-
-// y_i (m, n_i) = x (m, k) @ W_i^T (+ bias_i) for matrices sharing x and k, in one parallel region
-void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m) {
-  MatRef refs[4];
-  int count = 0;
-  for (const auto& my : mys)
-    refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype, my.second};
-  qmatmul_multi(x, m, mys.begin()->first->k, refs, count, xsum2_.data());
   for (const auto& my : mys)
     if (my.first->bias != nullptr)
       for (int64_t r = 0; r < m; ++r)
@@ -387,13 +368,20 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
   float *x = x_.data(), *y = y_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data(), *o = o_.data();
   float *g = g_.data(), *u = u_.data(), *out = out_.data();
 
-  for (int64_t t = 0; t < T; ++t) dequant_row(emb, bv.tokens[t], x + t * d);
+  runs_.clear();  // rows in order, runs of one kind: a sequence's prompt rows come first, then any others
+  for (int64_t b = 0; b < bv.b; ++b)
+    for (int64_t t = bv.query_start[b]; t < bv.query_start[b + 1]; ++t) {
+      const bool prompt = bv.prompt_ends != nullptr && bv.positions[t] < bv.prompt_ends[b];
+      if (runs_.empty() || runs_.back().prompt != prompt) runs_.push_back(Rows{t, t + 1, prompt});
+      else runs_.back().hi = t + 1;
+    }
+  for (int64_t t = 0; t < T; ++t) dequant_row(emb.qtype, emb.w + bv.tokens[t] * emb.row_bytes, d, x + t * d);
   if (embed_scale != 1.f)
     for (int64_t c = 0; c < T * d; ++c) x[c] *= embed_scale;
   for (int64_t i = 0; i < n_layers; ++i) {
     const Layer& L = layers[i];
     for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.attn_norm, y + t * d, d, eps);
-    linears({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, y, T);
+    linears({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, y, T, true);
     const bool local = L.local_rope && cos_l != nullptr;
     for (int64_t t = 0; t < T; ++t) {
       const float* c = (local ? cos_l : cos) + bv.positions[t] * half;
@@ -414,22 +402,22 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
       std::memcpy(kv.v[i] + bv.slots[t] * kvd, v + t * kvd, kvd * sizeof(float));
     }
     attend(bv, kv.k[i], kv.v[i], kv.page_size, L.window);
-    linears({{&L.wo, out}}, o, T);
+    linears({{&L.wo, out}}, o, T, true);
     if (L.attn_post_norm != nullptr)
       for (int64_t t = 0; t < T; ++t) rms_norm_row(out + t * d, L.attn_post_norm, out + t * d, d, eps);
     for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
     for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.ffn_norm, y + t * d, d, eps);
-    linears({{&L.w1, g}, {&L.w3, u}}, y, T);
+    linears({{&L.w1, g}, {&L.w3, u}}, y, T, true);
     const bool avx2 = path() >= PATH_AVX2;
     if (gelu) avx2 ? gelu_mul_avx2(g, u, T * ffn) : gelu_mul_scalar(g, u, T * ffn);
     else avx2 ? silu_mul_avx2(g, u, T * ffn) : silu_mul_scalar(g, u, T * ffn);
-    linears({{&L.w2, out}}, g, T);
+    linears({{&L.w2, out}}, g, T, true);
     if (L.ffn_post_norm != nullptr)
       for (int64_t t = 0; t < T; ++t) rms_norm_row(out + t * d, L.ffn_post_norm, out + t * d, d, eps);
     for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
   }
   for (int64_t r = 0; r < bv.r; ++r) rms_norm_row(x + bv.logit_rows[r] * d, final_norm, y + r * d, d, eps);
-  linears({{&head, logits}}, y, bv.r);
+  linears({{&head, logits}}, y, bv.r, false);
 }
 
 }  // namespace wq

@@ -40,6 +40,7 @@ struct BatchView {
   int64_t width = 0;
   const int64_t* logit_rows = nullptr;  // (R)
   int64_t r = 0;
+  const int64_t* prompt_ends = nullptr;  // (B) or none: b's rows at positions below it are its prompt's (a GEMM's)
 };
 
 // webchat.model.kv_cache.KVPool: per layer k and v pages (num_pages, page_size, n_kv, hd)
@@ -69,7 +70,12 @@ struct StepModel {
  private:
   std::mutex mu_;
   std::vector<float> x_, y_, q_, k_, v_, o_, g_, u_, out_, xsum2_;
-  void linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m);
+  struct Rows {  // a run of the batch's rows that one kind of matmul computes
+    int64_t lo, hi;
+    bool prompt;
+  };
+  std::vector<Rows> runs_;  // this forward's token rows in runs of prompt rows and other rows
+  void linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m, bool tokens);
   void attend(const BatchView& bv, const float* kc, const float* vc, int64_t page_size, int64_t window);
 };
 
