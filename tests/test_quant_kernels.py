@@ -67,12 +67,12 @@ def test_qmatmul_matches_dequantize_then_matmul(kernels: Any, path: str, qtype: 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Any, path: str, qtype: str, k: int,
                                                              gemm: bool) -> None:
     """Bit for bit: row i of an m-row call equals row i alone (every group size a path takes rows in: 1 to 8, 9;
-    the GEMM's groups of 4 and its 16-row weight tiles, 37 rows = 2 tiles and 5)."""
+    the GEMM's passes of 1 to 6 rows and its 16-row weight tiles in groups of 4 or 2, 37 rows = 2 tiles and 5)."""
     gen = torch.Generator().manual_seed(k)
     wq = quantize(torch.randn(37, k, generator=gen), qtype)
-    x = torch.randn(9, k, generator=gen)
-    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, QTYPES[qtype][0], k, gemm=gemm) for i in range(9)])
-    for m in (2, 3, 5, 8, 9):
+    x = torch.randn(13, k, generator=gen)
+    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, QTYPES[qtype][0], k, gemm=gemm) for i in range(13)])
+    for m in (2, 3, 5, 6, 8, 9, 13):
         got = kernels.qmatmul(x[:m], wq, QTYPES[qtype][0], k, gemm=gemm)
         assert torch.equal(got, alone[:m]), f"{path} {qtype} m={m}"
 

@@ -161,16 +161,22 @@ static void micro_scalar(const float* x, int64_t ldx, const float* w, int64_t ld
 
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 #define WQ_ROW(F, MR) {F<MR, 1>, F<MR, 2>, F<MR, 3>, F<MR, 4>}
-static const Micro MICRO[3][4][4] = {
-    {WQ_ROW(micro_scalar, 1), WQ_ROW(micro_scalar, 2), WQ_ROW(micro_scalar, 3), WQ_ROW(micro_scalar, 4)},
-    {WQ_ROW(micro_avx2, 1), WQ_ROW(micro_avx2, 2), WQ_ROW(micro_avx2, 3), WQ_ROW(micro_avx2, 4)},
-    {WQ_ROW(micro_avx512, 1), WQ_ROW(micro_avx512, 2), WQ_ROW(micro_avx512, 3), WQ_ROW(micro_avx512, 4)},
+constexpr int64_t MR_MAX = 6;  // rows of x a step: AVX-512 6 x 4 accumulators, AVX2 6 x 2 (and their operands)
+static const Micro MICRO[3][MR_MAX][4] = {
+    {WQ_ROW(micro_scalar, 1), WQ_ROW(micro_scalar, 2), WQ_ROW(micro_scalar, 3), WQ_ROW(micro_scalar, 4),
+     WQ_ROW(micro_scalar, 5), WQ_ROW(micro_scalar, 6)},
+    {WQ_ROW(micro_avx2, 1), WQ_ROW(micro_avx2, 2), WQ_ROW(micro_avx2, 3), WQ_ROW(micro_avx2, 4), WQ_ROW(micro_avx2, 5),
+     WQ_ROW(micro_avx2, 6)},
+    {WQ_ROW(micro_avx512, 1), WQ_ROW(micro_avx512, 2), WQ_ROW(micro_avx512, 3), WQ_ROW(micro_avx512, 4),
+     WQ_ROW(micro_avx512, 5), WQ_ROW(micro_avx512, 6)},
 };
 #undef WQ_ROW
 
 void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count) {
   const int p = path();
-  const int64_t nr_max = p == PATH_AVX2 ? 2 : 4;  // AVX2 has 16 registers: 4 x 2 accumulators, 4 + 2 operands
+  const int64_t nr_max = p == PATH_AVX2 ? 2 : 4;  // AVX2 has 16 registers, AVX-512 32
+  // rows in passes of at most MR_MAX, as even as they go (10 rows: 5 + 5, not 6 + 4 or 4 + 4 + 2)
+  const int64_t passes = (m + MR_MAX - 1) / MR_MAX, base = m / passes, extra = m % passes;
   std::vector<std::pair<int, int64_t>> tiles;     // (matrix, first row)
   for (int i = 0; i < count; ++i)
     for (int64_t n0 = 0; n0 < mats[i].n; n0 += TILE) tiles.emplace_back(i, n0);
@@ -188,8 +194,8 @@ void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int c
         for (int64_t i = 0; i < nn; ++i) dequant_row(mr.qtype, rows + i * mr.row_bytes, k, buf.data() + i * k);
         w = buf.data();
       }
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {  // 4 rows of x stay in L1 while the tile's rows pass
-        const int64_t mm = std::min<int64_t>(4, m - r0);
+      for (int64_t i = 0, r0 = 0; i < passes; r0 += base + (i < extra), ++i) {  // rows of x in L1, the tile's passing
+        const int64_t mm = base + (i < extra);
         for (int64_t c0 = 0; c0 < nn; c0 += nr_max) {
           const int64_t nr = std::min(nr_max, nn - c0);
           MICRO[p][mm - 1][nr - 1](x + r0 * k, k, w + c0 * k, k, k, mr.y + r0 * mr.n + n0 + c0, mr.n);
