@@ -150,6 +150,33 @@ def test_identical_prefixes_are_computed_once(tiny: tuple[Any, Tokenizer]) -> No
     assert first  # the first turn produced tokens
 
 
+def test_each_row_is_marked_prompt_or_not(tiny: tuple[Any, Tokenizer]) -> None:
+    """Every batch tells the forward where each sequence's prompt ends (Batch.prompt_ends): the prompt's rows, chunked
+    or not, come below it (the C++ forward computes them as a GEMM); decoded and verified rows at or above it."""
+    model, tok = tiny
+    seen: list[tuple[list[int], list[int], list[int]]] = []  # per batch: positions, query starts, prompt ends
+
+    def recording(batch: Any, kv: Any) -> torch.Tensor:
+        assert batch.prompt_ends is not None
+        seen.append((batch.positions.tolist(), batch.query_start.tolist(), batch.prompt_ends.tolist()))
+        return model(batch, kv)  # type: ignore[no-any-return]
+
+    recording.args, recording.device, recording.dtype = model.args, model.device, model.dtype  # type: ignore[attr-defined]
+    recording.new_pool, recording.ensure_rope = model.new_pool, model.ensure_rope  # type: ignore[attr-defined]
+    recording.truncated, recording.sampler_factory = model.truncated, None  # type: ignore[attr-defined]
+    recording.row_scan = model.row_scan  # type: ignore[attr-defined]
+    engine = Engine(recording, tok, max_seq_len=256, pool_tokens=4096, prefill_chunk=16)  # type: ignore[arg-type]
+    prompt = prompts(1, model.args.vocab_size, seed=9)[0][:40]
+    out = run_alone(Generator(model, tok, engine=engine),
+                    GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=5, stop_token_ids=[]))
+    assert len(out) == 5
+    prompt_rows = [p for positions, _, ends in seen for p in positions if p < ends[0]]
+    others = [p for positions, _, ends in seen for p in positions if p >= ends[0]]
+    assert {ends[0] for _, _, ends in seen} == {len(prompt)}
+    assert prompt_rows == list(range(len(prompt)))  # in chunks of 16, 16, 8
+    assert others == list(range(len(prompt), len(prompt) + 4))  # the fed-back tokens (the 5th is never fed)
+
+
 def serve_all(engine: Engine, model: Any, tok: Tokenizer, reqs: list[tuple[object, GenerationRequest]],
               gens: dict[object, Generator]) -> dict[object, list[ev.Event]]:
     """Submit every request at once to a Worker over `engine`; return each connection's events once all are done."""
