@@ -14,6 +14,11 @@ Peak RSS of each server process over its round is printed too.
     .venv/bin/python bench/bench_served.py                 # SmolLM2-135M Q4_1 (the default model's GGUF)
     .venv/bin/python bench/make_tinyllama_gguf.py          # the 1.1B-shaped file, then:
     .venv/bin/python bench/bench_served.py --gguf ~/.cache/webchat/tinyllama-shape-q4_1.gguf
+    .venv/bin/python bench/bench_served.py --only webchat --clients 1 --rounds 6 --bare   # served against bare
+
+`--bare` also runs bench/bench_cpu.py's webchat child (the bare forward on the main thread, no server) after the
+servers in every round, and prints each round's single-client served aggregate against that bare decode, and the
+median: the served stream's share of the engine's own speed, measured in one run.
 
 Token counts come from each server's `usage` (stream_options.include_usage); per-client decode is
 (tokens - 1) / (last content chunk - first content chunk), so a server that merges tokens into fewer chunks is not
@@ -222,6 +227,14 @@ def run_sections(server: Server, tokens: int, clients: list[int], rnd: int) -> d
     return out
 
 
+def bare_decode(src: Path) -> float:
+    """bench_cpu.py's webchat child from the checkout `src`: the bare forward's decode on its short prompt."""
+    env = dict(os.environ, PYTHONPATH=str(src))
+    out = subprocess.run([sys.executable, str(src / "bench" / "bench_cpu.py"), "--engine", "webchat"], cwd=src, env=env,
+                         capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["short"]["decode_tps"])
+
+
 def stop_token_ids(gguf: Path) -> list[int]:
     from gguf import GGUFReader
 
@@ -276,9 +289,13 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=16 * 2048, help="llama-server's total context (-c), split by -np 16")
     parser.add_argument("--only", choices=["webchat", "llama-server"], default=None)
     parser.add_argument("--src", type=Path, default=HERE, help="the webchat checkout to serve from")
+    parser.add_argument("--bare", action="store_true",
+                        help="each round, bench_cpu.py's bare webchat decode too (the default model; needs clients 1)")
     args = parser.parse_args()
     gguf = (args.gguf or default_gguf()).resolve()
     clients = [int(c) for c in args.clients.split(",")]
+    if args.bare and (1 not in clients or args.only == "llama-server" or args.gguf is not None):
+        parser.error("--bare compares webchat's single client on the default model: keep 1 in --clients, no --gguf")
     stops = stop_token_ids(gguf)
     makers: dict[str, Callable[[int], Server]] = {}
     if args.only in (None, "webchat"):
@@ -299,6 +316,7 @@ def main() -> None:
             return sec.streams[0].ttft_ms < old.streams[0].ttft_ms
         return sec.aggregate > old.aggregate
 
+    pairs: list[tuple[float, float]] = []  # --bare: (served c1 aggregate, bare decode) per round
     for rnd in range(args.rounds):
         for name, make in makers.items():
             server = make(free_port())
@@ -314,6 +332,11 @@ def main() -> None:
             summary = ", ".join(f"{k} {v.aggregate:.1f} tok/s" for k, v in sections.items() if k.startswith("c"))
             print(f"round {rnd + 1} {name}: {summary}; repeat TTFT {sections['repeat'].streams[0].ttft_ms:.0f} ms; "
                   f"long TTFT {sections['long'].streams[0].ttft_ms:.0f} ms", flush=True)
+            if name == "webchat" and args.bare:
+                bare = bare_decode(args.src.resolve())
+                pairs.append((sections["c1"].aggregate, bare))
+                print(f"round {rnd + 1} bare webchat (bench_cpu.py): decode {bare:.1f} tok/s; served c1 aggregate / "
+                      f"bare {sections['c1'].aggregate / bare:.2f}x", flush=True)
 
     names = list(makers)
     print()
@@ -341,6 +364,10 @@ def main() -> None:
     row("long prompt: decode after it", [best[m]["long"].streams[0].decode_tps for m in names], "tok/s")
     row("peak RSS", [rss[m] / 2**20 for m in names], "MiB", True)
     print("\nratio: webchat / llama-server for tok/s; llama-server / webchat for times and memory (>1: webchat better)")
+    if pairs:
+        ratios = [served / bare for served, bare in pairs]
+        print(f"\nserved single-client aggregate / bare decode (bench_cpu.py), round by round: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x (target >= 0.9)")
 
 
 if __name__ == "__main__":
