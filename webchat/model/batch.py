@@ -23,8 +23,8 @@ class Batch:
     block_tables: torch.Tensor  # (B, max_pages) int32 page ids of each sequence, padded with 0
     logit_rows: torch.Tensor  # (R,) int64 rows of `tokens` whose logits the forward returns
     max_seq_len: int = 0  # max(seq_lens), read on the host without a device sync
-    # (B,) int64: b's rows at positions below prompt_ends[b] are its prompt's (the CPU forward computes them as a
-    # GEMM, the same numbers however the prompt is chunked); None: no row is
+    # (B,) int64, on the CPU whatever the device: b's rows at positions below prompt_ends[b] are its prompt's (the
+    # CPU forward computes them as a GEMM, the same numbers however the prompt is chunked); None: no row is
     prompt_ends: torch.Tensor | None = None
     plan: object = field(default=None, repr=False, compare=False)  # ops' per-batch precomputation, built once
 
@@ -75,4 +75,4 @@ def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_siz
     return Batch(tokens=t(tokens, torch.long), positions=t(positions, torch.long), slot_mapping=t(slots, torch.long),
                  query_start=t(starts, torch.int32), seq_lens=t(lens, torch.int32),
                  block_tables=t(tables, torch.int32), logit_rows=t(rows, torch.long), max_seq_len=max(lens),
-                 prompt_ends=None if prompt_ends is None else t(prompt_ends, torch.long))
+                 prompt_ends=None if prompt_ends is None else torch.tensor(prompt_ends, dtype=torch.long))
