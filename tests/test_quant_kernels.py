@@ -19,7 +19,8 @@ from webchat.kernels.cpu import build as qkernels
 from webchat.model.quant import QTYPES, dequantize, quantize
 
 # (M activation rows, N output rows, K) — K is always whole blocks of 32
-SHAPES = [(1, 1, 32), (1, 192, 576), (3, 7, 96), (5, 33, 160), (4, 16, 64), (9, 40, 1536), (70, 17, 64)]
+SHAPES = [(1, 1, 32), (1, 192, 576), (3, 7, 96), (5, 33, 160), (4, 16, 64), (9, 40, 1536), (70, 17, 64),
+          (7, 19, 2080)]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ def test_qmatmul_matches_dequantize_then_matmul(kernels: Any, path: str, qtype: 
 
 @pytest.mark.parametrize("gemm", [False, True], ids=["rows", "gemm"])
 @pytest.mark.parametrize("qtype", list(QTYPES))
-@pytest.mark.parametrize("k", [32, 96, 576])  # one block, an odd count (AVX2 Q4 pairs blocks), an even one
+# one block, an odd count (AVX2 Q4 pairs blocks), an even one, a long row (65 blocks, past L1 in the GEMM's tile)
+@pytest.mark.parametrize("k", [32, 96, 576, 2080])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Any, path: str, qtype: str, k: int,
                                                              gemm: bool) -> None:
     """Bit for bit: row i of an m-row call equals row i alone (every group size a path takes rows in: 1 to 8, 9;
