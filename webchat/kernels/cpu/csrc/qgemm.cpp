@@ -1,5 +1,5 @@
 // A prompt's rows as a GEMM: y (m, n) = x (m, k) @ W^T with W dequantized to float32 a tile of TILE rows at a time
-// and reused by every row of x (docs/quant.md, "Prompt rows").
+// and reused by every row of x (docs/quant.md, `qgemm.cpp`).
 //
 // The row kernels (qmatmul.cpp, qkquant.cpp) decode each weight block once per group of up to 4-8 rows and spend
 // about as many vector operations on the decoding and the per-block scales as on the products: ~43 GMAC/s on two
@@ -173,11 +173,12 @@ static const Micro MICRO[3][MR_MAX][4] = {
 #undef WQ_ROW
 
 void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count) {
+  if (m == 0) return;
   const int p = path();
   const int64_t nr_max = p == PATH_AVX2 ? 2 : 4;  // AVX2 has 16 registers, AVX-512 32
   // rows in passes of at most MR_MAX, as even as they go (10 rows: 5 + 5, not 6 + 4 or 4 + 4 + 2)
   const int64_t passes = (m + MR_MAX - 1) / MR_MAX, base = m / passes, extra = m % passes;
-  std::vector<std::pair<int, int64_t>> tiles;     // (matrix, first row)
+  std::vector<std::pair<int, int64_t>> tiles;  // (matrix, first row)
   for (int i = 0; i < count; ++i)
     for (int64_t n0 = 0; n0 < mats[i].n; n0 += TILE) tiles.emplace_back(i, n0);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t a, int64_t b) {
