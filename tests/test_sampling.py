@@ -185,19 +185,29 @@ MIXED_ROWS = [
 ]
 
 
-def test_sample_batch_equals_each_row_alone() -> None:
+# with and without a penalised row (each row's adjustments, or the token bias alone)
+UNPENALISED = [r for r in MIXED_ROWS if not r[0].penalised]
+
+
+@pytest.mark.parametrize("rows", [MIXED_ROWS, UNPENALISED], ids=["mixed", "unpenalised"])
+def test_sample_batch_equals_each_row_alone(rows: list[tuple[SamplingSettings, int, bool]]) -> None:
     vocab, gen = 300, torch.Generator().manual_seed(0)
     history = torch.randint(0, vocab, (40,), generator=gen).tolist()
-    batched = [Sampler(s, vocab) for s, _, _ in MIXED_ROWS]
-    alone = [Sampler(s, vocab) for s, _, _ in MIXED_ROWS]
+    batched = [Sampler(s, vocab) for s, _, _ in rows]
+    alone = [Sampler(s, vocab) for s, _, _ in rows]
     for b, a in zip(batched, alone, strict=True):  # unseeded rows: the same stream for both copies
         a.rng.manual_seed(b.seed)
-    for _ in range(6):  # several steps: each row's random stream advances once per sampled token, in both
-        logits = torch.randn(len(MIXED_ROWS), vocab, generator=gen) * 4
+    for step in range(6):  # several steps: each row's random stream advances once per sampled token, in both
+        logits = torch.randn(len(rows), vocab, generator=gen) * 4
+        if step % 2:  # as the forward returns them: inference tensors
+            with torch.inference_mode():
+                logits = logits.clone()
+        before = logits.clone()
         asks = [RowAsk(sm, history, top_alts=k, want_probs=probs, want_logits=i == 3)
-                for i, (sm, (_, k, probs)) in enumerate(zip(batched, MIXED_ROWS, strict=True))]
+                for i, (sm, (_, k, probs)) in enumerate(zip(batched, rows, strict=True))]
         got = sample_batch(logits, asks)
-        for i, (sm, (_, k, probs)) in enumerate(zip(alone, MIXED_ROWS, strict=True)):
+        assert torch.equal(logits, before)  # the caller's logits as they were
+        for i, (sm, (_, k, probs)) in enumerate(zip(alone, rows, strict=True)):
             want = sm.sample(logits[i], history, top_alts=k, want_probs=probs, want_logits=i == 3)
             assert (got[i].token, got[i].prob, got[i].sampled_prob, got[i].rank, got[i].top) == (
                 want.token, want.prob, want.sampled_prob, want.rank, want.top), f"row {i}"
