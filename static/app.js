@@ -40,7 +40,7 @@ const connection = new Connection(socketUrl(), {
 });
 const turns = new Turns({
   connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
-  progress: (text) => { activity.textContent = text; },
+  progress: (text) => { if (activity.textContent !== text) activity.textContent = text; },  // no DOM write per chunk
   announce: (text, final) => announcer.add(text, final),
   restoreInput: (text) => {
     input.value = input.value.trim() === "" ? text : `${text}\n${input.value}`;

@@ -18,6 +18,13 @@ import { paintToken } from "./heatmap.js";
 /** Token data of each span (primary and continuation), for the popover; the token's index in its reply. */
 export const tokenData = /** @type {WeakMap<Element, Tok>} */ (new WeakMap());
 export const tokenIndex = /** @type {WeakMap<Element, number>} */ (new WeakMap());
+/**
+ * The streaming reply reaches the DOM at most every FLUSH_MS (20 times a second) and nothing else on the page changes
+ * per chunk: the browser shares the CPU with the model on a small machine, and redrawing on every animation frame made
+ * the engine decode at 61-64 tok/s behind headless Chromium on 2 cores against ~125 for a socket client; at 50 ms
+ * 79-81 (bench/bench_page.py).
+ */
+const FLUSH_MS = 50;
 
 /**
  * Merges byte tokens that together complete one character: all but the last have text "" (docs/protocol.md).
@@ -119,6 +126,7 @@ export class ReplyView {
     this.index = 0;
     this.writer = new MarkdownWriter(this.body, (piece, primary) => this.span(piece, primary));
     this.queuedFlush = false;
+    this.flushedAt = 0;
     this.sentAt = performance.now();
     /** @type {number | null} */
     this.firstAt = null;
@@ -163,7 +171,7 @@ export class ReplyView {
   }
 
   /**
-   * Renders pieces that ReplyData applied; the DOM catches up once per frame.
+   * Renders pieces that ReplyData applied; the DOM (the reply and its count line) catches up at most every FLUSH_MS.
    * @param {[string, Tok | null][]} pieces
    */
   chunk(pieces) {
@@ -171,15 +179,18 @@ export class ReplyView {
     if (this.firstAt === null) this.firstAt = performance.now();
     for (const [text, tok] of pieces) this.writer.push(text, tok);
     this.count += pieces.length;
-    const secs = (performance.now() - this.firstAt) / 1000;
-    const rate = secs > 0.05 ? ` · ${((this.count - 1) / secs).toFixed(1)} tok/s` : "";
-    this.meta.textContent = `${this.count} tokens${rate}`;
     if (this.queuedFlush) return;
     this.queuedFlush = true;
-    requestAnimationFrame(() => {
+    const wait = Math.max(0, this.flushedAt + FLUSH_MS - performance.now());
+    setTimeout(() => requestAnimationFrame(() => {
       this.queuedFlush = false;
-      if (this.el.dataset.state !== "done") this.writer.flush();
-    });
+      this.flushedAt = performance.now();
+      if (this.el.dataset.state === "done") return;
+      this.writer.flush();
+      const secs = (performance.now() - /** @type {number} */ (this.firstAt)) / 1000;
+      const rate = secs > 0.05 ? ` · ${((this.count - 1) / secs).toFixed(1)} tok/s` : "";
+      this.meta.textContent = `${this.count} tokens${rate}`;
+    }), wait);
   }
 
   /**
