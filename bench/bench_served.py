@@ -295,7 +295,8 @@ def main() -> None:
     gguf = (args.gguf or default_gguf()).resolve()
     clients = [int(c) for c in args.clients.split(",")]
     if args.bare and (1 not in clients or args.only == "llama-server" or args.gguf is not None):
-        parser.error("--bare compares webchat's single client on the default model: keep 1 in --clients, no --gguf")
+        parser.error("--bare compares webchat's single client on the default model: keep 1 in --clients, no --gguf, "
+                     "no --only llama-server")
     stops = stop_token_ids(gguf)
     makers: dict[str, Callable[[int], Server]] = {}
     if args.only in (None, "webchat"):

@@ -21,8 +21,8 @@ export const tokenIndex = /** @type {WeakMap<Element, number>} */ (new WeakMap()
 /**
  * The streaming reply reaches the DOM at most every FLUSH_MS (20 times a second) and nothing else on the page changes
  * per chunk: the browser shares the CPU with the model on a small machine, and redrawing on every animation frame made
- * the engine decode at 61-64 tok/s behind headless Chromium on 2 cores against ~125 for a socket client; at 50 ms
- * 79-81 (bench/bench_page.py).
+ * the engine decode at 70 / 59 tok/s (heatmap off / on) behind headless Chromium on 2 cores against ~146 for a socket
+ * client; now 85 / 81 against ~133 (bench/bench_page.py, bench/README.md).
  */
 const FLUSH_MS = 50;
 
