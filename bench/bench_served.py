@@ -18,7 +18,8 @@ Peak RSS of each server process over its round is printed too.
 
 `--bare` also runs bench/bench_cpu.py's webchat child (the bare forward on the main thread, no server) after the
 servers in every round, and prints each round's single-client served aggregate against that bare decode, and the
-median: the served stream's share of the engine's own speed, measured in one run.
+median: the served stream's share of the engine's own speed, measured in one run. Beside it, the served stream's decode
+alone (first token to last) against the same bare decode: what the aggregate loses beyond that is its TTFT.
 
 Token counts come from each server's `usage` (stream_options.include_usage); per-client decode is
 (tokens - 1) / (last content chunk - first content chunk), so a server that merges tokens into fewer chunks is not
@@ -317,7 +318,7 @@ def main() -> None:
             return sec.streams[0].ttft_ms < old.streams[0].ttft_ms
         return sec.aggregate > old.aggregate
 
-    pairs: list[tuple[float, float]] = []  # --bare: (served c1 aggregate, bare decode) per round
+    pairs: list[tuple[float, float, float]] = []  # --bare: (served c1 aggregate, its decode, bare decode) per round
     for rnd in range(args.rounds):
         for name, make in makers.items():
             server = make(free_port())
@@ -335,9 +336,11 @@ def main() -> None:
                   f"long TTFT {sections['long'].streams[0].ttft_ms:.0f} ms", flush=True)
             if name == "webchat" and args.bare:
                 bare = bare_decode(args.src.resolve())
-                pairs.append((sections["c1"].aggregate, bare))
+                c1 = sections["c1"]
+                pairs.append((c1.aggregate, c1.decode_median, bare))
                 print(f"round {rnd + 1} bare webchat (bench_cpu.py): decode {bare:.1f} tok/s; served c1 aggregate / "
-                      f"bare {sections['c1'].aggregate / bare:.2f}x", flush=True)
+                      f"bare {c1.aggregate / bare:.2f}x, its decode alone / bare {c1.decode_median / bare:.2f}x",
+                      flush=True)
 
     names = list(makers)
     print()
@@ -366,9 +369,12 @@ def main() -> None:
     row("peak RSS", [rss[m] / 2**20 for m in names], "MiB", True)
     print("\nratio: webchat / llama-server for tok/s; llama-server / webchat for times and memory (>1: webchat better)")
     if pairs:
-        ratios = [served / bare for served, bare in pairs]
+        ratios = [served / bare for served, _, bare in pairs]
         print(f"\nserved single-client aggregate / bare decode (bench_cpu.py), round by round: "
               f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x (target >= 0.9)")
+        decode = [served / bare for _, served, bare in pairs]  # the aggregate less its TTFT (the new turn's prefill)
+        print(f"its decode alone (first token to last) / bare decode, round by round: "
+              f"{', '.join(f'{r:.2f}' for r in decode)}; median {statistics.median(decode):.2f}x")
 
 
 if __name__ == "__main__":
