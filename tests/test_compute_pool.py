@@ -54,3 +54,26 @@ def test_load_warm_up_and_every_forward_run_on_the_device_thread(tiny_model_dir:
     assert kinds.count("forward") > warm  # and the requests' forwards were recorded too
     threads = {name for _, name in seen}
     assert threads == {"webchat-device"}, f"model work ran on {sorted(threads)}: {seen}"
+
+
+def test_a_short_prompt_is_encoded_on_the_event_loop_and_a_long_one_on_a_worker_thread() -> None:
+    """Templating a short prompt inline saves the two thread hand-offs (about 1 ms of TTFT); a long one must not stall
+    the loop that serves every other connection."""
+    import asyncio
+
+    from webchat.serve.runtime import INLINE_TEXT_CHARS, encode_text_work, text_chars
+
+    def where(_text: str) -> int:
+        return threading.get_ident()
+
+    async def run() -> tuple[int, int, int]:
+        short = [{"role": "user", "content": "hi"}]
+        long = [{"role": "user", "content": "x" * INLINE_TEXT_CHARS}]
+        return (threading.get_ident(), await encode_text_work(where, "hi", chars=text_chars(short)),
+                await encode_text_work(where, "x", chars=text_chars(long)))
+
+    loop_thread, short_thread, long_thread = asyncio.run(run())
+    assert short_thread == loop_thread
+    assert long_thread != loop_thread
+    many = [{"role": "user", "content": ""}] * (INLINE_TEXT_CHARS // 32)  # many empty messages still cost templating
+    assert text_chars(many) > INLINE_TEXT_CHARS

@@ -18,7 +18,7 @@ from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.model.batch import make_batch
-from webchat.model.kv_cache import SeqCache
+from webchat.model.kv_cache import KVPool, SeqCache
 from webchat.model.loader import load_model
 from webchat.serve.backend import Job
 from webchat.serve.worker import Worker
@@ -121,6 +121,22 @@ def test_ragged_batch_logits_equal_single_sequence_logits(tiny: tuple[Any, Token
         spec.append((p[cut:], cut, mine.table.pages, list(range(len(p) - cut))))
     got = model(make_batch(spec, pool.page_size), pool)
     torch.testing.assert_close(got, torch.cat(want), atol=1e-4, rtol=0)
+
+
+def test_a_copied_page_holds_its_source_in_every_layer_and_is_its_own(tiny: tuple[Any, Tokenizer]) -> None:
+    """The copy on write of a shared or partial page (one op over the pool's stacked layers)."""
+    model, _ = tiny
+    pool = KVPool(model.args, 4, "cpu", torch.float32, 16)
+    assert len(pool.k) == len(pool.v) == model.args.n_layers
+    assert all(not t[0].any() for t in pool.k + pool.v)  # the padding page holds zeros, never NaN
+    src = pool.alloc()
+    for t in pool.k + pool.v:
+        t[src].normal_()
+    dst = pool.copy(src)
+    assert dst not in (0, src)
+    assert all(torch.equal(t[dst], t[src]) for t in pool.k + pool.v)
+    pool.v[-1][dst].zero_()
+    assert pool.v[-1][src].any() and all(torch.equal(t[dst], t[src]) for t in pool.k)
 
 
 def test_identical_prefixes_are_computed_once(tiny: tuple[Any, Tokenizer]) -> None:

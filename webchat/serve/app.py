@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -37,7 +36,15 @@ from webchat.serve.models import Card, Fleet, ModelError, Models, scan
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
 from webchat.serve.rules import RuleError, context_room, short_repr, speculative_mode
-from webchat.serve.runtime import RemoteRuntime, Runtime, load_remote_runtime, load_runtime, warm_up
+from webchat.serve.runtime import (
+    RemoteRuntime,
+    Runtime,
+    encode_text_work,
+    load_remote_runtime,
+    load_runtime,
+    text_chars,
+    warm_up,
+)
 from webchat.serve.worker import Worker
 from webchat.text.chat_encode import ContentRewritten
 from webchat.text.trim import fit_history
@@ -213,7 +220,8 @@ class Connection:
         budget = max(rt.context_length - msg.max_new_tokens, 1)
         try:
             encode = functools.partial(rt.encode_chat, continue_final=msg.continue_, prefix_ids=msg.prefix_ids)
-            fitted = await run_in_threadpool(fit_history, encode, [m.model_dump() for m in msg.messages], budget)
+            history = [m.model_dump() for m in msg.messages]
+            fitted = await encode_text_work(fit_history, encode, history, budget, chars=text_chars(history))
         except (jinja2.TemplateError, ContentRewritten) as exc:
             field = "continue" if msg.continue_ and isinstance(exc, ContentRewritten) else "messages"
             raise p.ProtocolError("bad_message", f"field '{field}': the chat template failed on them: {exc}",

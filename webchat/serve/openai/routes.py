@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import jinja2
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -30,7 +29,7 @@ from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, TokenizeRequest, parse
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
 from webchat.serve.rules import RuleError, context_room, speculative_mode
-from webchat.serve.runtime import Runtime
+from webchat.serve.runtime import Runtime, encode_text_work, text_chars
 
 log = logging.getLogger("webchat.openai")
 
@@ -107,7 +106,8 @@ class OpenAIApi:
         messages = [m.for_template() for m in req.messages]
         cont = bool(req.continue_final_message)
         try:  # a remote engine (no tokenizer) templates and counts the prompt itself
-            ids = [] if rt.tokenizer is None else await run_in_threadpool(rt.encode_chat, messages, cont)
+            ids = [] if rt.tokenizer is None else await encode_text_work(rt.encode_chat, messages, cont,
+                                                                             chars=text_chars(messages))
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None
@@ -126,7 +126,7 @@ class OpenAIApi:
                            "unsupported_value", "prompt")
         prompt = req.one_prompt()
         if isinstance(prompt, str):
-            ids = await run_in_threadpool(rt.tokenizer.encode_text, prompt)
+            ids = await encode_text_work(rt.tokenizer.encode_text, prompt, chars=len(prompt))
         else:
             try:
                 check_token_ids(prompt, rt.tokenizer.vocab_size, "each prompt token id")
@@ -152,9 +152,9 @@ class OpenAIApi:
                 messages = [m.for_template() for m in req.messages]
                 cont = bool(req.continue_final_message)
                 add = not cont if req.add_generation_prompt is None else req.add_generation_prompt
-                ids = await run_in_threadpool(rt.tokenizer.encode_chat, messages, add, cont)
+                ids = await encode_text_work(rt.tokenizer.encode_chat, messages, add, cont, chars=text_chars(messages))
             else:
-                ids = await run_in_threadpool(rt.tokenizer.encode_text, req.prompt or "")
+                ids = await encode_text_work(rt.tokenizer.encode_text, req.prompt or "", chars=len(req.prompt or ""))
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None
