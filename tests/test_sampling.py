@@ -48,6 +48,21 @@ def test_token_bias_validated() -> None:
         Sampler(SamplingSettings(token_bias={10: 1.0}), vocab_size=10)
 
 
+def test_token_bias_moves_only_its_ids_and_its_dense_row_is_built_on_demand() -> None:
+    """The bias is added in place as (ids, values); the (vocab,) row the CUDA sampler's kernel takes is built once,
+    when first asked for, and holds the same values."""
+    biased = Sampler(SamplingSettings(temperature=0.0, token_bias={3: 2.5, 7: -100.0}), vocab_size=10)
+    x = torch.arange(10, dtype=torch.float32)
+    adjusted = biased._adjust(x, [])
+    assert torch.equal(adjusted, x + torch.tensor([0, 0, 0, 2.5, 0, 0, 0, -100.0, 0, 0]))
+    assert torch.equal(x, torch.arange(10, dtype=torch.float32))  # the logits row itself is left alone
+    assert biased._dense_bias is None
+    row = biased._bias
+    assert row is not None and row is biased._bias
+    assert torch.equal(row, torch.tensor([0, 0, 0, 2.5, 0, 0, 0, -100.0, 0, 0]))
+    assert Sampler(SamplingSettings(), vocab_size=10)._bias is None
+
+
 @pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1" * 5000, "-1", "+3", " 3", "3.0", "", "0x10", "12"])
 def test_token_id_keys_are_ascii_digits_inside_the_vocabulary(key: str) -> None:
     """One rule for every token-id key (websocket token_bias, /v1 logit_bias): "²" and "٣" pass str.isdigit()."""
