@@ -44,11 +44,11 @@ class KVPool:
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"a pool needs at least 2 pages of at least 1 slot, got {num_pages} of {page_size}")
         shape = (num_pages, page_size, args.n_kv_heads, args.head_dim)
+        # Every layer's k (and v) in one tensor, pool.k[layer] a view of it: a page's copy is one op for all layers.
         # empty: a page costs resident memory once written. The free list hands out never-written pages before
         # released ones (those keep their k/v for prefix reuse, least recently used first), so over a server's life
         # RSS grows to the pool's size (--kv-pool), as llama-server holds its whole KV cache from the start. A slot is
-        # always written before it is read, except the padding page 0 (masked rows read it), zeroed so it holds no NaN
-        # every layer's k (and v) in one tensor, pool.k[layer] a view of it: a page's copy is one op for all layers
+        # always written before it is read, except the padding page 0 (masked rows read it), zeroed so it holds no NaN.
         self._k = torch.empty((args.n_layers, *shape), device=device, dtype=dtype)
         self._v = torch.empty((args.n_layers, *shape), device=device, dtype=dtype)
         self.k, self.v = list(self._k.unbind(0)), list(self._v.unbind(0))
