@@ -46,6 +46,11 @@ class Sampler:
             self._bias_ids = torch.tensor(list(settings.token_bias), dtype=torch.long)
             self._bias_values = torch.tensor(list(settings.token_bias.values()), dtype=torch.float32)
 
+    def _add_bias(self, row: torch.Tensor) -> None:
+        """Add token_bias to a (vocab,) row in place, at its ids only."""
+        if self._bias_ids is not None:
+            row.index_add_(0, self._bias_ids.to(row.device), self._bias_values.to(row.device, row.dtype))
+
     @property
     def _bias(self) -> torch.Tensor | None:
         """token_bias as a (vocab,) row (the CUDA sampler's kernel takes one), built when first asked."""
@@ -70,7 +75,8 @@ class Sampler:
         """Token bias and penalties; returns a new (vocab,) row."""
         s = self.settings
         if self._bias_ids is not None:
-            x = x.clone().index_add_(0, self._bias_ids.to(x.device), self._bias_values.to(x.device, x.dtype))
+            x = x.clone()
+            self._add_bias(x)
         if not s.penalised or not history:
             return x
         window = history[-s.repetition_range:] if s.repetition_range else history
@@ -187,9 +193,7 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk], scan: RowScan | None 
     if penalised or biased:
         x = raw.clone()
         for i in biased:  # only the biased ids (adding 0.0 elsewhere changes nothing): no (N, vocab) temporaries
-            sampler = asks[i].sampler
-            assert sampler._bias_ids is not None
-            x[i].index_add_(0, sampler._bias_ids, sampler._bias_values.to(raw.dtype))
+            asks[i].sampler._add_bias(x[i])
         for i in penalised:
             x[i] = asks[i].sampler._adjust(raw[i], asks[i].history)
     greedy = [i for i, a in enumerate(asks) if a.sampler.settings.greedy]
