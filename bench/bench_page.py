@@ -1,13 +1,17 @@
-"""What a user of the page gets: the engine's decode speed while Chromium shows the reply, against a plain websocket
-client on the same server, and the browser's CPU per token.
+"""What a user of the page gets: the engine's decode speed while Chromium shows the reply, against a plain client on
+the same server, and the browser's CPU per token; with --peer, the same for llama.cpp's own web UI on llama-server.
 
-On a small machine the browser shares the cores with the model, so every redraw is taken from the forward. One
-`webchat serve` on the default model's GGUF; each round asks for the same long story three ways, alternating: through
-the page with the heatmap off, with it on, and from a websocket client with no browser (the engine's speed with nothing
-drawing). The engine's own decode tok/s comes from each reply's `done.stats`; the browser's CPU is the sum over its
-processes (/proc), per generated token.
+On a small machine the browser shares the cores with the model, so every redraw is taken from the forward. Each round
+starts `webchat serve` on the default model's GGUF alone and asks for the same long story three ways: through the
+page with the heatmap off, with it on, and from a websocket client with no browser (the engine's speed with nothing
+drawing). With --peer, the round then starts llama-server alone on the same GGUF, serving llama.cpp's web UI (the
+page its users open at /, built by bench/build_llama_ui.sh), and asks through that page and from an API client with
+no browser. Each page runs on its own defaults (sampling, Markdown), both capped at 512 new tokens. The engine's
+decode tok/s comes from the server's own figures (webchat's `done.stats`, llama-server's `timings`); the browser's CPU
+is the sum over its processes (/proc), per generated token.
 
     .venv/bin/python bench/bench_page.py                  # Debian's /usr/bin/chromium, 3 rounds
+    .venv/bin/python bench/bench_page.py --peer --rounds 2   # and llama.cpp's web UI beside it
     .venv/bin/python bench/bench_page.py --rounds 5 --chromium /path/to/chromium
 """
 
@@ -15,23 +19,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import websockets
-from playwright.sync_api import Page, WebSocket, sync_playwright
+from playwright.sync_api import Browser, Page, Request, WebSocket, sync_playwright
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from bench.bench_served import default_gguf, free_port, webchat_server  # noqa: E402
+from bench.bench_served import Server, default_gguf, find_llama_server, free_port, webchat_server  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
+MAX_TOKENS = 512  # the page's default cap on new tokens; llama.cpp's web UI is given the same
 
 
 def browser_cpu_s() -> float:
@@ -95,47 +102,157 @@ async def socket_run(port: int, prompt: str) -> dict[str, float]:
                 raise RuntimeError(f"the socket request failed: {msg}")
 
 
+class LlamaPage:
+    """llama.cpp's web UI: a new chat for each question, its reply's `timings` read from the finished stream."""
+
+    def __init__(self, page: Page, url: str) -> None:
+        self.page, self.url = page, url
+        self.timings: dict[str, float] | None = None
+        page.on("requestfinished", self._finished)
+
+    def _finished(self, request: Request) -> None:
+        response = request.response()
+        if not request.url.endswith("/v1/chat/completions") or response is None:
+            return
+        chunks = [line[6:] for line in response.body().decode().splitlines() if line.startswith("data: {")]
+        last = json.loads(chunks[-1]) if chunks else {}
+        if "timings" not in last:
+            raise RuntimeError(f"llama.cpp's web UI: no timings in the stream's last chunk: {str(last)[:300]}")
+        self.timings = last["timings"]
+
+    def ask(self, prompt: str) -> tuple[dict[str, float], float]:
+        """(llama-server's timings of the reply, browser CPU seconds while it streamed)."""
+        self.page.goto(self.url)  # a new chat
+        box = self.page.locator("textarea").first
+        box.wait_for()
+        self.timings = None
+        cpu = browser_cpu_s()
+        box.fill(prompt)
+        self.page.keyboard.press("Enter")
+        deadline = time.monotonic() + 300
+        while self.timings is None and time.monotonic() < deadline:
+            self.page.wait_for_timeout(50)
+        if self.timings is None:
+            raise RuntimeError("llama.cpp's web UI: the reply did not finish in 300 s")
+        return self.timings, browser_cpu_s() - cpu
+
+
+def llama_api_run(port: int, prompt: str) -> dict[str, float]:
+    """The same question to llama-server's API from a client that draws nothing: its `timings`."""
+    body = {"messages": [{"role": "user", "content": prompt}], "stream": True, "max_tokens": MAX_TOKENS}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    timings: dict[str, float] = {}
+    for raw in resp:
+        if raw.startswith(b"data: {"):
+            timings = json.loads(raw[6:]).get("timings", timings)
+    conn.close()
+    if not timings:
+        raise RuntimeError(f"llama-server: HTTP {resp.status}, no timings in the stream")
+    return timings
+
+
+def llama_ui_server(binary: Path, ui: Path, gguf: Path, port: int) -> Server:
+    """llama-server as its users start it, serving the web UI from `ui`, its new-token cap set to the page's."""
+    argv = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", "2", "-tb", "2",
+            "--path", str(ui), "--ui-config", json.dumps({"max_tokens": MAX_TOKENS})]
+    return Server("llama-server", argv, port, None, None, "/health")
+
+
+def find_llama_ui(given: Path | None) -> Path:
+    if given is not None:
+        return given
+    out = subprocess.run(["bash", str(HERE / "bench" / "build_llama_ui.sh")], check=True, capture_output=True,
+                         text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+Row = tuple[float, float, float]  # (engine decode tok/s, new tokens, browser CPU ms a token)
+
+
+def webchat_round(browser: Browser, gguf: Path, r: int, rows: dict[str, list[Row]]) -> None:
+    """`webchat serve` alone: the page with the heatmap off and on, then the websocket client."""
+    port = free_port()
+    server = webchat_server(gguf, port, [], HERE)
+    try:
+        server.wait_ready()
+        page = browser.new_page(viewport={"width": 1200, "height": 800})
+        run = PageRun(page)  # watching before the page opens its socket
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.get_by_test_id("input").wait_for()
+        run.ask(False, "Say hello.")  # warm-up: the page's first request
+        for way, heatmap in (("webchat page, heatmap off", False), ("webchat page, heatmap on", True)):
+            stats, cpu = run.ask(heatmap, f"{PROMPT} ({r})")
+            n = float(stats["new_tokens"])
+            rows.setdefault(way, []).append((float(stats["decode_tps"]), n, cpu * 1000 / n))
+        page.close()
+        with ThreadPoolExecutor(1) as pool:  # playwright's sync API holds this thread's event loop
+            stats = pool.submit(asyncio.run, socket_run(port, f"{PROMPT} ({r})")).result()
+        rows.setdefault("webchat socket client, no browser", []).append(
+            (float(stats["decode_tps"]), float(stats["new_tokens"]), 0.0))
+    finally:
+        server.stop()
+
+
+def llama_round(browser: Browser, binary: Path, ui: Path, gguf: Path, r: int, rows: dict[str, list[Row]]) -> None:
+    """llama-server alone: llama.cpp's web UI, then its API from a client with no browser."""
+    port = free_port()
+    server = llama_ui_server(binary, ui, gguf, port)
+    try:
+        server.wait_ready()
+        page = browser.new_page(viewport={"width": 1200, "height": 800})
+        run = LlamaPage(page, f"http://127.0.0.1:{port}/")
+        run.ask("Say hello.")  # warm-up
+        t, cpu = run.ask(f"{PROMPT} ({r})")
+        n = float(t["predicted_n"])
+        rows.setdefault("llama.cpp web UI", []).append((float(t["predicted_per_second"]), n, cpu * 1000 / n))
+        page.close()
+        t = llama_api_run(port, f"{PROMPT} ({r})")
+        rows.setdefault("llama-server API client, no browser", []).append(
+            (float(t["predicted_per_second"]), float(t["predicted_n"]), 0.0))
+    finally:
+        server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chromium", default="/usr/bin/chromium")
+    ap.add_argument("--peer", action="store_true", help="llama.cpp's web UI on llama-server too, alternating")
+    ap.add_argument("--llama-server", type=Path, default=None, help="binary (default: bench/build_llama_server.sh)")
+    ap.add_argument("--llama-ui", type=Path, default=None, help="its built web UI (default: bench/build_llama_ui.sh)")
     args = ap.parse_args()
     gguf = default_gguf().resolve()
-    port = free_port()
-    server = webchat_server(gguf, port, [], HERE)
-    rows: dict[str, list[tuple[float, float, float]]] = {}  # way -> (engine tok/s, tokens, browser CPU ms/token)
-    try:
-        server.wait_ready()
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1200, "height": 800})
-            run = PageRun(page)  # watching before the page opens its socket
-            page.goto(f"http://127.0.0.1:{port}/")
-            page.get_by_test_id("input").wait_for()
-            run.ask(False, "Say hello.")  # warm-up: the page's first request
-            for r in range(args.rounds):
-                for way, heatmap in (("page, heatmap off", False), ("page, heatmap on", True)):
-                    stats, cpu = run.ask(heatmap, f"{PROMPT} ({r})")
-                    n = float(stats["new_tokens"])
-                    rows.setdefault(way, []).append((float(stats["decode_tps"]), n, cpu * 1000 / n))
-                with ThreadPoolExecutor(1) as pool:  # playwright's sync API holds this thread's event loop
-                    stats = pool.submit(asyncio.run, socket_run(port, f"{PROMPT} ({r})")).result()
-                rows.setdefault("socket client, no browser", []).append(
-                    (float(stats["decode_tps"]), float(stats["new_tokens"]), 0.0))
-                print(f"round {r + 1}: " + ", ".join(f"{way} {v[-1][0]:.1f} tok/s" for way, v in rows.items()),
-                      flush=True)
-            browser.close()
-    finally:
-        server.stop()
-    base = statistics.median(v[0] for v in rows["socket client, no browser"])
-    print(f"\n{gguf.name}, the page's default settings (the socket client greedy), {args.rounds} rounds (medians), "
-          "ways alternating")
-    print("| way | engine decode tok/s | against the socket client | tokens | browser CPU ms / token |")
+    peer = (find_llama_server(args.llama_server), find_llama_ui(args.llama_ui)) if args.peer else None
+    rows: dict[str, list[Row]] = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
+        for r in range(args.rounds):
+            webchat_round(browser, gguf, r, rows)
+            if peer is not None:
+                llama_round(browser, *peer, gguf, r, rows)
+            print(f"round {r + 1}: " + ", ".join(f"{way} {v[-1][0]:.1f} tok/s" for way, v in rows.items()), flush=True)
+        browser.close()
+    base = {"webchat": statistics.median(v[0] for v in rows["webchat socket client, no browser"])}
+    if peer is not None:
+        base["llama"] = statistics.median(v[0] for v in rows["llama-server API client, no browser"])
+    clients = "webchat's greedy, llama-server's on its own defaults" if peer is not None else "greedy"
+    print(f"\n{gguf.name}, each page on its defaults (at most {MAX_TOKENS} new tokens; the client without a browser "
+          f"{clients}), {args.rounds} rounds (medians), servers one at a time")
+    print("| way | engine decode tok/s | against its server's client, no browser | tokens | browser CPU ms / token |")
     print("|---|---:|---:|---:|---:|")
+    medians: dict[str, float] = {}
     for way, v in rows.items():
-        tps = statistics.median(x[0] for x in v)
-        cpu = f"{statistics.median(x[2] for x in v):.2f}" if way.startswith("page") else "-"
-        print(f"| {way} | {tps:.1f} | {tps / base:.2f}x | {statistics.median(x[1] for x in v):.0f} | {cpu} |")
+        tps = medians[way] = statistics.median(x[0] for x in v)
+        own = base["llama" if way.startswith("llama") else "webchat"]
+        cpu = f"{statistics.median(x[2] for x in v):.2f}" if "client" not in way else "-"
+        print(f"| {way} | {tps:.1f} | {tps / own:.2f}x | {statistics.median(x[1] for x in v):.0f} | {cpu} |")
+    if peer is not None:
+        ui = medians["llama.cpp web UI"]
+        off, on = medians["webchat page, heatmap off"] / ui, medians["webchat page, heatmap on"] / ui
+        print(f"webchat's page against llama.cpp's web UI, engine decode while each draws: heatmap off {off:.2f}x, "
+              f"heatmap on {on:.2f}x")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,10 +113,19 @@ class Server:
                  cwd: Path | None = None) -> None:
         self.name, self.port, self.extra_body, self.ready_path = name, port, extra_body or {}, ready_path
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # the log read as it comes, its end kept for errors: a server that logs more than the pipe holds (64 KB;
+        # llama-server logs every request) would otherwise stop at its next write
+        self._log: deque[bytes] = deque(maxlen=64)
+        threading.Thread(target=self._drain, daemon=True).start()
         self.peak_rss = 0
         self.model = "default"
         self._sampling = True
         self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._log.append(line)
 
     def _sample_rss(self) -> None:
         status = Path(f"/proc/{self.proc.pid}/status")
@@ -132,7 +142,8 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
+                time.sleep(0.2)  # the drain's last lines
+                err = b"".join(self._log).decode(errors="replace")[-2000:]
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{err}")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
