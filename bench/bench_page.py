@@ -12,6 +12,7 @@ is the sum over its processes (/proc), per generated token.
 
     .venv/bin/python bench/bench_page.py                  # Debian's /usr/bin/chromium, 3 rounds
     .venv/bin/python bench/bench_page.py --peer --rounds 2   # and llama.cpp's web UI beside it
+    .venv/bin/python bench/bench_page.py --long --rounds 2   # one long reply: the browser's CPU as it grows
     .venv/bin/python bench/bench_page.py --rounds 5 --chromium /path/to/chromium
 """
 
@@ -61,12 +62,16 @@ class PageRun:
     def __init__(self, page: Page) -> None:
         self.page = page
         self.done: dict[str, float] | None = None
+        self.tokens = 0  # tokens of the reply received so far
+        self.marks: list[tuple[float, int, float]] = []  # (time, tokens, browser CPU s) every 250 ms of the reply
         page.on("websocket", self._watch)
 
     def _watch(self, ws: WebSocket) -> None:
         def on_frame(payload: str | bytes) -> None:
             msg = json.loads(payload)
-            if msg.get("type") == "done":
+            if msg.get("type") == "chunk":
+                self.tokens += len(msg.get("tokens") or [])
+            elif msg.get("type") == "done":
                 self.done = msg.get("stats") or {}
         ws.on("framereceived", on_frame)
 
@@ -75,13 +80,16 @@ class PageRun:
         self.page.get_by_test_id("new-chat").click()
         toggle = self.page.get_by_test_id("heatmap-toggle")
         toggle.check() if heatmap else toggle.uncheck()
-        self.done = None
+        self.done, self.tokens, self.marks = None, 0, []
         cpu = browser_cpu_s()
         self.page.get_by_test_id("input").fill(prompt)
         self.page.keyboard.press("Enter")
         deadline = time.monotonic() + 300
         while self.done is None and time.monotonic() < deadline:
+            if not self.marks or time.perf_counter() - self.marks[-1][0] >= 0.25:
+                self.marks.append((time.perf_counter(), self.tokens, browser_cpu_s()))
             self.page.wait_for_timeout(50)
+        self.marks.append((time.perf_counter(), self.tokens, browser_cpu_s()))
         if self.done is None:
             raise RuntimeError("the page's reply did not finish in 300 s")
         return self.done, browser_cpu_s() - cpu
@@ -215,6 +223,57 @@ def llama_round(browser: Browser, binary: Path, ui: Path, gguf: Path, r: int, ro
         server.stop()
 
 
+LONG_TOKENS, WINDOW = 1536, 256
+LONG_PROMPT = "Write a very long story about a dragon who learns to bake bread, with many chapters."
+
+
+def windows(marks: list[tuple[float, int, float]]) -> list[tuple[float, float]]:
+    """(page tok/s, browser CPU ms a token) over each WINDOW tokens of a reply, from PageRun.marks."""
+    out = []
+    for lo in range(0, LONG_TOKENS, WINDOW):
+        w = [m for m in marks if lo <= m[1] <= lo + WINDOW]
+        if len(w) >= 2 and w[-1][1] > w[0][1]:
+            n = w[-1][1] - w[0][1]
+            out.append((n / (w[-1][0] - w[0][0]), (w[-1][2] - w[0][2]) * 1000 / n))
+    return out
+
+
+def long_round(browser: Browser, gguf: Path) -> tuple[float, list[tuple[float, float]]]:
+    """One greedy reply of LONG_TOKENS through the page (heatmap off): the small model repeats itself into one long
+    paragraph, which the browser lays out whole at each flush. (engine decode tok/s, windows)."""
+    port = free_port()
+    server = webchat_server(gguf, port, [], HERE)
+    try:
+        server.wait_ready()
+        page = browser.new_page(viewport={"width": 1200, "height": 800})
+        settings = json.dumps({"max_new_tokens": str(LONG_TOKENS), "temperature": "0"})
+        page.add_init_script(f"localStorage.setItem('webchat.settings.v1', {json.dumps(settings)})")
+        run = PageRun(page)
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.get_by_test_id("input").wait_for()
+        run.ask(False, "Say hello.")  # warm-up
+        stats, _ = run.ask(False, LONG_PROMPT)
+        page.close()
+        return float(stats["decode_tps"]), windows(run.marks)
+    finally:
+        server.stop()
+
+
+def main_long(browser: Browser, gguf: Path, rounds: int) -> None:
+    got = []
+    for r in range(rounds):
+        got.append(long_round(browser, gguf))
+        print(f"round {r + 1}: engine decode {got[-1][0]:.1f} tok/s", flush=True)
+    print(f"\n{gguf.name}, one greedy reply of {LONG_TOKENS} tokens through the page (heatmap off), {rounds} rounds "
+          f"(medians); engine decode {statistics.median(g[0] for g in got):.1f} tok/s")
+    print("| tokens | at the page tok/s | browser CPU ms / token |")
+    print("|---|---:|---:|")
+    for i in range(min(len(g[1]) for g in got)):
+        tps = statistics.median(g[1][i][0] for g in got)
+        cpu = statistics.median(g[1][i][1] for g in got)
+        print(f"| {i * WINDOW}-{(i + 1) * WINDOW} | {tps:.1f} | {cpu:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -222,8 +281,16 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="llama.cpp's web UI on llama-server too, alternating")
     ap.add_argument("--llama-server", type=Path, default=None, help="binary (default: bench/build_llama_server.sh)")
     ap.add_argument("--llama-ui", type=Path, default=None, help="its built web UI (default: bench/build_llama_ui.sh)")
+    ap.add_argument("--long", action="store_true",
+                    help=f"only a {LONG_TOKENS}-token greedy reply, the browser's CPU a token as it grows")
     args = ap.parse_args()
     gguf = default_gguf().resolve()
+    if args.long:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
+            main_long(browser, gguf, args.rounds)
+            browser.close()
+        return
     peer = (find_llama_server(args.llama_server), find_llama_ui(args.llama_ui)) if args.peer else None
     rows: dict[str, list[Row]] = {}
     with sync_playwright() as p:

@@ -155,3 +155,42 @@ def test_code_block_copy_button(scripted: tuple[ChatPage, ScriptedSocket]) -> No
     copy.click()
     assert chat.page.evaluate("navigator.clipboard.readText()") == "let x = 1;\n"
     expect(copy).to_have_attribute("data-label", "Copied")
+
+
+# every flush of a streaming reply made to cost 8 ms of the main thread (a long paragraph on a busy machine), and the
+# time of each one kept
+SLOW_FLUSH_JS = """async () => {
+  const { MarkdownWriter } = await import('/static/blocks.js');
+  const flush = MarkdownWriter.prototype.flush;
+  window.__flushes = [];
+  MarkdownWriter.prototype.flush = function () {
+    const t = performance.now();
+    while (performance.now() - t < 8) { /* the cost */ }
+    flush.call(this);
+    window.__flushes.push(performance.now());
+  };
+}"""
+
+
+def test_a_costly_flush_spaces_the_next_ones(scripted: tuple[ChatPage, ScriptedSocket]) -> None:
+    """Where writing the reply into the page costs the main thread more, the page writes it less often (reply.js,
+    FLUSH_BUDGET): on a small machine the browser's redraws come out of the model's cores. Nothing is dropped."""
+    chat, sock = scripted
+    chat.page.evaluate(SLOW_FLUSH_JS)
+    chat.send("Tell me a long story.")
+    chat.wait_until("the page sent its generate", lambda: len(sock.requests) == 1)
+    sock.start()
+    pieces = [f"word{i} " for i in range(240)]  # one paragraph
+    for t in wire_tokens(pieces):
+        sock.chunk([t])
+        chat.page.wait_for_timeout(10)
+    chat.page.wait_for_timeout(300)
+    times: list[float] = chat.page.evaluate("window.__flushes")
+    sock.done(len(pieces))
+    chat.wait_done()
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    assert len(gaps) >= 4, times
+    # FLUSH_MS (50 ms) apart while the average cost builds up; from then on 60 x 8 ms, capped at 200
+    assert gaps[len(gaps) // 2] >= 150, gaps
+    body = chat.last_reply().get_by_test_id("message-body")
+    assert body.evaluate("e => e.textContent") == "".join(pieces)

@@ -23,8 +23,14 @@ export const tokenIndex = /** @type {WeakMap<Element, number>} */ (new WeakMap()
  * per chunk: the browser shares the CPU with the model on a small machine, and redrawing on every animation frame made
  * the engine decode at 70 / 59 tok/s (heatmap off / on) behind headless Chromium on 2 cores against ~146 for a socket
  * client; now 85 / 81 against ~133 (bench/bench_page.py, bench/README.md).
+ * A flush costs more as the block it writes into grows (the browser lays out a paragraph or a code block whole), and
+ * where it costs more the page flushes less often: at least FLUSH_BUDGET times a flush's own time apart (its script,
+ * style and layout, averaged), up to FLUSH_MAX_MS. On a fast machine that stays at FLUSH_MS; behind a long paragraph on
+ * 2 busy cores it keeps the browser's CPU a token from doubling.
  */
 const FLUSH_MS = 50;
+const FLUSH_MAX_MS = 200;
+const FLUSH_BUDGET = 60;
 
 /**
  * Merges byte tokens that together complete one character: all but the last have text "" (docs/protocol.md).
@@ -127,6 +133,7 @@ export class ReplyView {
     this.writer = new MarkdownWriter(this.body, (piece, primary) => this.span(piece, primary));
     this.queuedFlush = false;
     this.flushedAt = 0;
+    this.flushCost = 0;  // ms a flush takes on the main thread, averaged
     this.sentAt = performance.now();
     /** @type {number | null} */
     this.firstAt = null;
@@ -181,15 +188,18 @@ export class ReplyView {
     this.count += pieces.length;
     if (this.queuedFlush) return;
     this.queuedFlush = true;
-    const wait = Math.max(0, this.flushedAt + FLUSH_MS - performance.now());
+    const interval = Math.min(FLUSH_MAX_MS, Math.max(FLUSH_MS, FLUSH_BUDGET * this.flushCost));
+    const wait = Math.max(0, this.flushedAt + interval - performance.now());
     setTimeout(() => requestAnimationFrame(() => {
       this.queuedFlush = false;
-      this.flushedAt = performance.now();
+      const start = this.flushedAt = performance.now();
       if (this.el.dataset.state === "done") return;
       this.writer.flush();
-      const secs = (performance.now() - /** @type {number} */ (this.firstAt)) / 1000;
+      const secs = (start - /** @type {number} */ (this.firstAt)) / 1000;
       const rate = secs > 0.05 ? ` · ${((this.count - 1) / secs).toFixed(1)} tok/s` : "";
       this.meta.textContent = `${this.count} tokens${rate}`;
+      void this.body.offsetHeight; // style and layout now, inside the time measured (the frame needs them anyway)
+      this.flushCost = 0.7 * this.flushCost + 0.3 * (performance.now() - start);
     }), wait);
   }
 
