@@ -142,12 +142,13 @@ def test_cpp_matmul_against_the_dequantized_weights(kernels: object, fmt: str, m
     w = torch.from_numpy(encode(rows()))
     dense = dequantize_k(w, fmt)  # (12, 512)
     x, bias = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)), torch.randn(12)
-    assert torch.equal(torch.ops.webchat_kq.dequantize(w, int(kind), 512), dense)
     want = x @ dense.T + bias
     best = kernels.best_path()  # type: ignore[attr-defined]
     try:
         for path in range(best + 1):  # every path this CPU runs: scalar, AVX2, AVX-512
             assert kernels.set_path(path) == path  # type: ignore[attr-defined]
+            # the blocks' floats, bit for bit, on every path (the prompt rows' GEMM dequantizes its tiles with them)
+            assert torch.equal(torch.ops.webchat_kq.dequantize(w, int(kind), 512), dense), f"path {path}"
             got = torch.ops.webchat_kq.matmul(x, w, int(kind), 512, bias)
             # the C++ forward's rows (qmatmul_multi → kq_rows: q4k_rows_r on AVX2, q4k_rows_avx512, 4 x rows at a time)
             step_rows = kernels.qmatmul(x, w, int(kind), 512, bias)  # type: ignore[attr-defined]

@@ -69,11 +69,73 @@ KQ_CLONES void dequant_q6_k(const uint8_t* b, float* y) {
   }
 }
 
-inline void dequant_block(int64_t qtype, const uint8_t* b, float* y) {
+// The same values 16 at a time on AVX-512 (a prompt's GEMM dequantizes every weight tile it uses, qgemm.cpp). Every
+// product here is exact (d is a half, 11 bits; a scale 6 or 8 bits; q 4 or 6 bits: at most 24 bits), so the loops
+// above, vectorised with or without FMA, and these give the same floats.
+#define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+
+KQ_AVX512 inline float half_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+KQ_AVX512 inline __m512 bytes16(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+
+KQ_AVX512 void dequant_q4_k_avx512(const uint8_t* b, float* y) {
+  const float d = half_f16c(b), dmin = half_f16c(b + 2);
+  const uint8_t* q = b + 16;
+  const __m128i low = _mm_set1_epi8(15);
+  for (int j = 0; j < 4; ++j) {  // 64 values: low nibbles are sub-block 2j, high nibbles 2j + 1
+    int sc1, m1, sc2, m2;
+    scale_min(2 * j, b + 4, &sc1, &m1);
+    scale_min(2 * j + 1, b + 4, &sc2, &m2);
+    const __m512 d1 = _mm512_set1_ps(d * float(sc1)), n1 = _mm512_set1_ps(dmin * float(m1));
+    const __m512 d2 = _mm512_set1_ps(d * float(sc2)), n2 = _mm512_set1_ps(dmin * float(m2));
+    for (int h = 0; h < 2; ++h) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * j + 16 * h));
+      _mm512_storeu_ps(y + 64 * j + 16 * h, _mm512_sub_ps(_mm512_mul_ps(d1, bytes16(_mm_and_si128(v, low))), n1));
+      _mm512_storeu_ps(y + 64 * j + 32 + 16 * h,
+                       _mm512_sub_ps(_mm512_mul_ps(d2, bytes16(_mm_and_si128(_mm_srli_epi16(v, 4), low))), n2));
+    }
+  }
+}
+
+KQ_AVX512 void dequant_q6_k_avx512(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_f16c(b + 208);
+  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+  const __m512i off = _mm512_set1_epi32(32);
+  for (int h = 0; h < 2; ++h, ql += 64, qh += 32, sc += 8, y += 128) {
+    for (int is = 0; is < 2; ++is) {  // values l in [16 is, 16 is + 16) of each quarter share scale sc[is + 2 quarter]
+      const int l = 16 * is;
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + l));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + l + 32));
+      const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + l));
+      // 6-bit q = nibble | (2 bits << 4); the 16-bit shifts never carry a kept bit across a byte (masked first)
+      const __m128i q[4] = {
+          _mm_or_si128(_mm_and_si128(a, m4), _mm_slli_epi16(_mm_and_si128(hb, m2), 4)),
+          _mm_or_si128(_mm_and_si128(c, m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2), m2), 4)),
+          _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4),
+                       _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 4), m2), 4)),
+          _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), m4),
+                       _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 6), m2), 4))};
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q[quarter]), off));
+        _mm512_storeu_ps(y + 32 * quarter + l, _mm512_mul_ps(_mm512_set1_ps(d * float(sc[is + 2 * quarter])), f));
+      }
+    }
+  }
+}
+
+// avx512: path() is PATH_AVX512 (WEBCHAT_QPATH and set_path choose it, as for every other kernel)
+inline void dequant_block(int64_t qtype, const uint8_t* b, float* y, bool avx512) {
   if (qtype == Q4_K) {
-    dequant_q4_k(b, y);
+    avx512 ? dequant_q4_k_avx512(b, y) : dequant_q4_k(b, y);
   } else {
-    dequant_q6_k(b, y);
+    avx512 ? dequant_q6_k_avx512(b, y) : dequant_q6_k(b, y);
   }
 }
 
@@ -181,9 +243,10 @@ torch::Tensor kq_dequantize(const torch::Tensor& w, int64_t qtype, int64_t k) {
   torch::Tensor y = torch::empty({n, k}, torch::dtype(torch::kFloat32));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const bool avx512 = path() == PATH_AVX512;
   at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r)
-      for (int64_t b = 0; b < k / QK; ++b) dequant_block(qtype, wp + r * rb + b * bb, yp + r * k + b * QK);
+      for (int64_t b = 0; b < k / QK; ++b) dequant_block(qtype, wp + r * rb + b * bb, yp + r * k + b * QK, avx512);
   });
   return y;
 }
@@ -454,7 +517,8 @@ void kq_rows(const Job& j, int64_t n0, int64_t n1, int p) {
 
 void kq_dequant_row(int qtype, const uint8_t* row, int64_t k, float* out) {
   const int64_t bb = kblock_bytes(qtype);
-  for (int64_t b = 0; b < k / QK; ++b) dequant_block(qtype, row + b * bb, out + b * QK);
+  const bool avx512 = path() == PATH_AVX512;
+  for (int64_t b = 0; b < k / QK; ++b) dequant_block(qtype, row + b * bb, out + b * QK, avx512);
 }
 
 }  // namespace wq
