@@ -24,7 +24,6 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,15 @@ from playwright.sync_api import Browser, Page, Request, WebSocket, sync_playwrig
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from bench.bench_served import Server, default_gguf, find_llama_server, free_port, webchat_server  # noqa: E402
+from bench.bench_served import (  # noqa: E402
+    THREADS,
+    Server,
+    built_by,
+    default_gguf,
+    find_llama_server,
+    free_port,
+    webchat_server,
+)
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 MAX_TOKENS = 512  # the page's default cap on new tokens; llama.cpp's web UI is given the same
@@ -163,17 +170,9 @@ def llama_api_run(port: int, prompt: str) -> dict[str, float]:
 
 def llama_ui_server(binary: Path, ui: Path, gguf: Path, port: int) -> Server:
     """llama-server as its users start it, serving the web UI from `ui`, its new-token cap set to the page's."""
-    argv = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", "2", "-tb", "2",
-            "--path", str(ui), "--ui-config", json.dumps({"max_tokens": MAX_TOKENS})]
+    argv = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", str(THREADS),
+            "-tb", str(THREADS), "--path", str(ui), "--ui-config", json.dumps({"max_tokens": MAX_TOKENS})]
     return Server("llama-server", argv, port, None, None, "/health")
-
-
-def find_llama_ui(given: Path | None) -> Path:
-    if given is not None:
-        return given
-    out = subprocess.run(["bash", str(HERE / "bench" / "build_llama_ui.sh")], check=True, capture_output=True,
-                         text=True)
-    return Path(out.stdout.strip().splitlines()[-1])
 
 
 Row = tuple[float, float, float]  # (engine decode tok/s, new tokens, browser CPU ms a token)
@@ -291,7 +290,7 @@ def main() -> None:
             main_long(browser, gguf, args.rounds)
             browser.close()
         return
-    peer = (find_llama_server(args.llama_server), find_llama_ui(args.llama_ui)) if args.peer else None
+    peer = (find_llama_server(args.llama_server), built_by("build_llama_ui.sh", args.llama_ui)) if args.peer else None
     rows: dict[str, list[Row]] = {}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])

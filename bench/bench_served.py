@@ -279,12 +279,16 @@ def default_gguf() -> Path:
     return ensure_default_gguf()
 
 
-def find_llama_server(given: Path | None) -> Path:
+def built_by(script: str, given: Path | None) -> Path:
+    """`given`, else the path bench/<script> prints last (it builds what it names once, then only prints it)."""
     if given is not None:
         return given
-    out = subprocess.run(["bash", str(HERE / "bench" / "build_llama_server.sh")], check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run(["bash", str(HERE / "bench" / script)], check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def find_llama_server(given: Path | None) -> Path:
+    return built_by("build_llama_server.sh", given)
 
 
 def fmt_ratio(a: float, b: float) -> str:
