@@ -74,6 +74,23 @@ KQ_CLONES void dequant_q6_k(const uint8_t* b, float* y) {
 // above, vectorised with or without FMA, and these give the same floats.
 #define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
+// A Q6_K half's 128 values as four 32-value quarters of 6-bit q, unsigned (ggml's layout: per half, q[l], q[l + 32],
+// q[l + 64], q[l + 96] share ql[l], ql[l + 32] and qh[l]); the 16-bit shifts never carry a kept bit across a byte
+// (masked first)
+__attribute__((target("avx2"))) inline void q6_quarters(const uint8_t* ql, const uint8_t* qh, __m256i q[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+  q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+}
+
 KQ_AVX512 inline float half_f16c(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -106,25 +123,16 @@ KQ_AVX512 void dequant_q6_k_avx512(const uint8_t* b, float* y) {
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half_f16c(b + 208);
-  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
   const __m512i off = _mm512_set1_epi32(32);
   for (int h = 0; h < 2; ++h, ql += 64, qh += 32, sc += 8, y += 128) {
-    for (int is = 0; is < 2; ++is) {  // values l in [16 is, 16 is + 16) of each quarter share scale sc[is + 2 quarter]
-      const int l = 16 * is;
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + l));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + l + 32));
-      const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + l));
-      // 6-bit q = nibble | (2 bits << 4); the 16-bit shifts never carry a kept bit across a byte (masked first)
-      const __m128i q[4] = {
-          _mm_or_si128(_mm_and_si128(a, m4), _mm_slli_epi16(_mm_and_si128(hb, m2), 4)),
-          _mm_or_si128(_mm_and_si128(c, m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2), m2), 4)),
-          _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4),
-                       _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 4), m2), 4)),
-          _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), m4),
-                       _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 6), m2), 4))};
-      for (int quarter = 0; quarter < 4; ++quarter) {
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q[quarter]), off));
-        _mm512_storeu_ps(y + 32 * quarter + l, _mm512_mul_ps(_mm512_set1_ps(d * float(sc[is + 2 * quarter])), f));
+    __m256i q[4];
+    q6_quarters(ql, qh, q);
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      for (int is = 0; is < 2; ++is) {  // values [16 is, 16 is + 16) of a quarter share scale sc[is + 2 quarter]
+        const __m128i v = is ? _mm256_extracti128_si256(q[quarter], 1) : _mm256_castsi256_si128(q[quarter]);
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v), off));
+        _mm512_storeu_ps(y + 32 * quarter + 16 * is,
+                         _mm512_mul_ps(_mm512_set1_ps(d * float(sc[is + 2 * quarter])), f));
       }
     }
   }
@@ -430,11 +438,11 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void q4k_rows_avx512(c
 }
 
 // Q6_K rows likewise: per group of 16, y += (d * sc_g) * ((q - 32) . x); 6-bit q from ql's nibble and qh's 2 bits,
-// 32 at a time (ggml's layout: per half of 128, q[l], q[l + 32], q[l + 64], q[l + 96] share ql[l], ql[l + 32], qh[l])
+// 32 at a time (q6_quarters)
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void q6k_rows_r(const Job& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nsb = j.k / QK;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+  const __m256i off = _mm256_set1_epi8(32);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
     prefetch_ahead(row, j.row_bytes);
@@ -447,17 +455,8 @@ __attribute__((target("avx2,fma,f16c"))) void q6k_rows_r(const Job& j, int r0, i
       std::memcpy(&raw_d, blk + 208, 2);
       const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(raw_d)));
       for (int h = 0; h < 2; ++h) {
-        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
-        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
         __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-        q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+        q6_quarters(blk + 64 * h, blk + 128 + 32 * h, q);
         for (int c = 0; c < 4; ++c) {  // 32 values, 128h + 32c: groups g and g + 1 of 16
           const __m256i qs = _mm256_sub_epi8(q[c], off);
           const __m128i a = _mm256_castsi256_si128(qs), e = _mm256_extracti128_si256(qs, 1);
