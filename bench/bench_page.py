@@ -178,17 +178,26 @@ def llama_ui_server(binary: Path, ui: Path, gguf: Path, port: int) -> Server:
 Row = tuple[float, float, float]  # (engine decode tok/s, new tokens, browser CPU ms a token)
 
 
+def open_page(browser: Browser, port: int, settings: dict[str, str] | None = None) -> tuple[Page, PageRun]:
+    """webchat's page on `port` (with `settings` stored first, as the settings panel keeps them), its first request
+    answered (a warm-up)."""
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    if settings is not None:
+        page.add_init_script(f"localStorage.setItem('webchat.settings.v1', {json.dumps(json.dumps(settings))})")
+    run = PageRun(page)  # watching before the page opens its socket
+    page.goto(f"http://127.0.0.1:{port}/")
+    page.get_by_test_id("input").wait_for()
+    run.ask(False, "Say hello.")
+    return page, run
+
+
 def webchat_round(browser: Browser, gguf: Path, r: int, rows: dict[str, list[Row]]) -> None:
     """`webchat serve` alone: the page with the heatmap off and on, then the websocket client."""
     port = free_port()
     server = webchat_server(gguf, port, [], HERE)
     try:
         server.wait_ready()
-        page = browser.new_page(viewport={"width": 1200, "height": 800})
-        run = PageRun(page)  # watching before the page opens its socket
-        page.goto(f"http://127.0.0.1:{port}/")
-        page.get_by_test_id("input").wait_for()
-        run.ask(False, "Say hello.")  # warm-up: the page's first request
+        page, run = open_page(browser, port)
         for way, heatmap in (("webchat page, heatmap off", False), ("webchat page, heatmap on", True)):
             stats, cpu = run.ask(heatmap, f"{PROMPT} ({r})")
             n = float(stats["new_tokens"])
@@ -244,13 +253,7 @@ def long_round(browser: Browser, gguf: Path) -> tuple[float, list[tuple[float, f
     server = webchat_server(gguf, port, [], HERE)
     try:
         server.wait_ready()
-        page = browser.new_page(viewport={"width": 1200, "height": 800})
-        settings = json.dumps({"max_new_tokens": str(LONG_TOKENS), "temperature": "0"})
-        page.add_init_script(f"localStorage.setItem('webchat.settings.v1', {json.dumps(settings)})")
-        run = PageRun(page)
-        page.goto(f"http://127.0.0.1:{port}/")
-        page.get_by_test_id("input").wait_for()
-        run.ask(False, "Say hello.")  # warm-up
+        page, run = open_page(browser, port, {"max_new_tokens": str(LONG_TOKENS), "temperature": "0"})
         stats, _ = run.ask(False, LONG_PROMPT)
         page.close()
         return float(stats["decode_tps"]), windows(run.marks)
@@ -284,22 +287,23 @@ def main() -> None:
                     help=f"only a {LONG_TOKENS}-token greedy reply, the browser's CPU a token as it grows")
     args = ap.parse_args()
     gguf = default_gguf().resolve()
-    if args.long:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
-            main_long(browser, gguf, args.rounds)
-            browser.close()
-        return
-    peer = (find_llama_server(args.llama_server), built_by("build_llama_ui.sh", args.llama_ui)) if args.peer else None
+    want_peer = args.peer and not args.long
+    peer = (find_llama_server(args.llama_server), built_by("build_llama_ui.sh", args.llama_ui)) if want_peer else None
     rows: dict[str, list[Row]] = {}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
-        for r in range(args.rounds):
-            webchat_round(browser, gguf, r, rows)
-            if peer is not None:
-                llama_round(browser, *peer, gguf, r, rows)
-            print(f"round {r + 1}: " + ", ".join(f"{way} {v[-1][0]:.1f} tok/s" for way, v in rows.items()), flush=True)
+        if args.long:
+            main_long(browser, gguf, args.rounds)
+        else:
+            for r in range(args.rounds):
+                webchat_round(browser, gguf, r, rows)
+                if peer is not None:
+                    llama_round(browser, *peer, gguf, r, rows)
+                print(f"round {r + 1}: " + ", ".join(f"{way} {v[-1][0]:.1f} tok/s" for way, v in rows.items()),
+                      flush=True)
         browser.close()
+    if args.long:
+        return
     base = {"webchat": statistics.median(v[0] for v in rows["webchat socket client, no browser"])}
     if peer is not None:
         base["llama"] = statistics.median(v[0] for v in rows["llama-server API client, no browser"])
