@@ -274,7 +274,8 @@ def _models(config: ServerConfig, rt: Runtime, device: DeviceThread) -> Models:
 
     def make_worker(r: Runtime) -> Worker:
         _, tokenizer, engine = r.local()
-        return Worker(engine, tokenizer.id_to_text, loop, config.max_sessions, config.max_queue, device=device)
+        return Worker(engine, tokenizer.id_to_text, loop, config.max_sessions, config.max_queue, device=device,
+                      stream_interval=config.stream_interval)
 
     try:
         cards = scan(config.model_dir, config.models_dir)

@@ -37,6 +37,7 @@ class Job:
     position: int = 0  # last `queued` position sent; 0 = never queued
     seq: Sequence | None = None  # the local engine's sequence while it runs
     started: bool = False
+    next_send: float = 0.0  # perf_counter before which the local worker holds the job's tokens (its stream interval)
     cancel_requested: bool = False
     dropped: bool = False  # the client left: no more messages, no done
 

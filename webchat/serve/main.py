@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV pool: tokens (32768) or memory (512MiB, 2GiB); default 1GiB on the CPU, half the "
                              "free memory on a GPU")
     parser.add_argument("--max-queue", type=_non_negative, default=16, help="requests waiting past that (default 16)")
+    parser.add_argument("--stream-interval-ms", type=_non_negative, default=round(ServerConfig.stream_interval * 1000),
+                        metavar="MS", help="send a stream's tokens at most this often while they come faster, several "
+                        "in one message (default %(default)s; 0: every step)")
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="another page origin allowed to open the websocket, e.g. http://localhost:3000")
     parser.add_argument("--max-seq-len", type=_positive, default=None,
@@ -102,7 +105,8 @@ def parse_size(text: str) -> int:
 def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
     return ServerConfig(model_dir=model_dir, draft_dir=args.draft, speculative=args.speculative, device=args.device,
                         dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
-                        max_queue=args.max_queue, allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
+                        max_queue=args.max_queue, stream_interval=args.stream_interval_ms / 1000,
+                        allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
                         stall_timeout=args.stall_timeout, access_token=args.access_token,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,

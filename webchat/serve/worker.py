@@ -15,12 +15,20 @@ recently (a newcomer first); at most `max_queue` wait beyond the free slots (non
 admission), so a flooder waits behind its own requests and gets `busy` past that. A connection's engine owner stays
 between turns for prefix reuse, at most `max_sessions` of them, the least recently used idle one closed first.
 Neutral events (webchat.engine.events) go back to the event loop through `loop.call_soon_threadsafe(job.deliver, ...)`.
+
+A stream's tokens are sent at most every `stream_interval` seconds while they come faster than that (SGLang's
+`--stream-interval`, counted in time rather than tokens): the engine keeps merging a sequence's results until the next
+send is due, so a fast small model wakes the event loop, the socket and the client once for several tokens instead of
+for each. Every wakeup preempts one of the forward's threads on a small machine (issue 20). A result waits only where
+the next step is expected to end before its interval does, never behind a prefill or an admission, and a stream's first
+token and its end go out at once; tokens slower than the interval go out one by one as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Protocol
@@ -54,10 +62,10 @@ class Worker:
 
     def __init__(self, engine: Engine, id_to_text: Callable[[int], str], loop: asyncio.AbstractEventLoop,
                  max_sessions: int, max_queue: int, device: DeviceThread | None = None,
-                 per_client: int = PER_CLIENT) -> None:
-        if max_sessions < 1 or max_queue < 0 or per_client < 1:
-            raise ValueError(f"need max_sessions >= 1, max_queue >= 0 and per_client >= 1, got {max_sessions}, "
-                             f"{max_queue} and {per_client}")
+                 per_client: int = PER_CLIENT, stream_interval: float = 0.0) -> None:
+        if max_sessions < 1 or max_queue < 0 or per_client < 1 or not stream_interval >= 0:
+            raise ValueError(f"need max_sessions >= 1, max_queue >= 0, per_client >= 1 and stream_interval >= 0, got "
+                             f"{max_sessions}, {max_queue}, {per_client} and {stream_interval}")
         self.engine = engine
         self._id_to_text = id_to_text  # a stop token's display text, for `done.trigger`
         self._loop = loop
@@ -72,6 +80,8 @@ class Worker:
         self._owners: OrderedDict[Hashable, object] = OrderedDict()  # connection -> its engine owner, LRU first
         self._page_blocked = False  # the head of the queue did not fit the pool at the last admission
         self._stopping = False
+        self.stream_interval = stream_interval
+        self._last_step_end: float | None = None  # perf_counter at the end of the last step's deliveries
 
     # ------------------------------------------------------------ event-loop side (never blocks on the model)
     def start(self) -> None:
@@ -170,6 +180,7 @@ class Worker:
                 if (job.cancel_requested or job.dropped) and job.seq is not None:
                     job.seq.cancel.set()
         if not self.engine.running:
+            self._last_step_end = None
             return
         try:
             self.engine.step()
@@ -179,9 +190,19 @@ class Worker:
                 for job in list(self._active):
                     self._fail(job, ev.Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
             return
+        now = time.perf_counter()
+        # when the next step's results would go out: one more cycle as long as the last (other models' steps and the
+        # admission included); none where the next step prefills or may admit someone (its length is not known)
+        cycle = now - self._last_step_end if self._last_step_end is not None else float("inf")
+        self._last_step_end = now
         with self._cond:
+            next_out = now + cycle
+            if self._waiting or any(s.prefilling for s in self.engine.running):
+                next_out = float("inf")
             for job in list(self._active):
                 assert job.seq is not None
+                if job.next_send > next_out and not job.seq.done:
+                    continue  # held: the engine merges this step's tokens with the next's
                 res = self.engine.take(job.seq)
                 if res is None:
                     if job.seq.done:  # its owner was closed: the engine dropped it with its results
@@ -189,6 +210,7 @@ class Worker:
                     continue
                 if res.eos:
                     self._finish(job)  # the slot is free before the client sees `done`
+                job.next_send = now + self.stream_interval
                 for event in result_events(res, self._id_to_text):
                     self._post(job, event)
 
