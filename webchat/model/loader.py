@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.kernels.cpu import build as qkernels
+from webchat.model.arena import into_huge_pages
 from webchat.model.config import ModelArgs
 from webchat.model.quant import ALL_QTYPES, QEmbedding, QLinear, quantize, swap_modules
 from webchat.model.transformer import Transformer
@@ -130,6 +131,9 @@ def load_model(
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.eval()
+    del state, tensors  # the model holds its tensors now: each old one goes as it is moved
+    if device.type == "cpu":
+        into_huge_pages(model)  # one mapping on 2 MiB pages: decode reads every weight a token (webchat.model.arena)
     model.setup_rope(args.max_seq_len)
     if device.type == "cuda":  # CudaOps kernels and CUDA graphs where CuPy is installed (webchat.kernels.cuda.graphs)
         from webchat.kernels.cuda.graphs import enable_cuda_backend

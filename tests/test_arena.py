@@ -1,0 +1,66 @@
+"""A CPU model's weights in one huge-page-advised mapping (webchat.model.arena): the same values, ties kept, the
+checkpoint's file pages let go."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from webchat.model.arena import into_huge_pages
+from webchat.model.loader import load_model
+
+linux_thp = pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_HUGEPAGE"),
+                               reason="needs Linux's /proc/self/smaps and MADV_HUGEPAGE")
+
+
+def mapping_of(ptr: int) -> tuple[int, int, str]:
+    """(start, end, VmFlags) of this process's mapping that holds address ptr."""
+    start = end = 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            start, end = lo, hi
+        elif line.startswith("VmFlags:") and start <= ptr < end:
+            return start, end, line
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@linux_thp
+def test_a_loaded_cpu_model_lives_in_one_huge_page_mapping_with_the_files_values(real_model_dir: Path) -> None:
+    model = load_model(real_model_dir)
+    params = list(model.parameters())
+    spans = {mapping_of(p.data_ptr()) for p in params}
+    assert len(spans) == 1, spans  # every tensor moved, the small ones too (none keeps the file mapped)
+    start, end, flags = spans.pop()
+    assert " hg" in flags, flags  # advised for transparent huge pages
+    for p in params:
+        assert start <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= end
+    with safe_open(str(real_model_dir / "quantized.safetensors"), framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(model.tok_embeddings.weight.data, embed)  # the same bytes
+    assert model.output.weight is model.tok_embeddings.weight  # tied (SmolLM2) and still one tensor
+
+
+def test_moving_keeps_values_shapes_and_shared_parameters() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 300, bias=True))
+    net[1].weight = net[0].weight  # tied, as a model's head and embedding
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    moved = into_huge_pages(net)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        assert moved == 0
+        return
+    assert moved >= sum(t.numel() * t.element_size() for t in before.values())
+    assert net[1].weight is net[0].weight
+    for name, p in net.named_parameters():
+        assert torch.equal(p.data, before[name]) and p.shape == before[name].shape
+        assert p.data_ptr() % 64 == 0
+    assert net[0].weight.data_ptr() % 4096 == 0  # a matrix starts on its own page
+    x = torch.tensor([[1, 2, 3]])
+    assert net(x).shape == (1, 3, 300)

@@ -1,0 +1,93 @@
+"""A CPU model's weights moved into one anonymous mapping advised for transparent huge pages.
+
+Decode streams every weight once a token. On 4 KiB pages a 1.1B Q4_1 model's 640 MB is 160,000 pages, far past what
+the TLB holds, so the forward walks page tables all the time; on 2 MiB pages it is 320 of them. Linux gives a mapping
+huge pages where it is advised (`MADV_HUGEPAGE`; the distributions' default `transparent_hugepage=madvise` gives none
+otherwise), private and anonymous (torch's own allocations are neither advised nor 2 MiB-aligned). llama.cpp maps the
+GGUF file instead, and page-cache pages are 4 KiB on the usual filesystems.
+
+    moved = into_huge_pages(model)   # bytes moved; 0 where the platform has no MADV_HUGEPAGE
+
+Loaded tensors are mostly views of the checkpoint's file mapping, which stays mapped until the last of them moves; so
+each tensor's file pages are dropped from the mapping as soon as it is copied (`MADV_DONTNEED`: the page cache keeps
+them, a later read would fault them back in), and loading peaks at the weights plus a page or two a tensor, not twice
+the weights. Tensors shared between modules (tied embeddings) move once and stay shared.
+The values are the same bytes: only where they live changes. Without THP (`never`, or not Linux) the mapping is plain
+4 KiB pages and nothing is lost but the copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HUGE = 2 << 20  # the x86-64 and arm64 (4 KiB granule) PMD size
+PAGE = 4096  # a matrix starts on its own page
+SMALL = 64 << 10  # under this (norms, biases) a tensor starts on a cache line
+
+
+def _align(nbytes: int) -> int:
+    return PAGE if nbytes >= SMALL else 64
+
+
+def _round(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """[start, end) of this process's file-backed mappings (empty where /proc/self/maps is not there)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            lo, hi = fields[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def _drop_file_pages(ptr: int, nbytes: int, files: list[tuple[int, int]]) -> None:
+    """Unmap the whole pages of [ptr, ptr + nbytes) where they lie in a file mapping: they leave this process's RSS,
+    and reading them again would fault the same bytes back in from the page cache."""
+    lo, hi = _round(ptr, PAGE), (ptr + nbytes) // PAGE * PAGE
+    if hi > lo and any(start <= ptr and ptr + nbytes <= end for start, end in files):
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+def into_huge_pages(model: nn.Module) -> int:
+    """Move every CPU parameter of the model into one huge-page-advised mapping; returns the bytes moved (0: nothing
+    to move, or the platform lacks anonymous private mappings with MADV_HUGEPAGE). All of them, small ones too: a
+    loaded tensor may be a view of the checkpoint's file mapping, which stays resident while any view of it lives."""
+    advise: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
+    private: int | None = getattr(mmap, "MAP_PRIVATE", None)
+    anonymous: int | None = getattr(mmap, "MAP_ANONYMOUS", None)
+    if advise is None or private is None or anonymous is None:
+        return 0
+    params = [p for p in model.parameters() if p.device.type == "cpu" and p.is_contiguous()]  # a shared one once
+    if not params:
+        return 0
+    total = sum(_round(p.numel() * p.element_size(), _align(p.numel() * p.element_size())) for p in params)
+    size = _round(total, HUGE) + HUGE  # room to start on a 2 MiB boundary
+    area = mmap.mmap(-1, size, flags=private | anonymous)  # private: a shared anonymous mapping is shmem, no THP
+    whole = torch.frombuffer(area, dtype=torch.uint8)  # holds the mapping alive as long as any view of it
+    offset = -whole.data_ptr() % HUGE
+    try:
+        area.madvise(advise, offset, size - offset)
+    except OSError:  # THP compiled out: plain pages still hold the weights
+        pass
+    files = _file_mappings()
+    for p in params:
+        n = p.numel() * p.element_size()
+        dest = whole[offset:offset + n].view(p.dtype).view(p.shape)
+        dest.copy_(p.data)
+        _drop_file_pages(p.data.data_ptr(), n, files)
+        p.data = dest  # the old storage goes as its last reference does
+        offset += _round(n, _align(n))
+    return total
