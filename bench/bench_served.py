@@ -6,7 +6,9 @@ rounds and each keeps its best round per section. Sections, greedy, end-of-turn 
 `--tokens` long:
   repeat  the same short chat sent twice: TTFT of the second (prefix reuse), and of the first
   c1/c4/c16  that many concurrent streams of a short chat (different prompts): TTFT, per-client decode (median and
-          min), aggregate tok/s (all tokens / wall time from the first request to the last token)
+          min), aggregate tok/s (all tokens / wall time from the first request to the last token); the single client
+          runs three times a round (three prompts) and its median run by aggregate is kept: one 96-token stream is
+          under a second, and alone it moved the served-against-bare ratio by 0.8-1.1 between rounds
   long    one ~1,000-token prompt: TTFT and the decode after it
 Peak RSS of each server process over its round is printed too.
 
@@ -45,6 +47,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 THREADS = 2
+C1_RUNS = 3  # single-client runs a round; the median one is kept
 TOPICS = ["a lighthouse keeper", "a city under the sea", "a robot gardener", "the last train home", "a winter market",
           "a lost violin", "two rival bakers", "a map with no names", "a comet over the desert", "a library at night",
           "a ship in a bottle", "the mountain post office", "a clockmaker's apprentice", "a river that ran uphill",
@@ -231,8 +234,9 @@ def run_sections(server: Server, tokens: int, clients: list[int], rnd: int) -> d
     t0 = time.perf_counter()
     again = server.stream(msgs, tokens)
     out["repeat"] = Section("repeat", [again], again.end - t0, {"first_ttft_ms": first.ttft_ms})
-    for n in clients:
-        out[f"c{n}"] = concurrent(server, n, tokens, offset=rnd * 7 + n)
+    for n in clients:  # the single client's prompts: offsets +1..+3, clear of c4's +4..+7
+        tries = [concurrent(server, n, tokens, offset=rnd * 7 + n + k) for k in range(C1_RUNS if n == 1 else 1)]
+        out[f"c{n}"] = sorted(tries, key=lambda sec: sec.aggregate)[len(tries) // 2]
     t0 = time.perf_counter()
     long = server.stream(long_chat(), tokens)
     out["long"] = Section("long", [long], long.end - t0, {"prompt_tokens": float(long.prompt_tokens)})
