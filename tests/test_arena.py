@@ -64,3 +64,12 @@ def test_moving_keeps_values_shapes_and_shared_parameters() -> None:
     assert net[0].weight.data_ptr() % 4096 == 0  # a matrix starts on its own page
     x = torch.tensor([[1, 2, 3]])
     assert net(x).shape == (1, 3, 300)
+
+
+def test_a_parameter_left_out_stays_where_it_was() -> None:
+    net = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 300))
+    where = net[0].weight.data_ptr()
+    into_huge_pages(net, leave=[net[0].weight])
+    assert net[0].weight.data_ptr() == where  # an untied embedding is only gathered: its read rows alone resident
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert net[1].weight.data_ptr() != where and net[1].weight.data_ptr() % 4096 == 0

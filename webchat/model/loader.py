@@ -133,7 +133,9 @@ def load_model(
     model.eval()
     del state, tensors  # the model holds its tensors now: each old one goes as it is moved
     if device.type == "cpu":
-        into_huge_pages(model)  # one mapping on 2 MiB pages: decode reads every weight a token (webchat.model.arena)
+        # one mapping on 2 MiB pages: decode reads every weight a token (webchat.model.arena); an embedding that is
+        # not the head is only gathered, and stays where only the rows read are resident
+        into_huge_pages(model, leave=[] if args.tie_embeddings else [model.tok_embeddings.weight])
     model.setup_rope(args.max_seq_len)
     if device.type == "cuda":  # CudaOps kernels and CUDA graphs where CuPy is installed (webchat.kernels.cuda.graphs)
         from webchat.kernels.cuda.graphs import enable_cuda_backend
