@@ -21,7 +21,7 @@ from tests.gguf_write import F32, write_gguf
 from tests.test_archs import ragged_greedy
 from webchat.cli import cli
 from webchat.convert import QUANT_FILE, QUANT_KEY, ConversionError
-from webchat.gguf_path import gguf_models_dir, model_folder
+from webchat.gguf_path import gguf_models_dir, model_folder, model_name
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.loader import load_model
 from webchat.model.transformer import Transformer
@@ -159,6 +159,8 @@ def test_converted_once_then_reused_keyed_by_content(tmp_path: Path, home: Path)
     assert [p.name for p in gguf_models_dir(home).iterdir() if p.name.startswith(".")] == []  # no temp folder left
     write_gguf(tmp_path / "hf", path, "qwen3", qtype=lambda n, w: Q.Q8_0 if w.ndim == 2 else F32)
     assert model_folder(path, out=io.StringIO()) != first  # new content, new key
+    assert model_name(first) == "m" and model_name(tmp_path / "hf") == "hf"  # a folder of one's own keeps its name
+    assert model_name(gguf_models_dir(home) / "m-notakey") == "m-notakey"
 
 
 def test_cli_complete_and_serve_take_a_gguf(tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,7 +185,7 @@ def test_cli_complete_and_serve_take_a_gguf(tmp_path: Path, home: Path, capsys: 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert main(parser.parse_args(["--model", str(path)]), run=run) == 0
-    assert seen["models"]["data"][0]["id"].startswith("tiny-")
+    assert seen["models"]["data"][0]["id"] == "tiny"  # the file's name, as in --models-dir, not its cache key
 
 
 def test_a_file_webchat_cannot_read_is_named_in_one_line(tmp_path: Path, home: Path,

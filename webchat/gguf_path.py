@@ -27,6 +27,16 @@ def gguf_models_dir(home: Path | None = None) -> Path:
     return (home if home is not None else webchat_home()) / "gguf-models"
 
 
+def model_name(folder: Path, home: Path | None = None) -> str:
+    """What a model folder is called (the page's picker, the API's `model`): its name, except that a folder this
+    module converted from a .gguf is called by the file's name, as a .gguf in --models-dir is, not by its cache key."""
+    stem, _, key = folder.name.rpartition("-")
+    converted = folder.parent.resolve() == gguf_models_dir(home).resolve()
+    if converted and stem and len(key) == KEY_HEX and all(c in "0123456789abcdef" for c in key):
+        return stem
+    return folder.name
+
+
 class Progress:
     """`label: 42%` on one terminal line (a new line per 25% where the stream is not a terminal)."""
 

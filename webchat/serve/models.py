@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from webchat.engine import events as ev
+from webchat.gguf_path import model_name
 from webchat.serve.backend import Job, Snapshot
 from webchat.serve.config import ServerConfig
 from webchat.serve.device import DeviceThread
@@ -112,7 +113,7 @@ def describe(path: Path, default: bool = False) -> Card:
     heads = cfg.get("num_attention_heads")
     head_dim = cfg.get("head_dim") or _div(cfg.get("hidden_size"), heads)
     kv = kv_bytes(cfg.get("num_hidden_layers"), cfg.get("num_key_value_heads") or heads, head_dim, head_dim)
-    return Card(path.name, path, size, str(arch), weights, ctx if isinstance(ctx, int) else None, default, kv)
+    return Card(model_name(path), path, size, str(arch), weights, ctx if isinstance(ctx, int) else None, default, kv)
 
 
 def _div(a: Any, b: Any) -> int | None:

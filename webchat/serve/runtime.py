@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 from starlette.concurrency import run_in_threadpool
 
 from webchat.engine.speculative import MODES
+from webchat.gguf_path import model_name
 from webchat.serve import protocol as p
 from webchat.serve.config import ServerConfig
 
@@ -110,7 +111,7 @@ def load_runtime(config: ServerConfig) -> Runtime:
 
     engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
                     pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
-    return Runtime(model=model, tokenizer=tokenizer, model_name=config.model_dir.name, device=str(device),
+    return Runtime(model=model, tokenizer=tokenizer, model_name=model_name(config.model_dir), device=str(device),
                    dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
                    default_mode=config.speculative, engine=engine, weights=weights_name(model))
 
