@@ -230,3 +230,15 @@ def test_an_unreadable_ggml_type_is_named(tmp_path: Path, home: Path) -> None:
     assert "blk.0.ffn_up.weight" in names
     with pytest.raises(ConversionError, match="'blk.0.ffn_up.weight' is of ggml type Q8_1"):
         model_folder(tmp_path / "bad.gguf", out=io.StringIO())
+
+
+def test_a_gguf_served_by_path_and_found_in_the_models_dir_is_one_model_named_by_its_file(tmp_path: Path,
+                                                                                        home: Path) -> None:
+    from webchat.serve.models import scan
+
+    tiny_folder("llama", tmp_path / "hf")
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    write_gguf(tmp_path / "hf", shelf / "tiny.gguf", "llama")
+    cards = scan(model_folder(shelf / "tiny.gguf", out=io.StringIO()), shelf)
+    assert list(cards) == ["tiny"] and cards["tiny"].default  # listed once, under the file's name

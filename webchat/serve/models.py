@@ -146,7 +146,10 @@ def scan(default: Path, models_dir: Path | None) -> dict[str, Card]:
             except Exception as exc:  # a broken file must not stop the server: it is named and skipped
                 log.warning("models dir: %s left out: %s: %s", path, type(exc).__name__, exc)
                 continue
-            cards.setdefault(card.name, card)
+            if card.name in cards:  # the default's .gguf itself, or another file of the same name
+                log.info("models dir: %s left out: the name %r is %s's", path, card.name, cards[card.name].path)
+                continue
+            cards[card.name] = card
     return cards
 
 
