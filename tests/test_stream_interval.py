@@ -72,7 +72,8 @@ class FakeEngine:
         pass
 
 
-def run(engine: FakeEngine, interval: float, starts: list[float]) -> list[list[tuple[float, ev.Event]]]:
+def run(engine: FakeEngine, interval: float, starts: list[float],
+        max_sessions: int = 8) -> list[list[tuple[float, ev.Event]]]:
     """Submit one request per entry of `starts` (seconds after the first), each its own client; every request's
     events with the time each reached the event loop."""
     loop = asyncio.new_event_loop()
@@ -89,7 +90,8 @@ def run(engine: FakeEngine, interval: float, starts: list[float]) -> list[list[t
                     loop.stop()
         return put
 
-    worker = Worker(engine, str, loop, max_sessions=8, max_queue=8, stream_interval=interval)  # type: ignore[arg-type]
+    worker = Worker(engine, str, loop, max_sessions=max_sessions, max_queue=8,  # type: ignore[arg-type]
+                    stream_interval=interval)
     worker.start()
     for i, at in enumerate(starts):
         job = Job(key=i, request_id=str(i), request=GenerationRequest([1, 2, 3]), deliver=deliver(i), client=i)
@@ -136,3 +138,11 @@ def test_nothing_is_held_while_another_request_prefills() -> None:
     singles = sum(1 for t in texts if t.count("<") == 1)
     assert singles >= 20, texts  # one message a step through the other's prefill
     assert len(texts) < 60  # and held again once it decodes
+
+
+def test_a_request_that_cannot_be_admitted_yet_does_not_stop_the_holding() -> None:
+    # one slot: the second request waits for the first to end, and no admission can come before it does
+    first, second = FakeSeq(tokens=60), FakeSeq(tokens=5)
+    got = run(FakeEngine(0.002, [first, second]), 0.05, [0.0, 0.01], max_sessions=1)
+    assert len(token_messages(got[0])) < 30
+    assert "".join(token_messages(got[1])) == "".join(f"<{i}>" for i in range(5))

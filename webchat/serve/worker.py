@@ -197,7 +197,8 @@ class Worker:
         self._last_step_end = now
         with self._cond:
             next_out = now + cycle
-            if self._waiting or any(s.prefilling for s in self.engine.running):
+            may_admit = self._waiting and not self._page_blocked and len(self._active) < self.max_sessions
+            if may_admit or any(s.prefilling for s in self.engine.running):
                 next_out = float("inf")
             for job in list(self._active):
                 assert job.seq is not None
