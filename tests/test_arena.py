@@ -73,3 +73,19 @@ def test_a_parameter_left_out_stays_where_it_was() -> None:
     assert net[0].weight.data_ptr() == where  # an untied embedding is only gathered: its read rows alone resident
     if hasattr(mmap, "MADV_HUGEPAGE"):
         assert net[1].weight.data_ptr() != where and net[1].weight.data_ptr() % 4096 == 0
+
+
+def test_file_pages_another_tensor_still_reads_are_kept_with_their_changes(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(65536, dtype=torch.float32)}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        w = f.get_tensor("w")  # a view of the file's private, writable mapping
+    w[20000] = -1.0  # changed in place: only this process's copy of the page holds it
+    net = nn.Module()
+    net.a = nn.Parameter(w[:32768], requires_grad=False)  # two parameters over the same bytes, 16 pages shared
+    net.b = nn.Parameter(w[16384:], requires_grad=False)
+    want_a, want_b = net.a.detach().clone(), net.b.detach().clone()
+    into_huge_pages(net)
+    assert torch.equal(net.a.data, want_a) and torch.equal(net.b.data, want_b)  # b's copy still sees the change
+    assert net.b.data[20000 - 16384].item() == -1.0

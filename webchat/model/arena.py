@@ -12,9 +12,10 @@ An embedding table that is not also the head is left where it is: the forward ga
 in place only the rows of tokens seen become resident (a 1.1B model's table is 41 MB of Q4_1 blocks).
 
 Loaded tensors are mostly views of the checkpoint's file mapping, which stays mapped while any of them lives; so each
-tensor's file pages are dropped from the mapping as soon as it is copied (`MADV_DONTNEED`: the page cache keeps
-them, a later read would fault them back in), and loading peaks at the weights plus a page or two a tensor, not twice
-the weights. Tensors shared between modules (tied embeddings) move once and stay shared.
+tensor's file pages are dropped from the mapping as soon as it is copied (`MADV_DONTNEED`), and loading peaks at the
+weights plus a page or two a tensor, not twice the weights. Only pages no other tensor still in use overlaps are
+dropped: the mapping is private and writable, and a page changed in place would read back as the file's bytes.
+Tensors shared between modules (tied embeddings) move once and stay shared.
 The values are the same bytes: only where they live changes. Without THP (`never`, or not Linux) the mapping is plain
 4 KiB pages and nothing is lost but the copy.
 """
@@ -57,12 +58,21 @@ def _file_mappings() -> list[tuple[int, int]]:
     return out
 
 
-def _drop_file_pages(ptr: int, nbytes: int, files: list[tuple[int, int]]) -> None:
-    """Unmap the whole pages of [ptr, ptr + nbytes) where they lie in a file mapping: they leave this process's RSS,
-    and reading them again would fault the same bytes back in from the page cache."""
-    lo, hi = _round(ptr, PAGE), (ptr + nbytes) // PAGE * PAGE
-    if hi > lo and any(start <= ptr and ptr + nbytes <= end for start, end in files):
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _drop_file_pages(span: tuple[int, int], files: list[tuple[int, int]], needed: list[tuple[int, int]]) -> None:
+    """Unmap the whole pages of a copied tensor's span where they lie in a file mapping and no tensor still in use
+    overlaps them: they leave this process's RSS. The mapping is private and writable, so a page changed in place
+    would lose the change; hence the overlap check, so that no one reads these bytes again."""
+    ptr, end = span
+    lo, hi = _round(ptr, PAGE), end // PAGE * PAGE
+    if hi <= lo or not any(start <= ptr and end <= stop for start, stop in files):
+        return
+    if any(a < hi and lo < b for a, b in needed):
+        return
+    ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
 def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
@@ -79,6 +89,7 @@ def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int
               if p.device.type == "cpu" and p.is_contiguous() and id(p) not in kept]
     if not params:
         return 0
+    moving = {id(p) for p in params}
     total = sum(_round(p.numel() * p.element_size(), _align(p.numel() * p.element_size())) for p in params)
     size = _round(total, HUGE) + HUGE  # room to start on a 2 MiB boundary
     area = mmap.mmap(-1, size, flags=private | anonymous)  # private: a shared anonymous mapping is shmem, no THP
@@ -89,11 +100,13 @@ def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int
     except OSError:  # THP compiled out: plain pages still hold the weights
         pass
     files = _file_mappings()
-    for p in params:
+    staying = [_span(t) for t in model.buffers()] + [_span(p) for p in model.parameters() if id(p) not in moving]
+    spans = [_span(p) for p in params]
+    for i, p in enumerate(params):
         n = p.numel() * p.element_size()
         dest = whole[offset:offset + n].view(p.dtype).view(p.shape)
         dest.copy_(p.data)
-        _drop_file_pages(p.data.data_ptr(), n, files)
+        _drop_file_pages(spans[i], files, staying + spans[i + 1:])
         p.data = dest  # the old storage goes as its last reference does
         offset += _round(n, _align(n))
     return total
