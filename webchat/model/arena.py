@@ -23,6 +23,7 @@ The values are the same bytes: only where they live changes. Without THP (`never
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
@@ -58,6 +59,11 @@ def _file_mappings() -> list[tuple[int, int]]:
     return out
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
@@ -72,7 +78,7 @@ def _drop_file_pages(span: tuple[int, int], files: list[tuple[int, int]], needed
         return
     if any(a < hi and lo < b for a, b in needed):
         return
-    ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+    _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
 def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
@@ -90,7 +96,8 @@ def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int
     if not params:
         return 0
     moving = {id(p) for p in params}
-    total = sum(_round(p.numel() * p.element_size(), _align(p.numel() * p.element_size())) for p in params)
+    spans = [_span(p) for p in params]
+    total = sum(_round(end - ptr, _align(end - ptr)) for ptr, end in spans)
     size = _round(total, HUGE) + HUGE  # room to start on a 2 MiB boundary
     area = mmap.mmap(-1, size, flags=private | anonymous)  # private: a shared anonymous mapping is shmem, no THP
     whole = torch.frombuffer(area, dtype=torch.uint8)  # holds the mapping alive as long as any view of it
@@ -101,9 +108,8 @@ def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int
         pass
     files = _file_mappings()
     staying = [_span(t) for t in model.buffers()] + [_span(p) for p in model.parameters() if id(p) not in moving]
-    spans = [_span(p) for p in params]
     for i, p in enumerate(params):
-        n = p.numel() * p.element_size()
+        n = spans[i][1] - spans[i][0]
         dest = whole[offset:offset + n].view(p.dtype).view(p.shape)
         dest.copy_(p.data)
         _drop_file_pages(spans[i], files, staying + spans[i + 1:])
