@@ -1,6 +1,7 @@
 """Per-step work outside the forward (batch building, sampling, detokenising, events) against the forward itself, on
 the default model, as the server's device thread runs it: engine.step() for 1 and 4 greedy decoding sequences, with
-and without 5 alternatives per token. Issue 20's target: outside-forward time at most 10% of a one-row step.
+and without 5 alternatives per token, and with a token bias (an API client's logit_bias). Issue 20's target:
+outside-forward time at most 10% of a one-row step.
 
 Then whether the forward's matmuls wait on memory: the C++ matmul called on each of the model's quantized matrices in
 turn, one row of x (every matrix read from memory once, as a token reads them), against the same calls each repeated
@@ -28,8 +29,9 @@ from webchat.serve.device import DeviceThread
 from webchat.serve.runtime import Runtime, load_runtime, warm_up
 
 
-def measure(rt: Runtime, rows: int, alts: int, steps: int) -> tuple[float, float]:
-    """(ms per step, ms of it in the model's forward) over `steps` decode steps of `rows` sequences."""
+def measure(rt: Runtime, rows: int, alts: int, steps: int, bias: bool = False) -> tuple[float, float]:
+    """(ms per step, ms of it in the model's forward) over `steps` decode steps of `rows` sequences; `bias`: each with
+    a token bias (an API client's logit_bias, as bench_served.py sends to keep end-of-turn away)."""
     engine = rt.engine
     spent = [0.0]
     forward = Transformer.forward
@@ -45,7 +47,8 @@ def measure(rt: Runtime, rows: int, alts: int, steps: int) -> tuple[float, float
     seqs = []
     for i, owner in enumerate(owners):
         ids = rt.encode_chat([{"role": "user", "content": f"Story {i}: write a long story about a lighthouse."}])
-        req = GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0),
+        req = GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0,
+                                                                          token_bias={2: -100.0} if bias else {}),
                                 max_new_tokens=steps + 64, stop_token_ids=[], return_probs=alts > 0, top_alts=alts)
         seqs.append(engine.add(owner, req)[0])
     while any(s.prefilling for s in seqs):
@@ -110,10 +113,11 @@ def main() -> None:
     device.start()
     rt = device.call(lambda: warm_up(load_runtime(ServerConfig(model_dir=args.model, device="cpu")))).result()
     print(f"{args.model.name}, {torch.get_num_threads()} threads, {args.steps} decode steps each")
-    print(f"{'rows':>4} {'alternatives':>12} {'step ms':>8} {'forward ms':>10} {'outside':>8}")
-    for rows, alts in ((1, 0), (1, 5), (4, 0), (4, 5)):
-        step, fwd = device.call(lambda r=rows, a=alts: measure(rt, r, a, args.steps)).result()
-        print(f"{rows:>4} {alts:>12} {step:>8.2f} {fwd:>10.2f} {(step - fwd) / step * 100:>7.1f}%")
+    print(f"{'rows':>4} {'alternatives':>12} {'bias':>5} {'step ms':>8} {'forward ms':>10} {'outside':>8}")
+    for rows, alts, bias in ((1, 0, False), (1, 5, False), (1, 0, True), (4, 0, False), (4, 5, False), (4, 0, True)):
+        step, fwd = device.call(lambda r=rows, a=alts, b=bias: measure(rt, r, a, args.steps, b)).result()
+        print(f"{rows:>4} {alts:>12} {'yes' if bias else 'no':>5} {step:>8.2f} {fwd:>10.2f} "
+              f"{(step - fwd) / step * 100:>7.1f}%")
     streamed, cached = device.call(functools.partial(streamed_vs_cached, rt)).result()
     print(f"the quantized matrices, one row of x: {streamed:.2f} ms called in turn (from memory), {cached:.2f} ms "
           f"each in cache")

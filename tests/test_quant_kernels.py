@@ -155,6 +155,28 @@ def test_sample_batch_with_the_scans_matches_the_torch_ops(kernels: Any) -> None
         assert [v for _, v in f.top] == pytest.approx([v for _, v in s.top], rel=2e-5)
 
 
+def test_the_greedy_scan_adds_each_rows_token_bias_as_index_add_does_and_leaves_the_logits(kernels: Any,
+                                                                                           path: str) -> None:
+    x, _ = scan_rows()
+    best = x.argmax(-1).tolist()
+    tie = float(x[1].max() - x[1, 5])  # lifts token 5 of row 1 onto the best logit: a tie, the lower id wins
+    ids, values = [[best[0], 11], [5], []], [[-100.0, 0.3], [tie], []]
+    before = x.clone()
+    picks = kernels.argmax_rows(x, ids, values)
+    assert torch.equal(x, before)  # every logit back as it was, bit for bit
+    want = []
+    for r in range(3):
+        row = x[r].clone()
+        row.index_add_(0, torch.tensor(ids[r], dtype=torch.long), torch.tensor(values[r]))
+        want.append(int(row.argmax()))
+    assert picks == want and picks[0] != best[0] and picks[2] == best[2]
+    with pytest.raises(RuntimeError, match="bias id 49152 is outside the vocabulary of 49152"):
+        kernels.argmax_rows(x, [[49152], [], []], [[1.0], [], []])
+    with pytest.raises(RuntimeError, match="one list per row"):
+        kernels.argmax_rows(x, [[1]], [[1.0]])
+    assert torch.equal(x, before)
+
+
 def test_the_row_scans_refuse_what_is_outside_the_logits(kernels: Any) -> None:
     x = torch.randn(2, 10)
     with pytest.raises(RuntimeError, match="row 2 is outside the 2 logits rows"):

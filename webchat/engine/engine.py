@@ -99,6 +99,7 @@ class Engine:
                  self_draft_layers: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  mixed_chunk: int = MIXED_CHUNK) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.device = model.device  # read once: a module attribute lookup on every step otherwise
         context = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         self.pool = model.new_pool(pool_tokens or context, page_size)
         self.pool.evict = self._evict_idle
@@ -331,7 +332,7 @@ class Engine:
             spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, offsets))
         # a prompt's positions: computed alike however the prompt is chunked, recomputed alike after a preemption
         ends = [r.seq.stats.prompt_tokens for r in rows]
-        logits = self.model(make_batch(spec, self.pool.page_size, self.model.device, ends), self.pool)  # (R, vocab)
+        logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends), self.pool)  # (R, vocab)
         at, todo = 0, []  # (row, its first logits row, how many it samples, its results)
         for r in rows:
             seq, out = r.seq, StreamResult()
@@ -357,18 +358,18 @@ class Engine:
         for r, first, n, out in todo:
             if n:
                 k = n if r.seq.sampler.settings.greedy else 1
-                self._verify(r.seq, out, r.drafts, logits[first : first + n], [next(choices) for _ in range(k)])
+                self._verify(r.seq, out, r.drafts, logits, [next(choices) for _ in range(k)], first)
             r.seq.table.register(r.seq.tokens, r.seq.n_cached)
             self._post(r.seq, out)
 
     def _verify(self, seq: Sequence, out: StreamResult, drafts: list[int], logits: torch.Tensor,
-                sampled: list[Choice]) -> None:
-        """Take row i's sample (i = 0..len(drafts)) while the previous one equals draft i - 1 (exllamav2's rule); rows
-        past `sampled` (the rows sampled already) are sampled here, only when reached."""
+                sampled: list[Choice], first: int = 0) -> None:
+        """Take row i's sample (i = 0..len(drafts), logits row first + i) while the previous one equals draft i - 1
+        (exllamav2's rule); rows past `sampled` (the rows sampled already) are sampled here, only when reached."""
         base = seq.n_cached - len(drafts)  # tokens[:base] are in the cache for good (the fed pending token included)
         accepted = 0
         for i in range(len(drafts) + 1):
-            choice = sampled[i] if i < len(sampled) else self._sample(seq, logits[i])
+            choice = sampled[i] if i < len(sampled) else self._sample(seq, logits[first + i])
             self._emit(seq, out, choice)
             if seq.done or i == len(drafts) or choice.token != drafts[i]:
                 break

@@ -53,7 +53,8 @@ class QKernels(Protocol):
 
     def Step(self, *args: Any) -> StepHandle: ...  # noqa: N802 (the C++ class's name)
 
-    def argmax_rows(self, x: torch.Tensor) -> list[int]: ...
+    def argmax_rows(self, x: torch.Tensor, ids: list[list[int]] = ...,
+                    values: list[list[float]] = ...) -> list[int]: ...  # fmt: skip
 
     def describe_rows(self, x: torch.Tensor, rows: list[int], tokens: list[int],
                       ks: list[int]) -> list[tuple[float, int, list[tuple[int, float]]]]: ...  # fmt: skip

@@ -81,12 +81,37 @@ static void check_f32(const torch::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
-// the sampler's scans (qsample.cpp) over rows of x (N, V): the greedy token of every row ...
-std::vector<int64_t> argmax_rows(const torch::Tensor& x) {
+// the sampler's scans (qsample.cpp) over rows of x (N, V): the greedy token of every row, row r with values[r] added
+// at ids[r] first (a request's token bias, each sum in float32 as torch's index_add_ makes it; none where ids is
+// empty), its logits as they were once it is picked ...
+std::vector<int64_t> argmax_rows(const torch::Tensor& x, const std::vector<std::vector<int64_t>>& ids,
+                                 const std::vector<std::vector<float>>& values) {
   check_f32(x, "logits");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "logits must be (rows, vocab), got ", x.sizes());
+  const int64_t v = x.size(1);
+  TORCH_CHECK(ids.size() == values.size() && (ids.empty() || static_cast<int64_t>(ids.size()) == x.size(0)),
+              "bias ids and values need one list per row (or none), got ", ids.size(), " and ", values.size(),
+              " for ", x.size(0), " rows");
   std::vector<int64_t> out(x.size(0));
-  for (int64_t r = 0; r < x.size(0); ++r) out[r] = argmax_row(x.data_ptr<float>() + r * x.size(1), x.size(1));
+  std::vector<float> kept;
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    float* row = x.data_ptr<float>() + r * v;
+    const std::vector<int64_t>* at = ids.empty() ? nullptr : &ids[r];
+    if (at != nullptr) {
+      TORCH_CHECK(at->size() == values[r].size(), "row ", r, ": ", at->size(), " bias ids but ", values[r].size(),
+                  " values");
+      kept.resize(at->size());
+      for (size_t i = 0; i < at->size(); ++i) {
+        const int64_t t = (*at)[i];
+        TORCH_CHECK(t >= 0 && t < v, "bias id ", t, " is outside the vocabulary of ", v);
+      }
+      for (size_t i = 0; i < at->size(); ++i) kept[i] = row[(*at)[i]];
+      for (size_t i = 0; i < at->size(); ++i) row[(*at)[i]] += values[r][i];
+    }
+    out[r] = argmax_row(row, v);
+    if (at != nullptr)
+      for (size_t i = at->size(); i-- > 0;) row[(*at)[i]] = kept[i];  // backwards: a repeated id ends as it began
+  }
   return out;
 }
 
@@ -326,7 +351,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("ids") = py::none());
   m.def("set_path", &wq::set_path, "force a code path (-1 best, 0 scalar, 1 avx2, 2 avx512); returns the one set");
   m.def("path", &wq::path);
-  m.def("argmax_rows", &wq::argmax_rows, "the first largest logit's index of each row", py::arg("x"));
+  m.def("argmax_rows", &wq::argmax_rows, "the first largest logit's index of each row, a row's token bias added",
+        py::arg("x"), py::arg("ids") = std::vector<std::vector<int64_t>>(),
+        py::arg("values") = std::vector<std::vector<float>>());
   m.def("describe_rows", &wq::describe_rows, "(prob, rank, top alternatives) of tokens[i] in row rows[i]",
         py::arg("x"), py::arg("rows"), py::arg("tokens"), py::arg("ks"));
   m.def("best_path", &wq::best_path);
