@@ -163,7 +163,7 @@ def fidelity() -> None:
     print(json.dumps(result))
 
 
-def child(engine: str) -> None:
+def child(engine: str, repeat: bool = False) -> None:
     import torch
 
     from webchat.pull import default_gguf_path, ensure_default_model
@@ -173,6 +173,12 @@ def child(engine: str) -> None:
     prompts = prompts_of(model_dir)
     run = RUNNERS[engine](model_dir, default_gguf_path())
     time_stream(run(prompts["short"][:8]))  # warm-up
+    if repeat:  # bench_served.py --paired: one short-prompt run per line read, its figures printed at once
+        print(json.dumps({"ready": True}), flush=True)
+        for _ in sys.stdin:
+            ttft, tps = time_stream(run(prompts["short"]))
+            print(json.dumps({"ttft_ms": round(ttft, 1), "decode_tps": round(tps, 1)}), flush=True)
+        return
     result: dict[str, object] = {"engine": engine}
     for name, ids in prompts.items():
         ttft, tps = min((time_stream(run(ids)) for _ in range(2)), key=lambda r: r[0])
@@ -222,13 +228,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", choices=ENGINES, help="run one engine (the parent runs each in a child)")
     parser.add_argument("--fidelity", action="store_true", help="run the fidelity child only")
+    parser.add_argument("--repeat", action="store_true",
+                        help="with --engine: stay, and run the short prompt once for each line read on stdin")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=3,
                         help="children per engine, engines alternating; each engine's best round is kept (the "
                              "machine's noise hits every engine alike)")
     args = parser.parse_args()
     if args.engine:
-        child(args.engine)
+        child(args.engine, args.repeat)
         return
     if args.fidelity:
         fidelity()

@@ -251,6 +251,52 @@ def bare_decode(src: Path) -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1])["short"]["decode_tps"])
 
 
+class BareChild:
+    """bench_cpu.py's webchat child kept alive (`--repeat`): one bare short-prompt decode each time it is asked."""
+
+    def __init__(self, src: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=str(src))
+        self.proc = subprocess.Popen([sys.executable, str(src / "bench" / "bench_cpu.py"), "--engine", "webchat",
+                                      "--repeat"], cwd=src, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self._read()  # {"ready": true}: loaded and warmed up
+
+    def _read(self) -> dict[str, float]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the bare child ended (exit {self.proc.wait()})")
+        out: dict[str, float] = json.loads(line)
+        return out
+
+    def decode(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._read()["decode_tps"])
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def run_paired(server: Server, bare: BareChild, tokens: int, pairs: int) -> list[tuple[float, float, float]]:
+    """`pairs` times: one single-client stream (a new topic each time, so no prompt is reused whole), then one bare
+    decode, a second apart: (served aggregate, its decode alone, bare decode) per pair."""
+    server.stream(short_chat(99), 8)  # warm-up (topic 99 % 16 = 3 is never one of the pairs' prompts)
+    out = []
+    for i in (i for i in range(pairs + 1) if i != 3):
+        if len(out) == pairs:
+            break
+        c1 = concurrent(server, 1, tokens, offset=i)
+        bare_tps = bare.decode()
+        out.append((c1.aggregate, c1.decode_median, bare_tps))
+        print(f"  pair {len(out)}: served aggregate {c1.aggregate:.1f} tok/s (decode alone {c1.decode_median:.1f}), "
+              f"bare decode {bare_tps:.1f}: {c1.aggregate / bare_tps:.2f}x", flush=True)
+    return out
+
+
 def stop_token_ids(gguf: Path) -> list[int]:
     from gguf import GGUFReader
 
@@ -299,6 +345,31 @@ def fmt_ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
+def paired_main(gguf: Path, src: Path, tokens: int, rounds: int, n: int) -> None:
+    print(f"{gguf.name}, {tokens} greedy tokens, {THREADS} threads: webchat serve's single client against "
+          f"bench_cpu.py's bare decode, {n} pairs in each of {rounds} rounds (a new server and bare child each round)",
+          flush=True)
+    stops = stop_token_ids(gguf)
+    pairs: list[tuple[float, float, float]] = []
+    for rnd in range(rounds):
+        print(f"round {rnd + 1}", flush=True)
+        bare = BareChild(src)
+        server = webchat_server(gguf, free_port(), stops, src)
+        try:
+            server.wait_ready()
+            pairs += run_paired(server, bare, tokens, n)
+        finally:
+            server.stop()
+            bare.stop()
+    ratios = [served / bare_tps for served, _, bare_tps in pairs]
+    decode = [served / bare_tps for _, served, bare_tps in pairs]
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    print(f"\nserved single-client aggregate / bare decode, {len(ratios)} pairs: "
+          f"median {statistics.median(ratios):.2f}x (quartiles {q[0]:.2f} / {q[2]:.2f}; "
+          f"{sum(r >= 0.9 for r in ratios)} of {len(ratios)} pairs >= 0.9; target >= 0.9)")
+    print(f"its decode alone (first token to last) / bare decode: median {statistics.median(decode):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the default model's Q4_1)")
@@ -311,9 +382,18 @@ def main() -> None:
     parser.add_argument("--src", type=Path, default=HERE, help="the webchat checkout to serve from")
     parser.add_argument("--bare", action="store_true",
                         help="each round, bench_cpu.py's bare webchat decode too (the default model; needs clients 1)")
+    parser.add_argument("--paired", type=int, default=0, metavar="N",
+                        help="served against bare only: per round, one server and one bare child alive side by side "
+                             "(never both busy), N single-client streams each followed by a bare decode (N <= 15)")
     args = parser.parse_args()
     gguf = (args.gguf or default_gguf()).resolve()
     clients = [int(c) for c in args.clients.split(",")]
+    if args.paired:
+        if args.gguf is not None or not 0 < args.paired <= 15:
+            parser.error("--paired N compares webchat with its bare forward on the default model, 1 <= N <= 15 (the "
+                         "topics that keep every prompt new)")
+        paired_main(gguf, args.src.resolve(), args.tokens, args.rounds, args.paired)
+        return
     if args.bare and (1 not in clients or args.only == "llama-server" or args.gguf is not None):
         parser.error("--bare compares webchat's single client on the default model: keep 1 in --clients, no --gguf, "
                      "no --only llama-server")
