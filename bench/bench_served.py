@@ -17,11 +17,17 @@ Peak RSS of each server process over its round is printed too.
     .venv/bin/python bench/make_tinyllama_gguf.py          # the 1.1B-shaped file, then:
     .venv/bin/python bench/bench_served.py --gguf ~/.cache/webchat/tinyllama-shape-q4_1.gguf
     .venv/bin/python bench/bench_served.py --only webchat --clients 1 --rounds 6 --bare   # served against bare
+    .venv/bin/python bench/bench_served.py --paired 15 --rounds 2                           # the same, paired
 
 `--bare` also runs bench/bench_cpu.py's webchat child (the bare forward on the main thread, no server) after the
 servers in every round, and prints each round's single-client served aggregate against that bare decode, and the
 median: the served stream's share of the engine's own speed, measured in one run. Beside it, the served stream's decode
 alone (first token to last) against the same bare decode: what the aggregate loses beyond that is its TTFT.
+`--paired N` measures the same ratio with the two sides a second apart instead of a minute: per round, one server
+and one bare child (bench_cpu.py --engine webchat --repeat) stay alive side by side, never both busy, and N
+single-client streams (each a new topic) alternate with N bare decodes; it prints every pair, the median, the
+quartiles and how many pairs reach 0.9. Each round's server and child are new processes, so the rounds also sample
+how much one process differs from the next.
 
 Token counts come from each server's `usage` (stream_options.include_usage); per-client decode is
 (tokens - 1) / (last content chunk - first content chunk), so a server that merges tokens into fewer chunks is not

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from webchat.kernels.cpu import build as qkernels
 from webchat.kernels.cpu.step import MAX_ROWS, CpuStep, enable_cpu_step
-from webchat.model.batch import make_batch
+from webchat.model.batch import Batch, make_batch
 from webchat.model.kv_cache import KVPool, PageTable
 from webchat.model.loader import load_model
 from webchat.model.transformer import Transformer
@@ -256,14 +256,30 @@ def test_a_bad_batch_is_an_error_not_a_wild_write(tiny_model_dir: Path) -> None:
     table = PageTable(pool)
     table.ensure(8)
     good = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)
-    for field, value, message in [("slot_mapping", [1, 10_000], "slot 10000 is outside the pool"),
-                                  ("tokens", [5, 100_000], "token 100000 is out of range"),
-                                  ("positions", [0, 400], "position 400 of row 1 is outside"),
-                                  ("logit_rows", [7], "logit row 7 out of range")]:
-        bad = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)
-        setattr(bad, field, torch.tensor(value, dtype=torch.long))
+    for field, rows_field, value, message in [
+            ("slot_mapping", "slots", [1, 10_000], "slot 10000 is outside the pool"),
+            ("tokens", "tokens", [5, 100_000], "token 100000 is out of range"),
+            ("positions", "positions", [0, 400], "position 400 of row 1 is outside"),
+            ("logit_rows", "logit_rows", [7], "logit row 7 out of range")]:
+        bad = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)  # the host lists the step reads (HostRows)
+        assert bad.rows is not None
+        setattr(bad.rows, rows_field, value)
         with pytest.raises(RuntimeError, match=message):
             model(bad, pool)
+        tensors = {name: getattr(good, name) for name in Batch.TENSORS}  # a batch of tensors (the other entry)
+        bad = Batch(**{**tensors, field: torch.tensor(value, dtype=torch.long)}, max_seq_len=good.max_seq_len)
+        with pytest.raises(RuntimeError, match=message):
+            model(bad, pool)
+    bad = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)
+    assert bad.rows is not None
+    bad.rows.query_start = [0, 5]
+    with pytest.raises(RuntimeError, match="query_start must run from 0 to 2"):
+        model(bad, pool)
+    bad = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)
+    assert bad.rows is not None
+    bad.rows.block_tables = bad.rows.block_tables[:-1]
+    with pytest.raises(RuntimeError, match="block_tables must hold"):
+        model(bad, pool)
     assert model(good, pool).shape == (1, model.args.vocab_size)  # and it still runs
 
 

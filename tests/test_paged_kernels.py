@@ -6,7 +6,6 @@ everywhere through the CPU emulator."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -72,7 +71,7 @@ class Case:
         # Page 0 (NaN here, never written) is zero for the reference, which may gather it as masked padding
         q, kc, vc = self.q.float(), self.k_cache.float(), self.v_cache.float()
         kc[0], vc[0] = 0.0, 0.0
-        batch = Batch(**{f.name: getattr(self.batch, f.name) for f in dataclasses.fields(Batch) if f.name != "plan"})
+        batch = Batch(**{name: getattr(self.batch, name) for name in Batch.TENSORS}, max_seq_len=self.batch.max_seq_len)
         return PagedTorchOps.paged_attention(q, kc, vc, batch, **kw).to(self.q.dtype)  # type: ignore[arg-type]
 
 

@@ -8,13 +8,31 @@ block_tables[b]. Page 0 is never handed to a sequence: padding rows (CUDA graph 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 
 @dataclass
+class HostRows:
+    """A batch's indices as the Python lists make_batch built them, for a forward that reads them on the host (the CPU
+    model's C++ step takes them as they are: no tensor is made for a step that needs none)."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start: list[int]
+    seq_lens: list[int]
+    block_tables: list[int]  # (B * width) page ids, row by row
+    width: int
+    logit_rows: list[int]
+    prompt_ends: list[int] | None
+
+
 class Batch:
+    """The tensors of a ragged batch (below). Built by make_batch, each is made from its HostRows when first read, on
+    the batch's device; built from tensors (a CUDA graph's static batch), it has no rows."""
+
     tokens: torch.Tensor  # (T,) int64 token ids, sequence by sequence
     positions: torch.Tensor  # (T,) int64 position of each token in its sequence
     slot_mapping: torch.Tensor  # (T,) int64 cache slot of each token's k/v: page * page_size + offset
@@ -22,15 +40,57 @@ class Batch:
     seq_lens: torch.Tensor  # (B,) int32 tokens of b in the cache after this step's writes
     block_tables: torch.Tensor  # (B, max_pages) int32 page ids of each sequence, padded with 0
     logit_rows: torch.Tensor  # (R,) int64 rows of `tokens` whose logits the forward returns
-    max_seq_len: int = 0  # max(seq_lens), read on the host without a device sync
     # (B,) int64, on the CPU whatever the device: b's rows at positions below prompt_ends[b] are its prompt's (the
     # CPU forward computes them as a GEMM, the same numbers however the prompt is chunked); None: no row is
-    prompt_ends: torch.Tensor | None = None
-    plan: object = field(default=None, repr=False, compare=False)  # ops' per-batch precomputation, built once
+    prompt_ends: torch.Tensor | None
+
+    TENSORS = ("tokens", "positions", "slot_mapping", "query_start", "seq_lens", "block_tables", "logit_rows",
+               "prompt_ends")
+
+    def __init__(self, *, tokens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None, query_start: torch.Tensor | None = None,
+                 seq_lens: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+                 logit_rows: torch.Tensor | None = None, max_seq_len: int = 0,
+                 prompt_ends: torch.Tensor | None = None, rows: HostRows | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        given = {"tokens": tokens, "positions": positions, "slot_mapping": slot_mapping, "query_start": query_start,
+                 "seq_lens": seq_lens, "block_tables": block_tables, "logit_rows": logit_rows}
+        if rows is None:
+            missing = [name for name, t in given.items() if t is None]
+            if missing:
+                raise ValueError(f"a batch without host rows needs every tensor; missing {', '.join(missing)}")
+            for name, t in given.items():
+                setattr(self, name, t)
+            self.prompt_ends = prompt_ends
+        self.max_seq_len = max_seq_len  # max(seq_lens), read on the host without a device sync
+        self.rows, self.device = rows, device
+        self.plan: object = None  # ops' per-batch precomputation, built once
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        """A tensor not read before: made from the host rows now, and kept."""
+        rows = self.__dict__.get("rows")
+        if rows is None or name not in Batch.TENSORS:
+            raise AttributeError(name)
+        value: torch.Tensor | None
+        if name == "prompt_ends":
+            value = None if rows.prompt_ends is None else torch.tensor(rows.prompt_ends, dtype=torch.long)
+        elif name == "block_tables":
+            value = torch.tensor(rows.block_tables, dtype=torch.int32, device=self.device).view(-1, rows.width)
+        else:
+            data = {"tokens": rows.tokens, "positions": rows.positions, "slot_mapping": rows.slots,
+                    "query_start": rows.query_start, "seq_lens": rows.seq_lens, "logit_rows": rows.logit_rows}[name]
+            dtype = torch.int32 if name in ("query_start", "seq_lens") else torch.long
+            value = torch.tensor(data, dtype=dtype, device=self.device)
+        setattr(self, name, value)
+        return value
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.rows.tokens) if self.rows is not None else int(self.tokens.shape[0])
 
     @property
     def num_seqs(self) -> int:
-        return int(self.block_tables.shape[0])
+        return len(self.rows.seq_lens) if self.rows is not None else int(self.block_tables.shape[0])
 
 
 def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_size: int,
@@ -69,10 +129,9 @@ def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_siz
         lens.append(end)
         tables.append(pages + [0] * (width - len(pages)))
 
-    def t(x: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=device)
-
-    return Batch(tokens=t(tokens, torch.long), positions=t(positions, torch.long), slot_mapping=t(slots, torch.long),
-                 query_start=t(starts, torch.int32), seq_lens=t(lens, torch.int32),
-                 block_tables=t(tables, torch.int32), logit_rows=t(rows, torch.long), max_seq_len=max(lens),
-                 prompt_ends=None if prompt_ends is None else torch.tensor(prompt_ends, dtype=torch.long))
+    # tensors only when read: each torch call costs ~10 us on a thread whose caches a forward has just swept, and the
+    # CPU step (webchat.kernels.cpu.step) reads the lists (the default model's decode step is ~6 ms)
+    host = HostRows(tokens=tokens, positions=positions, slots=slots, query_start=starts, seq_lens=lens,
+                    block_tables=[p for table in tables for p in table], width=width, logit_rows=rows,
+                    prompt_ends=None if prompt_ends is None else list(prompt_ends))
+    return Batch(rows=host, max_seq_len=max(lens), device=device)

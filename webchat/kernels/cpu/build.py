@@ -35,6 +35,8 @@ class StepHandle(Protocol):
 
     def forward(self, *args: Any) -> torch.Tensor: ...
 
+    def forward_rows(self, *args: Any) -> torch.Tensor: ...
+
 
 class QKernels(Protocol):
     """The compiled module (csrc/qops.cpp's bindings), typed once here: every caller holds this, never the bare

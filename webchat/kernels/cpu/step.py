@@ -87,16 +87,23 @@ class CpuStep:
 
     def __call__(self, model: Transformer, batch: Batch, kv: PagedKV) -> torch.Tensor | None:
         n = len(model.layers)
-        if (batch.tokens.shape[0] > MAX_ROWS or model.tok_embeddings is not self.embedding
+        if (batch.num_tokens > MAX_ROWS or model.tok_embeddings is not self.embedding
                 or n > len(self.layers) or model.layers[n - 1] is not self.layers[n - 1]
                 or kv.k[0].dtype != torch.float32):
             return None  # a long prefill chunk, or another model sharing this hook
         self.calls += 1
         local = model.rope_local or (NONE, NONE)
-        logits: torch.Tensor = self.step.forward(
-            batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,
-            batch.logit_rows, NONE if batch.prompt_ends is None else batch.prompt_ends, kv.k, kv.v, model.rope_cos,
-            model.rope_sin, *local, n)
+        rows = batch.rows
+        logits: torch.Tensor
+        if rows is not None:  # make_batch's lists as they are: no tensor made for them
+            logits = self.step.forward_rows(
+                rows.tokens, rows.positions, rows.slots, rows.query_start, rows.block_tables, rows.width,
+                rows.logit_rows, rows.prompt_ends or [], kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n)
+        else:
+            logits = self.step.forward(
+                batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,
+                batch.logit_rows, NONE if batch.prompt_ends is None else batch.prompt_ends, kv.k, kv.v,
+                model.rope_cos, model.rope_sin, *local, n)
         if self.final_softcap > 0:  # Gemma 2: logits = cap * tanh(logits / cap), as the PyTorch path computes it
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

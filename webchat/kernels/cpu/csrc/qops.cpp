@@ -221,8 +221,6 @@ class Step {
                         const std::vector<torch::Tensor>& k,
                         const std::vector<torch::Tensor>& v, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& cos_l, const torch::Tensor& sin_l, int64_t n_layers) {
-    TORCH_CHECK(n_layers >= 1 && n_layers <= static_cast<int64_t>(m_.layers.size()), "n_layers must be in [1, ",
-                m_.layers.size(), "], got ", n_layers);
     const int64_t T = tokens.numel();
     for (const torch::Tensor* t : {&tokens, &positions, &slots, &logit_rows})
       TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->is_contiguous() && t->device().is_cpu(),
@@ -235,6 +233,56 @@ class Step {
     TORCH_CHECK(block_tables.dim() == 2 && query_start.dim() == 1 && query_start.numel() == block_tables.size(0) + 1,
                 "block_tables must be (B, width) and query_start (B + 1), got ", block_tables.sizes(), " and ",
                 query_start.sizes());
+    BatchView bv;
+    bv.tokens = tokens.data_ptr<int64_t>(), bv.positions = positions.data_ptr<int64_t>();
+    bv.slots = slots.data_ptr<int64_t>(), bv.t = T;
+    bv.query_start = query_start.data_ptr<int32_t>(), bv.b = block_tables.size(0);
+    bv.block_tables = block_tables.data_ptr<int32_t>(), bv.width = block_tables.size(1);
+    bv.logit_rows = logit_rows.data_ptr<int64_t>(), bv.r = logit_rows.numel();
+    if (prompt_ends.numel() > 0) {
+      TORCH_CHECK(prompt_ends.scalar_type() == torch::kInt64 && prompt_ends.dim() == 1 && prompt_ends.is_contiguous() &&
+                      prompt_ends.device().is_cpu() && prompt_ends.numel() == bv.b,
+                  "prompt_ends must be a contiguous 1-D int64 CPU tensor of ", bv.b, " values (or empty), got ",
+                  prompt_ends.scalar_type(), " ", prompt_ends.sizes());
+      bv.prompt_ends = prompt_ends.data_ptr<int64_t>();
+    }
+    return run(bv, k, v, cos, sin, cos_l, sin_l, n_layers);
+  }
+
+  // the same forward from a batch's host lists (webchat.model.batch.HostRows) as pybind hands them over: no tensor
+  // is made for them; block_tables is (B * width) page ids, row by row
+  torch::Tensor forward_rows(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
+                             const std::vector<int64_t>& slots, const std::vector<int32_t>& query_start,
+                             const std::vector<int32_t>& block_tables, int64_t width,
+                             const std::vector<int64_t>& logit_rows, const std::vector<int64_t>& prompt_ends,
+                             const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
+                             const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& cos_l,
+                             const torch::Tensor& sin_l, int64_t n_layers) {
+    const int64_t T = static_cast<int64_t>(tokens.size()), B = static_cast<int64_t>(query_start.size()) - 1;
+    TORCH_CHECK(T > 0 && positions.size() == tokens.size() && slots.size() == tokens.size(), "tokens, positions and ",
+                "slot_mapping must hold the same number (>0) of rows, got ", T, ", ", positions.size(), ", ",
+                slots.size());
+    TORCH_CHECK(B >= 1 && width >= 1 && static_cast<int64_t>(block_tables.size()) == B * width,
+                "block_tables must hold (B = ", B, ") x width (", width, ") pages, got ", block_tables.size());
+    TORCH_CHECK(prompt_ends.empty() || static_cast<int64_t>(prompt_ends.size()) == B, "prompt_ends must hold ", B,
+                " values (or none), got ", prompt_ends.size());
+    BatchView bv;
+    bv.tokens = tokens.data(), bv.positions = positions.data(), bv.slots = slots.data(), bv.t = T;
+    bv.query_start = query_start.data(), bv.b = B, bv.block_tables = block_tables.data(), bv.width = width;
+    bv.logit_rows = logit_rows.data(), bv.r = static_cast<int64_t>(logit_rows.size());
+    bv.prompt_ends = prompt_ends.empty() ? nullptr : prompt_ends.data();
+    return run(bv, k, v, cos, sin, cos_l, sin_l, n_layers);
+  }
+
+ private:
+  StepModel m_;
+  std::vector<torch::Tensor> keep_;
+
+  torch::Tensor run(const BatchView& bv, const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
+                    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& cos_l,
+                    const torch::Tensor& sin_l, int64_t n_layers) {
+    TORCH_CHECK(n_layers >= 1 && n_layers <= static_cast<int64_t>(m_.layers.size()), "n_layers must be in [1, ",
+                m_.layers.size(), "], got ", n_layers);
     TORCH_CHECK(static_cast<int64_t>(k.size()) >= n_layers && v.size() == k.size(), "the pool has ", k.size(),
                 " layers, the forward needs ", n_layers);
     const int64_t num_pages = k[0].size(0), ps = k[0].dim() == 4 ? k[0].size(1) : 0;
@@ -261,19 +309,6 @@ class Step {
       TORCH_CHECK(cos_l.sizes() == cos.sizes() && sin_l.sizes() == cos.sizes(), "the local rope tables must be ",
                   cos.sizes(), ", got ", cos_l.sizes(), " and ", sin_l.sizes());
     }
-    BatchView bv;
-    bv.tokens = tokens.data_ptr<int64_t>(), bv.positions = positions.data_ptr<int64_t>();
-    bv.slots = slots.data_ptr<int64_t>(), bv.t = T;
-    bv.query_start = query_start.data_ptr<int32_t>(), bv.b = block_tables.size(0);
-    bv.block_tables = block_tables.data_ptr<int32_t>(), bv.width = block_tables.size(1);
-    bv.logit_rows = logit_rows.data_ptr<int64_t>(), bv.r = logit_rows.numel();
-    if (prompt_ends.numel() > 0) {
-      TORCH_CHECK(prompt_ends.scalar_type() == torch::kInt64 && prompt_ends.dim() == 1 && prompt_ends.is_contiguous() &&
-                      prompt_ends.device().is_cpu() && prompt_ends.numel() == bv.b,
-                  "prompt_ends must be a contiguous 1-D int64 CPU tensor of ", bv.b, " values (or empty), got ",
-                  prompt_ends.scalar_type(), " ", prompt_ends.sizes());
-      bv.prompt_ends = prompt_ends.data_ptr<int64_t>();
-    }
     check_batch(bv, num_pages, ps, cos.size(0));
     torch::Tensor logits = torch::empty({bv.r, m_.head.n}, torch::dtype(torch::kFloat32));
     PoolView pv{kp.data(), vp.data(), ps};
@@ -285,15 +320,12 @@ class Step {
     return logits;
   }
 
- private:
-  StepModel m_;
-  std::vector<torch::Tensor> keep_;
-
   // every index the forward follows stays inside its tensor: a bad batch is an error, never a wild write
   void check_batch(const BatchView& bv, int64_t num_pages, int64_t ps, int64_t rope_rows) const {
     TORCH_CHECK(bv.query_start[0] == 0 && bv.query_start[bv.b] == bv.t, "query_start must run from 0 to ", bv.t);
     for (int64_t b = 0; b < bv.b; ++b) {
-      TORCH_CHECK(bv.query_start[b] < bv.query_start[b + 1], "sequence ", b, " has no rows in query_start");
+      TORCH_CHECK(bv.query_start[b] < bv.query_start[b + 1] && bv.query_start[b + 1] <= bv.t, "sequence ", b,
+                  " has no rows, or rows past ", bv.t, ", in query_start");
       for (int64_t j = 0; j < bv.width; ++j) {
         const int32_t page = bv.block_tables[b * bv.width + j];
         TORCH_CHECK(page >= 0 && page < num_pages, "block table page ", page, " is outside the pool of ", num_pages);
@@ -362,5 +394,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<double>>())
-      .def("forward", &wq::Step::forward);
+      .def("forward", &wq::Step::forward)
+      .def("forward_rows", &wq::Step::forward_rows);
 }
