@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from webchat.model.batch import make_batch
+from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelConfigError
 from webchat.model.loader import ModelLoadError, load_model
 from webchat.tiny import make_tiny_model, make_tiny_weights, tiny_config
@@ -90,6 +90,28 @@ def test_forward_writes_every_token_and_returns_the_rows_asked_for(tiny_model_di
     torch.testing.assert_close(got[0:1], alone, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1:], model.new_cache(64).feed(model, ids[:3], all_logits=True), atol=1e-5,
                                rtol=1e-5)
+
+
+def test_a_batch_makes_its_tensors_from_its_lists_only_when_read(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    pool = model.new_pool(64, page_size=4)
+    ids = IDS.tolist()
+    batch = make_batch([(ids[:7], 0, [1, 2], [-1]), (ids[:3], 0, [3], [0, 1, 2])], page_size=4, prompt_ends=[7, 3])
+    assert batch.rows is not None and "tokens" not in vars(batch)  # nothing made yet
+    assert batch.num_tokens == 10 and batch.num_seqs == 2
+    assert batch.tokens.tolist() == ids[:7] + ids[:3] and batch.positions.tolist() == [*range(7), *range(3)]
+    assert batch.block_tables.tolist() == [[1, 2], [3, 0]] and batch.query_start.dtype == torch.int32
+    assert batch.logit_rows.tolist() == [6, 7, 8, 9] and batch.seq_lens.tolist() == [7, 3]
+    assert batch.prompt_ends is not None and batch.prompt_ends.tolist() == [7, 3]
+    assert vars(batch)["tokens"] is batch.tokens  # made once, then kept
+    from_lists = model(make_batch([(ids[:7], 0, [1, 2], [-1]), (ids[:3], 0, [3], [0, 1, 2])], page_size=4,
+                                  prompt_ends=[7, 3]), pool)
+    tensors = Batch(**{name: getattr(batch, name) for name in Batch.TENSORS}, max_seq_len=batch.max_seq_len)
+    assert torch.equal(model(tensors, pool), from_lists)  # the C++ step's two entries: the same bits
+    with pytest.raises(ValueError, match="non-empty 1-D tensor"):
+        model(Batch(**{**{name: getattr(batch, name) for name in Batch.TENSORS}, "tokens": torch.tensor(5)}), pool)
+    with pytest.raises(ValueError, match="missing tokens"):
+        Batch(positions=batch.positions)
 
 
 def test_truncated_model_shares_weights_and_runs(tiny_model_dir: Path) -> None:

@@ -183,7 +183,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
-        if batch.num_tokens == 0 or (batch.rows is None and batch.tokens.dim() != 1):
+        if (batch.rows is None and batch.tokens.dim() != 1) or batch.num_tokens == 0:
             raise ValueError(f"batch tokens must be a non-empty 1-D tensor, got shape {tuple(batch.tokens.shape)}")
         if len(kv.k) < len(self.layers):
             raise ValueError(f"the KV cache has {len(kv.k)} layers, the model has {len(self.layers)}")
