@@ -256,14 +256,14 @@ def test_a_bad_batch_is_an_error_not_a_wild_write(tiny_model_dir: Path) -> None:
     table = PageTable(pool)
     table.ensure(8)
     good = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)
-    for field, rows_field, value, message in [
-            ("slot_mapping", "slots", [1, 10_000], "slot 10000 is outside the pool"),
-            ("tokens", "tokens", [5, 100_000], "token 100000 is out of range"),
-            ("positions", "positions", [0, 400], "position 400 of row 1 is outside"),
-            ("logit_rows", "logit_rows", [7], "logit row 7 out of range")]:
+    for field, value, message in [
+            ("slot_mapping", [1, 10_000], "slot 10000 is outside the pool"),
+            ("tokens", [5, 100_000], "token 100000 is out of range"),
+            ("positions", [0, 400], "position 400 of row 1 is outside"),
+            ("logit_rows", [7], "logit row 7 out of range")]:
         bad = make_batch([([5, 6], 0, table.pages, [-1])], PAGE)  # the host lists the step reads (HostRows)
         assert bad.rows is not None
-        setattr(bad.rows, rows_field, value)
+        setattr(bad.rows, field, value)
         with pytest.raises(RuntimeError, match=message):
             model(bad, pool)
         tensors = {name: getattr(good, name) for name in Batch.TENSORS}  # a batch of tensors (the other entry)

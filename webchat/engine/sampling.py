@@ -210,7 +210,7 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk], scan: RowScan | None 
         if scan is None:
             picks = xg.argmax(-1).tolist()
         elif scan_bias and biased:
-            lists = [asks[i].sampler._bias_lists if i in biased else ([], []) for i in greedy]
+            lists = [asks[i].sampler._bias_lists for i in greedy]  # ([], []) where a sampler has no bias
             picks = scan.argmax_rows(xg, [ids for ids, _ in lists], [values for _, values in lists])
         else:
             picks = scan.argmax_rows(xg)

@@ -20,7 +20,7 @@ class HostRows:
 
     tokens: list[int]
     positions: list[int]
-    slots: list[int]
+    slot_mapping: list[int]
     query_start: list[int]
     seq_lens: list[int]
     block_tables: list[int]  # (B * width) page ids, row by row
@@ -71,16 +71,15 @@ class Batch:
         rows = self.__dict__.get("rows")
         if rows is None or name not in Batch.TENSORS:
             raise AttributeError(name)
+        data = getattr(rows, name)  # HostRows names its lists as the tensors they become
         value: torch.Tensor | None
         if name == "prompt_ends":
-            value = None if rows.prompt_ends is None else torch.tensor(rows.prompt_ends, dtype=torch.long)
-        elif name == "block_tables":
-            value = torch.tensor(rows.block_tables, dtype=torch.int32, device=self.device).view(-1, rows.width)
+            value = None if data is None else torch.tensor(data, dtype=torch.long)
         else:
-            data = {"tokens": rows.tokens, "positions": rows.positions, "slot_mapping": rows.slots,
-                    "query_start": rows.query_start, "seq_lens": rows.seq_lens, "logit_rows": rows.logit_rows}[name]
-            dtype = torch.int32 if name in ("query_start", "seq_lens") else torch.long
+            dtype = torch.int32 if name in ("query_start", "seq_lens", "block_tables") else torch.long
             value = torch.tensor(data, dtype=dtype, device=self.device)
+            if name == "block_tables":
+                value = value.view(-1, rows.width)
         setattr(self, name, value)
         return value
 
@@ -131,7 +130,7 @@ def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_siz
 
     # tensors only when read: each torch call costs ~10 us on a thread whose caches a forward has just swept, and the
     # CPU step (webchat.kernels.cpu.step) reads the lists (the default model's decode step is ~6 ms)
-    host = HostRows(tokens=tokens, positions=positions, slots=slots, query_start=starts, seq_lens=lens,
+    host = HostRows(tokens=tokens, positions=positions, slot_mapping=slots, query_start=starts, seq_lens=lens,
                     block_tables=[p for table in tables for p in table], width=width, logit_rows=rows,
                     prompt_ends=None if prompt_ends is None else list(prompt_ends))
     return Batch(rows=host, max_seq_len=max(lens), device=device)

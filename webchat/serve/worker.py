@@ -81,7 +81,7 @@ class Worker:
         self._page_blocked = False  # the head of the queue did not fit the pool at the last admission
         self._stopping = False
         self.stream_interval = stream_interval
-        self._last_step_end: float | None = None  # perf_counter at the end of the last step's deliveries
+        self._last_step_end: float | None = None  # perf_counter at the end of the last engine step
 
     # ------------------------------------------------------------ event-loop side (never blocks on the model)
     def start(self) -> None:

@@ -97,7 +97,7 @@ class CpuStep:
         logits: torch.Tensor
         if rows is not None:  # make_batch's lists as they are: no tensor made for them
             logits = self.step.forward_rows(
-                rows.tokens, rows.positions, rows.slots, rows.query_start, rows.block_tables, rows.width,
+                rows.tokens, rows.positions, rows.slot_mapping, rows.query_start, rows.block_tables, rows.width,
                 rows.logit_rows, rows.prompt_ends or [], kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n)
         else:
             logits = self.step.forward(

@@ -105,8 +105,7 @@ std::vector<int64_t> argmax_rows(const torch::Tensor& x, const std::vector<std::
         const int64_t t = (*at)[i];
         TORCH_CHECK(t >= 0 && t < v, "bias id ", t, " is outside the vocabulary of ", v);
       }
-      for (size_t i = 0; i < at->size(); ++i) kept[i] = row[(*at)[i]];
-      for (size_t i = 0; i < at->size(); ++i) row[(*at)[i]] += values[r][i];
+      for (size_t i = 0; i < at->size(); ++i) kept[i] = row[(*at)[i]], row[(*at)[i]] += values[r][i];
     }
     out[r] = argmax_row(row, v);
     if (at != nullptr)
