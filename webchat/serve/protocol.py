@@ -247,6 +247,8 @@ def event_messages(request_id: str, event: ev.Event, want_tokens: bool) -> list[
     if isinstance(event, ev.Finished):
         return [Done(id=request_id, reason=event.reason, trigger=event.trigger,  # type: ignore[arg-type]
                      stats=stats_out(event.stats))]
+    if isinstance(event, ev.PromptTokens):
+        return []  # the websocket asks for no prompt scores yet
     return [Error(id=request_id, code=event.code, message=event.message)]  # type: ignore[arg-type]
 
 
