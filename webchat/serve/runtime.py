@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
@@ -36,7 +36,7 @@ async def encode_text_work(fn: Callable[..., T], *args: object, chars: int) -> T
     return await run_in_threadpool(fn, *args)
 
 
-def text_chars(messages: list[dict[str, str]]) -> int:
+def text_chars(messages: list[dict[str, Any]]) -> int:
     """What templating and tokenizing chat messages costs, in characters: their text, and the template's markers
     counted as 64 a message (many short messages are not cheap)."""
     return sum(64 + len(str(m.get("content") or "")) for m in messages)
@@ -71,8 +71,9 @@ class Runtime:
         model, tokenizer, engine = self.local()
         return Generator(model, tokenizer, engine=engine)
 
-    def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False,
-                    prefix_ids: list[int] | None = None) -> list[int]:  # fmt: skip
+    def encode_chat(self, messages: list[dict[str, Any]], continue_final: bool = False,
+                    prefix_ids: list[int] | None = None, tools: list[dict[str, Any]] | None = None,
+                    ) -> list[int]:  # fmt: skip
         """The prompt ids: message contents tokenized as text, only the template's markers are control ids.
 
         prefix_ids: the final (assistant) message as the model's own tokens: the prompt is the rest of the history
@@ -80,8 +81,8 @@ class Runtime:
         """
         tokenizer = self.local()[1]
         if prefix_ids is not None:
-            return tokenizer.encode_chat(messages[:-1]) + list(prefix_ids)
-        return tokenizer.encode_chat(messages, continue_final=continue_final)
+            return tokenizer.encode_chat(messages[:-1], tools=tools) + list(prefix_ids)
+        return tokenizer.encode_chat(messages, continue_final=continue_final, tools=tools)
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,

@@ -9,6 +9,7 @@ who types a control marker gets its text, never its control id.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import threading
@@ -153,7 +154,8 @@ def chat_parts(render: Callable[[list[dict[str, Any]]], str], messages: list[dic
         index, after = int(pieces[j]), pieces[j + 1]
         content = str(messages[index]["content"])
         ends = j + 2 == len(pieces)
-        for cand in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+        escaped = json.dumps(content, ensure_ascii=False)[1:-1]  # written with tojson (Llama 3's tool results)
+        for cand in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip(), escaped)):
             nxt = pos + len(cand)
             if full.startswith(cand, pos) and full.startswith(after, nxt) and (continue_final or not ends
                                                                                 or nxt + len(after) == len(full)):
