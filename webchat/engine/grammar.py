@@ -48,8 +48,12 @@ class TokenizerSource(Protocol):
 def json_schema(schema: dict[str, Any] | bool) -> str:
     """A grammar for instances of `schema` (bounded whitespace, unsupported keywords refused by check())."""
     body: dict[str, Any] = {} if schema is True else {"not": {}} if schema is False else dict(schema)
+    own = body.get("x-guidance")
+    options: JsonCompileOptions = dict(JSON_OPTIONS)  # type: ignore[assignment]
+    if isinstance(own, dict) and ("whitespace_flexible" in own or "whitespace_pattern" in own):
+        del options["whitespace_pattern"]  # the schema's own `x-guidance` whitespace wins
     try:
-        return llg.LLMatcher.grammar_from_json_schema(body, overrides=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(body, defaults=options)
     except ValueError as exc:
         raise GrammarError(f"the JSON schema could not be read: {exc}") from None
 
