@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # JSON whitespace: at most this many characters at each place JSON allows it (a model stuck emitting newlines moves on)
 WHITESPACE = r"[\x20\x0A]{0,16}"
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE, "lenient": False}
+SAFE_INTEGER = 2**53 - 1
 ANY_JSON_OBJECT: str = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
 
 
@@ -45,9 +46,28 @@ class TokenizerSource(Protocol):
     def to_json(self) -> str: ...
 
 
+def interoperable(schema: Any) -> Any:
+    """The schema with every integer that lacks a bound held within ±(2**53 - 1), the range in which JSON numbers are
+    interoperable (RFC 7493, I-JSON): a sampled model otherwise may write digits until its token budget runs out (as
+    llama-server's "age": 203844761322...). Bounds a schema gives are kept."""
+    if isinstance(schema, list):
+        return [interoperable(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in ("const", "enum", "default", "examples") else interoperable(v) for k, v in schema.items()}
+    kind = out.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind):
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+    return out
+
+
 def json_schema(schema: dict[str, Any] | bool) -> str:
-    """A grammar for instances of `schema` (bounded whitespace, unsupported keywords refused by check())."""
-    body: dict[str, Any] = {} if schema is True else {"not": {}} if schema is False else dict(schema)
+    """A grammar for instances of `schema` (bounded whitespace, integers within I-JSON's range, unsupported keywords
+    refused by validate())."""
+    body: dict[str, Any] = {} if schema is True else {"not": {}} if schema is False else interoperable(schema)
     own = body.get("x-guidance")
     options: JsonCompileOptions = dict(JSON_OPTIONS)  # type: ignore[assignment]
     if isinstance(own, dict) and ("whitespace_flexible" in own or "whitespace_pattern" in own):

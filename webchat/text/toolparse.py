@@ -164,10 +164,15 @@ class ToolCallParser:
         out: list[Delta] = []
         if self.call is not None:
             self._progress(out)
-        elif self.pending.strip(WS) or (self.pending and not self.calls):
-            out.append(Delta(content=self.pending))
+        elif self.state in ("start", "text", "free") and (not self.calls or self._content_after_calls()):
+            out.append(Delta(content=self.pending))  # (between or after calls: a block's unfinished markup)
         self.pending = ""
         return _merge(out)
+
+    def _content_after_calls(self) -> bool:
+        """Held text after the calls is content unless it is blank or an opening marker cut short."""
+        text = self.pending.strip(WS)
+        return bool(text) and not (self.state == "text" and self.fmt.open.startswith(text))
 
     # ------------------------------------------------------------ states
     def _step(self, out: list[Delta]) -> bool:

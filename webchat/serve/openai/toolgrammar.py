@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from webchat.engine.grammar import WHITESPACE, lark
+from webchat.engine.grammar import WHITESPACE, interoperable, lark
 from webchat.text.toolformat import ToolFormat
 
 SP = r"/[ \t\r\n]{0,4}/"  # between markers and calls: a newline or two, not a run
@@ -24,7 +24,7 @@ SP = r"/[ \t\r\n]{0,4}/"  # between markers and calls: a newline or two, not a r
 
 def call_schema(fmt: ToolFormat, fn: dict[str, Any]) -> dict[str, Any]:
     """One call to function `fn` ({name, parameters}) as the format writes it."""
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    params = interoperable(fn.get("parameters") or {"type": "object", "properties": {}})
     props: dict[str, Any] = {"name": {"const": fn["name"]}, fmt.args_key: params}
     if fmt.name == "mistral":  # Mistral's models write the call's id after its arguments
         props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
