@@ -34,7 +34,7 @@ from webchat.serve.openai.structured import request_grammar
 from webchat.serve.openai.tools import ToolCalls, chat_tools, upstream_fields
 from webchat.serve.replyformat import make_constraint
 from webchat.serve.rules import RuleError, context_room, speculative_mode
-from webchat.serve.runtime import Runtime, encode_text_work, text_chars
+from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
 from webchat.text.toolformat import GENERIC
 
 log = logging.getLogger("webchat.openai")
@@ -112,6 +112,8 @@ class OpenAIApi:
         messages = [m.for_template() for m in req.messages]
         cont = bool(req.continue_final_message)
         upstream = upstream_fields(req) if rt.tokenizer is None else None  # a remote engine takes them as they are
+        if upstream is not None and isinstance(rt, RemoteRuntime):
+            _upstream_takes(rt, upstream)
         plan, template_tools = None, None
         with _rule_errors():
             if rt.tokenizer is not None:
@@ -354,6 +356,21 @@ class OpenAIApi:
         if exc.status in (429, 503):
             headers["Retry-After"] = "1"  # a slot frees within a reply; clients (the openai SDK) back off and retry
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _upstream_takes(rt: RemoteRuntime, fields: dict[str, Any]) -> None:
+    """A 400 for what the remote engine was found not to take (its capability probe), before anything is sent."""
+    caps = rt.remote().caps
+    fmt = fields.get("response_format") or {}
+    wants = "json_schema" if fmt.get("type") == "json_schema" or "structured_outputs" in fields else (
+        "json_object" if fmt.get("type") == "json_object" else None)
+    if wants is not None and (caps.response_format == "absent" or (wants == "json_schema"
+                                                                      and caps.response_format == "json_object")):
+        raise APIError(400, f"the upstream engine at {caps.url} does not take a {wants} reply format (its probe "
+                       f"found {caps.response_format!r})", "unsupported_value", "response_format")
+    if "tools" in fields and caps.tools == "absent":
+        raise APIError(400, f"the upstream engine at {caps.url} does not take tools (its probe refused them)",
+                       "unsupported_value", "tools")
 
 
 @contextmanager

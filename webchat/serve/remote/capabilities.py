@@ -7,6 +7,7 @@
     POST chat + continue_final_message, add_generation_prompt false → continues a final assistant message
     POST /tokenize (vLLM, webchat) | /apply-template (llama.cpp) → a chat's prompt as ids | text, so a branch's
                                       token ids can follow it in a /v1/completions prompt (token_prompt)
+    POST chat + response_format json_schema | json_object, + tools → what structured output passes through
 Each field the upstream does not give is a named state (`"absent"`, `"unknown"`), never a zero.
 """
 
@@ -38,6 +39,10 @@ class Capabilities:
     # how a branch's token ids reach the upstream: tokenize (the chat's prompt ids from /tokenize, then the ids) |
     # apply_template (the chat's prompt text from /apply-template, then the ids, one mixed prompt) | absent (as text)
     token_prompt: str = "unknown"
+    # structured output passed through (webchat.serve.openai.tools.upstream_fields): json_schema (it takes a JSON
+    # schema's response_format) | json_object (only JSON mode) | absent; tools: accepted | absent
+    response_format: str = "unknown"
+    tools: str = "unknown"
 
     def wire(self) -> dict[str, Any]:
         """What `hello.engine` and /api/info show (the key never is here: it is not part of this)."""
@@ -131,10 +136,37 @@ async def detect(up: Upstream, want_model: str | None) -> Capabilities:
             # llama.cpp continues a final assistant message by itself (--prefill-assistant, on by default)
             caps.continue_final = "final_assistant_message"
         caps.token_prompt = await _token_prompt(up, caps) if caps.token_ids != "absent" else "absent"
+        caps.response_format, caps.tools = await _structured(up, base)
         caps.state = "ready"
     except UpstreamError as exc:
         caps.state, caps.error = "unreachable", str(exc)
     return caps
+
+
+PROBE_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "a probe",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+
+async def _structured(up: Upstream, base: dict[str, Any]) -> tuple[str, str]:
+    """Whether the upstream takes a JSON schema's response_format (or only JSON mode), and tools: a request of one
+    token with each, accepted (2xx) or refused (4xx). llama-server and vLLM take both; an engine that ignores a field
+    it does not know is taken at its word (the reply then shows whether it was honoured)."""
+
+    async def accepted(extra: dict[str, Any]) -> bool:
+        try:
+            await up.post_json("/v1/chat/completions", {**base, **extra})
+            return True
+        except UpstreamError as exc:
+            if exc.status is None or exc.status >= 500:
+                raise
+            return exc.context_overflow  # taken, then the prompt (with the tools) did not fit a small context
+
+    schema = {"type": "json_schema", "json_schema": {"name": "probe", "schema": PROBE_SCHEMA}}
+    fmt = ("json_schema" if await accepted({"response_format": schema}) else
+           "json_object" if await accepted({"response_format": {"type": "json_object"}}) else "absent")
+    tools = "accepted" if await accepted({"tools": [PROBE_TOOL], "tool_choice": "auto"}) else "absent"
+    return fmt, tools
 
 
 async def _token_prompt(up: Upstream, caps: Capabilities) -> str:

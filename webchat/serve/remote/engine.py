@@ -185,6 +185,7 @@ class RemoteEngine:
             body["return_token_ids"] = True
         if job.continue_final and caps.continue_final == "continue_final_message":
             body.update(continue_final_message=True, add_generation_prompt=False)
+        body.update(job.upstream or {})  # the reply format and tools, as the client sent them: the upstream enforces
         # final_assistant_message (llama.cpp): the last assistant message is continued as it stands
         return {k: v for k, v in body.items() if v is not None}
 

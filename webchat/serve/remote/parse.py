@@ -15,6 +15,7 @@ across tokens shows whole on the token that completes it; without `bytes` the to
 from __future__ import annotations
 
 import codecs
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,12 +88,43 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.get("token") == b.get("token")
 
 
+class CallText:
+    """An upstream's streamed `delta.tool_calls` as webchat's generic tool-call text (webchat.text.toolformat: a
+    `<tool_call>` block per call), which the front's own parser reads back into calls: one parser for every engine."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.args = False  # the open call has argument text
+
+    def feed(self, calls: list[Any]) -> str:
+        out = ""
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict):
+                raise ChunkError(f"expected delta.tool_calls[i].function to be an object, got {type(fn).__name__}")
+            if isinstance(fn.get("name"), str) and fn["name"]:
+                out += self.close() + '<tool_call>\n{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
+                self.open, self.args = True, False
+            args = fn.get("arguments")
+            if isinstance(args, str) and args and self.open:
+                out += args
+                self.args = True
+        return out
+
+    def close(self) -> str:
+        if not self.open:
+            return ""
+        self.open = False
+        return ("" if self.args else "{}") + "}\n</tool_call>\n"
+
+
 class StreamParser:
     """One response stream's parser: feed() each decoded `data:` object in order, then end() once it closes."""
 
     def __init__(self) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.tokens_seen = 0
+        self._calls = CallText()
 
     def feed(self, chunk: Any) -> Parsed:
         if not isinstance(chunk, dict):
@@ -135,8 +167,12 @@ class StreamParser:
             out.text = "".join(t.piece for t in out.tokens)
         else:
             out.text = content
+        calls = delta.get("tool_calls") if "delta" in choice and isinstance(delta, dict) else None
+        if isinstance(calls, list) and calls:  # the upstream parsed calls: as the generic format's text, no tokens
+            out.text, out.tokens = content + self._calls.feed(calls), []
         reason = choice.get("finish_reason")
         if isinstance(reason, str):
+            out.text += self._calls.close()
             out.reason = FINISH.get(reason, "stop_token")
             stop = choice.get("stop_reason")
             if reason == "stop" and isinstance(stop, str):
