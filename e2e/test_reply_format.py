@@ -24,6 +24,18 @@ SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "O
           "required": ["city", "rank", "tags"], "additionalProperties": False}
 
 
+def ask_with_schema(chat: ChatPage, schema: dict[str, object], question: str) -> str:
+    """Heatmap on, the schema set in Settings, the question asked: the reply's text when it is done."""
+    chat.page.get_by_test_id("heatmap-toggle").check()
+    chat.set_settings(max_new_tokens="200", alternatives="8")
+    set_schema(chat, schema)
+    chat.send(question)
+    chat.wait_done()
+    text = chat.reply_text()
+    jsonschema.validate(json.loads(text), schema)
+    return text
+
+
 def set_schema(chat: ChatPage, schema: dict[str, object]) -> None:
     page = chat.page
     page.get_by_test_id("settings-open").click()
@@ -35,13 +47,7 @@ def set_schema(chat: ChatPage, schema: dict[str, object]) -> None:
 
 def test_a_json_schema_in_settings_gives_valid_highlighted_json(chat: ChatPage, artifacts: Path) -> None:
     page = chat.page
-    page.get_by_test_id("heatmap-toggle").check()
-    chat.set_settings(max_new_tokens="200", alternatives="8")
-    set_schema(chat, SCHEMA)
-    chat.send("Name a city, as JSON.")
-    chat.wait_done()
-    text = chat.reply_text()
-    jsonschema.validate(json.loads(text), SCHEMA)
+    text = ask_with_schema(chat, SCHEMA, "Name a city, as JSON.")
     sent = [f for f in chat.sent if f.get("type") == "generate"][-1]
     assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
     reply = chat.last_reply()
@@ -76,11 +82,7 @@ NOTE = {"type": "object", "properties": {"note": {"type": "string", "maxLength":
 
 def test_a_branch_from_an_alternative_keeps_the_format(chat: ChatPage) -> None:
     page = chat.page
-    page.get_by_test_id("heatmap-toggle").check()
-    chat.set_settings(max_new_tokens="200", alternatives="8")
-    set_schema(chat, NOTE)
-    chat.send("Another city, as JSON.")
-    chat.wait_done()
+    ask_with_schema(chat, NOTE, "A note, as JSON.")
     tokens = chat.last_reply().get_by_test_id("token")
     popover = page.get_by_test_id("popover")
     for k in range(tokens.count()):  # the first token with an allowed alternative to branch on
