@@ -134,6 +134,8 @@ def main() -> None:
             step, mask_us = device.call(lambda: run(rt, args.tokens, True)).result()
             masked.append(step)
             masks.append(mask_us)
+            print(f"round {len(free)}: free {free[-1]:.2f} ms, JSON schema {step:.2f} ms, mask {mask_us:.1f} µs",
+                  flush=True)
         a, b, m = statistics.median(free), statistics.median(masked), statistics.median(masks)
         print(f"one-row step, free:            {a:7.2f} ms")
         print(f"one-row step, JSON schema:     {b:7.2f} ms  ({(b - a) / a * 100:+.1f}% the grammar, all of it)")

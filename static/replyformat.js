@@ -108,11 +108,14 @@ export class ReplyFormatField {
    * @param {Conversation} conv
    */
   show(conv) {
+    const other = this.conv !== conv;  // the same chat again: what is being typed stays
     this.conv = conv;
     const f = conv.format;
-    this.kind.value = f?.type ?? "text";
-    if (f?.type === "json_schema") this.schema.value = JSON.stringify(f.json_schema.schema, null, 2);
-    else if (!f) this.schema.value = "";
+    if (other) {
+      this.kind.value = f?.type ?? "text";
+      this.schema.value = f?.type === "json_schema" ? JSON.stringify(f.json_schema.schema, null, 2) : "";
+      this.err.textContent = "";
+    }
     const earlier = earlierSchemas(conv);
     this.pick.replaceChildren(new Option(`Earlier schemas in this chat (${earlier.length})`, ""),
       ...earlier.map((e, i) => new Option(e.type === "json_schema" ? e.json_schema.name : "JSON", String(i))));
