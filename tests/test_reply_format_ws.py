@@ -87,3 +87,19 @@ def test_a_kept_reply_that_breaks_the_format_is_refused(live: Live) -> None:
                     response_format=FORMAT, **{"continue": True})
     assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "bad_message"
     assert "does not follow the reply's format" in msgs[-1]["message"]
+
+
+def test_the_api_continues_a_final_message_under_its_format(live: Live) -> None:
+    """continue_final_message with a response_format: the kept reply is replayed into the grammar, so the
+    continuation completes that object instead of starting another."""
+    import httpx
+
+    kept = '{"word": "ab'
+    body: dict[str, Any] = {
+            "messages": [{"role": "user", "content": "Go"}, {"role": "assistant", "content": kept}],
+            "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 200, "seed": 2,
+            "response_format": FORMAT}
+    body["model"] = httpx.get(f"{live.url}/v1/models").json()["data"][0]["id"]
+    reply = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert reply["choices"][0]["finish_reason"] == "stop", reply
+    jsonschema.validate(json.loads(kept + reply["choices"][0]["message"]["content"]), SCHEMA)

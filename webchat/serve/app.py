@@ -36,7 +36,7 @@ from webchat.serve.limits import (
 from webchat.serve.models import Card, Fleet, ModelError, Models, scan
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
-from webchat.serve.replyformat import format_grammar, make_constraint
+from webchat.serve.replyformat import format_grammar, kept_ids, make_constraint
 from webchat.serve.rules import RuleError, context_room, short_repr, speculative_mode
 from webchat.serve.runtime import (
     RemoteRuntime,
@@ -272,8 +272,7 @@ async def format_constraint(msg: p.Generate, rt: Runtime) -> GrammarConstraint |
     tokenizer = rt.tokenizer
     kept = msg.prefix_ids
     if kept is None and msg.continue_:
-        kept = tokenizer.encode_text(msg.messages[-1].content)
-        kept = kept[1:] if kept[:1] == [tokenizer.bos_id] and tokenizer.add_bos_token else kept
+        kept = kept_ids(tokenizer, msg.messages[-1].content)
     try:
         grammar = format_grammar(msg.response_format, "response_format")
         return await make_constraint(tokenizer, rt.local()[0].args.vocab_size, grammar, "response_format", kept)

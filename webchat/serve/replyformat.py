@@ -67,6 +67,13 @@ def schema_grammar(schema: dict[str, Any] | bool, field: str) -> str:
         raise RuleError(field, str(exc)) from None
 
 
+def kept_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A kept reply's text as tokens to replay into a grammar (its bytes are what matter: any tokenization will do),
+    without the BOS a tokenizer may add."""
+    ids = tokenizer.encode_text(text)
+    return ids[1:] if tokenizer.add_bos_token and ids[:1] == [tokenizer.bos_id] else ids
+
+
 async def make_constraint(tokenizer: Tokenizer, vocab_size: int, grammar: str | None, field: str,
                           replay: list[int] | None = None) -> GrammarConstraint | None:  # fmt: skip
     """The request's constraint on the runtime's tokenizer, built on a worker thread (the tokenizer's grammar table

@@ -32,7 +32,7 @@ from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
 from webchat.serve.openai.structured import request_grammar
 from webchat.serve.openai.tools import ToolCalls, chat_tools, upstream_fields
-from webchat.serve.replyformat import make_constraint
+from webchat.serve.replyformat import kept_ids, make_constraint
 from webchat.serve.rules import RuleError, context_room, speculative_mode
 from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
 from webchat.text.toolformat import GENERIC
@@ -133,7 +133,8 @@ class OpenAIApi:
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
                       tools=ToolCalls(tools) if tools is not None else None)
         gen = self._generation(rt, req, ids, req.limit(), reply, "messages")
-        gen.constraint = await self._constraint(rt, grammar, "tools" if plan is not None else "response_format")
+        kept = str(messages[-1].get("content") or "") if cont else ""  # a continued reply goes on under the format
+        gen.constraint = await self._constraint(rt, grammar, "tools" if plan is not None else "response_format", kept)
         return await self._run(request, gen, reply, bool(req.stream), messages, cont, self._job_model(request, rt),
                                upstream)
 
@@ -224,11 +225,14 @@ class OpenAIApi:
         return tools if tools is not None else asked
 
     @staticmethod
-    async def _constraint(rt: Runtime, grammar: str | None, field: str) -> GrammarConstraint | None:
+    async def _constraint(rt: Runtime, grammar: str | None, field: str, kept: str = "") -> GrammarConstraint | None:
+        """The grammar's constraint; `kept`: the final assistant message a continue_final_message request goes on
+        from, replayed into it first (so the continuation completes that reply, not a new one)."""
         if grammar is None or rt.tokenizer is None:
             return None  # a remote engine: the upstream enforces the format (upstream_fields)
+        ids = kept_ids(rt.tokenizer, kept) if kept else None
         with _rule_errors():
-            return await make_constraint(rt.tokenizer, rt.local()[0].args.vocab_size, grammar, field)
+            return await make_constraint(rt.tokenizer, rt.local()[0].args.vocab_size, grammar, field, ids)
 
     def _client(self, request: Request) -> Hashable:
         """Who is asking, for fair admission (webchat.serve.worker): the API key where the server has one, else the

@@ -190,8 +190,11 @@ class RemoteEngine:
         return {k: v for k, v in body.items() if v is not None}
 
     def by_ids(self, job: Job) -> bool:
-        """Whether the job is a branch given as token ids that this upstream can take as ids."""
-        return bool(job.prefix_ids) and job.continue_final and self.caps.token_prompt in ("tokenize", "apply_template")
+        """Whether the job is a branch given as token ids that this upstream can take as ids. Not under a reply format:
+        a text completion's grammar would start afresh after the ids; the chat endpoint's continue_final_message lets
+        an upstream that replays the kept reply into its grammar (webchat) keep the format."""
+        return (bool(job.prefix_ids) and job.continue_final and self.caps.token_prompt in ("tokenize", "apply_template")
+                and not (job.upstream or {}).get("response_format"))
 
     async def completion_body(self, job: Job) -> dict[str, Any]:
         """A branch's request as a text completion: the chat's own prompt (all but the final message, with the
