@@ -30,7 +30,17 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 from jinja2.utils import _PassArg
 from markupsafe import Markup
 
-from webchat.text.template_budget import as_text, build, built, chars_left, check_output, exhausted, step, text_size
+from webchat.text.template_budget import (
+    as_text,
+    build,
+    built,
+    chars_left,
+    check_output,
+    exhausted,
+    spend,
+    step,
+    text_size,
+)
 
 MAX_RANGE = 100_000  # items of one range(), as jinja's sandbox
 MAX_EXPONENT = 256  # `a ** b`: |b| at most this
@@ -63,26 +73,31 @@ def printf_size(fmt: str, args: Any) -> int:
     return total
 
 
+SEQUENCES = (str, list, tuple)
+
+
 def binop(operator: str, left: Any, right: Any) -> bool:
     """Spend what `left <operator> right` builds, before it is built; False when its size is to be counted after."""
     step()
+    if operator == "+":  # the commonest: a template gluing its markers to the contents
+        if isinstance(left, SEQUENCES) and isinstance(right, SEQUENCES):
+            build(len(left) + len(right), "a concatenation")
+            return True
+        return False
     if operator == "*":
         for seq, count in ((left, right), (right, left)):
-            if isinstance(seq, str | list | tuple) and isinstance(count, int):
+            if isinstance(seq, SEQUENCES) and isinstance(count, int):
                 build(len(seq) * max(count, 0), "a repeated sequence")
                 return True
         if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
             raise exhausted(f"multiplied integers of {left.bit_length()} and {right.bit_length()} bits; at most "
-                       f"{MAX_INT_BITS} bits are allowed")
+                            f"{MAX_INT_BITS} bits are allowed")
     elif operator == "**" and isinstance(right, int | float):
         if abs(right) > MAX_EXPONENT:
             raise exhausted(f"computed x ** {right}; allowed exponents are at most {MAX_EXPONENT}")
         if isinstance(left, int) and isinstance(right, int) and left.bit_length() * max(right, 0) > MAX_INT_BITS:
             raise exhausted(f"computed an integer of about {left.bit_length() * right} bits; at most {MAX_INT_BITS} "
                             "bits are allowed")
-    elif operator == "+" and isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple):
-        build(len(left) + len(right), "a concatenation")
-        return True
     elif operator == "%" and isinstance(left, str):
         build(printf_size(left, right), "a %-formatted string")
         return True
@@ -306,6 +321,9 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         return tree
 
     def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:  # the hot path, in one call
+            spend(1, len(left) + len(right), "a concatenation")
+            return left + right
         sized = binop(operator, left, right)
         out = super().call_binop(context, operator, left, right)
         return out if sized else built(out)
