@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import resource
 import struct
 import time
@@ -16,8 +17,7 @@ import pytest
 from gguf_bombs import array_bomb, many_strings  # tests/ is on sys.path under pytest
 
 from webchat.convert import ConversionError, convert_gguf
-from webchat.gguf_header import GGUFError, keep_none, read_header
-from webchat.serve.catalog import describe, describe_all, scan
+from webchat.serve.models import scan
 from webchat.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,6 +39,8 @@ def rss_mb() -> float:
 
 def test_a_133_byte_file_declaring_2_to_the_60_items_is_refused_at_once(tmp_path: Path) -> None:
     """Row 1: gguf's reader walks the array item by item past the file's end (75 MB/s); this one never starts."""
+    from webchat.gguf_header import GGUFError, read_header
+
     bomb = array_bomb(tmp_path / "bomb.gguf")
     assert bomb.stat().st_size == 133
     t0, peak = time.monotonic(), rss_mb()
@@ -52,6 +54,8 @@ def test_a_133_byte_file_declaring_2_to_the_60_items_is_refused_at_once(tmp_path
 
 def test_two_million_empty_strings_are_refused_by_count(tmp_path: Path) -> None:
     """Row 2: 16 MB of string lengths (gguf's reader: ~800 bytes and 20 µs each)."""
+    from webchat.gguf_header import GGUFError, read_header
+
     path = many_strings(tmp_path / "strings.gguf")
     t0, peak = time.monotonic(), rss_mb()
     with pytest.raises(GGUFError, match=r"^strings.gguf: its metadata holds more than 1048576 strings in arrays "
@@ -72,6 +76,8 @@ def test_two_million_empty_strings_are_refused_by_count(tmp_path: Path) -> None:
      "the name of metadata key 0 needs 1000 bytes at byte 32, but the file ends 23 bytes later"),
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 10 else "")
 def test_broken_headers_are_one_line_saying_what_is_wrong(tmp_path: Path, name: str, data: bytes, words: str) -> None:
+    from webchat.gguf_header import GGUFError, read_header
+
     path = tmp_path / f"{name}.gguf"
     path.write_bytes(data)
     with pytest.raises(GGUFError) as err:
@@ -79,21 +85,29 @@ def test_broken_headers_are_one_line_saying_what_is_wrong(tmp_path: Path, name: 
     assert str(err.value).startswith(f"{name}.gguf: ") and words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_truncated_tensor_is_named_before_gguf_reads_it(good_gguf: Path, tmp_path: Path) -> None:
-    """Row 13: gguf's reader said `cannot reshape array of size ...`; the file and the tensor are named in words."""
-    cut = tmp_path / "cut.gguf"
+def test_a_truncated_file_is_named_in_words_by_the_catalog_and_the_converter(good_gguf: Path, tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Row 13: the catalog logged `ValueError: cannot reshape array of size ...` (gguf's reader), the file named and
+    its problem not; now the tensor and the truncation are named, before gguf's reader is used."""
+    shelf = tmp_path / "models"
+    shelf.mkdir()
+    make_tiny_model(shelf / "tiny-a", seed=0, max_seq_len=256)
+    cut = shelf / "cut.gguf"
     cut.write_bytes(good_gguf.read_bytes()[:-100])
-    last = read_header(good_gguf).tensors[-1]
-    with pytest.raises(GGUFError, match=rf"^cut.gguf: tensor '{last.name}' needs bytes \d+ to \d+, but the file ends "
-                                        r"at byte \d+: the file is truncated$"):
-        read_header(cut)
-    with pytest.raises(ConversionError, match="^cut.gguf: tensor .* the file is truncated$"):
+    caplog.set_level(logging.INFO, "webchat.serve.models")
+    assert list(scan(shelf / "tiny-a", shelf)) == ["tiny-a"]
+    words = r"cut.gguf: tensor '[\w.]+' needs bytes \d+ to \d+, but the file ends at byte \d+: the file is truncated$"
+    [line] = [r.getMessage() for r in caplog.records if "cut.gguf left out" in r.getMessage()]
+    assert re.search(words, line), line
+    with pytest.raises(ConversionError, match="^" + words):
         convert_gguf(cut, tmp_path / "out")
     with pytest.raises(ConversionError, match="^bomb.gguf: key 'general.architecture' declares an array"):
         convert_gguf(array_bomb(tmp_path / "bomb.gguf"), tmp_path / "out2")
 
 
 def test_a_real_file_reads_as_ggufs_own_reader_reads_it(good_gguf: Path) -> None:
+    from webchat.gguf_header import keep_none, read_header
+
     header, reader = read_header(good_gguf, keep=lambda key, n: True), gguf.GGUFReader(good_gguf)
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert header.metadata.keys() == fields.keys()
@@ -138,6 +152,8 @@ def test_the_catalog_leaves_bad_entries_out_one_line_each(good_gguf: Path, tmp_p
 
 def test_an_entry_that_hangs_is_left_out_at_its_deadline() -> None:
     """A describe stuck on a hung disk (here: a sleep) costs its deadline, not the start-up."""
+    from webchat.serve.catalog import describe, describe_all
+
     slow, fast = Path("slow.gguf"), Path("fast")
 
     def describe_one(path: Path) -> object:
