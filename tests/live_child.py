@@ -5,6 +5,7 @@ that passes `kill_mb` is killed at once, so a regression cannot take the machine
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -76,15 +77,21 @@ def _watch(child: Child, kill_mb: float, done: threading.Event) -> None:
 
 
 @contextmanager
-def serve(tmp_path: Path, *args: str, ready_s: float = 90.0, kill_mb: float = 3000.0,
-          token: str | None = None) -> Iterator[Child]:
-    """`webchat serve --device cpu --port P *args`; yields once /healthz answers, AssertionError (with the log's tail)
-    if it exits, passes `kill_mb` or is not healthy within `ready_s` seconds."""
+def serve(tmp_path: Path, *args: str, ready_s: float = 90.0, kill_mb: float = 3000.0, token: str | None = None,
+          nofile: int | None = None) -> Iterator[Child]:
+    """`webchat serve --device cpu --port P *args` (under an open-file limit of `nofile`); yields once /healthz
+    answers, AssertionError (with the log's tail) if it exits, passes `kill_mb` or is not healthy within `ready_s`
+    seconds. Stopped (SIGTERM, then SIGKILL after 10 s) at the end."""
     port = free_port()
     log = tmp_path / f"serve-{port}.log"
     cmd = [sys.executable, "-m", "webchat.cli", "serve", "--port", str(port), "--device", "cpu", *args]
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=limit,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     child, done = Child(proc, port, log), threading.Event()
     watcher = threading.Thread(target=_watch, args=(child, kill_mb, done), daemon=True)
@@ -108,8 +115,12 @@ def serve(tmp_path: Path, *args: str, ready_s: float = 90.0, kill_mb: float = 30
     finally:
         done.set()
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:

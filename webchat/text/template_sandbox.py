@@ -203,10 +203,10 @@ PREDICT: dict[str, Callable[..., int]] = {
     "wordwrap": lambda s, width=79, brk=True, wrapstring=None, *a, **k: 2 * _sized(s) * (1 + len(wrapstring or "\n")),
     "batch": lambda v, linecount, *a: max(linecount, 0) if isinstance(linecount, int) else 0,
     "slice": lambda v, slices, *a: max(slices, 0) if isinstance(slices, int) else 0,
-    "string": lambda v: text_size(v, 1 << 62) if not isinstance(v, str) else 0,
-    "pprint": lambda v: text_size(v, 1 << 62),
+    "string": lambda v: text_size(v, chars_left()) if not isinstance(v, str) else 0,
+    "pprint": lambda v, *a: text_size(v, chars_left()),
     "list": lambda v: _sized(v),
-    "tojson": lambda v, *a, indent=None, **k: text_size(v, 1 << 62) * (1 + json_indent(indent)),
+    "tojson": lambda v, *a, indent=None, **k: text_size(v, chars_left()) * (1 + json_indent(indent)),
 }
 # filters whose Python-level work grows with the value's length: a step per item or character
 PER_ITEM = {"sort", "dictsort", "groupby", "unique", "urlize", "wordwrap", "title", "xmlattr", "striptags", "sum",
@@ -229,7 +229,11 @@ def guard_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             build(_join_size(items, args[skip + 1] if len(args) > skip + 1 else kwargs.get("d", "")), "a join")
             return fn(*args[:skip], items, *args[skip + 1:], **kwargs)
         if predict is not None and len(args) > skip:
-            build(predict(*args[skip:], **kwargs), f"the output of the {name!r} filter")
+            try:
+                size = predict(*args[skip:], **kwargs)
+            except TypeError:  # called wrongly: the filter itself says how
+                return fn(*args, **kwargs)
+            build(size, f"the output of the {name!r} filter")
             return fn(*args, **kwargs)
         return built(fn(*args, **kwargs))
 
