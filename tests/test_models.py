@@ -211,19 +211,20 @@ def test_without_a_models_dir_the_server_serves_its_one_model(shelf: Path, runti
 
 # ---------------------------------------------------------------- issue 42, row 4: loads racing for the limits
 @pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("four")
-    for seed, name in enumerate("abcd"):
+def five(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("five")
+    for seed, name in enumerate("abcde"):
         make_tiny_model(root / f"m-{name}", seed=seed, max_seq_len=256)
     return root
 
 
 @pytest.mark.parametrize("limit", ["max_models", "memory_budget"])
-def test_four_models_racing_never_pass_max_models_or_the_memory_budget(four: Path, limit: str,
+def test_four_models_racing_never_pass_max_models_or_the_memory_budget(five: Path, limit: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four requests for four models at the same moment: a load in progress counts from the moment it is decided,
-    so the models in memory (loaded or loading, polled every few ms) never pass --max-models 1, nor two models'
-    estimates under a budget of 2.5; every request is served or refused by name (model_busy)."""
+    """Four requests for four models not loaded, at the same moment (the default, m-a, loaded and idle): a load in
+    progress counts from the moment it is decided, so the models in memory (loaded or loading, polled every few ms)
+    never pass --max-models 1, nor two models' estimates under a budget of 2.5; every request is served or refused
+    by name (model_busy). Before, all four loads were decided at once and all four ended loaded."""
     import webchat.serve.runtime as runtime_module
 
     warm_up = runtime_module.warm_up
@@ -233,9 +234,9 @@ def test_four_models_racing_never_pass_max_models_or_the_memory_budget(four: Pat
         return warm_up(rt)
 
     monkeypatch.setattr(runtime_module, "warm_up", slow_warm_up)
-    base = ServerConfig(model_dir=four / "m-a", device="cpu", max_sessions=8, max_queue=8, max_seq_len=256,
-                        models_dir=four, kv_pool="4MiB")
-    cards = scan(four / "m-a", four)
+    base = ServerConfig(model_dir=five / "m-a", device="cpu", max_sessions=8, max_queue=8, max_seq_len=256,
+                        models_dir=five, kv_pool="4MiB")
+    cards = scan(five / "m-a", five)
     one = sum(Models(cards, base, None, lambda rt: None).estimate(cards["m-b"]))  # type: ignore[arg-type,return-value]
     cfg = dataclasses.replace(base, max_models=1) if limit == "max_models" else dataclasses.replace(
         base, max_models=4, memory_budget=one * 5 // 2)
@@ -259,7 +260,7 @@ def test_four_models_racing_never_pass_max_models_or_the_memory_budget(four: Pat
 
         poller = threading.Thread(target=poll)
         poller.start()
-        racers = [threading.Thread(target=run, args=(f"m-{n}",)) for n in "bcda"]
+        racers = [threading.Thread(target=run, args=(f"m-{n}",)) for n in "bcde"]
         for t in racers:
             t.start()
         for t in racers:

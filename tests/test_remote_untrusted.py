@@ -26,7 +26,7 @@ from websockets.sync.client import connect
 
 from webchat.serve.remote import client as client_module
 from webchat.serve.remote.client import Upstream, UpstreamError
-from webchat.serve.remote.parse import ChunkError, Lines, StreamParser
+from webchat.serve.remote.parse import ChunkError, StreamParser
 
 pytestmark = pytest.mark.timeout(300)
 TIMEOUT = 3.0  # --engine-timeout of the front
@@ -186,11 +186,15 @@ def test_a_list_of_100000_models_is_cut_to_256_with_a_log_line(front: Child) -> 
     ([b"da", b"ta: a", b"bc\n"], ["data: abc"]),
 ])
 def test_sse_lines_split_as_they_arrive(parts: list[bytes], lines: list[str]) -> None:
+    from webchat.serve.remote.parse import Lines
+
     splitter = Lines(100)
     assert [line for part in parts for line in splitter.feed(part)] == lines
 
 
 def test_a_line_past_its_limit_is_refused_before_it_ends() -> None:
+    from webchat.serve.remote.parse import Lines
+
     splitter = Lines(1000)
     splitter.feed(b"data: " + b"x" * 900)
     with pytest.raises(ChunkError, match="a line is longer than 1000 bytes"):
