@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-STRING, ARRAY = 8, 9
+UINT8, STRING, ARRAY = 0, 8, 9
 
 
 def _string(text: str) -> bytes:
@@ -17,9 +17,10 @@ def header(n_tensors: int, n_kv: int) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv)
 
 
-def array_bomb(path: Path, count: int = 1 << 60, size: int = 133) -> Path:
-    """A small file whose one key declares an array of `count` strings (row 1: 2^60 items in 133 bytes)."""
-    body = header(0, 1) + _string("general.architecture") + struct.pack("<IIQ", ARRAY, STRING, count)
+def array_bomb(path: Path, count: int = 1 << 60, size: int = 133, item: int = UINT8) -> Path:
+    """A small file whose one key declares an array of `count` items (row 1: 2^60 bytes in 133; gguf's reader reads
+    them one by one, and past the file's end each read is an empty array, never an error)."""
+    body = header(0, 1) + _string("general.architecture") + struct.pack("<IIQ", ARRAY, item, count)
     path.write_bytes(body + b"\0" * max(0, size - len(body)))
     return path
 

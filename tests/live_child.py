@@ -77,7 +77,7 @@ def _watch(child: Child, kill_mb: float, done: threading.Event) -> None:
 
 
 @contextmanager
-def serve(tmp_path: Path, *args: str, ready_s: float = 90.0, kill_mb: float = 3000.0, token: str | None = None,
+def serve(tmp_path: Path, *args: str, ready_s: float = 180.0, kill_mb: float = 3000.0, token: str | None = None,
           nofile: int | None = None) -> Iterator[Child]:
     """`webchat serve --device cpu --port P *args` (under an open-file limit of `nofile`); yields once /healthz
     answers, AssertionError (with the log's tail) if it exits, passes `kill_mb` or is not healthy within `ready_s`
@@ -121,6 +121,24 @@ def serve(tmp_path: Path, *args: str, ready_s: float = 90.0, kill_mb: float = 30
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def run_watched(cmd: list[str], timeout: float, kill_mb: float) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(cmd) from the repository, killed past `timeout` seconds or `kill_mb` MB of RSS (AssertionError
+    either way, naming which)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child, done = Child(proc, 0, Path(os.devnull)), threading.Event()
+    threading.Thread(target=_watch, args=(child, kill_mb, done), daemon=True).start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"{cmd} ran past {timeout} s (RSS {child.peak_mb:.0f} MB at most)") from None
+    finally:
+        done.set()
+    assert not child.killed_for_memory, f"{cmd} passed {kill_mb:.0f} MB"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:

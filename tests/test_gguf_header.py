@@ -47,9 +47,12 @@ def test_a_133_byte_file_declaring_2_to_the_60_items_is_refused_at_once(tmp_path
     with pytest.raises(GGUFError) as err:
         read_header(bomb)
     assert time.monotonic() - t0 < 0.5 and rss_mb() - peak < 50
-    assert str(err.value) == ("bomb.gguf: key 'general.architecture' declares an array of 1152921504606846976 string "
-                              "items, which needs at least 9223372036854775808 bytes; only 65 bytes are left in the "
+    assert str(err.value) == ("bomb.gguf: key 'general.architecture' declares an array of 1152921504606846976 uint8 "
+                              "items, which needs at least 1152921504606846976 bytes; only 65 bytes are left in the "
                               "file")
+    with pytest.raises(GGUFError, match="declares an array of 1152921504606846976 string items, which needs at least "
+                                        "9223372036854775808 bytes"):
+        read_header(array_bomb(tmp_path / "strings.gguf", item=8))
 
 
 def test_two_million_empty_strings_are_refused_by_count(tmp_path: Path) -> None:
@@ -140,7 +143,7 @@ def test_the_catalog_leaves_bad_entries_out_one_line_each(good_gguf: Path, tmp_p
     assert time.monotonic() - t0 < 5
     assert list(cards) == ["tiny-a", "good"] and cards["good"].architecture == "llama"
     lines = [r.getMessage() for r in caplog.records]
-    expected = {"bomb.gguf": "declares an array of 1152921504606846976 string items",
+    expected = {"bomb.gguf": "declares an array of 1152921504606846976 uint8 items",
                 "strings.gguf": "holds more than 1048576 strings", "loop.gguf": "a symbolic link loop",
                 "fifo.gguf": "not a regular file",
                 "locked.gguf": "permission denied" if os.geteuid() else "declares an array"}  # root reads anything
