@@ -14,7 +14,9 @@ import jinja2.nodes
 import jinja2.parser
 from tokenizers import Tokenizer as HFTokenizer
 
-from webchat.text.chat_encode import BudgetedSandbox, chat_parts, render_budgeted
+from webchat.text.chat_encode import chat_parts
+from webchat.text.template_budget import render
+from webchat.text.template_sandbox import BudgetedSandbox
 
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<|eom_id|>", "<end_of_turn>")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -115,12 +117,13 @@ def _strftime_now(fmt: str) -> str:
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile as transformers does: sandboxed, trim_blocks, lstrip_blocks, loopcontrols, its globals and tojson.
 
-    The sandbox also holds each render to a time and an output budget (webchat.text.chat_encode).
+    The sandbox also holds each render to its step, character, output and time budgets
+    (webchat.text.template_budget).
     """
     env = BudgetedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = _tojson
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
@@ -132,7 +135,7 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], add_genera
     chat = [dict(m) for m in messages]
     variables: dict[str, Any] = {"tools": None, "documents": None, **context}
     variables.update(messages=chat, add_generation_prompt=add_generation_prompt)
-    return render_budgeted(compile_chat_template(source), variables)
+    return render(compile_chat_template(source), source, variables)
 
 
 def _display(raw: bytes) -> str:

@@ -63,6 +63,7 @@ class OpenAIApi:
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=both),
             Route("/v1/completions", self._endpoint(self.completions), methods=both),
             Route("/tokenize", self._endpoint(self.tokenize), methods=both),
+            Route("/tokenize", self._endpoint(self.unknown), methods=ALL_METHODS),  # 405 in the API's shape
             Route("/v1/{rest:path}", self._endpoint(self.unknown), methods=ALL_METHODS),  # 404, or 405 on a known path
         ]
 
@@ -333,9 +334,10 @@ class OpenAIApi:
                  **{k: v for k, v in c.items() if k != "name"}} for c in models.wire()]
 
     def _check_model(self, request: Request, name: str, param: str | None) -> None:
-        served = request.state.runtime.model_name
-        if name != served:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {served!r} (GET /v1/models)",
+        models: Models | None = request.state.models
+        served = list(models.cards) if models is not None else [request.state.runtime.model_name]
+        if name not in served:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {served} (GET /v1/models)",
                            "model_not_found", param)
 
     def _model_card(self, request: Request) -> dict[str, Any]:

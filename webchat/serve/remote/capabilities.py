@@ -13,12 +13,16 @@ Each field the upstream does not give is a named state (`"absent"`, `"unknown"`)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from webchat.serve.remote.client import Upstream, UpstreamError
 
+log = logging.getLogger("webchat.serve.remote")
+
 TOP_LOGPROBS_TRIES = (20, 10, 5, 1)
+MAX_MODELS = 256  # of the upstream's model list, kept and shown (hello.engine.models, /api/info)
 PROBE = [{"role": "user", "content": "Hi"}]
 
 
@@ -78,21 +82,29 @@ async def detect(up: Upstream, want_model: str | None) -> Capabilities:
     caps = Capabilities(url=up.url)
     try:
         listing = await up.get_json("/v1/models")
-        cards = [c for c in listing.get("data", []) if isinstance(c, dict)] if isinstance(listing, dict) else []
-        caps.models = [str(c.get("id")) for c in cards]
-        if want_model is not None and want_model not in caps.models:
+        data = listing.get("data") if isinstance(listing, dict) else None
+        cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)] if isinstance(
+            data, list) else []
+        ids = [c["id"] for c in cards]
+        if want_model is not None and want_model not in ids:
             raise UpstreamError(f"the upstream engine at {up.url} does not serve model {want_model!r}; it serves "
-                                f"{caps.models}")
-        if not caps.models:
+                                f"{_listed(ids)}")
+        if not ids:
             raise UpstreamError(f"the upstream engine at {up.url} lists no models at /v1/models")
-        caps.model = want_model or caps.models[0]
-        card = cards[caps.models.index(caps.model)]
+        caps.model = want_model or ids[0]
+        card = cards[ids.index(caps.model)]
+        caps.models = ids[:MAX_MODELS]
+        if len(ids) > MAX_MODELS:
+            log.warning("the upstream engine at %s lists %d models; the first %d are kept", up.url, len(ids),
+                        MAX_MODELS)
+            if caps.model not in caps.models:
+                caps.models[-1] = caps.model
         for key in ("max_model_len", "context_length"):
-            if isinstance(card.get(key), int):
+            if _length(card.get(key)):
                 caps.context_length = card[key]
                 break
         meta = card.get("meta")
-        if caps.context_length is None and isinstance(meta, dict) and isinstance(meta.get("n_ctx_train"), int):
+        if caps.context_length is None and isinstance(meta, dict) and _length(meta.get("n_ctx_train")):
             caps.context_length = meta["n_ctx_train"]  # llama.cpp: the trained context (its --ctx-size may be less)
         caps.kind = await _kind(up)
         base = {"model": caps.model, "messages": PROBE, "max_tokens": 1, "temperature": 0, "stream": False}
@@ -167,6 +179,13 @@ async def _structured(up: Upstream, base: dict[str, Any]) -> tuple[str, str]:
            "json_object" if await accepted({"response_format": {"type": "json_object"}}) else "absent")
     tools = "accepted" if await accepted({"tools": [PROBE_TOOL], "tool_choice": "auto"}) else "absent"
     return fmt, tools
+def _length(value: Any) -> bool:
+    """A context length: an integer from 1 to 2^31 (an upstream that says 10^100 says nothing)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 31
+
+
+def _listed(ids: list[str], n: int = 20) -> str:
+    return str(ids) if len(ids) <= n else f"{ids[:n]} and {len(ids) - n} more"
 
 
 async def _token_prompt(up: Upstream, caps: Capabilities) -> str:

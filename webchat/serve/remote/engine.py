@@ -243,7 +243,8 @@ class RemoteEngine:
             if job.messages is None:
                 raise UpstreamError(f"a raw prompt cannot be sent to the upstream engine at {self.upstream.url}: "
                                     "it takes chat messages")
-            parser = StreamParser()
+            req = job.request
+            parser = StreamParser(req.top_alts if req.return_probs else 0)  # alternatives cut to what was asked
             reason: str | None = None
             trigger: str | None = None
             by_ids = self.by_ids(job)
