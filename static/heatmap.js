@@ -4,13 +4,15 @@
 /**
  * @typedef {{id?: number, text: string, p: number}} Alt
  * @typedef {{id?: number, text: string, p: number | null, rank: number | null, top: Alt[], parts?: number,
- *            picked?: boolean, sp?: number}} Tok
+ *            picked?: boolean, sp?: number, part?: "thinking", raw?: string}} Tok
  *   `p` null: the engine gave no probability; `rank` null: outside the top-k the engine returned, or unknown
  *   (a remote engine, docs/scale-out.md). Such a token is painted grey, not as a zero.
  *   One displayed token. `parts` > 1 when a character split over several byte tokens was merged into this one span:
  *   then `p` is the joint probability (product of the parts), `rank` the worst rank and `top` the first part's.
  *   `picked`: the user chose this token from the alternatives (a branch), the model did not draw it.
  *   `sp`: its probability after the sampling settings, as the server reported it (wire `sampled_p`).
+ *   `part`: "thinking" for a token of the reply's thinking (absent: the answer); `raw`: the text it wrote where the
+ *   split took a marker out (`<think>`, whitespace after one): its `text` is then what shows (thinking.js).
  * @typedef {"prob" | "rank" | "entropy"} HeatMode
  */
 

@@ -7,6 +7,7 @@
 import { sizeText } from "./models.js";
 import { ReplyData } from "./reply.js";
 import { newId } from "./store.js";
+import { MARKERS, rawText, tokensFit } from "./thinking.js";
 import { addVersion, append, path, removeVersion, show } from "./tree.js";
 
 /**
@@ -25,8 +26,10 @@ import { addVersion, append, path, removeVersion, show } from "./tree.js";
  * @typedef {{connection: import("./connection.js").Connection, lib: import("./conversations.js").Library,
  *   settings: import("./settings.js").SettingsPanel, refresh: () => void, error: (text: string, code: string) => void,
  *   progress: (text: string) => void, announce: (text: string, final: boolean) => void,
- *   restoreInput: (text: string) => void, model: () => string | null, loaded: (names: string[]) => void}} Deps
- *   `model`: the picked model the next request names (null: the server's one); `loaded`: the models loaded now.
+ *   restoreInput: (text: string) => void, model: () => string | null, loaded: (names: string[]) => void,
+ *   templateKwargs: (conv: Conversation) => Record<string, unknown> | null}} Deps
+ *   `model`: the picked model the next request names (null: the server's one); `loaded`: the models loaded now;
+ *   `templateKwargs`: the chat's template variables (its Think switch: `enable_thinking`), null for none.
  */
 
 const STOP_TIMEOUT_MS = 15000;
@@ -42,8 +45,15 @@ export function prefixIds(msg) {
   const toks = msg.tokens ?? [];
   if (toks.length === 0 || toks.some((t) => !Number.isInteger(t.id) || /** @type {number} */ (t.id) < 0
       || (t.parts ?? 1) > 1)) return null;
-  return toks.map((t) => t.text).join("") === msg.content ? toks.map((t) => /** @type {number} */ (t.id)) : null;
+  return tokensFit(msg) ? toks.map((t) => /** @type {number} */ (t.id)) : null;
 }
+
+/**
+ * What of a reply shows (its thinking and its answer), to tell whether a request added any.
+ * @param {Message} msg
+ * @returns {number}
+ */
+const shownLength = (msg) => msg.content.length + (msg.thinking?.length ?? 0);
 
 /**
  * @param {number} n
@@ -109,7 +119,7 @@ export class Turns {
     addVersion(step.thread, reply);
     const undo = () => { removeVersion(conv, step.thread); show(step.thread, old); };
     const history = path(conv).slice(0, step.index).map((s) => s.msg);
-    if (!this.start(conv, [...history, reply], reply, reply.content !== "", undo, null)) undo();
+    if (!this.start(conv, [...history, reply], reply, rawText(reply) !== "", undo, null)) undo();
   }
 
   /**
@@ -127,8 +137,18 @@ export class Turns {
     const rank = [...tok.top].sort((a, b) => b.p - a.p).findIndex((a) => a === alt) + 1;
     /** @type {Tok} */
     const chosen = { id: alt.id, text: alt.text, p: alt.p, rank: rank || tok.rank, top: tok.top, picked: true };
-    const content = before.map((t) => t.text).join("") + alt.text;
-    this.regenerate(step, { role: "assistant", content, tokens: [...before, chosen] });
+    if (tok.part) chosen.part = tok.part;
+    if (alt.text.trim() && MARKERS.some((m) => m.includes(alt.text.trim()))) {  // a marker picked: no text shows
+      chosen.raw = alt.text;
+      chosen.text = "";
+    }
+    const tokens = [...before, chosen];
+    const text = (/** @type {boolean} */ thinking) => tokens.filter((t) => (t.part === "thinking") === thinking)
+      .map((t) => t.text).join("");
+    /** @type {Message} */
+    const reply = { role: "assistant", content: text(false), tokens };
+    if (step.msg.thinking !== undefined) reply.thinking = text(true);
+    this.regenerate(step, reply);
   }
 
   /**
@@ -136,7 +156,7 @@ export class Turns {
    * @param {Step} step
    */
   continueReply(step) {
-    if (this.active || step.msg.content.trim() === "") return;
+    if (this.active || rawText(step.msg).trim() === "") return;
     const conv = this.d.lib.current;
     const reason = step.msg.reason;
     const undo = () => { step.msg.reason = reason; };
@@ -166,7 +186,8 @@ export class Turns {
       return false;
     }
     const req = d.settings.request();
-    const wire = messages.slice(0, cont ? messages.length : -1).map((m) => ({ role: m.role, content: m.content }));
+    // a reply's text as the model wrote it: the server moves its thinking where the template reads it
+    const wire = messages.slice(0, cont ? messages.length : -1).map((m) => ({ role: m.role, content: rawText(m) }));
     const all = req.system.trim() ? [{ role: "system", content: req.system }, ...wire] : wire;
     const id = `r${++this.counter}-${newId()}`;
     /** @type {Record<string, unknown>} */
@@ -177,6 +198,8 @@ export class Turns {
       frame.model = model;
       conv.model = model;
     }
+    const kwargs = d.templateKwargs(conv);
+    if (kwargs) frame.chat_template_kwargs = kwargs;
     if (cont) {
       frame.continue = true;
       const ids = prefixIds(reply);
@@ -190,7 +213,7 @@ export class Turns {
     reply.settings = req.settings;
     if (model) reply.model = model;
     this.active = { id, conv, msg: reply, data: new ReplyData(reply), view: null, undo, typed, stopping: false,
-      before: reply.content.length, trimmed: 0 };
+      before: shownLength(reply), trimmed: 0 };
     conv.updated = Date.now();
     queueMicrotask(() => d.refresh());
     return true;
@@ -274,7 +297,7 @@ export class Turns {
    */
   fail(text, code) {
     const a = /** @type {Active} */ (this.active);
-    if (a.msg.content.length > a.before) {
+    if (shownLength(a.msg) > a.before) {
       a.msg.reason = code === "disconnected" ? "interrupted" : "error";
     } else {
       a.undo();

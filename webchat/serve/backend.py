@@ -15,6 +15,7 @@ from typing import Protocol
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest, Sequence
+from webchat.serve.thinking import Ask
 
 Deliver = Callable[[ev.Event], None]
 
@@ -33,6 +34,7 @@ class Job:
     continue_final: bool = False  # the last message is an assistant prefix to continue
     prefix_ids: list[int] | None = None  # that prefix as the model's token ids (a branch), sent as ids where taken
     model: str | None = None  # the model it runs on (webchat.serve.models; None: the default)
+    thinking: Ask | None = None  # its template variables and reasoning budget (a remote engine sends them on)
     # the backend's bookkeeping
     position: int = 0  # last `queued` position sent; 0 = never queued
     seq: Sequence | None = None  # the local engine's sequence while it runs

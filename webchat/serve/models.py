@@ -30,6 +30,7 @@ from typing import Any
 
 from webchat.engine import events as ev
 from webchat.gguf_path import model_name
+from webchat.serve import thinking
 from webchat.serve.backend import Job, Snapshot
 from webchat.serve.config import ServerConfig
 from webchat.serve.device import DeviceThread
@@ -266,6 +267,8 @@ class Models:
             entry = card.wire(name in self.loaded)
             if name in self.loaded:
                 entry["context_length"] = self.loaded[name].runtime.context_length
+                tokenizer = self.loaded[name].runtime.tokenizer
+                entry["thinking"] = None if tokenizer is None else thinking.wire(tokenizer)
             elif card.context_length is not None and self.config.max_seq_len is not None:
                 entry["context_length"] = min(card.context_length, self.config.max_seq_len)
             out.append(entry)

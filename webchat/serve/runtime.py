@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
 from webchat.engine.speculative import MODES
 from webchat.gguf_path import model_name
 from webchat.serve import protocol as p
+from webchat.serve import thinking
 from webchat.serve.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -72,20 +73,20 @@ class Runtime:
         return Generator(model, tokenizer, engine=engine)
 
     def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False,
-                    prefix_ids: list[int] | None = None) -> list[int]:  # fmt: skip
+                    prefix_ids: list[int] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
         """The prompt ids: message contents tokenized as text, only the template's markers are control ids.
 
         prefix_ids: the final (assistant) message as the model's own tokens: the prompt is the rest of the history
         with its generation prompt, then these ids, as when the model produced them (never re-tokenised).
+        template_kwargs: the request's chat_template_kwargs; thinking as webchat.serve.thinking encodes it.
         """
-        tokenizer = self.local()[1]
-        if prefix_ids is not None:
-            return tokenizer.encode_chat(messages[:-1]) + list(prefix_ids)
-        return tokenizer.encode_chat(messages, continue_final=continue_final)
+        return thinking.encode_chat(self.local()[1], messages, continue_final, prefix_ids, template_kwargs)
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
-                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights)
+                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights,
+                       thinking=None if self.tokenizer is None else thinking.wire(self.tokenizer))
 
 
 def load_runtime(config: ServerConfig) -> Runtime:

@@ -10,6 +10,8 @@ or the legacy shape {tokens, token_logprobs, top_logprobs: [{text: logprob}]} (v
 alternative's id only where it is the sampled token.
 A token's text is rebuilt from its `bytes` through one incremental UTF-8 decoder per stream, so a character split
 across tokens shows whole on the token that completes it; without `bytes` the token's own string is used.
+Thinking (`delta.reasoning_content` / `delta.reasoning`) labels its tokens part "thinking" (webchat.serve.remote.
+reasoning).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from webchat.engine import events as ev
+from webchat.serve.remote.reasoning import ThinkingLabels, thinking_text
 
 NO_ID = -1  # a token id the upstream did not return
 # OpenAI finish_reason → webchat's Finished.reason; vLLM's `stop_reason` (a string: the stop string) refines "stop"
@@ -93,6 +96,7 @@ class StreamParser:
     def __init__(self) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.tokens_seen = 0
+        self.thinking = ThinkingLabels()
 
     def feed(self, chunk: Any) -> Parsed:
         if not isinstance(chunk, dict):
@@ -110,22 +114,26 @@ class StreamParser:
         choice = choices[0]
         if not isinstance(choice, dict):
             raise ChunkError(f"expected choices[0] to be an object, got {type(choice).__name__}")
-        if "delta" in choice:  # chat
-            delta = choice.get("delta") or {}
-            content = delta.get("content") if isinstance(delta, dict) else None
-        else:  # text completion
-            content = choice.get("text")
+        delta = choice.get("delta") if "delta" in choice else None  # chat; else a text completion
+        content = (delta.get("content") if isinstance(delta, dict) else None) if "delta" in choice \
+            else choice.get("text")
         content = content if isinstance(content, str) else ""
+        thinking = thinking_text(delta)
         logprobs = choice.get("logprobs")
         entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        entries = entries if isinstance(entries, list) else []
+        thought = logprobs.get("reasoning_content") if isinstance(logprobs, dict) else None  # webchat's
+        thought = thought if isinstance(thought, list) else []
         legacy = logprobs.get("tokens") if isinstance(logprobs, dict) else None
         ids = choice.get("token_ids")
-        if isinstance(entries, list) and entries:
-            ids = ids if isinstance(ids, list) and len(ids) == len(entries) else None
-            for i, entry in enumerate(entries):
+        if entries or thought:
+            ids = ids if isinstance(ids, list) and len(ids) == len(thought) + len(entries) else None
+            for i, entry in enumerate(thought + entries):
                 if not isinstance(entry, dict):
-                    raise ChunkError(f"expected logprobs.content[{i}] to be an object, got {type(entry).__name__}")
+                    field = "reasoning_content" if i < len(thought) else "content"
+                    raise ChunkError(f"expected logprobs.{field}[{i}] to be an object, got {type(entry).__name__}")
                 out.tokens.append(self._token(entry, ids[i] if ids is not None else None))
+            self.thinking.label(out.tokens, len(thought), thinking)
             out.text = "".join(t.piece for t in out.tokens)
         elif isinstance(legacy, list) and legacy:
             assert isinstance(logprobs, dict)
@@ -133,6 +141,9 @@ class StreamParser:
             for i, entry in enumerate(_legacy_entries(logprobs, legacy)):
                 out.tokens.append(self._token(entry, ids[i] if ids is not None else None))
             out.text = "".join(t.piece for t in out.tokens)
+        elif thinking:  # text only: the thinking and the answer as a token each, with nothing known of them
+            out.tokens = self.thinking.text_tokens(thinking, content)
+            out.text = thinking + content
         else:
             out.text = content
         reason = choice.get("finish_reason")
