@@ -86,8 +86,9 @@ class Reply:
         """A content chunk (its thinking apart, serve/openai/reasoning.py); None when it would carry nothing (no text,
         no logprobs asked for)."""
         part = reasoning.parts(event, self.raw or not self.chat)
-        if not part.answer and not part.thinking and not (self.logprobs is not None and event.tokens):
-            return None
+        if not part.answer and not part.thinking and not ((self.logprobs is not None or self.token_ids)
+                                                          and event.tokens):
+            return None  # nothing to say (a marker's token is said where its logprob or id is asked for)
         offset = len(self.text)
         self.text += part.answer
         self.thinking += part.thinking
