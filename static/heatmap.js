@@ -264,7 +264,7 @@ export function fillPopover(pop, tok, post, onPick) {
  * @returns {boolean}
  */
 export function isByteToken(text) {
-  return /^<0x[0-9A-Fa-f]{2}>$/.test(text) || text.includes("\uFFFD") || text === "";
+  return /<0x[0-9A-Fa-f]{2}>/.test(text) || text.includes("\uFFFD") || text === "";  // any byte of a split character
 }
 
 /**

@@ -46,10 +46,10 @@ export function tokensFit(msg) {
 }
 
 /**
- * Where a text opens with a thinking block: [thinking from, thinking to, answer from] (the whitespace after each
- * marker left out, as the server splits), or null.
+ * Where a text opens with a thinking block: [thinking from, thinking to, end marker's end, answer from] (the
+ * whitespace after each marker left out, as the server splits), or null.
  * @param {string} text
- * @returns {[number, number, number] | null}
+ * @returns {[number, number, number, number] | null}
  */
 export function thinkingBlock(text) {
   const lead = text.length - text.trimStart().length;
@@ -57,7 +57,8 @@ export function thinkingBlock(text) {
     if (!text.startsWith(start, lead)) continue;
     const from = skipSpace(text, lead + start.length);
     const to = text.indexOf(end, from);
-    return to < 0 ? [from, text.length, text.length] : [from, to, skipSpace(text, to + end.length)];
+    if (to < 0) return [from, text.length, text.length, text.length];
+    return [from, to, to + end.length, skipSpace(text, to + end.length)];
   }
   return null;
 }
@@ -78,7 +79,7 @@ export function splitStored(msg) {
   if (msg.role !== "assistant" || msg.thinking !== undefined) return false;
   const block = thinkingBlock(msg.content);
   if (!block) return false;
-  const [from, to, answer] = block;
+  const [from, to, close, answer] = block;
   const content = msg.content;
   const toks = msg.tokens ?? [];
   if (toks.length > 0 && toks.map((t) => t.text).join("") === content) {
@@ -90,7 +91,7 @@ export function splitStored(msg) {
       const said = content.slice(Math.max(a, answer), at);
       const shown = said || think;
       if (shown !== t.text) t.raw = t.text;
-      if (!said && a < to) t.part = "thinking";
+      if (!said && a < close) t.part = "thinking";  // the markers' tokens too, as the server labels them
       t.text = shown;
     }
   }

@@ -133,7 +133,7 @@ class StreamParser:
                     field = "reasoning_content" if i < len(thought) else "content"
                     raise ChunkError(f"expected logprobs.{field}[{i}] to be an object, got {type(entry).__name__}")
                 out.tokens.append(self._token(entry, ids[i] if ids is not None else None))
-            self.thinking.label(out.tokens, len(thought), thinking)
+            self.thinking.label(out.tokens, len(thought), thinking, content)
             out.text = "".join(t.piece for t in out.tokens)
         elif isinstance(legacy, list) and legacy:
             assert isinstance(logprobs, dict)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from webchat.serve.thinking import Ask
 
 MARKERS = frozenset(m for pair in KNOWN_MARKERS for m in pair)
+STARTS = frozenset(start for start, _ in KNOWN_MARKERS)
 NO_ID = -1
 
 
@@ -39,13 +40,21 @@ class ThinkingLabels:
 
     def __init__(self) -> None:
         self.seen = False  # this stream has sent thinking: markers in its tokens are markers, not text
+        self.started = False
         self.after_marker = False
 
-    def label(self, tokens: list[ev.TokenInfo], n_thought: int, thinking: str) -> None:
-        """Label one chunk's tokens: the first n_thought (webchat's list), else those the delta's thinking covers."""
-        self.seen = self.seen or bool(thinking) or n_thought > 0
+    def label(self, tokens: list[ev.TokenInfo], n_thought: int, thinking: str, content: str) -> None:
+        """Label one chunk's tokens: the first n_thought (webchat's list), else those the delta's thinking covers
+        (a reply's opening start marker is thinking where the content does not show it: vLLM sends its token in a
+        chunk with no text; an upstream that parses nothing sends it as content, and it stays text)."""
+        first = tokens[0].piece.strip() if tokens else ""
+        opening = not self.started and first in STARTS and first not in content
+        self.started = self.started or bool(tokens)
+        self.seen = self.seen or bool(thinking) or n_thought > 0 or opening
         if not self.seen:
             return
+        if opening and not thinking and n_thought == 0:
+            n_thought = 1
         covered = 0
         for i, tok in enumerate(tokens):
             if i < n_thought or (n_thought == 0 and covered < len(thinking)):
