@@ -112,7 +112,7 @@ def remote_front(live: Any) -> Iterator[str]:  # noqa: F811 (the upstream: the t
 def test_a_webchat_front_on_a_thinking_upstream_gives_the_same_parts(remote_front: str, live: Any,  # noqa: F811
                                                                      qwen3: Runtime) -> None:  # noqa: F811
     """The front sends the budget on, the upstream thinks; the front's API and websocket say it as the upstream
-    does (the same greedy reply)."""
+    does (the same greedy reply); hello.thinking is the upstream's."""
     body = forced(qwen3, max_tokens=16, reasoning_budget_tokens=4, logprobs=True, top_logprobs=1)
     direct = whole(live.url, body)["choices"][0]
     via = whole(remote_front, body)["choices"][0]
@@ -136,4 +136,5 @@ def test_a_webchat_front_on_a_thinking_upstream_gives_the_same_parts(remote_fron
                 thinking += msg.get("thinking", "")
                 text += msg["text"]
     assert (thinking, text) == (direct["message"]["reasoning_content"], direct["message"]["content"])
-    assert httpx.get(f"{remote_front}/api/info").status_code == 200
+    info = httpx.get(f"{remote_front}/api/info").json()  # the page's Think switch follows the upstream's model
+    assert info["thinking"] == info["engine"]["thinking"] == {"start": "<think>", "end": "</think>", "switch": True}

@@ -276,3 +276,16 @@ def test_the_reasoning_budget_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["--reasoning-budget", "-2"])
     assert replace(ServerConfig(model_dir=Path("m")), reasoning_budget=5).reasoning_budget == 5
+
+
+@pytest.mark.parametrize(("extra", "code", "words"), [
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "bad_message", "may not set 'add_generation_prompt'"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "bad_message", "chat_template_kwargs"),
+    ({"reasoning_budget": -2}, "bad_settings", "reasoning_budget = -2 is out of range"),
+])
+def test_the_websocket_names_a_bad_thinking_field(live: Live, extra: dict[str, Any], code: str, words: str) -> None:
+    with sync_connect(live.ws_url) as ws:
+        json.loads(ws.recv(10))
+        ws.send(json.dumps({"type": "generate", "id": "bad", "messages": ASK, **extra}))
+        msg = json.loads(ws.recv(30))
+    assert (msg["type"], msg["id"], msg["code"]) == ("error", "bad", code) and words in msg["message"], msg
