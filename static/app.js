@@ -19,6 +19,7 @@ import { ReplyFormatField } from "./replyformat.js";
 import { SettingsPanel } from "./settings.js";
 import { renderSidebar } from "./sidebar.js";
 import { titleOf } from "./store.js";
+import { ThinkSwitch } from "./thinking.js";
 import { path, removeVersion, show } from "./tree.js";
 import { Turns } from "./turns.js";
 
@@ -52,7 +53,14 @@ const turns = new Turns({
   loaded: (names) => picker.markLoaded(names),
   format: () => replyFormat.value(),
   formatError: () => replyFormat.error(),
+  templateKwargs: (conv) => think.kwargs(conv),
 });
+const think = new ThinkSwitch($("think-switch"), /** @type {HTMLInputElement} */ ($("think")), (on) => {
+  lib.current.think = on;
+  lib.save();
+});
+/** @type {import("./connection.js").Hello["thinking"]} the default model's thinking (hello) */
+let defaultThinking = null;
 /** The header while a model is picked: its name and what it is; with one model, hello's line stays. */
 const picker = new ModelPicker(/** @type {HTMLSelectElement} */ ($("model-picker")), (card) => {
   $("model-name").hidden = card !== null;
@@ -60,6 +68,7 @@ const picker = new ModelPicker(/** @type {HTMLSelectElement} */ ($("model-picker
     $("model-info").textContent = describe(card);
     document.title = `webchat · ${card.name}`;
   }
+  think.setModel(card && !card.default ? card.thinking : defaultThinking);
 });
 const view = new ChatView(messagesEl, {
   onEdit: (step, text) => turns.edit(step, text),
@@ -109,6 +118,7 @@ function refresh() {
   const liveView = view.render(path(lib.current), live, a !== null);
   if (a) a.view = liveView;
   if (replyFormat.conv !== lib.current || !a) replyFormat.show(lib.current);
+  think.show(lib.current);
   renderList();
   updateButtons();
   view.scrollToEnd(true);
@@ -188,6 +198,7 @@ function applyHello(hello) {
     info.textContent = `${hello.device} · ${hello.dtype}${quantized} · context ${hello.context_length}`;
   }
   settings.setServerLimits(hello);
+  defaultThinking = hello.thinking ?? null;
   picker.set(hello.models, lib.current.model ?? null);
 }
 

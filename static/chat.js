@@ -3,6 +3,7 @@
 
 import { renderText } from "./blocks.js";
 import { ReplyView } from "./reply.js";
+import { rawText } from "./thinking.js";
 
 /**
  * @typedef {import("./store.js").Message} Message
@@ -67,7 +68,7 @@ export class ChatView {
       if (step.msg === live) {
         liveView = view;
         el.dataset.state = "streaming";
-        view.writer.flush();
+        view.flush();
       } else {
         view.finishRender();
       }
@@ -106,9 +107,9 @@ export class ChatView {
       bar.append(who);
     }
     if (msg.role === "assistant") {
-      bar.append(button("Copy", "copy", (b) => copy(msg.content, b)));
+      bar.append(button("Copy", "copy", (b) => copy(msg.content, b)));  // the answer, never the thinking
       bar.append(button("Regenerate", "regenerate", () => a.onRegenerate(step), this.busy));
-      if (last) bar.append(button("Continue", "continue", () => a.onContinue(step), this.busy || msg.content === ""));
+      if (last) bar.append(button("Continue", "continue", () => a.onContinue(step), this.busy || rawText(msg) === ""));
     } else {
       bar.append(button("Edit", "edit", () => this.edit(el, step), this.busy));
     }

@@ -5,17 +5,20 @@
  * @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnState
  * @typedef {{type: "hello", v: number, model: string, context_length: number, device: string, dtype: string,
  *            weights?: string, speculative: string[], max_alternatives: number, engine?: Engine | null,
- *            models?: import("./models.js").ModelCard[] | null}} Hello
+ *            models?: import("./models.js").ModelCard[] | null,
+ *            thinking?: {start: string, end: string, switch: boolean} | null}} Hello
  * @typedef {{url: string, state: string, error: string | null, kind: string, models: string[], model: string | null,
  *            context_length: number | null, max_top_logprobs: number, probabilities: string, bytes: string,
  *            token_ids: string, continue_final: string, token_prompt: string}} Engine
  *   A remote engine's probed capabilities (`webchat serve --engine-url`, docs/scale-out.md).
  * @typedef {{id: number, text: string, p: number | null, rank: number | null,
- *            top: {id: number, text: string, p: number}[], sampled_p?: number | null, forbidden?: number[]}} WireToken
- *   `id` -1, `p` / `rank` null: a remote engine did not return them.
+ *            top: {id: number, text: string, p: number}[], sampled_p?: number | null, forbidden?: number[],
+ *            part?: "thinking", raw?: string}} WireToken
+ *   `id` -1, `p` / `rank` null: a remote engine did not return them. `part` "thinking": a token of the thinking;
+ *   `raw`: the text it wrote where that differs from `text` (a marker).
  * @typedef {{type: "queued", id: string, position: number}
  *         | {type: "start", id: string, prompt_tokens: number, reused_tokens: number, trimmed_messages?: number}
- *         | {type: "chunk", id: string, text: string, tokens?: WireToken[]}
+ *         | {type: "chunk", id: string, text: string, thinking?: string, tokens?: WireToken[]}
  *         | {type: "done", id: string, reason: string, trigger?: unknown, stats: import("./store.js").Stats}
  *         | {type: "error", id: string | null, code: string, message: string}
  *         | {type: "loading", id: string, model: string, state: "loading" | "loaded", size_bytes?: number,

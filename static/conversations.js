@@ -3,6 +3,7 @@
 
 import * as store from "./store.js";
 import { checkConversation, repairConversation } from "./schema.js";
+import { splitStored } from "./thinking.js";
 import { allMessages, path } from "./tree.js";
 
 /** @typedef {import("./tree.js").Conversation} Conversation */
@@ -19,6 +20,8 @@ export class Library {
     this.current = this.all.find((c) => c.id === store.loadCurrentId()) ?? this.all[0] ?? this.add();
     /** @type {Map<string, number>} */
     this.lastSave = new Map();
+    // a reply kept with its thinking in its text (an older page): the thinking moves to its fold, saved so once
+    for (const c of this.all) if (allMessages(c.root).filter(splitStored).length > 0) this.save(c);
   }
 
   /** @returns {Promise<Library>} */
@@ -117,6 +120,7 @@ export class Library {
       conv.updated = typeof conv.updated === "number" ? conv.updated : Date.now();
       conv.created = typeof conv.created === "number" ? conv.created : conv.updated;
       conv.title = typeof conv.title === "string" ? conv.title : "Imported chat";
+      allMessages(conv.root).forEach(splitStored);  // `<think>…</think>` in a reply's text: folded, without the tags
       this.all.push(conv);
       this.save(conv);
     }

@@ -4,7 +4,7 @@
 /**
  * @typedef {{id?: number, text: string, p: number}} Alt
  * @typedef {{id?: number, text: string, p: number | null, rank: number | null, top: Alt[], parts?: number,
- *            picked?: boolean, sp?: number, forbidden?: number[]}} Tok
+ *            picked?: boolean, sp?: number, forbidden?: number[], part?: "thinking", raw?: string}} Tok
  *   `p` null: the engine gave no probability; `rank` null: outside the top-k the engine returned, or unknown
  *   (a remote engine, docs/scale-out.md). Such a token is painted grey, not as a zero.
  *   One displayed token. `parts` > 1 when a character split over several byte tokens was merged into this one span:
@@ -12,6 +12,8 @@
  *   `picked`: the user chose this token from the alternatives (a branch), the model did not draw it.
  *   `forbidden`: the ids of `top` the reply's format did not allow here (their p is still the model's).
  *   `sp`: its probability after the sampling settings, as the server reported it (wire `sampled_p`).
+ *   `part`: "thinking" for a token of the reply's thinking (absent: the answer); `raw`: the text it wrote where the
+ *   split took a marker out (`<think>`, whitespace after one): its `text` is then what shows (thinking.js).
  * @typedef {"prob" | "rank" | "entropy"} HeatMode
  */
 
@@ -277,7 +279,7 @@ export function fillPopover(pop, tok, post, onPick) {
  * @returns {boolean}
  */
 export function isByteToken(text) {
-  return /^<0x[0-9A-Fa-f]{2}>$/.test(text) || text.includes("\uFFFD") || text === "";
+  return /<0x[0-9A-Fa-f]{2}>/.test(text) || text.includes("\uFFFD") || text === "";  // any byte of a split character
 }
 
 /**

@@ -7,7 +7,8 @@
 
 /**
  * @typedef {{name: string, size_bytes: number, architecture: string, weights: string, context_length: number | null,
- *            default: boolean, loaded: boolean}} ModelCard
+ *            default: boolean, loaded: boolean, thinking?: {start: string, end: string, switch: boolean} | null}} ModelCard
+ *   `thinking`: a loaded model's (hello.thinking's shape).
  */
 
 /** @param {number} n */

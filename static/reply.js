@@ -7,6 +7,7 @@
 import { MarkdownWriter } from "./blocks.js";
 import { JsonWriter } from "./jsonview.js";
 import { paintToken } from "./heatmap.js";
+import { ThinkingFold, tokensFit } from "./thinking.js";
 
 /**
  * @typedef {import("./heatmap.js").Tok} Tok
@@ -14,6 +15,8 @@ import { paintToken } from "./heatmap.js";
  * @typedef {import("./store.js").Stats} Stats
  * @typedef {import("./connection.js").WireToken} WireToken
  * @typedef {import("./blocks.js").Piece} Piece
+ * @typedef {"thinking" | "answer"} Part
+ * @typedef {[string, Tok | null, Part, number]} Shown  text, its token (null: text only), its part, the token's index
  */
 
 /** Token data of each span (primary and continuation), for the popover; the token's index in its reply. */
@@ -86,7 +89,10 @@ const REASONS = {
   error: "error",
 };
 
-/** Keeps a reply's message up to date from chunks, with or without a view (a reply streaming in the background). */
+/**
+ * Keeps a reply's message up to date from chunks, with or without a view (a reply streaming in the background): the
+ * answer in `content`, the thinking in `thinking` (and how long it took, `thoughtMs`), every token in `tokens`.
+ */
 export class ReplyData {
   /** @param {Message} msg */
   constructor(msg) {
@@ -94,25 +100,40 @@ export class ReplyData {
     /** @type {WireToken[]} */
     this.pending = [];
     msg.tokens = msg.tokens ?? [];
+    /** @type {number | null} when this request's thinking began (less what an earlier request already thought) */
+    this.thinkFrom = null;
   }
 
   /**
-   * Applies a chunk; returns the pieces that now have text: [text, token or null].
-   * @param {{text: string, tokens?: WireToken[]}} chunk
-   * @returns {[string, Tok | null][]}
+   * Applies a chunk; returns the pieces that now have text.
+   * @param {{text: string, thinking?: string, tokens?: WireToken[]}} chunk
+   * @returns {Shown[]}
    */
   apply(chunk) {
-    this.msg.content += chunk.text;
-    if (!chunk.tokens) return [[chunk.text, null]];
-    /** @type {[string, Tok | null][]} */
+    const msg = this.msg;
+    msg.content += chunk.text;
+    if (chunk.thinking) {
+      msg.thinking = (msg.thinking ?? "") + chunk.thinking;
+      this.thinkFrom = this.thinkFrom ?? performance.now() - (msg.thoughtMs ?? 0);
+    }
+    if (this.thinkFrom !== null && (chunk.thinking || chunk.text)) msg.thoughtMs = performance.now() - this.thinkFrom;
+    if (chunk.text) this.thinkFrom = null;  // the answer began: the thinking's time is taken
+    const toks = /** @type {Tok[]} */ (msg.tokens);
+    if (!chunk.tokens || chunk.tokens.length === 0) {  // text only (an engine that returned no tokens)
+      return /** @type {Shown[]} */ ([[chunk.thinking ?? "", null, "thinking", -1], [chunk.text, null, "answer", -1]])
+        .filter(([text]) => text !== "");
+    }
+    /** @type {Shown[]} */
     const out = [];
     for (const t of chunk.tokens) {
       this.pending.push(t);
-      if (t.text === "") continue;
+      if (t.text === "" && t.raw === undefined) continue;  // a byte of a character the next token completes
       const tok = mergeParts(this.pending);
       this.pending = [];
-      /** @type {Tok[]} */ (this.msg.tokens).push(tok);
-      out.push([tok.text, tok]);
+      if (t.part === "thinking") tok.part = "thinking";
+      if (t.raw !== undefined && tok.parts === undefined) tok.raw = t.raw;
+      toks.push(tok);
+      out.push([tok.text, tok, tok.part ?? "answer", toks.length - 1]);
     }
     return out;
   }
@@ -143,12 +164,35 @@ export class ReplyView {
     /** @type {number | null} */
     this.firstAt = null;
     this.count = 0;
+    /** @type {ThinkingFold | null} */
+    this.fold = null;
+    /** @type {Map<Tok, number>} each token's index in the reply's tokens (for a branch) */
+    this.indexOf = new Map();
     const toks = msg.tokens ?? [];
-    if (toks.length > 0 && toks.map((t) => t.text).join("") === msg.content) {
-      for (const t of toks) this.writer.push(t.text, t);
+    if (msg.thinking !== undefined) this.openFold();
+    if (toks.length > 0 && tokensFit(msg)) {
+      toks.forEach((t, i) => this.push(t.text, t, t.part ?? "answer", i));
     } else {
-      this.writer.push(msg.content, null);
+      this.push(msg.thinking ?? "", null, "thinking", -1);
+      this.push(msg.content, null, "answer", -1);
     }
+  }
+
+  /** @returns {ThinkingFold} the thinking's fold, made when the first thinking arrives */
+  openFold() {
+    this.fold = this.fold ?? new ThinkingFold(this.body, (piece, primary) => this.span(piece, primary));
+    return this.fold;
+  }
+
+  /**
+   * @param {string} text
+   * @param {Tok | null} tok
+   * @param {Part} part
+   * @param {number} index
+   */
+  push(text, tok, part, index) {
+    if (tok) this.indexOf.set(tok, index);
+    if (text !== "") (part === "thinking" ? this.openFold().writer : this.writer).push(text, tok);
   }
 
   /**
@@ -159,13 +203,26 @@ export class ReplyView {
   span(piece, primary) {
     const tok = /** @type {Tok} */ (piece.data);
     const span = tokenSpan(tok, primary && piece.index === 0 && this.focusable, primary);
-    tokenIndex.set(span, piece.index);
+    tokenIndex.set(span, this.indexOf.get(tok) ?? piece.index);
     return span;
+  }
+
+  /** Renders what arrived (the thinking's fold too) while the reply streams. */
+  flush() {
+    this.writer.flush();
+    if (this.fold) {
+      this.fold.writer.flush();
+      this.fold.show(this.msg, this.el.dataset.state === "streaming" && this.msg.content === "");
+    }
   }
 
   /** Renders what is stored as final (a finished reply). */
   finishRender() {
     this.writer.finish();
+    if (this.fold) {
+      this.fold.writer.finish();
+      this.fold.show(this.msg, false);
+    }
     this.el.dataset.state = "done";
     if (this.msg.reason) this.el.dataset.reason = this.msg.reason;
     setMeta(this.meta, this.msg);
@@ -184,12 +241,12 @@ export class ReplyView {
 
   /**
    * Renders pieces that ReplyData applied; the DOM (the reply and its count line) catches up at most every FLUSH_MS.
-   * @param {[string, Tok | null][]} pieces
+   * @param {Shown[]} pieces
    */
   chunk(pieces) {
     this.el.dataset.state = "streaming";
     if (this.firstAt === null) this.firstAt = performance.now();
-    for (const [text, tok] of pieces) this.writer.push(text, tok);
+    for (const [text, tok, part, index] of pieces) this.push(text, tok, part, index);
     this.count += pieces.length;
     if (this.queuedFlush) return;
     this.queuedFlush = true;
@@ -199,7 +256,7 @@ export class ReplyView {
       this.queuedFlush = false;
       const start = this.flushedAt = performance.now();
       if (this.el.dataset.state === "done") return;
-      this.writer.flush();
+      this.flush();
       const secs = (start - /** @type {number} */ (this.firstAt)) / 1000;
       const rate = secs > 0.05 ? ` · ${((this.count - 1) / secs).toFixed(1)} tok/s` : "";
       this.meta.textContent = `${this.count} tokens${rate}`;

@@ -42,6 +42,10 @@ export function checkMessage(m, at) {
   if (msg.settings !== undefined && !isObject(msg.settings)) return `${at}.settings: expected an object, got ${shown(msg.settings)}`;
   if (msg.model !== undefined && typeof msg.model !== "string") return `${at}.model: expected a string, got ${shown(msg.model)}`;
   if (msg.format !== undefined && checkFormat(msg.format, `${at}.format`)) return checkFormat(msg.format, `${at}.format`);
+  if (msg.thinking !== undefined && typeof msg.thinking !== "string") return `${at}.thinking: expected a string, got ${shown(msg.thinking)}`;
+  if (msg.thoughtMs !== undefined && !(finite(msg.thoughtMs) && /** @type {number} */ (msg.thoughtMs) >= 0)) {
+    return `${at}.thoughtMs: expected a number ≥ 0, got ${shown(msg.thoughtMs)}`;
+  }
   if (msg.stats !== undefined) {
     if (!isObject(msg.stats)) return `${at}.stats: expected an object, got ${shown(msg.stats)}`;
     const stats = /** @type {Record<string, unknown>} */ (msg.stats);
@@ -51,19 +55,23 @@ export function checkMessage(m, at) {
       }
     }
   }
-  if (msg.tokens !== undefined) return checkTokens(msg.tokens, msg.content, `${at}.tokens`);
+  if (msg.tokens !== undefined) {
+    return checkTokens(msg.tokens, msg.content, typeof msg.thinking === "string" ? msg.thinking : "", `${at}.tokens`);
+  }
   return "";
 }
 
 /**
  * @param {unknown} tokens
- * @param {string} content
+ * @param {string} content the answer: its tokens' texts must start it
+ * @param {string} thinking the thinking: its tokens' (part "thinking") texts must start it
  * @param {string} at
  * @returns {string}
  */
-function checkTokens(tokens, content, at) {
+function checkTokens(tokens, content, thinking, at) {
   if (!Array.isArray(tokens)) return `${at}: expected a list, got ${shown(tokens)}`;
   let text = "";
+  let thought = "";
   for (const [i, t] of tokens.entries()) {
     const here = `${at}[${i}]`;
     if (!isObject(t)) return `${here}: expected a token object, got ${shown(t)}`;
@@ -84,6 +92,8 @@ function checkTokens(tokens, content, at) {
       return `${here}.forbidden: expected a list of token ids, got ${shown(tok.forbidden)}`;
     }
     if (tok.picked !== undefined && typeof tok.picked !== "boolean") return `${here}.picked: expected true or false, got ${shown(tok.picked)}`;
+    if (tok.part !== undefined && tok.part !== "thinking") return `${here}.part: expected "thinking" or none, got ${shown(tok.part)}`;
+    if (tok.raw !== undefined && typeof tok.raw !== "string") return `${here}.raw: expected a string, got ${shown(tok.raw)}`;
     if (!Array.isArray(tok.top)) return `${here}.top: expected a list, got ${shown(tok.top)}`;
     for (const [j, a] of tok.top.entries()) {
       const alt = /** @type {Record<string, unknown>} */ (a);
@@ -92,9 +102,11 @@ function checkTokens(tokens, content, at) {
         return `${here}.top[${j}]: expected {text: string, p: number in [0, 1], id?: integer}, got ${shown(a)}`;
       }
     }
-    text += tok.text;
+    if (tok.part === "thinking") thought += tok.text;
+    else text += tok.text;
   }
   if (!content.startsWith(text)) return `${at}: the tokens' text does not match the message's content`;
+  if (!thinking.startsWith(thought)) return `${at}: the thinking tokens' text does not match the message's thinking`;
   return "";
 }
 
@@ -139,6 +151,7 @@ export function checkConversation(c) {
   if (conv.named !== undefined && typeof conv.named !== "boolean") return `named: expected true or false, got ${shown(conv.named)}`;
   if (conv.model !== undefined && typeof conv.model !== "string") return `model: expected a string, got ${shown(conv.model)}`;
   if (conv.format !== undefined && checkFormat(conv.format, "format")) return checkFormat(conv.format, "format");
+  if (conv.think !== undefined && typeof conv.think !== "boolean") return `think: expected true or false, got ${shown(conv.think)}`;
   for (const key of ["created", "updated"]) {
     if (conv[key] !== undefined && !finite(conv[key])) return `${key}: expected a time in ms, got ${shown(conv[key])}`;
   }
@@ -158,9 +171,11 @@ function repairMessage(m) {
   if (raw.role !== "user" && raw.role !== "assistant") return null;
   /** @type {Message} */
   const msg = { role: raw.role, content: typeof raw.content === "string" ? raw.content : "" };
-  for (const key of /** @type {const} */ (["reason", "settings", "stats", "tokens", "model", "format"])) {
+  for (const key of /** @type {const} */ (["reason", "settings", "stats", "thinking", "thoughtMs", "tokens", "model",
+    "format"])) {
     if (raw[key] === undefined) continue;
-    const trial = /** @type {Record<string, unknown>} */ ({ role: msg.role, content: msg.content, [key]: raw[key] });
+    const trial = /** @type {Record<string, unknown>} */ ({ role: msg.role, content: msg.content, thinking: msg.thinking,
+      [key]: raw[key] });
     if (!checkMessage(trial, "m")) /** @type {Record<string, unknown>} */ (msg)[key] = raw[key];
   }
   return msg;
@@ -207,6 +222,7 @@ export function repairConversation(c, newId) {
     ...(typeof raw.model === "string" ? { model: raw.model } : {}),
     ...(raw.format !== undefined && !checkFormat(raw.format, "format")
       ? { format: /** @type {import("./replyformat.js").ReplyFormat} */ (raw.format) } : {}),
+    ...(typeof raw.think === "boolean" ? { think: raw.think } : {}),
     created: finite(raw.created) ? /** @type {number} */ (raw.created) : now,
     updated: finite(raw.updated) ? /** @type {number} */ (raw.updated) : now,
     root: repairThread(raw.root, 0),

@@ -7,6 +7,7 @@
 import { sizeText } from "./models.js";
 import { ReplyData } from "./reply.js";
 import { newId } from "./store.js";
+import { MARKERS, rawText, tokensFit } from "./thinking.js";
 import { addVersion, append, path, removeVersion, show } from "./tree.js";
 
 /**
@@ -26,9 +27,11 @@ import { addVersion, append, path, removeVersion, show } from "./tree.js";
  *   settings: import("./settings.js").SettingsPanel, refresh: () => void, error: (text: string, code: string) => void,
  *   progress: (text: string) => void, announce: (text: string, final: boolean) => void,
  *   restoreInput: (text: string) => void, model: () => string | null, loaded: (names: string[]) => void,
- *   format: () => import("./replyformat.js").ReplyFormat | null, formatError: () => string}} Deps
+ *   format: () => import("./replyformat.js").ReplyFormat | null, formatError: () => string,
+ *   templateKwargs: (conv: Conversation) => Record<string, unknown> | null}} Deps
  *   `model`: the picked model the next request names (null: the server's one); `loaded`: the models loaded now;
- *   `format`: the chat's reply format (Settings), `formatError` what is wrong with the one being typed.
+ *   `format`: the chat's reply format (Settings), `formatError` what is wrong with the one being typed;
+ *   `templateKwargs`: the chat's template variables (its Think switch: `enable_thinking`), null for none.
  */
 
 const STOP_TIMEOUT_MS = 15000;
@@ -44,8 +47,15 @@ export function prefixIds(msg) {
   const toks = msg.tokens ?? [];
   if (toks.length === 0 || toks.some((t) => !Number.isInteger(t.id) || /** @type {number} */ (t.id) < 0
       || (t.parts ?? 1) > 1)) return null;
-  return toks.map((t) => t.text).join("") === msg.content ? toks.map((t) => /** @type {number} */ (t.id)) : null;
+  return tokensFit(msg) ? toks.map((t) => /** @type {number} */ (t.id)) : null;
 }
+
+/**
+ * What of a reply shows (its thinking and its answer), to tell whether a request added any.
+ * @param {Message} msg
+ * @returns {number}
+ */
+const shownLength = (msg) => msg.content.length + (msg.thinking?.length ?? 0);
 
 /**
  * @param {number} n
@@ -111,7 +121,7 @@ export class Turns {
     addVersion(step.thread, reply);
     const undo = () => { removeVersion(conv, step.thread); show(step.thread, old); };
     const history = path(conv).slice(0, step.index).map((s) => s.msg);
-    if (!this.start(conv, [...history, reply], reply, reply.content !== "", undo, null)) undo();
+    if (!this.start(conv, [...history, reply], reply, rawText(reply) !== "", undo, null)) undo();
   }
 
   /**
@@ -129,9 +139,17 @@ export class Turns {
     const rank = [...tok.top].sort((a, b) => b.p - a.p).findIndex((a) => a === alt) + 1;
     /** @type {Tok} */
     const chosen = { id: alt.id, text: alt.text, p: alt.p, rank: rank || tok.rank, top: tok.top, picked: true };
-    const content = before.map((t) => t.text).join("") + alt.text;
+    if (tok.part) chosen.part = tok.part;
+    if (alt.text.trim() && MARKERS.some((m) => m.includes(alt.text.trim()))) {  // a marker picked: no text shows
+      chosen.raw = alt.text;
+      chosen.text = "";
+    }
+    const tokens = [...before, chosen];
+    const text = (/** @type {boolean} */ thinking) => tokens.filter((t) => (t.part === "thinking") === thinking)
+      .map((t) => t.text).join("");
     /** @type {Message} */
-    const reply = { role: "assistant", content, tokens: [...before, chosen] };
+    const reply = { role: "assistant", content: text(false), tokens };
+    if (step.msg.thinking !== undefined) reply.thinking = text(true);
     if (step.msg.format) reply.format = step.msg.format;  // a branch keeps the reply's format (its grammar)
     this.regenerate(step, reply);
   }
@@ -141,7 +159,7 @@ export class Turns {
    * @param {Step} step
    */
   continueReply(step) {
-    if (this.active || step.msg.content.trim() === "") return;
+    if (this.active || rawText(step.msg).trim() === "") return;
     const conv = this.d.lib.current;
     const reason = step.msg.reason;
     const undo = () => { step.msg.reason = reason; };
@@ -176,7 +194,8 @@ export class Turns {
       return false;
     }
     const req = d.settings.request();
-    const wire = messages.slice(0, cont ? messages.length : -1).map((m) => ({ role: m.role, content: m.content }));
+    // a reply's text as the model wrote it: the server moves its thinking where the template reads it
+    const wire = messages.slice(0, cont ? messages.length : -1).map((m) => ({ role: m.role, content: rawText(m) }));
     const all = req.system.trim() ? [{ role: "system", content: req.system }, ...wire] : wire;
     const id = `r${++this.counter}-${newId()}`;
     /** @type {Record<string, unknown>} */
@@ -187,6 +206,8 @@ export class Turns {
       frame.model = model;
       conv.model = model;
     }
+    const kwargs = d.templateKwargs(conv);
+    if (kwargs) frame.chat_template_kwargs = kwargs;
     if (cont) {
       frame.continue = true;
       const ids = prefixIds(reply);
@@ -204,7 +225,7 @@ export class Turns {
     if (format) reply.format = format;
     if (model) reply.model = model;
     this.active = { id, conv, msg: reply, data: new ReplyData(reply), view: null, undo, typed, stopping: false,
-      before: reply.content.length, trimmed: 0 };
+      before: shownLength(reply), trimmed: 0 };
     conv.updated = Date.now();
     queueMicrotask(() => d.refresh());
     return true;
@@ -288,7 +309,7 @@ export class Turns {
    */
   fail(text, code) {
     const a = /** @type {Active} */ (this.active);
-    if (a.msg.content.length > a.before) {
+    if (shownLength(a.msg) > a.before) {
       a.msg.reason = code === "disconnected" ? "interrupted" : "error";
     } else {
       a.undo();

@@ -129,7 +129,12 @@ def test_real_templates_render_as_jinja_does_within_a_fraction_of_the_budget(pat
     tokenizer.compile_chat_template.cache_clear()
     source, messages = path.read_text(), chat(50)
     extra = {"bos_token": "<s>", "eos_token": "</s>", "tools": tools}
-    want = plain(source, {"messages": messages, "add_generation_prompt": True, "documents": None, **extra})
+    try:
+        want = plain(source, {"messages": messages, "add_generation_prompt": True, "documents": None, **extra})
+    except TypeError as exc:  # a tool-use-only template (Hermes 3's) loops over tools: None is an error in both
+        with tb.budget(tb.FULL), pytest.raises(TypeError, match=str(exc)):
+            render_chat_template(source, messages, True, **extra)
+        return
     with tb.budget(tb.FULL):
         got = render_chat_template(source, messages, True, **extra)
         opened = tb._LOCAL.open

@@ -1,4 +1,5 @@
-"""A tiny randomly initialised Llama written as an ordinary model folder, for fast tests and golden outputs."""
+"""A tiny randomly initialised Llama written as an ordinary model folder, for fast tests and golden outputs; and a
+tiny Qwen3 with the thinking markers in its vocabulary, for a real Qwen3 chat template (make_tiny_qwen3)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -87,6 +88,10 @@ def make_tiny_weights(cfg: dict[str, object], seed: int = 0) -> dict[str, torch.
         w[p + "post_attention_layernorm.weight"] = 1.0 + rand(dim, scale=0.1)
     w["model.norm.weight"] = 1.0 + rand(dim, scale=0.1)
     head = rand(vocab, dim, scale=3.0 * dim**-0.5)
+    if cfg.get("model_type") == "qwen3":  # per-head q/k norms, drawn last so a Llama's weights stay as pinned
+        for i in range(int(cfg["num_hidden_layers"])):  # type: ignore[call-overload]
+            for name in ("q_norm", "k_norm"):
+                w[f"model.layers.{i}.self_attn.{name}.weight"] = 1.0 + rand(hd, scale=0.1)
     head[: len(SPECIAL_TOKENS)] = 0.0  # special tokens are never a confident choice, so runs go on
     w["lm_head.weight"] = head
     return {k: v.contiguous() for k, v in w.items()}
@@ -111,4 +116,32 @@ def make_tiny_model(out_dir: Path | str, seed: int = 0, max_seq_len: int = 1024)
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2))
+    return out
+
+
+THINK_MARKERS = ["<think>", "</think>"]
+
+
+def make_tiny_qwen3(out_dir: Path | str, chat_template: str, seed: int = 0, max_seq_len: int = 1024) -> Path:
+    """A tiny random Qwen3 folder with Qwen3's vocabulary layout: ChatML specials, `<think>` and `</think>` as added
+    tokens that are not special (as Qwen3's are: a template writes them, a user's text may hold them), and the given
+    chat template (Qwen3's own, tests/fixtures/templates). The markers' head rows are zero, so the model never writes
+    them by itself (their logit is 0): a test forces thinking with a logit bias or a continued `<think>`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tiny_tokenizer()
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in THINK_MARKERS])
+    tok.save(str(out / "tokenizer.json"))
+    cfg: dict[str, object] = {**tiny_config(tok.get_vocab_size(with_added_tokens=True), max_seq_len),
+                              "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "eos_token_id": 2,
+                              "bos_token_id": None}
+    weights = make_tiny_weights(cfg, seed)
+    for marker in THINK_MARKERS:
+        weights["lm_head.weight"][tok.token_to_id(marker)] = 0.0
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok_cfg = {"chat_template": chat_template, "bos_token": None, "eos_token": "<|im_end|>",
+               "pad_token": "<|endoftext|>", "unk_token": None, "add_bos_token": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}, indent=2))
     return out

@@ -501,7 +501,8 @@ class Engine:
         """Thinking that reached the request's reasoning budget is closed: its closing tokens are forced next."""
         r = seq.req.reasoning
         if (r is not None and r.budget is not None and not seq.budget_spent and seq.splitter is not None
-                and seq.splitter.part == "thinking" and seq.splitter.thinking_tokens >= r.budget):
+                and seq.splitter.part == "thinking" and seq.splitter.thinking_tokens >= r.budget
+                and not seq.decoder.pending()):  # never inside a character split over byte tokens
             seq.force, seq.budget_spent = list(r.close), True
 
     def _post(self, seq: Sequence, out: StreamResult) -> None:

@@ -21,7 +21,9 @@ class TokenInfo:
     of a result concatenate to its text; a reasoning marker's characters are in no piece). prob/rank/top use softmax
     of the main model's raw logits; sampled_prob the distribution actually drawn from (after the constraint's mask).
     part: the reply's thinking or its answer (webchat.text.reasoning). forbidden: the ids in `top` that the request's
-    constraint did not allow at this position (their prob is still the model's)."""
+    constraint did not allow at this position (their prob is still the model's). raw: the token's own text where
+    the thinking / answer split changed it (a marker, whitespace dropped after one): the raws of a reply's tokens,
+    None read as the piece, concatenate to the text the model wrote."""
 
     id: int
     piece: str
@@ -32,6 +34,7 @@ class TokenInfo:
     logits: torch.Tensor | None = None  # (vocab,) raw row when return_logits
     part: Part = "answer"
     forbidden: list[int] = field(default_factory=list)
+    raw: str | None = None  # the text the token wrote before the split took markers out; None: the same as piece
 
 
 @dataclass
@@ -74,6 +77,18 @@ class Tokens:
 
     text: str
     tokens: list[TokenInfo]
+
+    @property
+    def thinking(self) -> str:
+        """The text of this event's thinking tokens (they come before its answer's)."""
+        return "".join(t.piece for t in self.tokens if t.part == "thinking")
+
+    @property
+    def answer(self) -> str:
+        """The text of its answer: all of `text` when it carries no tokens (a remote engine's text-only chunk)."""
+        if not self.tokens:
+            return self.text
+        return "".join(t.piece for t in self.tokens if t.part == "answer")
 
 
 @dataclass(frozen=True)

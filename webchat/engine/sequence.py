@@ -20,7 +20,7 @@ from webchat.engine.settings import SamplingSettings
 from webchat.engine.speculative import Drafter
 from webchat.model.kv_cache import PageTable
 from webchat.text.detok import IncrementalDecoder
-from webchat.text.reasoning import PartSplitter, Reasoning
+from webchat.text.reasoning import Part, PartSplitter, Reasoning
 from webchat.text.stops import StopHolder
 
 
@@ -118,17 +118,14 @@ class Sequence:
             add(out, items)
             return
         for info, piece in items:
-            for token, shown, part in self.splitter.push(info, piece):
-                token.part = part
-                add(out, [(token, shown)])
+            info.raw = piece
+            _labelled(out, self.splitter.push(info, piece))
 
     def end(self, out: StreamResult, reason: str, trigger: int | str | None) -> None:
         if reason != "stop_string":
             self.release(out, self.holder.flush().items)
         if self.splitter is not None:  # held text ends in the part it is in (a reply cut inside thinking: thinking)
-            for token, shown, part in self.splitter.flush():
-                token.part = part
-                add(out, [(token, shown)])
+            _labelled(out, self.splitter.flush())
         self.decoder.finish()
         self.done = True
         st = self.stats
@@ -137,6 +134,15 @@ class Sequence:
         if st.new_tokens == 0 and st.prefill_ms == 0.0:
             st.prefill_ms = (time.perf_counter() - self.t_begin) * 1000
         out.eos, out.eos_reason, out.eos_trigger, out.stats = True, reason, trigger, st
+
+
+def _labelled(out: StreamResult, items: list[tuple[TokenInfo, str, Part]]) -> None:
+    """Tokens the splitter released, with their part; `raw` kept only where the split changed the text."""
+    for token, shown, part in items:
+        token.part = part
+        if token.raw == shown:
+            token.raw = None
+        add(out, [(token, shown)])
 
 
 def add(out: StreamResult, items: list[tuple[TokenInfo, str]]) -> None:

@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from webchat.engine import events as ev
 from webchat.engine.grammar import GrammarConstraint
 from webchat.serve import protocol as p
+from webchat.serve import thinking
 from webchat.serve.backend import Backend, Job
 from webchat.serve.config import ServerConfig, content_security_policy, origin_allowed, static_version
 from webchat.serve.device import DeviceThread
@@ -165,7 +166,8 @@ class Connection:
         self.current = msg.id  # from here every error names this request and ends it
         try:
             rt = await self._model(msg)
-            request, n_prompt, trimmed = await self._prepare(msg, rt)
+            ask = self._thinking(msg)
+            request, n_prompt, trimmed = await self._prepare(msg, rt, ask)
         except p.ProtocolError:
             self.current = None
             raise
@@ -179,6 +181,7 @@ class Connection:
                                prompt_tokens=n_prompt, client=self.key,
                                messages=[m.model_dump() for m in msg.messages], continue_final=msg.continue_,
                                prefix_ids=msg.prefix_ids, model=rt.model_name if self.models is not None else None,
+                               thinking=ask,
                                upstream=None if msg.response_format is None or rt.tokenizer is not None else
                                {"response_format": msg.response_format.model_dump(by_alias=True, exclude_none=True)}))
 
@@ -194,7 +197,7 @@ class Connection:
         except ModelError as exc:
             raise p.ProtocolError(exc.code, exc.message, msg.id) from None
 
-    async def _prepare(self, msg: p.Generate, rt: Runtime) -> tuple[GenerationRequest, int, int]:
+    async def _prepare(self, msg: p.Generate, rt: Runtime, ask: thinking.Ask) -> tuple[GenerationRequest, int, int]:
         """Validate what pydantic cannot (mode, vocabulary, context), template, encode and trim the history: the
         generator request, its prompt length and how many messages were left out."""
         from webchat.engine.sequence import GenerationRequest
@@ -223,9 +226,11 @@ class Connection:
             self._check_prefix(msg, rt)
         budget = max(rt.context_length - msg.max_new_tokens, 1)
         try:
-            encode = functools.partial(rt.encode_chat, continue_final=msg.continue_, prefix_ids=msg.prefix_ids)
+            encode = functools.partial(rt.encode_chat, continue_final=msg.continue_, prefix_ids=msg.prefix_ids,
+                                       template_kwargs=ask.kwargs)
             history = [m.model_dump() for m in msg.messages]
             fitted = await encode_text_work(fit_history, encode, history, budget, chars=text_chars(history))
+            reasoning = thinking.reasoning_for(rt.tokenizer, history, msg.continue_, ask)
         except (jinja2.TemplateError, ContentRewritten) as exc:
             field = "continue" if msg.continue_ and isinstance(exc, ContentRewritten) else "messages"
             raise p.ProtocolError("bad_message", f"field '{field}': the chat template failed on them: {exc}",
@@ -240,9 +245,19 @@ class Connection:
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=msg.max_new_tokens,
                                     stop_strings=list(msg.stop), stop_token_ids=None,
                                     return_probs=msg.alternatives > 0, top_alts=msg.alternatives,
-                                    return_logits=False, speculative=mode,
+                                    return_logits=False, speculative=mode, reasoning=reasoning,
                                     constraint=await format_constraint(msg, rt))
         return request, len(ids), fitted.dropped
+
+    def _thinking(self, msg: p.Generate) -> thinking.Ask:
+        """The request's template variables and reasoning budget, checked (`bad_message` / `bad_settings`)."""
+        kwargs = dict(msg.chat_template_kwargs or {})
+        try:
+            thinking.check_kwargs(kwargs)
+        except ValueError as exc:
+            raise p.ProtocolError("bad_message", f"field 'chat_template_kwargs': {exc}", msg.id) from None
+        return thinking.Ask(kwargs=kwargs, budget=thinking.budget_value(msg.reasoning_budget,
+                                                                        self.config.reasoning_budget))
 
     def _check_prefix(self, msg: p.Generate, rt: Runtime) -> None:
         """prefix_ids inside the vocabulary and spelling the final message's content, else `bad_message`."""

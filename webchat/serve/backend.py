@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest, Sequence
+from webchat.serve.thinking import Ask
 
 Deliver = Callable[[ev.Event], None]
 
@@ -36,6 +37,7 @@ class Job:
     # a remote engine's pass-through: the client's response_format / structured_outputs / tools / tool_choice /
     # parallel_tool_calls, as sent (webchat.serve.openai.tools.upstream_fields); the upstream enforces them
     upstream: dict[str, Any] | None = None
+    thinking: Ask | None = None  # its template variables and reasoning budget (a remote engine sends them on)
     # the backend's bookkeeping
     position: int = 0  # last `queued` position sent; 0 = never queued
     seq: Sequence | None = None  # the local engine's sequence while it runs

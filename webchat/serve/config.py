@@ -31,6 +31,7 @@ class ServerConfig:
     max_sessions: int = 64  # connections whose KV pages are kept between turns (idle ones cost only their pages)
     max_queue: int = 16
     stream_interval: float = 0.04  # seconds: a stream's tokens go out at most this often while they come faster
+    reasoning_budget: int | None = None  # thinking tokens before the end of thinking is forced; None: unbounded
     allow_origins: tuple[str, ...] = ()
     max_seq_len: int | None = None  # cap on the context (KV-cache memory per session)
     max_message_bytes: int = 1 << 20

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval-ms", type=_non_negative, default=round(ServerConfig.stream_interval * 1000),
                         metavar="MS", help="send a stream's tokens at most this often while they come faster, several "
                         "in one message (default %(default)s; 0: every step)")
+    parser.add_argument("--reasoning-budget", type=_budget, default=-1, metavar="N",
+                        help="thinking tokens a reply may write before the end of thinking is forced, as "
+                        "llama-server's (default -1: unbounded; 0: none); a request may set its own")
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="another page origin allowed to open the websocket, e.g. http://localhost:3000")
     parser.add_argument("--max-seq-len", type=_positive, default=None,
@@ -83,6 +86,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> int:
+    value = int(text)
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"expected -1 (unbounded) or a count of tokens >= 0, got {value}")
+    return value
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -107,6 +117,7 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
     return ServerConfig(model_dir=model_dir, draft_dir=args.draft, speculative=args.speculative, device=args.device,
                         dtype=args.dtype, host=args.host, port=args.port, max_sessions=args.max_sessions,
                         max_queue=args.max_queue, stream_interval=args.stream_interval_ms / 1000,
+                        reasoning_budget=None if getattr(args, "reasoning_budget", -1) < 0 else args.reasoning_budget,
                         allow_origins=tuple(args.allow_origin), max_seq_len=args.max_seq_len,
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
                         stall_timeout=args.stall_timeout, access_token=args.access_token,

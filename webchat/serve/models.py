@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from webchat.engine import events as ev
+from webchat.serve import thinking
 from webchat.serve.backend import Job, Snapshot
 from webchat.serve.catalog import Card, describe, kv_bytes, scan
 from webchat.serve.config import ServerConfig
@@ -175,6 +176,8 @@ class Models:
             entry["loading"] = name in self.loading
             if name in self.loaded:
                 entry["context_length"] = self.loaded[name].runtime.context_length
+                tokenizer = self.loaded[name].runtime.tokenizer
+                entry["thinking"] = None if tokenizer is None else thinking.wire(tokenizer)
             elif card.context_length is not None and self.config.max_seq_len is not None:
                 entry["context_length"] = min(card.context_length, self.config.max_seq_len)
             out.append(entry)

@@ -15,10 +15,12 @@ from webchat.engine import events as ev
 from webchat.engine.settings import BIAS_RANGE, RANGES, Range, SamplingSettings, SettingsError, token_id
 from webchat.serve.replyformat import ResponseFormat
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
+from webchat.serve.thinking import MAX_BUDGET
 
 VERSION = 1
 MAX_ALTERNATIVES = 20
 MAX_PREFIX_IDS = 131_072  # a continued reply's token ids (the frame's size limit binds first)
+MAX_TEMPLATE_KWARGS = 32
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
     "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
@@ -97,6 +99,9 @@ class Generate(_Strict):
     prefix_ids: Annotated[list[int], Field(min_length=1, max_length=MAX_PREFIX_IDS)] | None = None
     # the reply's format (the API's response_format): text, any JSON object, or a JSON schema's instances
     response_format: ResponseFormat | None = None
+    # more variables for the chat template (`enable_thinking`: the page's Think switch); webchat.serve.thinking
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+    reasoning_budget: Annotated[int, Field(ge=-1, le=MAX_BUDGET)] | None = None  # None: --reasoning-budget; -1: none
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
@@ -145,6 +150,8 @@ class Hello(_Strict):
     # several local models (webchat.serve.models): each {name, size_bytes, architecture, weights, context_length,
     # default, loaded}; `model` above is the default, which a generate that names none runs on
     models: list[dict[str, Any]] | None = None
+    # the model's thinking (webchat.serve.thinking.wire): {start, end, switch}; null where it does not think
+    thinking: dict[str, Any] | None = None
 
 
 class Queued(_Strict):
@@ -175,18 +182,22 @@ class TokenOut(_Strict):
     top: list[Alternative]
     sampled_p: float | None = None  # under the distribution drawn from (settings applied); None when unknown
     forbidden: list[int] | None = None  # ids in `top` the reply's format did not allow here (a constrained reply)
+    part: Literal["thinking", "answer"] = Field(default="answer", exclude_if=lambda v: v == "answer")
+    raw: str | None = Field(default=None, exclude_if=lambda v: v is None)  # the text written, where text differs
 
 
 class Chunk(_Strict):
     type: Literal["chunk"] = "chunk"
     id: str
-    text: str
+    text: str  # the answer's new text
+    thinking: str = Field(default="", exclude_if=lambda v: v == "")  # the thinking's new text (before `text`)
     tokens: list[TokenOut] | None = None  # present only when the request asked for alternatives
 
     def merged(self, later: Chunk) -> Chunk:
         """This chunk followed by `later` (same request) as one chunk: texts joined, token lists concatenated."""
         tokens = None if self.tokens is None and later.tokens is None else (self.tokens or []) + (later.tokens or [])
-        return Chunk.model_construct(type="chunk", id=self.id, text=self.text + later.text, tokens=tokens)
+        return Chunk.model_construct(type="chunk", id=self.id, text=self.text + later.text,
+                                     thinking=self.thinking + later.thinking, tokens=tokens)
 
 
 class Stats(_Strict):
@@ -247,7 +258,7 @@ def event_messages(request_id: str, event: ev.Event, want_tokens: bool) -> list[
         if not event.text and not (want_tokens and event.tokens):
             return []
         tokens = [token_out(t) for t in event.tokens] if want_tokens else None
-        return [Chunk(id=request_id, text=event.text, tokens=tokens)]
+        return [Chunk(id=request_id, text=event.answer, thinking=event.thinking, tokens=tokens)]
     if isinstance(event, ev.Finished):
         return [Done(id=request_id, reason=event.reason, trigger=event.trigger,  # type: ignore[arg-type]
                      stats=stats_out(event.stats))]
@@ -262,7 +273,7 @@ def token_out(info: ev.TokenInfo) -> TokenOut:
     sampled = None if info.sampled_prob is None else float(info.sampled_prob)
     return TokenOut(id=int(info.id), text=info.piece, p=None if info.prob is None else float(info.prob),
                     rank=None if info.rank is None else int(info.rank), top=top, sampled_p=sampled,
-                    forbidden=[int(t) for t in info.forbidden] or None)
+                    forbidden=[int(t) for t in info.forbidden] or None, part=info.part, raw=info.raw)
 
 
 def stats_out(stats: ev.Stats) -> Stats:

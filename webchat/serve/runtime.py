@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from webchat.engine.speculative import MODES
 from webchat.gguf_path import model_name
 from webchat.serve import protocol as p
+from webchat.serve import thinking
 from webchat.serve.config import ServerConfig
 from webchat.text.template_budget import FULL, INLINE, Budget, InlineExhausted, budget
 
@@ -91,20 +92,20 @@ class Runtime:
 
     def encode_chat(self, messages: list[dict[str, Any]], continue_final: bool = False,
                     prefix_ids: list[int] | None = None, tools: list[dict[str, Any]] | None = None,
-                    ) -> list[int]:  # fmt: skip
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
         """The prompt ids: message contents tokenized as text, only the template's markers are control ids.
 
         prefix_ids: the final (assistant) message as the model's own tokens: the prompt is the rest of the history
         with its generation prompt, then these ids, as when the model produced them (never re-tokenised).
+        template_kwargs: the request's chat_template_kwargs; thinking as webchat.serve.thinking encodes it.
         """
-        tokenizer = self.local()[1]
-        if prefix_ids is not None:
-            return tokenizer.encode_chat(messages[:-1], tools=tools) + list(prefix_ids)
-        return tokenizer.encode_chat(messages, continue_final=continue_final, tools=tools)
+        kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        return thinking.encode_chat(self.local()[1], messages, continue_final, prefix_ids, kwargs)
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
-                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights)
+                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights,
+                       thinking=None if self.tokenizer is None else thinking.wire(self.tokenizer))
 
 
 def load_runtime(config: ServerConfig) -> Runtime:
@@ -181,7 +182,8 @@ class RemoteRuntime(Runtime):
         caps = self.remote().caps
         return p.Hello(model=caps.model or self.model_name, context_length=caps.context_length or 0,
                        device="remote", dtype="remote", speculative=list(self.modes), weights="remote",
-                       max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES, engine=caps.wire())
+                       max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES, engine=caps.wire(),
+                       thinking=caps.thinking)
 
 
 async def load_remote_runtime(config: ServerConfig) -> RemoteRuntime:

@@ -38,33 +38,38 @@ def chat_parts(render: Callable[[list[dict[str, Any]]], str], messages: list[dic
     last = len(messages) - 1
     marked: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        content = m.get("content")
+        content, reasoning = m.get("content"), m.get("reasoning_content")
         keep = isinstance(content, str) and (content != "" or (continue_final and i == last))
-        marked.append({**m, "content": f"\ue000{nonce}:{i}\ue001"} if keep else dict(m))
+        mark = {"content": f"\ue000{nonce}:{i}c\ue001"} if keep else {}
+        if isinstance(reasoning, str) and reasoning != "":  # an assistant's thinking is content too
+            mark["reasoning_content"] = f"\ue000{nonce}:{i}r\ue001"
+        marked.append({**m, **mark})
     with budget():
         skeleton = render(marked)
         full = render(messages)
-    pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", skeleton)  # [t0, k0, t1, k1, ..., tn]
+    # [t0, i0, f0, t1, i1, f1, ..., tn]: message index i, field f (c: content, r: reasoning_content)
+    pieces = re.split(f"\ue000{nonce}:(\\d+)([cr])\ue001", skeleton)
     if len(pieces) == 1:
         if full != skeleton:
             raise ContentRewritten("the chat template renders differently around message contents")
         return [(full, False)] if full else []
     if continue_final:
-        final = [j for j in range(1, len(pieces), 2) if int(pieces[j]) == last]
+        final = [j for j in range(1, len(pieces), 3) if int(pieces[j]) == last and pieces[j + 1] == "c"]
         if not final:
             raise ContentRewritten(f"the chat template does not show the final message (index {last}); "
                                    "it cannot be continued")
-        pieces = pieces[: final[-1] + 1] + [""]
+        pieces = pieces[: final[-1] + 2] + [""]
     parts: list[Part] = [(pieces[0], False)]
     pos = len(pieces[0])
     if not full.startswith(pieces[0]):
         raise ContentRewritten("the chat template renders differently around message contents")
-    for j in range(1, len(pieces), 2):
-        index, after = int(pieces[j]), pieces[j + 1]
-        content = str(messages[index]["content"])
-        ends = j + 2 == len(pieces)
+    for j in range(1, len(pieces), 3):
+        index, after = int(pieces[j]), pieces[j + 2]
+        content = str(messages[index]["content" if pieces[j + 1] == "c" else "reasoning_content"])
+        ends = j + 3 == len(pieces)
         escaped = json.dumps(content, ensure_ascii=False)[1:-1]  # written with tojson (Llama 3's tool results)
-        for cand in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip(), escaped)):
+        for cand in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip(), content.strip("\n"),
+                                   content.lstrip("\n"), escaped)):
             nxt = pos + len(cand)
             if full.startswith(cand, pos) and full.startswith(after, nxt) and (continue_final or not ends
                                                                                 or nxt + len(after) == len(full)):

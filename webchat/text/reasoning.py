@@ -40,7 +40,8 @@ class Reasoning:
     """How a request's reply is split into thinking and answer, and how long its thinking may run.
 
     inside: the prompt already opened thinking. budget: thinking tokens after which `close` is forced (llama-server's
-    --reasoning-budget; 0 closes at once); close: the token ids that end thinking (the end marker as the tokenizer
+    --reasoning-budget: the tokens after the start marker, or from the first when `inside`; 0 closes at once), once
+    the character in progress is whole; close: the token ids that end thinking (the end marker as the tokenizer
     writes it, with the whitespace the template puts around it)."""
 
     markers: Markers = Markers()
@@ -61,7 +62,7 @@ class PartSplitter(Generic[T]):
         self.markers = markers
         self.state: State = "thinking" if inside else "start"
         self._held: list[tuple[T, str]] = []  # tokens whose text may still be (part of) a marker
-        self.thinking_tokens = 0  # tokens released as thinking
+        self.thinking_tokens = 0  # tokens released as thinking after the start marker
 
     @property
     def part(self) -> Part:
@@ -94,6 +95,7 @@ class PartSplitter(Generic[T]):
         body = text.lstrip()
         if body.startswith(start):  # opened: the marker (and what precedes it) leaves the text
             out = self._cut(text, 0, text.index(start) + len(start), "thinking", "opening")  # whitespace leaves too
+            self.thinking_tokens -= len(out)  # a budget counts the tokens after the start marker (llama.cpp's)
             return out + self._past_marker("".join(p for _, p in self._held)) if self._held else out
         if body == "" or start.startswith(body):
             return []  # whitespace, or the start marker so far: hold

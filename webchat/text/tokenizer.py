@@ -221,14 +221,16 @@ class Tokenizer:
         return ids
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+                    continue_final: bool = False, tools: list[dict[str, Any]] | None = None,
+                    **template_kwargs: Any) -> list[int]:  # fmt: skip
         """The chat prompt's ids, message contents tokenized as text: only the template's own markers are control ids.
 
         continue_final: end right after the final message's content (no end-of-turn, no generation prompt).
+        template_kwargs: more variables for the template (a request's chat_template_kwargs: `enable_thinking`).
         Usually the ids of `encode(apply_chat_template(...))`; where a content holds a special token's text, that
         content is encoded on its own with special tokens read as text.
         """
-        extra = {"tools": tools} if tools else {}  # the template's `tools` (webchat.text.toolformat)
+        extra = {**template_kwargs, **({"tools": tools} if tools else {})}  # `tools`: webchat.text.toolformat
         parts = chat_parts(lambda msgs: self.apply_chat_template(msgs, add_generation_prompt and not continue_final,
                                                                  **extra), messages, continue_final)  # fmt: skip
         text = "".join(t for t, _ in parts)

@@ -4,6 +4,7 @@ Server-Sent Events chunks, with per-token logprobs.
     Started → Tokens* → Finished      as     role chunk, content chunks, finish chunk[, usage chunk], [DONE]
 
 logprob = ln p, p the softmax of the model's raw logits (the websocket's `p`); 0 → -9999.0, as OpenAI writes -inf.
+A chat reply's thinking goes apart from its content (`reasoning_content`, serve/openai/reasoning.py).
 An extension, `stats` (the websocket's `done.stats`: prefill_ms, ttft_ms, decode_tps, drafted, accepted, ...), rides
 on the finish chunk and the whole response, as llama.cpp's server adds `timings`.
 """
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from webchat.engine import events as ev
+from webchat.serve.openai import reasoning
 
 if TYPE_CHECKING:
     from webchat.serve.openai.tools import ToolCalls
@@ -63,10 +65,13 @@ class Reply:
     logprobs: int | None = None
     include_usage: bool = False
     token_ids: bool = False  # return_token_ids: each choice carries its tokens' ids (vLLM's extension)
+    raw: bool = False  # reasoning_format "none": thinking stays in the content as written (serve/openai/reasoning.py)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
+    thinking: str = ""  # chat: the reply's thinking so far (message.reasoning_content)
     entries: list[dict[str, Any]] = field(default_factory=list)  # chat: logprobs.content
+    thinking_entries: list[dict[str, Any]] = field(default_factory=list)  # chat: logprobs.reasoning_content
     legacy: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in LEGACY_KEYS})  # text completions
     ids: list[int] = field(default_factory=list)  # every token's id so far (kept with token_ids only)
     tools: ToolCalls | None = None  # the reply's tool calls, parsed as it streams (a chat request with tools)
@@ -80,22 +85,30 @@ class Reply:
         return self._chunk({"role": "assistant", "content": ""}, None, None) if self.chat else None
 
     def chunk(self, event: ev.Tokens) -> dict[str, Any] | None:
-        """A content chunk; None when it would carry nothing (no text, no logprobs asked for)."""
-        if not event.text and not (self.logprobs is not None and event.tokens):
-            return None
+        """A content chunk (its thinking apart, serve/openai/reasoning.py); None when it would carry nothing (no text,
+        no logprobs asked for)."""
+        part = reasoning.parts(event, self.raw or not self.chat)
+        if not part.answer and not part.thinking and not ((self.logprobs is not None or self.token_ids)
+                                                          and event.tokens):
+            return None  # nothing to say (a marker's token is said where its logprob or id is asked for)
         offset = len(self.text)
-        self.text += event.text
+        self.text += part.answer
+        self.thinking += part.thinking
         if self.token_ids:
             self.ids += [t.id for t in event.tokens]
         if self.chat:
-            entries = self._entries(event.tokens)
+            entries, thinking = self._entries(part.answer_tokens), self._entries(part.thinking_tokens) or []
             self.entries += entries or []
-            delta = self._delta(*self.tools.feed(event.text)) if self.tools is not None else {"content": event.text}
-            if not delta and entries is None:
-                return None
-            chunk = self._chunk(delta, None if entries is None else {"content": entries}, None)
+            self.thinking_entries += thinking
+            if self.tools is not None:  # the answer's calls parsed as they stream; thinking is never a call
+                delta = {**reasoning.fields(part.thinking), **self._delta(*self.tools.feed(part.answer))}
+                if not delta and entries is None:
+                    return None
+            else:
+                delta = reasoning.delta(part)
+            chunk = self._chunk(delta, reasoning.logprobs(entries, thinking), None)
         else:
-            chunk = self._chunk(event.text, self._legacy(event.tokens, offset), None)
+            chunk = self._chunk(part.answer, self._legacy(part.answer_tokens, offset), None)
         if self.token_ids:
             chunk["choices"][0]["token_ids"] = [t.id for t in event.tokens]
         return chunk
@@ -126,15 +139,17 @@ class Reply:
 
     def response(self, event: ev.Finished) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
-        if self.chat and self.tools is not None:
-            self.tools.finish()
-            calls = self.tools.calls
-            choice["message"] = {"role": "assistant", "content": self.tools.content if not calls
-                                 or self.tools.content.strip() else None, **({"tool_calls": calls} if calls else {})}
-            choice["logprobs"] = None if self.logprobs is None else {"content": self.entries}
-        elif self.chat:
-            choice["message"] = {"role": "assistant", "content": self.text}
-            choice["logprobs"] = None if self.logprobs is None else {"content": self.entries}
+        if self.chat:
+            content: str | None = self.text
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                self.tools.finish()
+                calls = self.tools.calls
+                content = self.tools.content if not calls or self.tools.content.strip() else None
+            choice["message"] = {"role": "assistant", "content": content, **reasoning.fields(self.thinking),
+                                 **({"tool_calls": calls} if calls else {})}
+            choice["logprobs"] = reasoning.logprobs(None if self.logprobs is None else self.entries,
+                                                    self.thinking_entries)
         else:
             choice["text"] = self.text
             choice["logprobs"] = None if self.logprobs is None else self.legacy

@@ -24,17 +24,26 @@ from webchat.engine import events as ev
 from webchat.engine.grammar import GrammarConstraint
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SettingsError, check_token_ids
+from webchat.serve import thinking
 from webchat.serve.backend import Job
 from webchat.serve.config import ServerConfig, origin_allowed
 from webchat.serve.models import ModelError, Models
 from webchat.serve.openai.format import Reply
-from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, TokenizeRequest, parse
+from webchat.serve.openai.schema import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    parse,
+    template_kwargs,
+)
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
 from webchat.serve.openai.structured import request_grammar
 from webchat.serve.openai.tools import ToolCalls, chat_tools, upstream_fields
 from webchat.serve.replyformat import kept_ids, make_constraint
 from webchat.serve.rules import RuleError, context_room, speculative_mode
 from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
+from webchat.text.thinking import for_template, thinking_format
 from webchat.text.toolformat import GENERIC
 
 log = logging.getLogger("webchat.openai")
@@ -109,6 +118,7 @@ class OpenAIApi:
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse(ChatRequest, await self._body(request))
         req.check()
+        ask = req.thinking(self.config.reasoning_budget)
         rt = await self._runtime(request, req.model)
         messages = [m.for_template() for m in req.messages]
         cont = bool(req.continue_final_message)
@@ -124,7 +134,9 @@ class OpenAIApi:
             grammar = self._grammar(req, plan.grammar if plan is not None else None)
         try:  # a remote engine (no tokenizer) templates and counts the prompt itself
             ids = [] if rt.tokenizer is None else await encode_text_work(rt.encode_chat, messages, cont, None,
-                                                                             template_tools, chars=text_chars(messages))
+                                                                             template_tools, ask.kwargs,
+                                                                             chars=text_chars(messages))
+            reasoning = None if rt.tokenizer is None else thinking.reasoning_for(rt.tokenizer, messages, cont, ask)
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None
@@ -132,12 +144,13 @@ class OpenAIApi:
         reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                      tools=ToolCalls(tools) if tools is not None else None)
+                      tools=ToolCalls(tools) if tools is not None else None, raw=not ask.split)
         gen = self._generation(rt, req, ids, req.limit(), reply, "messages")
+        gen.reasoning = reasoning
         kept = str(messages[-1].get("content") or "") if cont else ""  # a continued reply goes on under the format
         gen.constraint = await self._constraint(rt, grammar, "tools" if plan is not None else "response_format", kept)
         return await self._run(request, gen, reply, bool(req.stream), messages, cont, self._job_model(request, rt),
-                               upstream)
+                               upstream, ask)
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await self._body(request))
@@ -177,7 +190,9 @@ class OpenAIApi:
                 messages = [m.for_template() for m in req.messages]
                 cont = bool(req.continue_final_message)
                 add = not cont if req.add_generation_prompt is None else req.add_generation_prompt
-                ids = await encode_text_work(rt.tokenizer.encode_chat, messages, add, cont, chars=text_chars(messages))
+                kwargs = template_kwargs(req.chat_template_kwargs)
+                ids = await encode_text_work(self._tokenize_chat, rt, messages, add, cont, kwargs,
+                                             chars=text_chars(messages))
             else:
                 ids = await encode_text_work(rt.tokenizer.encode_text, req.prompt or "", chars=len(req.prompt or ""))
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:
@@ -185,6 +200,15 @@ class OpenAIApi:
                            "invalid_messages", "messages") from None
         return JSONResponse({"count": len(ids), "max_model_len": rt.context_length, "tokens": ids},
                             headers=self._cors(request))
+
+    @staticmethod
+    def _tokenize_chat(rt: Runtime, messages: list[dict[str, str]], add: bool, cont: bool,
+                       kwargs: dict[str, Any]) -> list[int]:  # fmt: skip
+        """/tokenize's chat: as the chat endpoint encodes it (its thinking too), or without the generation prompt."""
+        if add or cont:
+            return rt.encode_chat(messages, cont, None, template_kwargs=kwargs)
+        tokenizer = rt.local()[1]
+        return tokenizer.encode_chat(for_template(messages, thinking_format(tokenizer)), False, **kwargs)
 
     # ------------------------------------------------------------ one generation
     def _generation(self, rt: Runtime, req: ChatRequest | CompletionRequest, ids: list[int], limit: int | None,
@@ -244,7 +268,8 @@ class OpenAIApi:
 
     async def _run(self, request: Request, gen_request: GenerationRequest, reply: Reply, stream: bool,
                    messages: list[dict[str, Any]] | None = None, continue_final: bool = False,
-                   model: str | None = None, upstream: dict[str, Any] | None = None) -> Response:
+                   model: str | None = None, upstream: dict[str, Any] | None = None,
+                   ask: thinking.Ask | None = None) -> Response:
         """Submit the job and answer: errors before the first event keep their status; streams begin at 200."""
         if self.closing:
             raise APIError(503, "the server is shutting down", "shutting_down")
@@ -253,7 +278,7 @@ class OpenAIApi:
         pending.worker.submit(Job(key=pending.key, request_id=reply.id, request=gen_request, deliver=pending.deliver,
                                   prompt_tokens=len(gen_request.prompt_ids), client=self._client(request),
                                   messages=messages, continue_final=continue_final, model=model,
-                                  upstream=upstream))
+                                  upstream=upstream, thinking=ask))
         watcher = asyncio.create_task(pending.watch(request.receive))
         streaming = False
         try:

@@ -18,9 +18,11 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
+from webchat.serve.openai.reasoning import FORMATS
 from webchat.serve.openai.structured import ResponseFormat, StructuredOutputs
 from webchat.serve.openai.tools import Tool, ToolCall, ToolChoice
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
+from webchat.serve.thinking import Ask, budget_value, check_kwargs
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 200
@@ -87,6 +89,9 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None  # null only on an assistant message that carries tool_calls
     name: str | None = None  # accepted and ignored
+    # an assistant's thinking (llama-server's and DeepSeek's name; vLLM's `reasoning`): the template keeps or drops it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made (docs/api.md, "Tools")
     tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None  # tool: the call it answers
     refusal: str | None = None  # accepted and ignored (the official client sends it back)
@@ -106,13 +111,17 @@ class Message(_Strict):
 
     def for_template(self) -> dict[str, Any]:
         """role/content as the chat template reads them: developer → system, text parts joined by newlines; an
-        assistant's calls and a tool result's call id kept (webchat.text.toolformat shapes them per format)."""
+        assistant's calls and a tool result's call id kept (webchat.text.toolformat shapes them per format); an
+        assistant's thinking as `reasoning_content`."""
         text = self.content if isinstance(self.content, str | None) else "\n".join(p.text for p in self.content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if self.role == "assistant" and thinking is not None:
+            out["reasoning_content"] = thinking
         return out
 
 
@@ -189,6 +198,16 @@ class _Request(_Strict):
 R = TypeVar("R", bound=_Strict)
 
 
+def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs, checked (webchat.text.thinking.check_kwargs): 400 naming the key."""
+    kwargs = dict(given or {})
+    try:
+        check_kwargs(kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_value", "chat_template_kwargs") from None
+    return kwargs
+
+
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -205,6 +224,33 @@ class ChatRequest(_Request):
     @classmethod
     def _tool_choice(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         return _union(v, handler, "'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}")
+
+    # thinking (serve/openai/reasoning.py): template variables (vLLM's, SGLang's, llama-server's name), llama-server's
+    # reasoning_format and reasoning budget; vLLM's name for the budget
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
+    reasoning_format: str | None = None
+    reasoning_budget_tokens: int | None = None
+    reasoning_budget_message: Annotated[str, Field(max_length=1000)] | None = None
+    thinking_token_budget: int | None = None
+
+    def thinking(self, default_budget: int | None) -> Ask:
+        """What the request asks of thinking, checked: 400 naming the field."""
+        kwargs = template_kwargs(self.chat_template_kwargs)
+        if self.reasoning_format not in (None, *FORMATS):
+            raise APIError(400, f"reasoning_format must be one of {', '.join(FORMATS)}, got {self.reasoning_format!r}",
+                           "invalid_value", "reasoning_format")
+        names = ("reasoning_budget_tokens", "thinking_token_budget")
+        given = {k: v for k in names if (v := getattr(self, k)) is not None}
+        if len(set(given.values())) > 1:
+            raise APIError(400, f"reasoning_budget_tokens and thinking_token_budget name one budget; got {given}",
+                           "invalid_value", "thinking_token_budget")
+        name, value = next(iter(given.items()), ("reasoning_budget_tokens", None))
+        try:
+            budget = budget_value(value, default_budget)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value", name) from None
+        return Ask(kwargs=kwargs, budget=budget, message=self.reasoning_budget_message or "",
+                   split=self.reasoning_format != "none")
 
     def check(self) -> None:
         self.check_common()
@@ -271,6 +317,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool | None = None  # messages: default true
     continue_final_message: bool | None = None
     add_special_tokens: bool | None = None  # accepted; webchat's chat prompts carry the template's own markers
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -47,6 +47,9 @@ class Capabilities:
     # schema's response_format) | json_object (only JSON mode) | absent; tools: accepted | absent
     response_format: str = "unknown"
     tools: str = "unknown"
+    # the served model's thinking as hello.thinking says it ({start, end, switch}): a webchat's own, a llama-server's
+    # from its template (/props chat_template); None where the upstream does not say
+    thinking: dict[str, Any] | None = None
 
     def wire(self) -> dict[str, Any]:
         """What `hello.engine` and /api/info show (the key never is here: it is not part of this)."""
@@ -149,6 +152,7 @@ async def detect(up: Upstream, want_model: str | None) -> Capabilities:
             caps.continue_final = "final_assistant_message"
         caps.token_prompt = await _token_prompt(up, caps) if caps.token_ids != "absent" else "absent"
         caps.response_format, caps.tools = await _structured(up, base)
+        caps.thinking = await _thinking(up, caps.kind)
         caps.state = "ready"
     except UpstreamError as exc:
         caps.state, caps.error = "unreachable", str(exc)
@@ -205,3 +209,24 @@ async def _token_prompt(up: Upstream, caps: Capabilities) -> str:
         if exc.status is None:
             raise
     return "absent"
+
+
+async def _thinking(up: Upstream, kind: str) -> dict[str, Any] | None:
+    """The model's thinking: a webchat's /api/info `thinking`; a llama-server's template (/props `chat_template`)
+    taking `enable_thinking` means the `<think>` markers and the switch."""
+    path = {"webchat": "/api/info", "llama.cpp": "/props"}.get(kind)
+    if path is None:
+        return None
+    try:
+        body = await up.get_json(path)
+    except UpstreamError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    if kind == "webchat":
+        info = body.get("thinking")
+        return info if isinstance(info, dict) else None
+    template = body.get("chat_template")
+    if isinstance(template, str) and "enable_thinking" in template:
+        return {"start": "<think>", "end": "</think>", "switch": True}
+    return None

@@ -27,6 +27,7 @@ from webchat.serve.backend import Job, Snapshot
 from webchat.serve.remote.capabilities import Capabilities, detect
 from webchat.serve.remote.client import Upstream, UpstreamError
 from webchat.serve.remote.parse import ChunkError, ReportedError, StreamParser
+from webchat.serve.remote.reasoning import text_split, thinking_fields
 
 log = logging.getLogger("webchat.serve.remote")
 
@@ -185,6 +186,7 @@ class RemoteEngine:
             body["return_token_ids"] = True
         if job.continue_final and caps.continue_final == "continue_final_message":
             body.update(continue_final_message=True, add_generation_prompt=False)
+        body.update(thinking_fields(caps.kind, job.thinking))
         body.update(job.upstream or {})  # the reply format and tools, as the client sent them: the upstream enforces
         # final_assistant_message (llama.cpp): the last assistant message is continued as it stands
         return {k: v for k, v in body.items() if v is not None}
@@ -248,12 +250,16 @@ class RemoteEngine:
             reason: str | None = None
             trigger: str | None = None
             by_ids = self.by_ids(job)
+            split = text_split(job.messages, by_ids)
             body = await self.completion_body(job) if by_ids else self.body(job)
             path = "/v1/completions" if by_ids else "/v1/chat/completions"
             headers = {self.affinity_header: body["user"]} if self.affinity_header else None
             async with aclosing(self.upstream.stream(body, headers, path)) as chunks:
                 async for chunk in chunks:
                     out = parser.feed(chunk)
+                    if split is not None:  # a branch from inside thinking, continued as text: split here
+                        out.tokens = split.push(out.tokens) + (split.flush() if out.reason is not None else [])
+                        out.text = "".join(t.piece for t in out.tokens)
                     if not started:
                         started = True
                         self._post(job, ev.Started(job.prompt_tokens, 0))

@@ -12,6 +12,8 @@ A token's text is rebuilt from its `bytes` through one incremental UTF-8 decoder
 across tokens shows whole on the token that completes it; without `bytes` the token's own string is used.
 The upstream is untrusted: a token's alternatives are cut to the count asked for, and a probability outside its range
 (a logprob above 0 or not finite, a prob outside [0, 1]) is a ChunkError naming the field.
+Thinking (`delta.reasoning_content` / `delta.reasoning`) labels its tokens part "thinking" (webchat.serve.remote.
+reasoning).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from webchat.engine import events as ev
+from webchat.serve.remote.reasoning import ThinkingLabels, thinking_text
 
 NO_ID = -1  # a token id the upstream did not return
 MAX_ALTERNATIVES = 20  # OpenAI's top_logprobs limit: more than this is never kept
@@ -147,6 +150,7 @@ class StreamParser:
         self.tokens_seen = 0
         self._calls = CallText()
         self.alternatives = max(0, min(alternatives, MAX_ALTERNATIVES))
+        self.thinking = ThinkingLabels()
 
     def feed(self, chunk: Any) -> Parsed:
         if not isinstance(chunk, dict):
@@ -164,23 +168,28 @@ class StreamParser:
         choice = choices[0]
         if not isinstance(choice, dict):
             raise ChunkError(f"expected choices[0] to be an object, got {type(choice).__name__}")
-        if "delta" in choice:  # chat
-            delta = choice.get("delta") or {}
-            content = delta.get("content") if isinstance(delta, dict) else None
-        else:  # text completion
-            content = choice.get("text")
+        delta = choice.get("delta") if "delta" in choice else None  # chat; else a text completion
+        content = (delta.get("content") if isinstance(delta, dict) else None) if "delta" in choice \
+            else choice.get("text")
         content = content if isinstance(content, str) else ""
+        thinking = thinking_text(delta)
         logprobs = choice.get("logprobs")
         entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        entries = entries if isinstance(entries, list) else []
+        thought = logprobs.get("reasoning_content") if isinstance(logprobs, dict) else None  # webchat's
+        thought = thought if isinstance(thought, list) else []
         legacy = logprobs.get("tokens") if isinstance(logprobs, dict) else None
         ids = choice.get("token_ids")
-        if isinstance(entries, list) and entries:
-            ids = ids if isinstance(ids, list) and len(ids) == len(entries) else None
-            for i, entry in enumerate(entries):
+        if entries or thought:
+            ids = ids if isinstance(ids, list) and len(ids) == len(thought) + len(entries) else None
+            for i, entry in enumerate(thought + entries):
                 if not isinstance(entry, dict):
-                    raise ChunkError(f"expected logprobs.content[{i}] to be an object, got {type(entry).__name__}")
+                    field, k = ("reasoning_content", i) if i < len(thought) else ("content", i - len(thought))
+                    raise ChunkError(f"expected logprobs.{field}[{k}] to be an object, got {type(entry).__name__}")
+                field, k = ("reasoning_content", i) if i < len(thought) else ("content", i - len(thought))
                 out.tokens.append(self._token(entry, ids[i] if ids is not None else None,
-                                              f"choices[0].logprobs.content[{i}]"))
+                                              f"choices[0].logprobs.{field}[{k}]"))
+            self.thinking.label(out.tokens, len(thought), thinking, content)
             out.text = "".join(t.piece for t in out.tokens)
         elif isinstance(legacy, list) and legacy:
             assert isinstance(logprobs, dict)
@@ -189,6 +198,9 @@ class StreamParser:
                 out.tokens.append(self._token(entry, ids[i] if ids is not None else None,
                                               f"choices[0].logprobs.tokens[{i}]"))
             out.text = "".join(t.piece for t in out.tokens)
+        elif thinking:  # text only: the thinking and the answer as a token each, with nothing known of them
+            out.tokens = self.thinking.text_tokens(thinking, content)
+            out.text = thinking + content
         else:
             out.text = content
         calls = delta.get("tool_calls") if "delta" in choice and isinstance(delta, dict) else None
