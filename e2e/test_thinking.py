@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from webchat.tiny import make_tiny_qwen3
 
 if TYPE_CHECKING:
     from conftest import ChatPage, Server
+    from playwright.sync_api import Page, WebSocketRoute
 
 pytestmark = pytest.mark.e2e
 
@@ -65,9 +67,26 @@ def received(chat: ChatPage, key: str) -> str:
     return "".join(f.get(key, "") for f in chat.request_frames("chunk") if f["id"] == rid)
 
 
+def paced_chunks(page: Page) -> None:
+    """The server's chunks reach the page 50 ms apart, as a model the size people run streams: the tiny model's whole
+    reply otherwise arrives within one paint, and the fold never shows the thinking while it streams."""
+
+    def route(ws: WebSocketRoute) -> None:
+        server = ws.connect_to_server()
+
+        def forward(message: str | bytes) -> None:
+            if isinstance(message, str) and '"type":"chunk"' in message.replace(" ", ""):
+                time.sleep(0.05)
+            ws.send(message)
+
+        server.on_message(forward)
+
+    page.route_web_socket(re.compile(r"/ws$"), route)
+
+
 def test_a_reply_forced_to_think_streams_into_the_fold(qwen3_server: Server, new_page: Callable[..., ChatPage],
                                                        think_id: int, artifacts: Path) -> None:
-    chat = new_page(qwen3_server, permissions=["clipboard-read", "clipboard-write"])
+    chat = new_page(qwen3_server, before_open=paced_chunks, permissions=["clipboard-read", "clipboard-write"])
     expect(chat.page.get_by_test_id("think-toggle")).to_be_checked()  # Qwen3's template takes enable_thinking
     force_thinking(chat, think_id, BUDGET + 16)
     chat.page.evaluate(WATCH_FOLD_JS)
