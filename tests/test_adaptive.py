@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from webchat.engine.adaptive import MAX_AUTO_DRAFT, PROBE_MAX, PROBE_MIN, AutoSpec, Proposal, SeqDrafter
+from webchat.engine.engine import Engine
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
+from webchat.engine.settings import SamplingSettings
 from webchat.engine.suffix import SuffixIndex
 from webchat.engine.verify_cost import Cycles, VerifyCost, isotonic, measure
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool, PoolExhausted
+from webchat.model.loader import load_model
+from webchat.text.tokenizer import Tokenizer
+
+GREEDY = SamplingSettings(temperature=0.0)
 
 
 # ---------------------------------------------------------------- the suffix index
@@ -229,3 +239,39 @@ def test_a_failing_draft_model_is_probed_at_growing_intervals() -> None:
     assert gaps[:2] != [] and all(g >= PROBE_MIN for g in gaps)
     assert gaps == sorted(gaps) and max(gaps) == PROBE_MAX  # doubling to the cap
     assert model.calls == len(probes) <= 20
+
+
+# ---------------------------------------------------------------- in the engine
+def test_drafts_never_evict_an_idle_session(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts get pages only from the free list: a full pool drafts less, it never drops another session's cache."""
+    model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+
+    def sixteen(self: SeqDrafter, context: list[int], room: int, sampled: bool = False) -> Proposal:
+        return Proposal("context", 0, [0.9] * 16, tokens=[5] * 16, at=len(context))  # granted in full (flat cost)
+
+    monkeypatch.setattr(SeqDrafter, "offer", sixteen)
+    prompt = list(range(40, 60))
+    plain, _ = run(Generator(model, tok), GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=10,
+                                                            stop_token_ids=[]))
+    for pages, drafting in ((5, False), (12, True)):  # 5: the idle session's 3 pages and 2 for the new one, no more
+        engine = Engine(model, tok, max_seq_len=96, pool_tokens=pages * 16)
+        engine.auto.cost = VerifyCost.flat()
+        idle = Generator(model, tok, engine=engine)
+        run(idle, GenerationRequest(prompt_ids=list(range(100, 140)), settings=GREEDY, max_new_tokens=8))
+        held = engine.cached_ids(idle)
+        out, stats = run(Generator(model, tok, engine=engine),
+                         GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=10, stop_token_ids=[],
+                                           speculative="auto"))
+        assert out == plain
+        assert engine.cached_ids(idle) == held and len(held) >= 40
+        assert (stats.drafted > 0) is drafting, stats
+
+
+def run(gen: Generator, req: GenerationRequest) -> tuple[list[int], Any]:
+    gen.begin_stream(req)
+    ids: list[int] = []
+    while True:
+        res = gen.stream()
+        ids += res.token_ids
+        if res.eos:
+            return ids, res.stats
