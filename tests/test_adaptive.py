@@ -17,7 +17,7 @@ from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.suffix import SuffixIndex
-from webchat.engine.verify_cost import Cycles, VerifyCost, isotonic, measure
+from webchat.engine.verify_cost import Cycles, VerifyCost, lowered, measure
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool, PoolExhausted
 from webchat.model.loader import load_model
@@ -76,18 +76,31 @@ def test_a_growing_doc_is_indexed_once_per_token() -> None:
 
 
 # ---------------------------------------------------------------- the cost curve
-def test_isotonic_pools_violators() -> None:
-    assert isotonic([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
-    assert isotonic([5, 1, 1]) == pytest.approx([7 / 3] * 3)
+def test_a_slow_sample_is_lowered_to_what_fewer_rows_cost() -> None:
+    # 2 rows at 60: above two 1-row forwards (20) and above 3 rows (30); 3 rows at 30 never more than 4 rows
+    assert lowered([0, 10, 60, 30, 28]) == [0, 10, 20, 28, 28]
 
 
 def test_curve_interpolates_and_extrapolates_monotonically() -> None:
     cost = VerifyCost({1: 10.0, 2: 12.0, 4: 20.0, 8: 30.0})
     assert cost.forward_ms(3) == pytest.approx(16.0) and cost.forward_ms(8) == 30.0
     assert cost.forward_ms(12) == pytest.approx(30.0 + 4 * 20 / 7)  # the mean slope beats the last segment's 2.5
-    assert all(cost.forward_ms(t) <= cost.forward_ms(t + 1) for t in range(1, 70))
+    assert all(cost.forward_ms(t) <= cost.forward_ms(t + 1) for t in range(1, 80))
+    assert all(cost.forward_ms(a + b) <= cost.forward_ms(a) + cost.forward_ms(b) + 1e-9
+               for a in range(1, 40) for b in range(1, 40))
     with pytest.raises(ValueError, match=r"points at rows >= 1, got \[0\]"):
         VerifyCost({0: 1.0})
+
+
+def test_the_curve_scales_to_the_forwards_the_engine_runs() -> None:
+    cost = VerifyCost({1: 10.0, 8: 38.0})
+    for _ in range(9):
+        cost.observe(1, 5.0)  # the machine got twice as fast since the warm-up
+    cost.observe(3, 1000.0)  # one forward slowed by another process
+    assert cost.scale == pytest.approx(0.5) and cost.forward_ms(8) == pytest.approx(19.0)
+    cost.observe(0, 1.0)  # no rows: nothing to compare
+    cost.observe(99, 1.0)
+    assert cost.scale == pytest.approx(0.5)
 
 
 class SlowModel:

@@ -125,6 +125,14 @@ class AutoSpec:
     def observe(self, source: str, b: int, hits: int, misses: int) -> None:
         self.rates.setdefault((source, b), Rate()).add(hits, misses, ENGINE_DECAY)
 
+    def timed(self, began: float, ended: float, rows: int) -> None:
+        """A forward ran from began to ended (perf_counter seconds); rows: its decode/verify rows, 0 when it had prompt
+        rows too (the curve's scale follows the former only)."""
+        self.cycles.forward_began(began)
+        self.cycles.forward_ended(ended)
+        if rows and self.cost is not None:
+            self.cost.observe(rows, (ended - began) * 1000)
+
     def remember(self, output: list[int]) -> None:
         """A finished sequence's output, for the others' drafts (auto sequences add theirs as they go)."""
         if len(output) >= 2:

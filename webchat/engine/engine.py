@@ -440,9 +440,10 @@ class Engine:
             spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, r.logit_offsets()))
         # a prompt's positions: computed alike however the prompt is chunked, recomputed alike after a preemption
         ends = [r.seq.stats.prompt_tokens for r in rows]
-        self.auto.cycles.forward_began(time.perf_counter())
+        began = time.perf_counter()
         logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends), self.pool)  # (R, vocab)
-        self.auto.cycles.forward_ended(time.perf_counter())
+        decode_only = not any(r.seq.prefilling for r in rows)
+        self.auto.timed(began, time.perf_counter(), sum(len(r.feed) for r in rows) if decode_only else 0)
         at, todo = 0, []  # (row, its first sampling logits row, how many it samples, its results)
         for r in rows:
             seq, out = r.seq, StreamResult()

@@ -1,18 +1,20 @@
 """What a step of T decode/verify rows costs on this model and machine: the curve speculation is planned against.
 
     curve = measure(model, pool)        # {rows: ms}: one sequence's T rows at a 256-token context, median of passes
-    cost = VerifyCost(curve)            # monotone in T, interpolated, extrapolated on the last segment's slope
+    cost = VerifyCost(curve)            # interpolated, lowered to the physical bounds, tabulated to 64 rows
     cost.forward_ms(rows)
+    cost.observe(rows, ms)              # a forward the engine ran: the curve's scale follows them
     cycles = Cycles()                   # the work between forwards, measured as the engine runs
 
 A verify forward of k+1 rows is measured as one sequence's rows because rows of any sequences cost alike: the CPU
 row kernels take every non-prompt row of a step in groups (webchat/kernels/cpu/csrc/qmatmul.cpp) and attention is per
 row over its own context (bench/bench_verify_cost.py prints both shapes). The measurement is made robust to a shared,
 noisy machine, whose noise only ever slows a forward: passes alternate their order (small to large, then large to
-small), each point keeps the fastest of its passes, and those are made non-decreasing in T (pool-adjacent-violators),
-so a forward slowed by another process moves no decision. The passes stop after BUDGET_S (at least MIN_PASSES), so a
-loaded machine does not stall the start-up. The time between forwards (sampling, delivery, the server's other
-threads) is measured as the engine runs (`Cycles`), as the median of the recent steps.
+small), each point keeps the fastest of its passes, and the curve is lowered to two physical bounds no true cost
+exceeds (more rows never cost less; one forward of a + b rows never costs more than two), so a forward slowed by
+another process moves no decision. The passes stop after BUDGET_S (at least MIN_PASSES), so a loaded machine does not
+stall the start-up. As the engine runs, the curve is scaled by how its forwards compare with it, and the time between
+forwards (sampling, delivery, the server's other threads) is measured (`Cycles`), each the median of recent steps.
 """
 
 from __future__ import annotations
@@ -34,63 +36,76 @@ PASSES = 5
 MIN_PASSES = 2
 BUDGET_S = 3.0  # passes after the second start only within this time
 CONTEXT = 256  # the measured rows' position: a chat's typical context
-CYCLES = 31  # recent steps whose outside-forward time is kept (median)
+CYCLES = 31  # recent steps whose outside-forward time (and forward against the curve) is kept (median)
+TABLE_ROWS = 64  # rows the curve is tabulated for (the CPU step's one call)
 IDLE_GAP_S = 0.25  # a gap between steps longer than this was idle time, not overhead
 
 
-def isotonic(values: Sequence[float]) -> list[float]:
-    """The non-decreasing sequence closest to values in least squares (pool adjacent violators)."""
-    blocks: list[tuple[float, int]] = []  # (mean, count)
-    for v in values:
-        blocks.append((v, 1))
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (a, n), (b, m) = blocks[-2], blocks[-1]
-            blocks[-2:] = [((a * n + b * m) / (n + m), n + m)]
-    return [mean for mean, count in blocks for _ in range(count)]
+def lowered(values: Sequence[float]) -> list[float]:
+    """values (a forward's ms for 1, 2, ... rows: index 0 is 0 rows) lowered to the physical bounds a noisy sample
+    can exceed but the true cost cannot: more rows never cost less (c(T) <= c(T + 1)), and one forward of a + b rows
+    never costs more than two (c(a + b) <= c(a) + c(b)). Only ever lowered: the noise only ever slows."""
+    t = list(values)
+    for rows in range(2, len(t)):
+        t[rows] = min(t[rows], *(t[a] + t[rows - a] for a in range(1, rows // 2 + 1)))
+    for rows in range(len(t) - 2, 0, -1):
+        t[rows] = min(t[rows], t[rows + 1])
+    return t
 
 
 class VerifyCost:
-    """Forward ms by row count, from a measured curve: interpolated between its points, non-decreasing, and
-    extrapolated past the last point on the slope of the last segment (at least the mean slope)."""
+    """Forward ms by row count: the measured points interpolated (and extrapolated on the slope of their last segment,
+    at least their mean slope) up to TABLE_ROWS, lowered to the physical bounds (`lowered`), and scaled by how the
+    forwards the engine runs compare with it (`observe`: the median ratio of the last CYCLES, within [1/4, 4])."""
 
     def __init__(self, curve: dict[int, float]) -> None:
         if not curve or min(curve) < 1:
             raise ValueError(f"a cost curve needs points at rows >= 1, got {sorted(curve)}")
-        self.rows = sorted(curve)
-        self.ms = isotonic([max(0.0, curve[t]) for t in self.rows])
-        self.curve = dict(zip(self.rows, self.ms, strict=True))
-        last, first = self.rows[-1], self.rows[0]
-        mean = (self.ms[-1] - self.ms[0]) / (last - first) if last > first else self.ms[0] / last
-        tail = (self.ms[-1] - self.ms[-2]) / (last - self.rows[-2]) if len(self.rows) > 1 else mean
-        self.slope = max(tail, mean, 0.0)
-        self._table = [self._interpolate(t) for t in range(0, 65)]
+        xs = sorted(curve)
+        ys = [max(0.0, curve[t]) for t in xs]
+        mean = (ys[-1] - ys[0]) / (xs[-1] - xs[0]) if len(xs) > 1 else ys[0] / xs[0]
+        tail = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else mean
+        dense = [interpolate(xs, ys, max(tail, mean, 0.0), rows) for rows in range(TABLE_ROWS + 1)]
+        self._table = lowered(dense)
+        self.curve = {t: self._table[t] for t in xs if t <= TABLE_ROWS}
+        self.slope = (self._table[-1] - self._table[TABLE_ROWS // 2]) / (TABLE_ROWS - TABLE_ROWS // 2)
+        self.scale = 1.0
+        self._ratios: deque[float] = deque(maxlen=CYCLES)
+        self._seen = 0
 
     @classmethod
     def flat(cls, ms: float = 1.0) -> VerifyCost:
         """A forward that costs the same for any row count: every draft with a chance pays (tests)."""
-        return cls({1: ms, 64: ms})
+        return cls({1: ms, TABLE_ROWS: ms})
 
     def forward_ms(self, rows: int) -> float:
-        if rows < len(self._table):
-            return self._table[rows]
-        return self._interpolate(rows)
+        if rows <= TABLE_ROWS:
+            return self._table[max(rows, 0)] * self.scale
+        return (self._table[-1] + self.slope * (rows - TABLE_ROWS)) * self.scale
 
-    def _interpolate(self, rows: int) -> float:
-        xs, ys = self.rows, self.ms
-        if rows <= xs[0]:
-            return ys[0] * max(rows, 0) / xs[0]  # fewer rows than measured: no cheaper than proportionally
-        if rows >= xs[-1]:
-            return ys[-1] + self.slope * (rows - xs[-1])
-        for i in range(1, len(xs)):
-            if rows <= xs[i]:
-                f = (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
-                return ys[i - 1] + f * (ys[i] - ys[i - 1])
-        raise AssertionError("unreachable: rows within the curve")
+    def observe(self, rows: int, ms: float) -> None:
+        """A forward of `rows` decode/verify rows (no prompt rows) took ms."""
+        if not 0 < rows <= TABLE_ROWS or self._table[rows] <= 0:
+            return
+        self._ratios.append(ms / self._table[rows])
+        self._seen += 1
+        if self._seen % 8 == 1:  # the median every 8 forwards (a sort of 31 values)
+            self.scale = min(4.0, max(0.25, statistics.median(self._ratios)))
 
     def wire(self) -> dict[str, object]:
         """The curve as /api/info shows it."""
-        return {"forward_ms": {str(t): round(ms, 3) for t, ms in self.curve.items()},
-                "slope_ms_per_row": round(self.slope, 3)}
+        return {"forward_ms": {str(t): round(ms * self.scale, 3) for t, ms in self.curve.items()},
+                "slope_ms_per_row": round(self.slope * self.scale, 3), "scale": round(self.scale, 3)}
+
+
+def interpolate(xs: Sequence[int], ys: Sequence[float], slope: float, rows: int) -> float:
+    """ys at rows: linear between the points, on `slope` past the last, proportional below the first."""
+    if rows <= xs[0]:
+        return ys[0] * max(rows, 0) / xs[0]
+    if rows >= xs[-1]:
+        return ys[-1] + slope * (rows - xs[-1])
+    i = next(i for i in range(1, len(xs)) if rows <= xs[i])
+    return ys[i - 1] + (rows - xs[i - 1]) / (xs[i] - xs[i - 1]) * (ys[i] - ys[i - 1])
 
 
 class Cycles:
