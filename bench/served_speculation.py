@@ -22,18 +22,21 @@ import argparse
 import http.client
 import json
 import os
+import signal
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench_served import Server, free_port, stop_token_ids
 from served_prompts import SETS
 
 C1_RUNS = 3
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,28 +121,32 @@ def decisions(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]
     return {k: total(after, k) - total(before, k) for k in ("offers", "granted", "drafted", "accepted", "probes")}
 
 
-def section(server: Server, chats: list[list[dict[str, str]]], body: dict[str, Any]) -> Section:
-    """The chats as concurrent streams: all tokens / time from the first request to the last token."""
-    results: list[Reply | BaseException] = [RuntimeError("not run")] * len(chats)
+def parallel(calls: list[Callable[[], T]]) -> list[T]:
+    """Each call on a thread of its own, all at once; their results in order (the first failure raised)."""
+    results: list[T | BaseException] = [RuntimeError("not run")] * len(calls)
 
     def one(i: int) -> None:
         try:
-            results[i] = ask(server, chats[i], body)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - raised below
             results[i] = exc
 
-    before = info(server)
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(chats))]
-    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    replies = []
     for r in results:
         if isinstance(r, BaseException):
-            raise RuntimeError(f"{server.name}: {r}") from r
-        replies.append(r)
+            raise RuntimeError(str(r)) from r
+    return results  # type: ignore[return-value]
+
+
+def section(server: Server, chats: list[list[dict[str, str]]], body: dict[str, Any]) -> Section:
+    """The chats as concurrent streams: all tokens / time from the first request to the last token."""
+    before = info(server)
+    t0 = time.perf_counter()
+    replies = parallel([lambda c=c: ask(server, c, body) for c in chats])
     wall = max(r.end for r in replies) - t0
     return Section(sum(r.tokens for r in replies), wall, [r.text for r in replies], decisions(before, info(server)))
 
@@ -169,23 +176,10 @@ def run_mode(server: Server, sets: list[str], clients: list[int], args: argparse
         if args.spec_seeded:
             seeded = [dict(body, temperature=0.8, seed=1000 + i) for i in range(args.spec_seeded)]
             alone = [section(server, [chat(i)], seeded[i]).texts[0] for i in range(args.spec_seeded)]
-            together = seeded_together(server, [chat(i) for i in range(args.spec_seeded)], seeded)
+            pairs = [(chat(i), seeded[i]) for i in range(args.spec_seeded)]
+            together = [r.text for r in parallel([lambda p=p: ask(server, *p) for p in pairs])]
             out[f"{name} seeded"] = Section(0, 1.0, alone + together)
     return out
-
-
-def seeded_together(server: Server, chats: list[list[dict[str, str]]], bodies: list[dict[str, Any]]) -> list[str]:
-    texts = [""] * len(chats)
-
-    def one(i: int) -> None:
-        texts[i] = ask(server, chats[i], bodies[i]).text
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(chats))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return texts
 
 
 def main(args: argparse.Namespace, gguf: Path) -> None:
@@ -196,6 +190,7 @@ def main(args: argparse.Namespace, gguf: Path) -> None:
         raise SystemExit(f"--spec-modes must start with none (got {modes}); --spec-sets from {list(SETS)} (got {sets})")
     stops = stop_token_ids(gguf)
     src = args.src.resolve()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the server it started too (`finally`)
     print(f"{gguf.name}: speculative modes {', '.join(modes)} served, {args.spec_rounds} rounds (best kept), the "
           f"modes alternating, one server at a time; sets {', '.join(sets)}; clients {clients}", flush=True)
     best: dict[str, dict[str, Section]] = {m: {} for m in modes}
