@@ -132,6 +132,13 @@ def test_one_slow_forward_moves_no_point_of_the_curve(spike: int) -> None:
     assert len(pool.free) == pool.usable_pages  # the measurement's pages went back
 
 
+def test_calibration_stays_within_the_context(tiny_model_dir: Path) -> None:
+    model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+    engine = Engine(model, tok, max_seq_len=20)  # the rope table and the pool hold 20 positions
+    assert engine.calibrate() and engine.auto.cost is not None
+    assert max(engine.auto.cost.curve) <= 16 and len(engine.pool.free) == engine.pool.usable_pages
+
+
 def test_a_pool_without_room_is_not_measured() -> None:
     pool = tiny_pool(pages=2)  # one usable page of 16 slots
     assert list(measure(SlowModel(0), pool, grid=(1, 8, 24), passes=1, context=256)) == [1, 8]
@@ -180,6 +187,18 @@ def test_the_most_likely_tokens_win_across_sequences() -> None:
     spec = planner(slope=1.0)
     grants = spec.plan([offer([0.9, 0.1]), offer([0.99, 0.98, 0.97]), None], 3, 3, 61)
     assert grants == [1, 3, 0]
+
+
+def test_estimates_that_run_high_are_pulled_down() -> None:
+    spec = AutoSpec()
+    assert spec.realistic("shared", [0.9, 0.81]) == [0.9, 0.81]  # no checks yet: taken as they are
+    for i in range(60):
+        spec.checked("shared", 0.9, int(i % 10 < 3))  # 90% expected, 30% came
+    q = spec.realistic("shared", [0.9, 0.81, 0.06])
+    assert q[0] == pytest.approx(0.3, rel=0.15) and len(q) == 2  # about a third of the estimate; the last cut
+    for _ in range(200):
+        spec.checked("context", 0.5, 1)  # better than expected: raised, within the range, never past 0.99
+    assert spec.realistic("context", [0.5, 0.9]) == [pytest.approx(0.625), 0.99]
 
 
 # ---------------------------------------------------------------- one sequence's drafting

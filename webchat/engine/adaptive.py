@@ -4,9 +4,11 @@ Each step every decoding `auto` sequence makes an offer: its best draft from a s
 output, over the recent outputs of the engine's other sequences (webchat.engine.suffix), or from the draft model
 (`--draft`). Draft token i carries q_i, the estimated chance that it and every token before it are accepted:
 
-    q_i = r^i * share_i        r: the sequence's recent acceptance for that source and match length, shrunk towards
+    q_i = k * r^i * share_i    r: the sequence's recent acceptance for that source and match length, shrunk towards
                                the engine-wide rate while the sequence has little history; share_i: the share of the
-                               matched occurrences that agree up to token i (suffix sources; 1 for the draft model)
+                               matched occurrences that agree up to token i (suffix sources; 1 for the draft model);
+                               k: the source's realism, tokens accepted over tokens expected on the proposals checked
+                               lately, engine-wide (within [1/4, 5/4]), so estimates that run high are pulled down
 
 The planner grants the step's draft tokens greedily by q and keeps the prefix of grants with the most expected
 tokens per ms of the step: (rows without drafts + sum q) / (forward(rows + granted) + time between forwards + a draft
@@ -30,7 +32,7 @@ from webchat.engine.verify_cost import Cycles, VerifyCost
 
 SOURCES = ("context", "shared", "model")  # own prompt and output; other sequences' outputs; the draft model
 BUCKETS = (4, 8, 16)  # match lengths 2-3, 4-7, 8-15, 16+: a longer match continues more often
-PRIORS = {"context": (0.3, 0.5, 0.7, 0.85), "shared": (0.2, 0.4, 0.6, 0.8), "model": (0.5,)}  # engine-wide start
+PRIORS = {"context": (0.25, 0.4, 0.6, 0.8), "shared": (0.15, 0.3, 0.5, 0.7), "model": (0.4,)}  # engine-wide start
 ENGINE_PRIOR_WEIGHT = 8.0  # events the start values count as
 ENGINE_DECAY = 0.995  # engine-wide rate: weight of the past per event
 SEQ_PRIOR_WEIGHT = 2.0  # a sequence's rate is shrunk towards the engine-wide one by this many events
@@ -38,6 +40,9 @@ SEQ_DECAY = 0.85  # a sequence's rate: weight of the past per event (about the l
 MAX_AUTO_DRAFT = 16  # draft tokens a sequence may be granted in one step
 MAX_STEP_ROWS = 64  # rows the planner fills a step up to (the CPU step's one-call limit, kernels/cpu/step.py)
 MIN_Q = 0.05  # draft tokens less likely than this are not offered
+REALISM_DECAY = 0.98  # the engine-wide realism of a source's estimates: weight of the past per checked proposal
+REALISM_WEIGHT = 2.0  # accepted tokens the start value (1: estimates taken as they are) counts as
+REALISM_RANGE = (0.25, 1.25)
 MARGIN = 0.03  # drafts must promise this many more tokens per ms than the step without them
 SHARED_TOKENS = 1 << 16  # output tokens the engine-wide index keeps (the oldest outputs dropped first)
 PROBE_MIN, PROBE_MAX = 8, 128
@@ -79,6 +84,7 @@ class Proposal:
     bucket: int
     q: list[float]
     tokens: list[int] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)  # q before the source's realism, for every token
     at: int = 0  # the context's length when proposed
     granted: int = 0
     extra_ms: float = 0.0  # per granted token, beyond its verify row
@@ -113,6 +119,7 @@ class AutoSpec:
         self.cycles = Cycles()
         self.shared = SuffixIndex(shared_tokens)
         self.rates: dict[tuple[str, int], Rate] = {}
+        self.realism: dict[str, tuple[float, float]] = {}  # source -> decayed (tokens expected, tokens accepted)
         self.sampled_row_ms = 0.0  # sampling one verify row of a sampled sequence (rows verified one by one)
         self.draft_token_ms = 0.0  # one draft model forward
         self.counts = Counts()
@@ -124,6 +131,22 @@ class AutoSpec:
 
     def observe(self, source: str, b: int, hits: int, misses: int) -> None:
         self.rates.setdefault((source, b), Rate()).add(hits, misses, ENGINE_DECAY)
+
+    def realistic(self, source: str, raw: list[float]) -> list[float]:
+        """raw estimates scaled by the source's realism, capped at 0.99, cut where they fall under MIN_Q."""
+        expected, accepted = self.realism.get(source, (0.0, 0.0))
+        k = min(REALISM_RANGE[1], max(REALISM_RANGE[0], (accepted + REALISM_WEIGHT) / (expected + REALISM_WEIGHT)))
+        q = []
+        for x in raw:
+            if x * k < MIN_Q:
+                break
+            q.append(min(0.99, x * k))
+        return q
+
+    def checked(self, source: str, expected: float, accepted: int) -> None:
+        """A proposal checked: `expected` tokens of it were expected to come (its raw estimates), `accepted` came."""
+        e, a = self.realism.get(source, (0.0, 0.0))
+        self.realism[source] = (e * REALISM_DECAY + expected, a * REALISM_DECAY + accepted)
 
     def timed(self, began: float, ended: float, rows: int) -> None:
         """A forward ran from began to ended (perf_counter seconds); rows: its decode/verify rows, 0 when it had prompt
@@ -175,7 +198,9 @@ class AutoSpec:
                 "steps": c.steps, "offers": c.offers, "proposed": c.proposed, "granted": c.granted,
                 "probes": c.probes, "drafted": dict(c.drafted), "accepted": dict(c.accepted),
                 "shadow_checked": dict(c.checked), "shadow_matched": dict(c.matched),
-                "rates": {f"{s}/{b}": round(self.rate(s, b), 3) for s, b in sorted(self.rates)}}
+                "rates": {f"{s}/{b}": round(self.rate(s, b), 3) for s, b in sorted(self.rates)},
+                "realism": {s: round((a + REALISM_WEIGHT) / (e + REALISM_WEIGHT), 3)
+                            for s, (e, a) in sorted(self.realism.items())}}
 
 
 class SeqDrafter:
@@ -218,25 +243,21 @@ class SeqDrafter:
 
     def _suffix(self, source: str, match: int, tokens: list[int], shares: list[float], at: int) -> Proposal:
         b = bucket(match)
-        r, q, acc = self.rate(source, b), list[float](), 1.0
-        for share in shares:
-            acc *= r
-            if acc * share < MIN_Q:
-                break
-            q.append(acc * share)
-        return Proposal(source, b, q, tokens, at)
+        r = self.rate(source, b)
+        raw = [r ** (i + 1) * share for i, share in enumerate(shares)]
+        return Proposal(source, b, self.spec.realistic(source, raw), tokens, raw, at)
 
     def _model_offer(self, room: int, at: int) -> Proposal | None:
         if self.model is None:
             return None
         self.since_probe += 1
-        r, q = self.rate("model", 0), list[float]()
-        while len(q) < room and r ** (len(q) + 1) >= MIN_Q:
-            q.append(r ** (len(q) + 1))
+        r = self.rate("model", 0)
+        raw = [r ** (i + 1) for i in range(room)]
+        q = self.spec.realistic("model", raw)
         probe = self.since_probe >= self.probe_every
         if not q and not probe:
             return None
-        return Proposal("model", 0, q or [MIN_Q], at=at, extra_ms=self.spec.draft_token_ms, probe=probe)
+        return Proposal("model", 0, q or [MIN_Q], raw=raw, at=at, extra_ms=self.spec.draft_token_ms, probe=probe)
 
     def realise(self, p: Proposal, n: int, context: list[int]) -> list[int]:
         """The first n tokens of a granted proposal (a draft model drafts them now)."""
@@ -286,6 +307,8 @@ class SeqDrafter:
             misses = int(hits < min(len(p.tokens), len(came)))
             self.rates.setdefault((p.source, p.bucket), Rate()).add(hits, misses, SEQ_DECAY)
             self.spec.observe(p.source, p.bucket, hits, misses)
+            told = min(len(p.tokens), len(came), len(p.raw), max(p.granted, 1))  # the tokens this check speaks for
+            self.spec.checked(p.source, sum(p.raw[:told]), min(hits, told))
             counts = self.spec.counts
             if p.granted:
                 counts.accepted[p.source] += min(hits, p.granted)

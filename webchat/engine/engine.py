@@ -412,14 +412,16 @@ class Engine:
         again 64 steps later."""
         if self.steps < self._calibrate_at:
             return False
-        cost = verify_cost.calibrate(self.model, self.pool)
+        cost = verify_cost.calibrate(self.model, self.pool, self.capacity)
         if cost is None:
             self._calibrate_at = self.steps + 64
             return False
         self.auto.sampled_row_ms = verify_cost.sampling_ms(self.model.args.vocab_size)
         if self.draft_model is not None:
+            self.draft_model.ensure_rope(verify_cost.CONTEXT)
             self.auto.draft_token_ms = verify_cost.draft_ms(self.draft_model,
-                                                            self.draft_model.new_pool(verify_cost.CONTEXT))
+                                                            self.draft_model.new_pool(verify_cost.CONTEXT),
+                                                            verify_cost.CONTEXT)
         self.auto.cost = cost
         return True
 

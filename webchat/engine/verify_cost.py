@@ -131,11 +131,14 @@ class Cycles:
 
 
 def measure(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, grid: Sequence[int] = GRID,
-            passes: int = PASSES, context: int = CONTEXT) -> dict[int, float]:
+            passes: int = PASSES, context: int = CONTEXT, positions: int | None = None) -> dict[int, float]:
     """{rows: ms} of verify forwards (every row's logits) of one sequence at `context`, on free pages of `pool`
-    taken for the measurement and given back (zeroed first: attention reads finite values); a pool with fewer free
-    slots measures at a shorter context, and only the rows that fit. Raises PoolExhausted when not one row fits."""
+    taken for the measurement and given back (zeroed first: attention reads finite values); with fewer free slots
+    (or fewer `positions`, the model's context) it measures at a shorter context, and only the rows that fit.
+    Raises PoolExhausted when not one row fits."""
     free = len(pool.free) * pool.page_size  # free pages only: no idle session is evicted to measure
+    if positions is not None:
+        free = min(free, positions)
     grid = [t for t in grid if t <= free]
     if not grid:
         raise PoolExhausted(f"no free KV slot to measure verify rows in ({len(pool.free)} free pages)")
@@ -175,10 +178,11 @@ def measure(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, grid: 
         table.release()
 
 
-def calibrate(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool) -> VerifyCost | None:
-    """A VerifyCost measured now, or None when the pool has no free slot to measure in (try again later)."""
+def calibrate(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, positions: int) -> VerifyCost | None:
+    """A VerifyCost measured now within the first `positions` positions, or None when the pool has no free slot to
+    measure in (try again later)."""
     try:
-        return VerifyCost(measure(model, pool))
+        return VerifyCost(measure(model, pool, positions=positions))
     except PoolExhausted:
         return None
 
@@ -196,6 +200,6 @@ def sampling_ms(vocab: int, repeats: int = 5) -> float:
     return min(times[1:])
 
 
-def draft_ms(draft: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool) -> float:
+def draft_ms(draft: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, positions: int) -> float:
     """One draft-model token: a one-row forward at a short context, on a pool of the draft model's own."""
-    return measure(draft, pool, grid=(1,), context=64)[1]
+    return measure(draft, pool, grid=(1,), context=64, positions=positions)[1]
