@@ -18,6 +18,7 @@ Peak RSS of each server process over its round is printed too.
     .venv/bin/python bench/bench_served.py --gguf ~/.cache/webchat/tinyllama-shape-q4_1.gguf
     .venv/bin/python bench/bench_served.py --only webchat --clients 1 --rounds 6 --bare   # served against bare
     .venv/bin/python bench/bench_served.py --paired 15 --rounds 2                           # the same, paired
+    .venv/bin/python bench/bench_served.py --speculation    # each speculative mode against none (served_speculation)
 
 `--bare` also runs bench/bench_cpu.py's webchat child (the bare forward on the main thread, no server) after the
 servers in every round, and prints each round's single-client served aggregate against that bare decode, and the
@@ -391,8 +392,14 @@ def main() -> None:
     parser.add_argument("--paired", type=int, default=0, metavar="N",
                         help="served against bare only: per round, one server and one bare child alive side by side "
                              "(never both busy), N single-client streams each followed by a bare decode (N <= 15)")
+    import served_speculation  # bench/: the --speculation comparison, its own options and functions
+
+    served_speculation.add_arguments(parser)
     args = parser.parse_args()
     gguf = (args.gguf or default_gguf()).resolve()
+    if args.speculation:
+        served_speculation.main(args, gguf)
+        return
     clients = [int(c) for c in args.clients.split(",")]
     if args.paired:
         if args.gguf is not None or not 0 < args.paired <= 15:

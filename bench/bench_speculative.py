@@ -1,4 +1,4 @@
-"""Decode tokens/s without speculation, with self-draft and with n-gram lookup, on two tasks, side by side.
+"""Decode tokens/s without speculation, with self-draft, n-gram lookup and auto, on two tasks, side by side.
 
     .venv/bin/python bench/bench_speculative.py [--model DIR] [--max-new-tokens 128] [--self-layers 7 20]
 
@@ -68,7 +68,7 @@ def main() -> None:
     model, tok = load_model(path), Tokenizer.from_dir(path)
     print(f"model {path.name}: {model.args.n_layers} layers; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; greedy, max {args.max_new_tokens} new tokens")
-    modes = [("none", None), *[(f"self L={n}", n) for n in args.self_layers], ("ngram", None)]
+    modes = [("none", None), *[(f"self L={n}", n) for n in args.self_layers], ("ngram", None), ("auto", None)]
     rows: list[Row] = []
     for task, text in TASKS.items():
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
@@ -76,7 +76,7 @@ def main() -> None:
         for label, layers in modes:
             gen = Generator(model, tok, max_seq_len=len(ids) + args.max_new_tokens + 8, self_draft_layers=layers)
             mode = label.split()[0]
-            run_once(gen, ids[:16], mode, 4)  # warm-up
+            run_once(gen, ids[:16], mode, 4)  # warm-up (auto: its cost curve measured here)
             out, stats, tps = run_once(gen, ids, mode, args.max_new_tokens)
             reference = out if reference is None else reference
             rows.append(Row(task, label, len(out), tps, stats.ttft_ms, stats.drafted, stats.accepted,

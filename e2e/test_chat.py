@@ -196,5 +196,5 @@ def test_speculative_reply_shows_its_acceptance_rate(chat: ChatPage) -> None:
     assert stats["drafted"] > 0, f"expected ngram drafting to propose tokens, got {stats}"
     rate = round(100 * stats["accepted"] / stats["drafted"])
     expect(chat.last_reply().get_by_test_id("reply-status")).to_contain_text(
-        f"accepted {rate}% of {stats['drafted']} drafted"
+        f"drafted {stats['drafted']}, accepted {stats['accepted']} ({rate}%)"
     )

@@ -70,7 +70,8 @@ export function confidence(tokens) {
 }
 
 /**
- * Human summary of a reply's stats: time to first token, tokens/s, token count, acceptance rate with speculation.
+ * Human summary of a reply's stats: time to first token, tokens/s, token count, and with speculation the tokens
+ * drafted and how many of them the model accepted.
  * @param {Stats} s
  * @returns {string}
  */
@@ -79,7 +80,10 @@ export function statsLine(s) {
   if (s.ttft_ms !== undefined) parts.push(`first token ${Math.round(s.ttft_ms)} ms`);
   if (s.decode_tps !== undefined) parts.push(`${s.decode_tps.toFixed(1)} tok/s`);
   if (s.new_tokens !== undefined) parts.push(`${s.new_tokens} tokens`);
-  if (s.drafted) parts.push(`accepted ${Math.round((100 * (s.accepted ?? 0)) / s.drafted)}% of ${s.drafted} drafted`);
+  if (s.drafted) {
+    const accepted = s.accepted ?? 0;
+    parts.push(`drafted ${s.drafted}, accepted ${accepted} (${Math.round((100 * accepted) / s.drafted)}%)`);
+  }
   return parts.join(" · ");
 }
 

@@ -37,7 +37,7 @@ export const FIELDS = [
   { key: "alternatives", label: "Alternatives per token", kind: "int", def: "5", min: 1, max: 20,
     hint: "Top tokens shown in the heatmap popover." },
   { key: "speculative", label: "Speculative decoding", kind: "select", def: "",
-    hint: "Modes the server offers; its default is its --speculative." },
+    hint: "Modes the server offers; its default is its --speculative (auto: drafts only where they pay)." },
   { key: "seed", label: "Seed", kind: "seed", def: "", min: 0, max: 4294967295, hint: "Empty = random." },
 ];
 

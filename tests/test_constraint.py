@@ -15,6 +15,7 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
+from webchat.engine.verify_cost import VerifyCost
 from webchat.model.loader import load_model
 from webchat.text.tokenizer import Tokenizer
 
@@ -161,12 +162,13 @@ def test_speculation_and_batching_keep_a_constrained_output(tiny_model_dir: Path
 
     alone = run(Generator(model, tok), req("none"))[0]
     engine = Engine(model, tok, draft_model=draft)
-    for mode in ("ngram", "self", "draft"):
+    engine.auto.cost = VerifyCost.flat()  # auto grants every draft it is offered: every step verifies
+    for mode in ("ngram", "self", "draft", "auto"):
         assert run(Generator(model, tok, engine=engine), req(mode))[0] == alone, mode
     # among other streams, one of them constrained too
     gens = [Generator(model, tok, engine=engine) for _ in range(3)]
-    reqs = [req("ngram"), GenerationRequest(prompt_ids=tok.encode("Other text"), settings=GREEDY, max_new_tokens=30),
-            req("none")]
+    reqs = [req("ngram"), GenerationRequest(prompt_ids=tok.encode("Other text"), settings=GREEDY, max_new_tokens=30,
+                                            speculative="auto"), req("auto")]
     for g, r in zip(gens, reqs, strict=True):
         g.begin_stream(r)
     outs: list[list[int]] = [[], [], []]

@@ -17,6 +17,7 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
+from webchat.engine.verify_cost import VerifyCost
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import KVPool, SeqCache
 from webchat.model.loader import load_model
@@ -25,7 +26,7 @@ from webchat.serve.worker import Worker
 from webchat.text.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)
-MODES = ["none", "ngram", "self", "draft"]
+MODES = ["none", "ngram", "self", "draft", "auto"]
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +74,23 @@ def run_alone(gen: Generator, req: GenerationRequest) -> list[int]:
     return run_together([gen], [req])[0]
 
 
-def test_greedy_alone_equals_greedy_among_sixteen_mixed_sequences(tiny: tuple[Any, Tokenizer], draft: Any) -> None:
+def with_costs(engine: Engine, costs: str) -> Engine:
+    """costs "flat": the auto mode grants every draft it is offered (every step verifies); "measured": it plans by
+    what verify rows cost on this machine, as served."""
+    if costs == "flat":
+        engine.auto.cost = VerifyCost.flat()
+    return engine
+
+
+@pytest.mark.parametrize("costs", ["measured", "flat"])
+def test_greedy_alone_equals_greedy_among_sixteen_mixed_sequences(tiny: tuple[Any, Tokenizer], draft: Any,
+                                                                  costs: str) -> None:
     model, tok = tiny
     ps = prompts(16, model.args.vocab_size)
     reqs = [GenerationRequest(prompt_ids=p, settings=GREEDY, max_new_tokens=24 + 3 * (i % 5), stop_token_ids=[],
-                              speculative=MODES[i % 4]) for i, p in enumerate(ps)]  # fmt: skip
-    engine = Engine(model, tok, max_seq_len=512, pool_tokens=16 * 512, draft_model=draft, self_draft_layers=1)
+                              speculative=MODES[i % 5]) for i, p in enumerate(ps)]  # fmt: skip
+    engine = with_costs(Engine(model, tok, max_seq_len=512, pool_tokens=16 * 512, draft_model=draft,
+                               self_draft_layers=1), costs)
     together = run_together([Generator(model, tok, engine=engine) for _ in reqs], reqs)
     assert engine.steps < sum(len(t) for t in together)  # many sequences advanced per forward
     for i, req in enumerate(reqs):
@@ -88,16 +100,20 @@ def test_greedy_alone_equals_greedy_among_sixteen_mixed_sequences(tiny: tuple[An
         assert together[i] == alone, f"sequence {i} ({req.speculative}, {len(req.prompt_ids)} prompt tokens)"
 
 
-def test_seeded_sampling_alone_equals_batched(tiny: tuple[Any, Tokenizer], draft: Any) -> None:
+@pytest.mark.parametrize("costs", ["measured", "flat"])
+def test_seeded_sampling_alone_equals_batched(tiny: tuple[Any, Tokenizer], draft: Any, costs: str) -> None:
     model, tok = tiny
-    ps = prompts(8, model.args.vocab_size, seed=1)
+    ps = prompts(10, model.args.vocab_size, seed=1)
     reqs = [GenerationRequest(prompt_ids=p, settings=SamplingSettings(temperature=0.9, seed=100 + i),
-                              max_new_tokens=20, stop_token_ids=[], speculative=MODES[i % 4], return_probs=True)
+                              max_new_tokens=20, stop_token_ids=[], speculative=MODES[i % 5], return_probs=True)
             for i, p in enumerate(ps)]  # fmt: skip
-    engine = Engine(model, tok, max_seq_len=512, pool_tokens=8 * 512, draft_model=draft, self_draft_layers=1)
+    engine = with_costs(Engine(model, tok, max_seq_len=512, pool_tokens=10 * 512, draft_model=draft,
+                               self_draft_layers=1), costs)
     together = run_together([Generator(model, tok, engine=engine) for _ in reqs], reqs)
     for i, req in enumerate(reqs):
-        alone = run_alone(Generator(model, tok, max_seq_len=512, draft_model=draft, self_draft_layers=1), req)
+        plain = GenerationRequest(prompt_ids=req.prompt_ids, settings=req.settings, max_new_tokens=20,
+                                  stop_token_ids=[], return_probs=True)
+        alone = run_alone(Generator(model, tok, max_seq_len=512), plain)
         assert together[i] == alone, f"seeded sequence {i} ({req.speculative})"
 
 
@@ -275,9 +291,9 @@ def test_real_model_greedy_alone_equals_batched_for_every_fidelity_prompt(real_m
     model, tok = load_model(real_model_dir), Tokenizer.from_dir(real_model_dir)
     ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in FIDELITY_PROMPTS]
     fillers = [p[:120] for p in prompts(11, model.args.vocab_size, seed=6)]  # 16 in all, mixed lengths and modes
-    modes = ["none", "ngram", "self"]
+    modes = ["none", "ngram", "self", "auto"]
     reqs = [GenerationRequest(prompt_ids=p, settings=GREEDY, max_new_tokens=16, stop_token_ids=[],
-                              speculative=modes[i % 3]) for i, p in enumerate(ids + fillers)]  # fmt: skip
+                              speculative=modes[i % 4]) for i, p in enumerate(ids + fillers)]  # fmt: skip
     engine = Engine(model, tok, max_seq_len=1024, pool_tokens=16 * 512, self_draft_layers=8)
     together = run_together([Generator(model, tok, engine=engine) for _ in reqs], reqs)
     for i, p in enumerate(ids):

@@ -18,6 +18,7 @@ from webchat.chat_cli import loop as chat_loop
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
+from webchat.engine.verify_cost import VerifyCost
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool
 from webchat.model.loader import load_model
@@ -38,6 +39,19 @@ def tiny(tiny_model_dir: Path) -> tuple[Any, Tokenizer]:
 def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Another random tiny model with the same tokenizer: a draft model that is often wrong."""
     return load_model(make_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1))
+
+
+@pytest.fixture(params=["none", "auto"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """The speculative mode a test runs in: "auto" grants every draft it is offered (every step verifies)."""
+    return str(request.param)
+
+
+def gen_in(mode: str, model: Any, tok: Tokenizer, **kw: Any) -> Generator:
+    gen = Generator(model, tok, **kw)
+    if mode == "auto":
+        gen.engine.auto.cost = VerifyCost.flat()
+    return gen
 
 
 def chat_ids(tok: Tokenizer, messages: list[dict[str, str]] = PROMPT) -> list[int]:
@@ -61,10 +75,10 @@ def ids_of(results: list[StreamResult]) -> list[int]:
 
 
 # ---------------------------------------------------------------- text, pieces, stops
-def test_text_pieces_and_ids_agree(tiny: tuple[Any, Tokenizer]) -> None:
+def test_text_pieces_and_ids_agree(tiny: tuple[Any, Tokenizer], mode: str) -> None:
     model, tok = tiny
-    res = run(Generator(model, tok), prompt_ids=chat_ids(tok), settings=SamplingSettings(seed=3),
-              max_new_tokens=80, stop_token_ids=[], return_probs=True)
+    res = run(gen_in(mode, model, tok), prompt_ids=chat_ids(tok), settings=SamplingSettings(seed=3),
+              max_new_tokens=80, stop_token_ids=[], return_probs=True, speculative=mode)
     assert res[-1].eos_reason == "max_new_tokens"
     for r in res:
         assert "".join(t.piece for t in r.tokens) == r.text
@@ -73,17 +87,20 @@ def test_text_pieces_and_ids_agree(tiny: tuple[Any, Tokenizer]) -> None:
     assert len(ids) == 80
     assert text_of(res) == decode_all(tok.token_bytes, ids)
     assert res[-1].stats is not None and res[-1].stats.new_tokens == 80
+    plain = run(Generator(model, tok), prompt_ids=chat_ids(tok), settings=SamplingSettings(seed=3),
+                max_new_tokens=80, stop_token_ids=[], return_probs=True)
+    assert ids == ids_of(plain)
 
 
-def test_stop_string_cut_from_the_text(tiny: tuple[Any, Tokenizer]) -> None:
+def test_stop_string_cut_from_the_text(tiny: tuple[Any, Tokenizer], mode: str) -> None:
     model, tok = tiny
     full = text_of(run(Generator(model, tok), prompt_ids=chat_ids(tok), settings=GREEDY, max_new_tokens=60,
                        stop_token_ids=[]))
     assert len(full) > 20
     stop = full[12:16]
     expected = full[: full.find(stop)]
-    res = run(Generator(model, tok), prompt_ids=chat_ids(tok), settings=GREEDY, max_new_tokens=60,
-              stop_token_ids=[], stop_strings=[stop])
+    res = run(gen_in(mode, model, tok), prompt_ids=chat_ids(tok), settings=GREEDY, max_new_tokens=60,
+              stop_token_ids=[], stop_strings=[stop], speculative=mode)
     assert text_of(res) == expected
     assert res[-1].eos_reason == "stop_string" and res[-1].eos_trigger == stop
     shown = ""
@@ -155,14 +172,14 @@ def test_stop_string_inside_one_token_and_across_byte_tokens(tiny: tuple[Any, To
     assert text_of(res) == "Paris is the capital" and res[-1].eos_reason == "stop_string"
 
 
-def test_stop_token_ends_without_its_text(tiny: tuple[Any, Tokenizer]) -> None:
+def test_stop_token_ends_without_its_text(tiny: tuple[Any, Tokenizer], mode: str) -> None:
     model, tok = tiny
     free = ids_of(run(Generator(model, tok), prompt_ids=chat_ids(tok), settings=GREEDY, max_new_tokens=30,
                       stop_token_ids=[]))
     stop_id = free[6]
     first = free.index(stop_id)
-    res = run(Generator(model, tok), prompt_ids=chat_ids(tok), settings=GREEDY, max_new_tokens=30,
-              stop_token_ids=[stop_id])
+    res = run(gen_in(mode, model, tok), prompt_ids=chat_ids(tok), settings=GREEDY, max_new_tokens=30,
+              stop_token_ids=[stop_id], speculative=mode)
     assert ids_of(res) == free[:first]
     assert res[-1].eos_reason == "stop_token" and res[-1].eos_trigger == stop_id
     assert res[-1].stats is not None and res[-1].stats.new_tokens == first + 1
@@ -171,11 +188,11 @@ def test_stop_token_ends_without_its_text(tiny: tuple[Any, Tokenizer]) -> None:
     assert text_of(eos_first) == "" and eos_first[-1].eos_trigger == tok.stop_token_ids[0]
 
 
-def test_context_full(tiny: tuple[Any, Tokenizer]) -> None:
+def test_context_full(tiny: tuple[Any, Tokenizer], mode: str) -> None:
     model, tok = tiny
     prompt = chat_ids(tok)
-    gen = Generator(model, tok, max_seq_len=len(prompt) + 7)
-    res = run(gen, prompt_ids=prompt, settings=GREEDY, max_new_tokens=100, stop_token_ids=[])
+    gen = gen_in(mode, model, tok, max_seq_len=len(prompt) + 7)
+    res = run(gen, prompt_ids=prompt, settings=GREEDY, max_new_tokens=100, stop_token_ids=[], speculative=mode)
     assert res[-1].eos_reason == "context_full"
     assert len(ids_of(res)) == 7
     with pytest.raises(ValueError, match=f"prompt is {len(prompt)} tokens; the cache holds at most 10"):
@@ -200,11 +217,12 @@ def test_bad_requests_rejected(tiny: tuple[Any, Tokenizer], kw: dict[str, Any], 
 
 
 # ---------------------------------------------------------------- probabilities
-def test_probabilities_are_the_models(tiny: tuple[Any, Tokenizer]) -> None:
+def test_probabilities_are_the_models(tiny: tuple[Any, Tokenizer], mode: str) -> None:
     model, tok = tiny
     prompt = chat_ids(tok)
-    res = run(Generator(model, tok), prompt_ids=prompt, settings=SamplingSettings(seed=5, top_k=10),
-              max_new_tokens=12, stop_token_ids=[], return_probs=True, top_alts=4, return_logits=True)
+    res = run(gen_in(mode, model, tok), prompt_ids=prompt, settings=SamplingSettings(seed=5, top_k=10),
+              max_new_tokens=12, stop_token_ids=[], return_probs=True, top_alts=4, return_logits=True,
+              speculative=mode)
     tokens = [t for r in res for t in r.tokens]
     seq = prompt + [t.id for t in tokens]
     logits = model.new_cache().feed(model, seq[:-1], all_logits=True)[len(prompt) - 1 :]  # (12, vocab) reference
@@ -226,13 +244,13 @@ def test_probabilities_off_by_default(tiny: tuple[Any, Tokenizer]) -> None:
 
 
 # ---------------------------------------------------------------- seeds, cache reuse, cancel
-def test_same_seed_same_text(tiny: tuple[Any, Tokenizer]) -> None:
+def test_same_seed_same_text(tiny: tuple[Any, Tokenizer], mode: str) -> None:
     model, tok = tiny
     settings = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
     a = ids_of(run(Generator(model, tok), prompt_ids=chat_ids(tok), settings=settings, max_new_tokens=40,
                    stop_token_ids=[]))
-    b = ids_of(run(Generator(model, tok), prompt_ids=chat_ids(tok), settings=settings, max_new_tokens=40,
-                   stop_token_ids=[]))
+    b = ids_of(run(gen_in(mode, model, tok), prompt_ids=chat_ids(tok), settings=settings, max_new_tokens=40,
+                   stop_token_ids=[], speculative=mode))
     c = ids_of(run(Generator(model, tok), prompt_ids=chat_ids(tok),
                    settings=SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=12),
                    max_new_tokens=40, stop_token_ids=[]))

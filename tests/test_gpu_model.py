@@ -18,6 +18,7 @@ from test_kernels import ScalarReads
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
+from webchat.engine.verify_cost import VerifyCost
 from webchat.kernels.cuda.graphs import (
     GraphRunner,
     GraphShape,
@@ -226,12 +227,19 @@ def test_padded_graph_step_matches_the_batch_and_reads_no_scalar(tiny_model_dir:
         torch.testing.assert_close(t[1:], w[1:], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["self", "ngram"])
+def drafting(gen: Generator) -> Generator:
+    """The auto mode granting every draft it is offered, whatever the measured costs: every step verifies."""
+    gen.engine.auto.cost = VerifyCost.flat()
+    return gen
+
+
+@pytest.mark.parametrize("mode", ["self", "ngram", "auto"])
 def test_speculative_verify_through_the_emulated_kernels_keeps_greedy_output(tiny_model_dir: Path, mode: str) -> None:
     model = emulated_model(tiny_model_dir)
     tok = Tokenizer.from_dir(tiny_model_dir)
-    spec = run_ids(Generator(model, tok), prompt_ids=GOLDEN_PROMPT, settings=SamplingSettings(temperature=0.0),
-                   max_new_tokens=32, stop_token_ids=[], speculative=mode)  # fmt: skip
+    spec = run_ids(drafting(Generator(model, tok)), prompt_ids=GOLDEN_PROMPT,
+                   settings=SamplingSettings(temperature=0.0), max_new_tokens=32, stop_token_ids=[],
+                   speculative=mode)  # fmt: skip
     assert spec == GOLDEN_GREEDY
 
 
@@ -286,15 +294,15 @@ def test_graphs_match_eager_kernels_and_torch_ops(tiny_model_dir: Path) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("mode", ["self", "ngram"])
+@pytest.mark.parametrize("mode", ["self", "ngram", "auto"])
 def test_speculative_verify_steps_keep_greedy_output(tiny_model_dir: Path, mode: str) -> None:
     model = cuda_model(tiny_model_dir, torch.float32)
     tok = Tokenizer.from_dir(tiny_model_dir)
     greedy_settings = SamplingSettings(temperature=0.0)
     plain = run_ids(Generator(model, tok), prompt_ids=GOLDEN_PROMPT, settings=greedy_settings, max_new_tokens=32,
                     stop_token_ids=[])  # fmt: skip
-    spec = run_ids(Generator(model, tok), prompt_ids=GOLDEN_PROMPT, settings=greedy_settings, max_new_tokens=32,
-                   stop_token_ids=[], speculative=mode)  # fmt: skip
+    spec = run_ids(drafting(Generator(model, tok)), prompt_ids=GOLDEN_PROMPT, settings=greedy_settings,
+                   max_new_tokens=32, stop_token_ids=[], speculative=mode)  # fmt: skip
     assert plain == GOLDEN_GREEDY
     assert spec == plain
 

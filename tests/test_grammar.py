@@ -17,6 +17,7 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
+from webchat.engine.verify_cost import VerifyCost
 from webchat.model.loader import load_model
 from webchat.text.tokenizer import Tokenizer
 
@@ -143,6 +144,28 @@ def test_speculative_modes_give_the_same_tokens_under_a_grammar(tiny_model_dir: 
     for mode in ("ngram", "self", "draft"):
         assert generate(Generator(model, tok, engine=engine), req(mode))[:2] == alone[:2], mode
     jsonschema.validate(json.loads(alone[1]), SCHEMAS["nested_lengths"])
+    # auto, granted every draft it offers (a flat cost): its drafts verified under the grammar's masks, the keys the
+    # grammar forces fed as forced rows, never planned nor counted as drafts
+    engine.auto.cost = VerifyCost.flat()
+    gen, auto = Generator(model, tok, engine=engine), req("auto")
+    c = auto.constraint
+    assert isinstance(c, g.GrammarConstraint)
+    forced: list[int] = []
+
+    def recorded() -> list[int]:
+        tokens = g.GrammarConstraint.forced(c)
+        forced.extend(tokens)
+        return tokens
+
+    c.forced = recorded  # type: ignore[method-assign]
+    gen.begin_stream(auto)
+    ids: list[int] = []
+    while not (res := gen.stream()).eos:
+        ids += res.token_ids
+    ids += res.token_ids
+    assert ids == alone[0]
+    assert res.stats is not None and res.stats.drafted > 0
+    assert forced and res.stats.drafted == sum(engine.auto.counts.drafted.values())  # no forced token counted
 
 
 def test_continue_replays_the_kept_reply_and_keeps_the_constraint(tiny: tuple[Any, Tokenizer]) -> None:

@@ -35,7 +35,7 @@ def reference(live: Live) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     return websocket_reply(live.url, PROMPT, TOKENS, alternatives=5)
 
 
-@pytest.mark.parametrize("speculative", ["none", "self", "ngram"])
+@pytest.mark.parametrize("speculative", ["none", "self", "ngram", "auto"])
 def test_greedy_chat_equals_the_websocket(live: Live, runtime: Runtime, speculative: str,
                                          reference: tuple[str, list[dict[str, Any]], dict[str, Any]]) -> None:
     """Same mode: the same numbers. Across modes the text is the same; a verify forward's logits differ in the last

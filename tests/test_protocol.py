@@ -135,10 +135,12 @@ def test_hello_and_info_describe_the_model(client: TestClient, runtime: Runtime)
         hello = p.Hello.model_validate(ws.receive_json())
     assert hello.v == p.VERSION and hello.model == runtime.model_name
     assert hello.context_length == 256 and hello.device == "cpu" and hello.dtype == "float32"
-    assert hello.speculative == ["none", "self", "ngram"] and hello.max_alternatives == 20
+    assert hello.speculative == ["auto", "none", "self", "ngram"] and hello.max_alternatives == 20
     info = client.get("/api/info").json()
     assert info["model"] == hello.model and info["speculative"] == hello.speculative
-    assert info["max_sessions"] == 2 and info["default_speculative"] == "none"
+    assert info["max_sessions"] == 2 and info["default_speculative"] == "auto"
+    spec = info["speculation"]  # the auto mode's cost curve (measured at warm-up or its first step) and decisions
+    assert {"cost", "between_steps_ms", "steps", "offers", "granted", "drafted", "accepted"} <= set(spec)
     health = client.get("/healthz").json()
     pool = health.pop("kv_pool")
     assert health == {"status": "ok", "active": 0, "queued": 0, "sessions": 0}
@@ -304,7 +306,7 @@ def test_bad_message_names_the_field(client: TestClient, stack: ExitStack, msg: 
         (generate("x", settings={"token_bias": {"7" * 3000: 1}}), "settings.token_bias", "7777", "ASCII digits"),
         (generate("x", alternatives=21), "alternatives", "21", "0 <= value <= 20"),
         (generate("x", max_new_tokens=0), "max_new_tokens", "0", "1 <= value"),
-        (generate("x", speculative="warp"), "speculative", "'warp'", "['none', 'self', 'ngram']"),
+        (generate("x", speculative="warp"), "speculative", "'warp'", "['auto', 'none', 'self', 'ngram']"),
     ],
 )
 def test_bad_settings_names_field_value_and_range(

@@ -20,6 +20,7 @@ from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
+from webchat.engine.verify_cost import VerifyCost
 from webchat.folder_check import check_recorded_files
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.loader import load_model, weights_name
@@ -179,7 +180,7 @@ def test_real_quantized_matches_float32_on_fidelity_prompts(real: tuple[Any, Any
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("mode", ["self", "ngram", "draft"])
+@pytest.mark.parametrize("mode", ["self", "ngram", "draft", "auto"])
 def test_real_quantized_greedy_identical_in_every_speculative_mode(real: tuple[Any, Any, Tokenizer], mode: str) -> None:
     q, f, tok = real
     text = "Fix the typo and repeat it: 'The quick brown fox jumps ovre the lazy dog near the river bank.'"
@@ -187,6 +188,7 @@ def test_real_quantized_greedy_identical_in_every_speculative_mode(real: tuple[A
 
     def run(model: Any, spec: str, draft: Any = None) -> list[int]:
         gen = Generator(model, tok, max_seq_len=256, draft_model=draft)
+        gen.engine.auto.cost = VerifyCost.flat()  # auto: every draft it is offered granted
         gen.begin_stream(GenerationRequest(prompt_ids=prompt, stop_token_ids=[], settings=GREEDY, max_new_tokens=24,
                                            speculative=spec))
         out: list[int] = []

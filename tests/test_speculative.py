@@ -16,6 +16,7 @@ from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.speculative import DraftVocabError, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
+from webchat.engine.verify_cost import VerifyCost
 from webchat.model.loader import load_model
 from webchat.text.tokenizer import Tokenizer
 from webchat.tiny import make_tiny_model
@@ -63,11 +64,20 @@ def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
-@pytest.mark.parametrize("mode", ["self", "ngram", "draft-same", "draft-other"])
+def speculating(gen: Generator, mode: str) -> Generator:
+    """A handle whose engine's auto mode grants every draft it is offered ("auto-flat"): every step verifies, so the
+    exactness checks cover the verify path whatever this machine's measured costs (plain "auto" plans by them)."""
+    if mode.endswith("flat"):
+        gen.engine.auto.cost = VerifyCost.flat()
+    return gen
+
+
+@pytest.mark.parametrize("mode", ["self", "ngram", "draft-same", "draft-other", "auto", "auto-flat",
+                                  "auto-flat-draft-same", "auto-flat-draft-other"])
 def test_greedy_identical_with_speculation(tiny: tuple[Any, Tokenizer], drafts: dict[str, Any], mode: str) -> None:
     model, tok = tiny
-    draft = drafts[mode.split("-")[1]] if mode.startswith("draft") else None
-    spec = Generator(model, tok, draft_model=draft, self_draft_layers=1)
+    draft = drafts[mode.split("-")[-1]] if "draft" in mode else None
+    spec = speculating(Generator(model, tok, draft_model=draft, self_draft_layers=1), mode)
     drafted = accepted = 0
     for text in PROMPTS:
         p = prompt_ids(tok, text)
@@ -80,20 +90,23 @@ def test_greedy_identical_with_speculation(tiny: tuple[Any, Tokenizer], drafts: 
         assert cached == (p + fast)[: len(cached)]
         drafted += res.stats.drafted
         accepted += res.stats.accepted
+    if mode == "auto":
+        return  # drafts only where this machine's costs say they pay: the output is the check
     assert drafted > 0
-    if mode != "draft-other":
+    if not mode.endswith("draft-other"):
         assert accepted > 0  # the acceptance path ran, not only rejections
     if mode == "draft-same":
         assert accepted == drafted
 
 
-@pytest.mark.parametrize("mode", ["self", "ngram", "draft"])
+@pytest.mark.parametrize("mode", ["self", "ngram", "draft", "auto-flat", "auto-flat-draft"])
 def test_sampled_same_seed_same_tokens_and_main_model_probabilities(
     tiny: tuple[Any, Tokenizer], drafts: dict[str, Any], mode: str
 ) -> None:
     """One uniform per emitted token, in order: the seed fixes the output whether or not drafts are verified."""
     model, tok = tiny
-    spec = Generator(model, tok, draft_model=drafts["same"], self_draft_layers=1)
+    spec = speculating(Generator(model, tok, draft_model=drafts["same"] if mode != "auto-flat" else None,
+                                 self_draft_layers=1), mode)
     accepted = 0
     for seed in range(4):
         p = prompt_ids(tok, PROMPTS[seed % len(PROMPTS)])
@@ -101,7 +114,7 @@ def test_sampled_same_seed_same_tokens_and_main_model_probabilities(
         gen_plain = Generator(model, tok)
         gen_plain.begin_stream(GenerationRequest(prompt_ids=p, stop_token_ids=[], **kw))  # type: ignore[arg-type]
         plain = collect(gen_plain)
-        spec.begin_stream(GenerationRequest(prompt_ids=p, stop_token_ids=[], speculative=mode, **kw))  # type: ignore[arg-type]
+        spec.begin_stream(GenerationRequest(prompt_ids=p, stop_token_ids=[], speculative=mode.split("-")[0], **kw))  # type: ignore[arg-type]
         fast = collect(spec)
         assert [t.id for t in fast] == [t.id for t in plain]
         for a, b in zip(fast, plain, strict=True):
@@ -234,14 +247,14 @@ def test_reuse_after_speculation_matches_cold(tiny: tuple[Any, Tokenizer]) -> No
 
 
 @pytest.mark.real_model
-def test_real_model_greedy_identical_with_self_draft_and_ngram(real_model_dir: Path) -> None:
+def test_real_model_greedy_identical_with_self_draft_ngram_and_auto(real_model_dir: Path) -> None:
     model, tok = load_model(real_model_dir), Tokenizer.from_dir(real_model_dir)
     text = ("Fix the typo in this sentence and repeat it: 'The quick brown fox jumps ovre the lazy dog near the "
             "river bank.'")
     p = prompt_ids(tok, text)
     plain, _ = generate(Generator(model, tok, max_seq_len=512), p, settings=GREEDY, max_new_tokens=32)
-    for mode in ("self", "ngram"):
-        ids, res = generate(Generator(model, tok, max_seq_len=512), p, settings=GREEDY, max_new_tokens=32,
-                            speculative=mode)
+    for mode in ("self", "ngram", "auto", "auto-flat"):
+        gen = speculating(Generator(model, tok, max_seq_len=512), mode)
+        ids, res = generate(gen, p, settings=GREEDY, max_new_tokens=32, speculative=mode.split("-")[0])
         assert ids == plain, mode
-        assert res.stats is not None and res.stats.drafted > 0
+        assert res.stats is not None and (res.stats.drafted > 0 or mode == "auto")

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.05)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--speculative", default="none", choices=[m for m in MODES if m != "draft"])
+    parser.add_argument("--speculative", default="auto", choices=[m for m in MODES if m != "draft"],
+                        help="auto (default): draft where it pays, measured here; none: never")
     parser.add_argument("--stats", action="store_true", help="print tokens/s and timings after each reply")
 
 
@@ -85,6 +86,8 @@ def main(args: argparse.Namespace) -> int:
     model = load_model(path, device, resolve_dtype(None, device))
     tok = Tokenizer.from_dir(path)
     gen = Generator(model, tok, max_seq_len=args.context)
+    if args.speculative == "auto":
+        gen.engine.calibrate()  # what verify rows cost here, before the first reply waits on it
     print(f"webchat chat — {path.name} on {device}. /reset starts over, /quit or Ctrl-D leaves, "
           "Ctrl-C stops a reply.", file=sys.stderr)
     return loop(gen, tok, settings, args, sys.stdin, sys.stdout)

@@ -26,6 +26,8 @@ from typing import Protocol
 import torch
 
 from webchat.engine import constraint as cst
+from webchat.engine import verify_cost
+from webchat.engine.adaptive import MAX_STEP_ROWS, AutoSpec, Proposal, SeqDrafter
 from webchat.engine.events import Stats, TokenInfo
 from webchat.engine.sampling import Choice, RowAsk, RowScan, Sampler, describe, sample_batch
 from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult
@@ -94,6 +96,7 @@ class _Row:
     sample: bool = True  # False: a prefill chunk that does not finish the prompt
     forced: bool = False  # drafts are forced tokens (not speculation: not counted as drafted or accepted)
     score: bool = False  # a prefill chunk of a request that scores its prompt: logits for every row
+    plan: bool = False  # an auto sequence's decode row: its drafts come from the step's plan (_plan_drafts)
 
     def logit_offsets(self) -> list[int]:
         """The feed positions whose logits this row wants (make_batch's logit_offsets)."""
@@ -130,6 +133,8 @@ class Engine:
         self.outbox: dict[Sequence, StreamResult] = {}
         self.retained: OrderedDict[object, Retained] = OrderedDict()  # owner -> its last turn, oldest first
         self._drafters: dict[tuple[int, str], Drafter] = {}
+        self.auto = AutoSpec()  # speculative "auto": the cost curve, the shared outputs, the planner
+        self._calibrate_at = 0  # the step from which a failed calibration (no free pages) is tried again
         self._closing: list[object] = []  # owners gone (appended from any thread, handled on the engine's)
         self.steps = 0
         self.preemptions = 0
@@ -177,7 +182,8 @@ class Engine:
         seq = Sequence(req=req, sampler=sampler, decoder=IncrementalDecoder(self.tokenizer.token_bytes),
                        holder=StopHolder(req.stop_strings), stop_ids=frozenset(stop_ids), tokens=prompt, table=table,
                        stats=Stats(prompt_tokens=len(prompt), reused_tokens=reused),
-                       drafter=self._drafter(owner, req.speculative), limit=self.capacity, n_cached=reused,
+                       drafter=self._drafter(owner, req.speculative, len(prompt)), limit=self.capacity,
+                       n_cached=reused,
                        owner=owner, first_logits=first if reused == len(prompt) else None,
                        splitter=None if req.reasoning is None else PartSplitter(req.reasoning.markers,
                                                                                req.reasoning.inside))
@@ -269,6 +275,7 @@ class Engine:
                 rows.append(self._decode_row(seq))
             if out.eos:
                 self._post(seq, out)
+        self._plan_drafts(rows)
         rows = self._reserve(rows)
         if rows:
             self._forward(rows)
@@ -339,10 +346,12 @@ class Engine:
         pending = seq.tokens[seq.n_cached :]
         assert len(pending) == 1, f"a decoding sequence has one pending token, got {len(pending)}"
         req = seq.req
-        room = min(req.max_new_tokens - seq.stats.new_tokens - 1, seq.limit - len(seq.tokens) - 1)
+        room = self._room(seq)
         forced = self._forced(seq)[: max(0, min(room, MAX_FORCED))]
         if forced:  # verified like drafts, and the mask makes every one the sample: tokens without a forward each
             return _Row(seq, pending + forced, forced, forced=True)
+        if isinstance(seq.drafter, SeqDrafter):
+            return _Row(seq, pending, plan=True)
         k = min(req.draft_tokens, room)
         drafts: list[int] = []
         if seq.drafter is not None and k > 0 and isinstance(seq.drafter, SelfDrafter):
@@ -357,6 +366,64 @@ class Engine:
                 drafts = seq.drafter.draft(seq.tokens, k)[:k]
             seq.stats.drafted += len(drafts)
         return _Row(seq, pending + drafts, drafts)
+
+    @staticmethod
+    def _room(seq: Sequence) -> int:
+        """Tokens a decoding sequence may add after its pending one (its max_new_tokens, the context)."""
+        return min(seq.req.max_new_tokens - seq.stats.new_tokens - 1, seq.limit - len(seq.tokens) - 1)
+
+    def _plan_drafts(self, rows: list[_Row]) -> None:
+        """The auto sequences' drafts for this step: as many as pay for their verify rows (webchat.engine.adaptive),
+        and none where the pool's free pages could not hold them without evicting anyone."""
+        planned = [r for r in rows if r.plan]
+        if not planned or (self.auto.cost is None and not self.calibrate()):
+            return
+        offers: list[Proposal | None] = []
+        for r in planned:
+            assert isinstance(r.seq.drafter, SeqDrafter)
+            offers.append(r.seq.drafter.offer(r.seq.tokens, self._room(r.seq), not self._batch_verify(r.seq)))
+        base = [r for r in rows if not r.seq.prefilling]
+        grants = self.auto.plan(offers, sum(len(r.feed) for r in base),
+                                sum(1 + len(r.drafts) * r.forced for r in base if r.sample),
+                                MAX_STEP_ROWS - sum(len(r.feed) for r in rows))
+        if not self._pages_free(rows, planned, grants):
+            return
+        for r, p, n in zip(planned, offers, grants, strict=True):
+            if n and p is not None:
+                assert isinstance(r.seq.drafter, SeqDrafter)
+                r.drafts = r.seq.drafter.realise(p, n, r.seq.tokens)
+                r.feed = r.feed + r.drafts
+                r.seq.stats.drafted += len(r.drafts)
+
+    def _pages_free(self, rows: list[_Row], planned: list[_Row], grants: list[int]) -> bool:
+        """Whether the pool's free pages hold every row's new tokens and the granted drafts."""
+        ps = self.pool.page_size
+
+        def new_pages(r: _Row, extra: int) -> int:
+            return max(0, -(-(r.seq.n_cached + len(r.feed) + extra) // ps) - len(r.seq.table.pages))
+
+        need = sum(new_pages(r, 0) for r in rows)
+        need += sum(new_pages(r, n) - new_pages(r, 0) for r, n in zip(planned, grants, strict=True))
+        return need <= len(self.pool.free)
+
+    def calibrate(self) -> bool:
+        """Measure what verify rows cost on this model and machine, for the auto mode's plans (the server does it
+        at warm-up; otherwise the first auto step does). False when the pool had no free pages to measure in: tried
+        again 64 steps later."""
+        if self.steps < self._calibrate_at:
+            return False
+        cost = verify_cost.calibrate(self.model, self.pool, self.capacity)
+        if cost is None:
+            self._calibrate_at = self.steps + 64
+            return False
+        self.auto.sampled_row_ms = verify_cost.sampling_ms(self.model.args.vocab_size)
+        if self.draft_model is not None:
+            self.draft_model.ensure_rope(verify_cost.CONTEXT)
+            self.auto.draft_token_ms = verify_cost.draft_ms(self.draft_model,
+                                                            self.draft_model.new_pool(verify_cost.CONTEXT),
+                                                            verify_cost.CONTEXT)
+        self.auto.cost = cost
+        return True
 
     @staticmethod
     def _forced(seq: Sequence) -> list[int]:
@@ -375,7 +442,10 @@ class Engine:
             spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, r.logit_offsets()))
         # a prompt's positions: computed alike however the prompt is chunked, recomputed alike after a preemption
         ends = [r.seq.stats.prompt_tokens for r in rows]
+        began = time.perf_counter()
         logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends), self.pool)  # (R, vocab)
+        decode_only = not any(r.seq.prefilling for r in rows)
+        self.auto.timed(began, time.perf_counter(), sum(len(r.feed) for r in rows) if decode_only else 0)
         at, todo = 0, []  # (row, its first sampling logits row, how many it samples, its results)
         for r in rows:
             seq, out = r.seq, StreamResult()
@@ -513,6 +583,10 @@ class Engine:
         if seq.done:
             self.retained[seq.owner] = Retained(seq.table, seq.tokens[: seq.n_cached])
             self.retained.move_to_end(seq.owner)
+            if isinstance(seq.drafter, SeqDrafter):  # its last proposals checked, its output shared
+                seq.drafter.finish(seq.tokens)
+            else:
+                self.auto.remember(seq.tokens[seq.stats.prompt_tokens :])
 
     # ------------------------------------------------------------------ pages
     def _evict_idle(self) -> bool:
@@ -571,11 +645,15 @@ class Engine:
             raise TypeError(f"the model's sampler_factory gave {type(sampler).__name__}, not a Sampler")
         return sampler
 
-    def _drafter(self, owner: object, mode: str) -> Drafter | None:
+    def _drafter(self, owner: object, mode: str, prompt_len: int) -> Drafter | None:
         if mode == "none":
             return None
         if mode == "self":
             return self.self_draft
+        if mode == "auto":  # its own each time; a draft model's cache (per owner) comes along
+            model = self._drafter(owner, "draft", prompt_len) if self.draft_model is not None else None
+            assert model is None or isinstance(model, ModelDrafter)
+            return SeqDrafter(self.auto, prompt_len, model)
         key = (id(owner), mode)
         if key not in self._drafters:
             if mode == "draft":

@@ -15,7 +15,7 @@ from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelArgs
 from webchat.model.kv_cache import KVPool, SeqCache
 
-MODES = ("none", "self", "ngram", "draft")  # in the order the page and the CLIs list them
+MODES = ("auto", "none", "self", "ngram", "draft")  # in the order the page and the CLIs list them
 
 
 class DraftVocabError(ValueError):

@@ -397,6 +397,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
                     active=len(snap.active), queued=len(snap.pending))
         if rt.engine is not None:
             body["kv_pool"] = rt.engine.pool_info()
+            body["speculation"] = rt.engine.auto.info()  # the auto mode's cost curve and decisions
         return JSONResponse(body)
 
     async def healthz(request: Request) -> Response:

@@ -21,7 +21,7 @@ class ServerConfig:
 
     model_dir: Path
     draft_dir: Path | None = None
-    speculative: str = "none"  # the mode for requests that name none
+    speculative: str = "auto"  # the mode for requests that name none
     device: str = "auto"
     dtype: str | None = None  # None: float32 on the CPU, float16 on CUDA
     weights: str = "auto"  # webchat.model.loader.WEIGHTS: the folder's quantized blocks on the CPU where present

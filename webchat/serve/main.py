@@ -28,8 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory the loaded models may take, by their estimates (weights + KV pool), e.g. 8GiB; "
                         "a model over it is refused before loading (default: 80%% of the RAM)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder for speculative mode 'draft'")
-    parser.add_argument("--speculative", default="none", choices=list(MODES),
-                        help="the speculative mode for requests that name none (default: none)")
+    parser.add_argument("--speculative", default="auto", choices=list(MODES),
+                        help="the speculative mode for requests that name none (default: auto, which drafts only where "
+                        "the drafts pay for their verify rows, measured at start-up; none: never draft; self, ngram, "
+                        "draft: always draft 4 tokens that way)")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="default: float32 on the CPU, float16 on CUDA")

@@ -138,7 +138,8 @@ def load_runtime(config: ServerConfig) -> Runtime:
 
 def warm_up(rt: Runtime) -> Runtime:
     """One short greedy generation, run where the model will be stepped (the device thread): kernels are built and
-    the thread's OpenMP team started before the first user waits on them; the cache is left cold."""
+    the thread's OpenMP team started before the first user waits on them; the cache is left cold. Then, where the
+    auto speculative mode is offered, what verify rows cost here is measured (Engine.calibrate)."""
     from webchat.engine.sequence import GenerationRequest
     from webchat.engine.settings import SamplingSettings
 
@@ -153,6 +154,8 @@ def warm_up(rt: Runtime) -> Runtime:
     if close is not None:
         close()
     engine.reset()
+    if "auto" in rt.modes:  # what verify rows cost here, for the auto mode's plans (about a second)
+        engine.calibrate()
     return rt
 
 

@@ -1,0 +1,132 @@
+"""What verify rows cost on this CPU: a forward of k+1 rows against a one-row step, alone and inside a batch.
+
+    .venv/bin/python bench/bench_verify_cost.py [--model DIR] [--passes 7] [--context 256]
+
+Prints, on the default model (or --model), each shape's forward time (fastest and median of --passes alternating
+passes: the machine is shared and its noise only slows), as ms and as one-row steps:
+  alone     one sequence, k+1 rows (a verify forward), k = 0..16
+  batch B   B decoding sequences, one of them verifying k drafts (B = 4, 16)
+  all B     B sequences each verifying k drafts
+  gemm      the same k+1 rows as prompt rows (the GEMM path, qgemm.cpp), for comparison only: a verify row must give
+            the bits of a lone decode row, which the row kernels do and the GEMM does not
+and the cost curve the auto mode's planner would measure here (webchat.engine.verify_cost, as at the server's warm-up).
+The marginal row (ms per extra row) against the one-row step is what a drafted token must beat: at ratio x a draft
+of k tokens pays only when its expected accepted tokens exceed k * x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from webchat.engine import verify_cost
+from webchat.model.batch import make_batch
+from webchat.model.kv_cache import KVPool, PageTable
+from webchat.model.transformer import Transformer
+
+KS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+
+
+class Shapes:
+    """Forwards of a given shape on pages of the model's own pool, filled with zeros."""
+
+    def __init__(self, model: Transformer, context: int, seqs: int = 16) -> None:
+        self.model, self.context = model, context
+        self.pool: KVPool = model.new_pool((context + 32) * seqs + 64)
+        self.tables = []
+        for _ in range(seqs):
+            table = PageTable(self.pool)
+            table.ensure(context + 32)
+            self.tables.append(table)
+        for layer in (*self.pool.k, *self.pool.v):
+            layer.zero_()
+
+    def forward(self, rows: list[int], prompt: bool = False) -> float:
+        """ms of one forward: sequence b feeds rows[b] tokens at the context, every row's logits (as verify does);
+        prompt: the rows are prompt rows (the GEMM path)."""
+        spec = [([1 + i for i in range(n)], self.context, self.tables[b].pages, list(range(n)))
+                for b, n in enumerate(rows)]
+        ends = [self.context + 32 if prompt else 0] * len(rows)
+        batch = make_batch(spec, self.pool.page_size, "cpu", ends)
+        t = time.perf_counter()
+        self.model(batch, self.pool)
+        return (time.perf_counter() - t) * 1000
+
+
+@dataclass
+class Shape:
+    name: str
+    rows: list[int]  # tokens fed per sequence
+    base: str  # the shape without the drafts
+    prompt: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows)
+
+
+def shapes() -> list[Shape]:
+    out = []
+    for k in KS:
+        out.append(Shape(f"alone k={k}", [k + 1], "alone k=0"))
+        out.append(Shape(f"gemm k={k}", [k + 1], "gemm k=0", prompt=True))
+    for b in (4, 16):
+        out += [Shape(f"batch {b} k={k}", [k + 1] + [1] * (b - 1), f"batch {b} k=0") for k in KS]
+        out += [Shape(f"all {b} k={k}", [k + 1] * b, f"batch {b} k=0") for k in (1, 2, 4)]
+    return out
+
+
+def run(s: Shapes, todo: list[Shape], passes: int) -> dict[str, tuple[float, float]]:
+    """(fastest, median) ms of each shape over passes that alternate their order."""
+    samples: dict[str, list[float]] = {x.name: [] for x in todo}
+    for p in range(passes):
+        for x in todo if p % 2 == 0 else reversed(todo):
+            samples[x.name].append(s.forward(x.rows, x.prompt))
+    return {n: (min(v), statistics.median(v)) for n, v in samples.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--context", type=int, default=256)
+    args = ap.parse_args()
+    from webchat.model.loader import load_model
+    from webchat.pull import ensure_default_model
+
+    path = args.model or ensure_default_model()
+    model = load_model(path)
+    s = Shapes(model, args.context)
+    for _ in range(3):
+        s.forward([1])
+    todo = shapes()
+    by_name = {x.name: x for x in todo}
+    got = run(s, todo, args.passes)
+    step = got["alone k=0"][0]
+    print(f"{path.name}, {torch.get_num_threads()} threads, context {args.context}, {args.passes} alternating passes;"
+          f" one-row step {step:.2f} ms (fastest)")
+    print(f"{'shape':<16} {'rows':>4} {'fastest ms':>10} {'median ms':>9} {'/ 1-row step':>12} {'ms / extra row':>14}")
+    for x in todo:
+        fast, med = got[x.name]
+        extra = x.total - by_name[x.base].total
+        marginal = f"{(fast - got[x.base][0]) / extra:.2f}" if extra else "-"
+        print(f"{x.name:<16} {x.total:>4} {fast:>10.2f} {med:>9.2f} {fast / step:>12.2f} {marginal:>14}")
+    pool = model.new_pool(2048)
+    t = time.perf_counter()
+    cost = verify_cost.VerifyCost(verify_cost.measure(model, pool, positions=model.args.max_seq_len))
+    took = time.perf_counter() - t
+    print(f"\nthe auto mode's curve as measured at warm-up ({took:.1f} s): rows -> ms, fastest of its passes, made "
+          "non-decreasing")
+    print("  " + ", ".join(f"{t}: {ms:.2f}" for t, ms in cost.curve.items()) +
+          f"; past {max(cost.curve)}: +{cost.slope:.2f} ms a row")
+    print(f"  marginal row / one-row forward: {(cost.forward_ms(5) - cost.forward_ms(1)) / 4 / cost.forward_ms(1):.2f}"
+          f" (k=4 verify: {cost.forward_ms(5) / cost.forward_ms(1):.2f} one-row forwards)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""bench_served.py --speculation: each speculative mode against `none`, served, in one run.
+
+For each round, each mode (`--spec-modes`, default none,auto; the order alternates round by round) gets a new
+`webchat serve --speculative MODE` on the same GGUF, alone on the machine; it answers, through the OpenAI streaming
+API, every prompt set (`--spec-sets`: open questions, copy-with-a-fix, a code edit returning the whole function;
+bench/served_prompts.py) at each client count (`--spec-clients`, default 1,4,16): that many concurrent streams, each
+a distinct prompt (the single client: three prompts one after another, the median kept), greedy. Open questions are
+`--tokens` long (end-of-turn biased away, as bench_served.py's sections); copies and edits end where the model ends
+them (at most `--spec-max-tokens`). Then `--spec-seeded` seeded sampled streams (temperature 0.8) alone and together.
+Per mode each section keeps its best round (noise only slows).
+
+Printed: each set and client count's aggregate tok/s per mode and against none; how often the auto planner drafted
+(sequence-steps granted drafts / sequence-steps planned) and what share of the drafted tokens were accepted, from the
+server's /api/info (`speculation`, read before and after each section); whether every mode's text equals none's, for
+the same prompt (greedy alone and among the streams, and seeded); and the verify-cost curve the auto server measured
+at its warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from bench_served import Server, free_port, stop_token_ids
+from served_prompts import SETS
+
+C1_RUNS = 3
+T = TypeVar("T")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --speculation options (bench_served.py's own are unchanged)."""
+    g = parser.add_argument_group("speculation", "--speculation: each speculative mode against none, served")
+    g.add_argument("--speculation", action="store_true", help="run the speculation comparison instead")
+    g.add_argument("--spec-modes", default="none,auto", help="modes, none first (default none,auto)")
+    g.add_argument("--spec-sets", default="open,copy,code", help=f"prompt sets of {list(SETS)}")
+    g.add_argument("--spec-clients", default="1,4,16")
+    g.add_argument("--spec-rounds", type=int, default=2)
+    g.add_argument("--spec-max-tokens", type=int, default=320, help="cap on copy and code replies (default 320)")
+    g.add_argument("--spec-seeded", type=int, default=4, help="seeded sampled streams per set (0: none)")
+
+
+@dataclass
+class Reply:
+    text: str
+    tokens: int
+    end: float  # perf_counter of the last content chunk
+
+
+@dataclass
+class Section:
+    tokens: int
+    wall_s: float
+    texts: list[str]
+    decisions: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def spec_server(gguf: Path, port: int, src: Path, mode: str) -> Server:
+    env = dict(os.environ, PYTHONPATH=str(src))
+    argv = [sys.executable, "-m", "webchat.cli", "serve", "--model", str(gguf), "--device", "cpu", "--port", str(port),
+            "--speculative", mode]
+    return Server(f"webchat --speculative {mode}", argv, port, env, {}, "/healthz", cwd=src)
+
+
+def ask(server: Server, messages: list[dict[str, str]], body: dict[str, Any]) -> Reply:
+    payload = {"model": server.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+               **body}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=900)
+    conn.request("POST", "/v1/chat/completions", json.dumps(payload), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"{server.name}: HTTP {resp.status}: {resp.read()[:300]!r}")
+    text, end, usage = "", 0.0, {}
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        usage = chunk.get("usage") or usage
+        choices = chunk.get("choices") or []
+        piece = (choices[0].get("delta") or {}).get("content") if choices else None
+        if piece:
+            text += piece
+            end = time.perf_counter()
+    conn.close()
+    return Reply(text, int(usage.get("completion_tokens", 0)), end)
+
+
+def info(server: Server) -> dict[str, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/api/info")
+    body: dict[str, Any] = json.loads(conn.getresponse().read())
+    conn.close()
+    return body.get("speculation") or {}
+
+
+def decisions(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """The planner's counts over a section: sequence-steps planned and granted drafts, tokens drafted and accepted."""
+    if not after:
+        return {}
+
+    def total(d: dict[str, Any], key: str) -> float:
+        value = d.get(key, 0)
+        return float(sum(value.values()) if isinstance(value, dict) else value)
+
+    return {k: total(after, k) - total(before, k) for k in ("offers", "granted", "drafted", "accepted", "probes")}
+
+
+def parallel(calls: list[Callable[[], T]]) -> list[T]:
+    """Each call on a thread of its own, all at once; their results in order (the first failure raised)."""
+    results: list[T | BaseException] = [RuntimeError("not run")] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise RuntimeError(str(r)) from r
+    return results  # type: ignore[return-value]
+
+
+def section(server: Server, chats: list[list[dict[str, str]]], body: dict[str, Any]) -> Section:
+    """The chats as concurrent streams: all tokens / time from the first request to the last token."""
+    before = info(server)
+    t0 = time.perf_counter()
+    replies = parallel([lambda c=c: ask(server, c, body) for c in chats])
+    wall = max(r.end for r in replies) - t0
+    return Section(sum(r.tokens for r in replies), wall, [r.text for r in replies], decisions(before, info(server)))
+
+
+def run_mode(server: Server, sets: list[str], clients: list[int], args: argparse.Namespace,
+             stops: list[int]) -> dict[str, Section]:
+    out: dict[str, Section] = {}
+    ask(server, [{"role": "user", "content": "Hello!"}], {"max_tokens": 8, "temperature": 0})  # warm-up
+    for name in sets:
+        chat = SETS[name]
+        if name == "open":
+            body = {"max_tokens": args.tokens, "temperature": 0, "logit_bias": {str(t): -100 for t in stops}}
+        else:
+            body = {"max_tokens": args.spec_max_tokens, "temperature": 0}
+        at = 0
+        for n in clients:
+            if n == 1:
+                runs = [section(server, [chat(at + k)], body) for k in range(C1_RUNS)]
+                runs.sort(key=lambda s: s.tps)
+                median = runs[len(runs) // 2]
+                median.texts = [t for r in runs for t in r.texts]  # every prompt's text, for the identity check
+                out[f"{name} c1"] = median
+                at += C1_RUNS
+            else:
+                out[f"{name} c{n}"] = section(server, [chat(at + i) for i in range(n)], body)
+                at += n
+        if args.spec_seeded:
+            seeded = [dict(body, temperature=0.8, seed=1000 + i) for i in range(args.spec_seeded)]
+            alone = [section(server, [chat(i)], seeded[i]).texts[0] for i in range(args.spec_seeded)]
+            pairs = [(chat(i), seeded[i]) for i in range(args.spec_seeded)]
+            together = [r.text for r in parallel([lambda p=p: ask(server, *p) for p in pairs])]
+            out[f"{name} seeded"] = Section(0, 1.0, alone + together)
+    return out
+
+
+def main(args: argparse.Namespace, gguf: Path) -> None:
+    modes = args.spec_modes.split(",")
+    sets = args.spec_sets.split(",")
+    clients = [int(c) for c in args.spec_clients.split(",")]
+    if modes[0] != "none" or any(s not in SETS for s in sets):
+        raise SystemExit(f"--spec-modes must start with none (got {modes}); --spec-sets from {list(SETS)} (got {sets})")
+    stops = stop_token_ids(gguf)
+    src = args.src.resolve()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the server it started too (`finally`)
+    print(f"{gguf.name}: speculative modes {', '.join(modes)} served, {args.spec_rounds} rounds (best kept), the "
+          f"modes alternating, one server at a time; sets {', '.join(sets)}; clients {clients}", flush=True)
+    best: dict[str, dict[str, Section]] = {m: {} for m in modes}
+    rounds: dict[str, list[dict[str, Section]]] = {m: [] for m in modes}
+    curve: dict[str, Any] = {}
+    for rnd in range(args.spec_rounds):
+        for mode in modes if rnd % 2 == 0 else list(reversed(modes)):
+            server = spec_server(gguf, free_port(), src, mode)
+            try:
+                server.wait_ready()
+                got = run_mode(server, sets, clients, args, stops)
+                if mode == "auto" and not curve:
+                    curve = info(server)
+            finally:
+                server.stop()
+            rounds[mode].append(got)
+            for key, sec in got.items():
+                if key not in best[mode] or sec.tps > best[mode][key].tps:
+                    best[mode][key] = sec
+            print(f"round {rnd + 1} {mode}: " + ", ".join(f"{k} {s.tps:.1f}" for k, s in got.items()
+                                                         if not k.endswith("seeded")) + " tok/s", flush=True)
+    report(modes, sets, clients, best, rounds, curve)
+
+
+def report(modes: list[str], sets: list[str], clients: list[int], best: dict[str, dict[str, Section]],
+           rounds: dict[str, list[dict[str, Section]]], curve: dict[str, Any]) -> None:
+    others = modes[1:]
+    print("\n| set | clients | none tok/s | " + " | ".join(f"{m} tok/s | {m} / none" for m in others)
+          + " | per-round " + "; ".join(f"{m} / none" for m in others) + " |")
+    print("|---|---:|---:|" + "---:|---:|" * len(others) + "---|")
+    for name in sets:
+        for n in clients:
+            key = f"{name} c{n}"
+            base = best["none"][key].tps
+            cells = [f"{best[m][key].tps:.1f} | {best[m][key].tps / base:.2f}x" for m in others]
+            per_round = ["/".join(f"{r[key].tps / b[key].tps:.2f}" for r, b in zip(rounds[m], rounds["none"],
+                                                                                        strict=True)) for m in others]
+            print(f"| {name} | {n} | {base:.1f} | " + " | ".join(cells) + f" | {'; '.join(per_round)} |")
+    if "auto" in modes:
+        print("\nthe auto planner, each section's best round: sequence-steps granted drafts / planned, tokens accepted"
+              " / drafted")
+        for name in sets:
+            row = []
+            for n in clients:
+                d = best["auto"][f"{name} c{n}"].decisions
+                if d.get("offers"):
+                    rate = f"{100 * d['accepted'] / d['drafted']:.0f}%" if d["drafted"] else "-"
+                    row.append(f"c{n}: drafted in {100 * d['granted'] / d['offers']:.0f}% of "
+                               f"{d['offers']:.0f}, accepted {d['accepted']:.0f}/{d['drafted']:.0f} ({rate})")
+            print(f"  {name}: " + "; ".join(row))
+    print("\nidentical text to none, every prompt of every round (greedy: alone and among the streams; seeded):")
+    for m in others:
+        same, total = 0, 0
+        for mine, base in zip(rounds[m], rounds["none"], strict=True):
+            for key, sec in mine.items():
+                pairs = list(zip(sec.texts, base[key].texts, strict=True))
+                same += sum(a == b for a, b in pairs)
+                total += len(pairs)
+        print(f"  {m}: {same} of {total} replies identical" + ("" if same == total else "  <-- DIFFERENT"))
+    if curve.get("cost"):
+        cost = curve["cost"]
+        points = ", ".join(f"{t}: {float(ms):.2f}" for t, ms in cost["forward_ms"].items())
+        one = float(cost["forward_ms"]["1"])
+        five = statistics.fmean([float(cost["forward_ms"].get("4", one)), float(cost["forward_ms"].get("6", one))])
+        print(f"\nthe auto server's verify-cost curve (rows -> forward ms, measured at its warm-up): {points}; past "
+              f"the last point +{float(cost['slope_ms_per_row']):.2f} ms a row; a 5-row verify ~ {five / one:.2f} "
+              f"one-row steps; time between steps {float(curve.get('between_steps_ms', 0)):.2f} ms (its last median)")

@@ -1,0 +1,309 @@
+"""The auto mode's parts: the suffix index, the verify-cost curve (robust to a noisy machine), the planner's
+decisions, and a sequence's drafting that stops when its source fails and resumes when it matches again."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from webchat.engine.adaptive import MAX_AUTO_DRAFT, PROBE_MAX, PROBE_MIN, AutoSpec, Proposal, SeqDrafter
+from webchat.engine.engine import Engine
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
+from webchat.engine.settings import SamplingSettings
+from webchat.engine.suffix import SuffixIndex
+from webchat.engine.verify_cost import Cycles, VerifyCost, lowered, measure
+from webchat.model.batch import Batch
+from webchat.model.kv_cache import KVPool, PoolExhausted
+from webchat.model.loader import load_model
+from webchat.text.tokenizer import Tokenizer
+
+GREEDY = SamplingSettings(temperature=0.0)
+
+
+# ---------------------------------------------------------------- the suffix index
+def test_a_copied_text_is_proposed_from_the_longest_match() -> None:
+    text = list(range(100, 140))
+    index = SuffixIndex()
+    context = [1, 2, *text, 7, 8, *text[:10]]  # the text again, its first 10 tokens so far
+    index.add(0, context)
+    paths = index.paths(context, 8)
+    assert paths[0].tokens == text[10:18] and paths[0].match >= 10 and paths[0].shares == [1.0] * 8
+
+
+def test_disagreeing_occurrences_give_the_majority_and_its_share() -> None:
+    index = SuffixIndex()
+    index.add(1, [5, 6, 7, 1])
+    index.add(2, [5, 6, 7, 1])
+    index.add(3, [5, 6, 7, 2])
+    index.add(4, [5, 6, 9, 3])
+    paths = index.paths([4, 5, 6], 4)
+    common = paths[-1]  # all four occurrences of (5, 6): three go on with 7, then two of them with 1
+    assert common.tokens == [7, 1] and common.shares == pytest.approx([0.75, 0.5])
+    assert index.paths([4, 5, 6], 4, exclude=4)[-1].shares[0] == 1.0  # doc 4 not looked at
+
+
+def test_the_shared_index_keeps_its_newest_docs_and_compacts() -> None:
+    index = SuffixIndex(max_tokens=100)
+    docs = []
+    for i in range(12):
+        doc = index.new_doc()
+        docs.append(doc)
+        index.add(doc, [1000 + i, 1, 2, 3, 4, 5, 6, 7, 8, 9 + i])
+    assert index.size <= 100 and docs[0] not in index.docs and docs[-1] in index.docs
+    assert all(code >> 32 in index.docs for codes in index.where.values() for code in codes) or index.dead > 0
+    assert index.dead <= index.size  # stale occurrences compacted once they outnumber the live ones
+    assert index.paths([0, 7, 8], 1)[0].tokens == [9 + 11]  # the newest occurrence first
+
+
+def test_a_growing_doc_is_indexed_once_per_token() -> None:
+    index = SuffixIndex()
+    tokens = [1, 2, 3]
+    index.add(0, tokens)
+    tokens += [1, 2]
+    index.add(0, tokens)
+    assert index.where[1 << 32 | 2] == [2]  # (1, 2) at 0 continued at 2; the second (1, 2) has no continuation yet
+    tokens.append(4)
+    index.add(0, tokens)
+    assert index.where[1 << 32 | 2] == [2, 5] and index.size == 6
+    newest, both = index.paths([9, 1, 2], 3)[-1], index.paths([9, 1, 2], 3)
+    assert len(both) == 1 and newest.tokens == [4] and newest.shares == [0.5]  # a tie: the newest occurrence
+
+
+# ---------------------------------------------------------------- the cost curve
+def test_a_slow_sample_is_lowered_to_what_fewer_rows_cost() -> None:
+    # 2 rows at 60: above two 1-row forwards (20) and above 3 rows (30); 3 rows at 30 never more than 4 rows
+    assert lowered([0, 10, 60, 30, 28]) == [0, 10, 20, 28, 28]
+
+
+def test_curve_interpolates_and_extrapolates_monotonically() -> None:
+    cost = VerifyCost({1: 10.0, 2: 12.0, 4: 20.0, 8: 30.0})
+    assert cost.forward_ms(3) == pytest.approx(16.0) and cost.forward_ms(8) == 30.0
+    assert cost.forward_ms(12) == pytest.approx(30.0 + 4 * 20 / 7)  # the mean slope beats the last segment's 2.5
+    assert all(cost.forward_ms(t) <= cost.forward_ms(t + 1) for t in range(1, 80))
+    assert all(cost.forward_ms(a + b) <= cost.forward_ms(a) + cost.forward_ms(b) + 1e-9
+               for a in range(1, 40) for b in range(1, 40))
+    with pytest.raises(ValueError, match=r"points at rows >= 1, got \[0\]"):
+        VerifyCost({0: 1.0})
+
+
+def test_the_curve_scales_to_the_forwards_the_engine_runs() -> None:
+    cost = VerifyCost({1: 10.0, 8: 38.0})
+    for _ in range(9):
+        cost.observe(1, 5.0)  # the machine got twice as fast since the warm-up
+    cost.observe(3, 1000.0)  # one forward slowed by another process
+    assert cost.scale == pytest.approx(0.5) and cost.forward_ms(8) == pytest.approx(19.0)
+    cost.observe(0, 1.0)  # no rows: nothing to compare
+    cost.observe(99, 1.0)
+    assert cost.scale == pytest.approx(0.5)
+
+
+class SlowModel:
+    """A forward of T rows takes 2 + T ms; the call numbered `spike` takes 100 ms more (another process ran)."""
+
+    def __init__(self, spike: int) -> None:
+        self.calls, self.spike = 0, spike
+
+    def __call__(self, batch: Batch, kv: KVPool) -> torch.Tensor:
+        self.calls += 1
+        rows = batch.num_tokens
+        time.sleep((2 + rows + (100 if self.calls == self.spike else 0)) / 1000)
+        return torch.zeros(rows, 4)
+
+
+def tiny_pool(pages: int = 40) -> KVPool:
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=2)
+    return KVPool(args, pages, "cpu", torch.float32)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spike", [5, 9, 14])
+def test_one_slow_forward_moves_no_point_of_the_curve(spike: int) -> None:
+    pool = tiny_pool()
+    curve = measure(SlowModel(spike), pool, grid=(1, 2, 4, 8), passes=3, context=32)
+    for rows, ms in curve.items():
+        assert 2 + rows <= ms < 2 + rows + 20, (rows, ms)  # sleep overshoots a little, never by the spike
+    assert len(pool.free) == pool.usable_pages  # the measurement's pages went back
+
+
+def test_calibration_stays_within_the_context(tiny_model_dir: Path) -> None:
+    model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+    engine = Engine(model, tok, max_seq_len=20)  # the rope table and the pool hold 20 positions
+    assert engine.calibrate() and engine.auto.cost is not None
+    assert max(engine.auto.cost.curve) <= 16 and len(engine.pool.free) == engine.pool.usable_pages
+
+
+def test_a_pool_without_room_is_not_measured() -> None:
+    pool = tiny_pool(pages=2)  # one usable page of 16 slots
+    assert list(measure(SlowModel(0), pool, grid=(1, 8, 24), passes=1, context=256)) == [1, 8]
+    pool.alloc()
+    with pytest.raises(PoolExhausted, match="no free KV slot"):
+        measure(SlowModel(0), pool, grid=(1,), passes=1)
+
+
+def test_cycles_keep_the_median_and_skip_idle_gaps() -> None:
+    c = Cycles()
+    t = 100.0
+    for gap in [0.002] * 8 + [0.050] + [5.0]:  # ms 2 eight times, one slow cycle, one idle gap
+        c.forward_ended(t)
+        t += gap
+        c.forward_began(t)
+    assert c.overhead_ms == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- the planner
+def planner(slope: float, overhead: float = 0.0) -> AutoSpec:
+    """Forward ms = 10 + slope * (rows - 1)."""
+    spec = AutoSpec()
+    spec.cost = VerifyCost({1: 10.0, 64: 10.0 + 63 * slope})
+    spec.cycles.overhead_ms = overhead
+    return spec
+
+
+def offer(q: list[float]) -> Proposal:
+    return Proposal("context", 3, q, tokens=list(range(len(q))))
+
+
+def test_drafts_are_granted_only_where_they_pay() -> None:
+    costly = planner(slope=6.0)  # a row is 0.6 of a one-row step: a token must be 60% likely to pay alone
+    assert costly.plan([offer([0.5, 0.25, 0.1])], 1, 1, 63) == [0]
+    # 4 drafts: (1 + 3.5) tokens / 34 ms beats 3 (3.7 / 28), 5 (5.25 / 40) and none (1 / 10)
+    assert costly.plan([offer([0.95, 0.9, 0.85, 0.8, 0.75, 0.7])], 1, 1, 63) == [4]
+    cheap = planner(slope=0.5)
+    assert cheap.plan([offer([0.5, 0.25, 0.1])], 1, 1, 63) == [3]
+    # among 16 streams each row costs a sixteenth of the step's tokens: a 50% draft no longer pays
+    batch = [offer([0.5, 0.25])] + [None] * 15
+    assert cheap.plan(batch, 16, 16, 48) == [0] + [0] * 15
+    assert planner(slope=6.0).plan([offer([0.99] * 16)], 1, 1, 4) == [4]  # no more rows than the step has room for
+
+
+def test_the_most_likely_tokens_win_across_sequences() -> None:
+    spec = planner(slope=1.0)
+    grants = spec.plan([offer([0.9, 0.1]), offer([0.99, 0.98, 0.97]), None], 3, 3, 61)
+    assert grants == [1, 3, 0]
+
+
+def test_estimates_that_run_high_are_pulled_down() -> None:
+    spec = AutoSpec()
+    assert spec.realistic("shared", [0.9, 0.81]) == [0.9, 0.81]  # no checks yet: taken as they are
+    for i in range(60):
+        spec.checked("shared", 0.9, int(i % 10 < 3))  # 90% expected, 30% came
+    q = spec.realistic("shared", [0.9, 0.81, 0.06])
+    assert q[0] == pytest.approx(0.3, rel=0.15) and len(q) == 2  # about a third of the estimate; the last cut
+    for _ in range(200):
+        spec.checked("context", 0.5, 1)  # better than expected: raised, within the range, never past 0.99
+    assert spec.realistic("context", [0.5, 0.9]) == [pytest.approx(0.625), 0.99]
+
+
+# ---------------------------------------------------------------- one sequence's drafting
+class Script:
+    """A sequence whose model writes `script`, verified the engine's way: accepted drafts, then the model's token."""
+
+    def __init__(self, spec: AutoSpec, prompt: list[int], script: list[int]) -> None:
+        self.spec, self.script = spec, script
+        self.context = list(prompt)
+        self.drafter = SeqDrafter(spec, len(prompt))
+
+    @property
+    def done(self) -> int:
+        return len(self.context) - self.drafter.prompt_len
+
+    def step(self) -> int:
+        """One step; returns the drafts granted."""
+        p = self.drafter.offer(self.context, len(self.script) - self.done - 1)
+        n = self.spec.plan([p], 1, 1, 63)[0] if p is not None else 0
+        drafts = self.drafter.realise(p, n, self.context) if p is not None and n else []
+        want = self.script[self.done : self.done + len(drafts) + 1]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == want[accepted]:
+            accepted += 1
+        self.context += want[: accepted + 1]
+        return len(drafts)
+
+
+def test_a_failing_source_stops_and_resumes_when_it_matches_again() -> None:
+    rng = random.Random(0)
+    passage = [rng.randrange(1000, 2000) for _ in range(120)]
+    noise = [rng.randrange(3000, 4000) for _ in range(60)]
+    script = passage[:60] + noise + passage[60:]  # copies, writes something new, copies again
+    run = Script(planner(slope=6.0), [1, *passage, 2], script)
+    steps: dict[str, list[int]] = {"first copy": [], "new text": [], "second copy": []}
+    while run.done < len(script) - 1:
+        phase = "first copy" if run.done < 60 else "new text" if run.done < 120 else "second copy"
+        steps[phase].append(run.step())
+    assert sum(steps["new text"]) <= 3 * MAX_AUTO_DRAFT  # rejected drafts as the copying stops, then none
+    assert sum(g > 0 for g in steps["new text"][3:]) == 0
+    assert len(steps["first copy"]) < 20 and len(steps["second copy"]) < 25  # many tokens a step while copying
+    assert max(steps["second copy"]) >= 8  # drafting at length again once the copy resumed
+    assert len(steps["new text"]) >= 58  # one token a step: nothing to copy
+
+
+class WrongModel:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def draft(self, context: list[int], k: int) -> list[int]:
+        self.calls += 1
+        return [999_999] * k
+
+
+def test_a_failing_draft_model_is_probed_at_growing_intervals() -> None:
+    spec = planner(slope=6.0)
+    spec.draft_token_ms = 5.0
+    model = WrongModel()
+    drafter = SeqDrafter(spec, 2, model)
+    context = [1, 2]
+    probes = []
+    for step in range(600):
+        p = drafter.offer(context, 8)
+        n = spec.plan([p], 1, 1, 63)[0] if p is not None else 0
+        if p is not None and n:
+            drafter.realise(p, n, context)
+            probes.append(step)
+        context.append(10_000 + step)  # never what the model drafted
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:2] != [] and all(g >= PROBE_MIN for g in gaps)
+    assert gaps == sorted(gaps) and max(gaps) == PROBE_MAX  # doubling to the cap
+    assert model.calls == len(probes) <= 20
+
+
+# ---------------------------------------------------------------- in the engine
+def test_drafts_never_evict_an_idle_session(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts get pages only from the free list: a full pool drafts less, it never drops another session's cache."""
+    model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+
+    def sixteen(self: SeqDrafter, context: list[int], room: int, sampled: bool = False) -> Proposal:
+        return Proposal("context", 0, [0.9] * 16, tokens=[5] * 16, at=len(context))  # granted in full (flat cost)
+
+    monkeypatch.setattr(SeqDrafter, "offer", sixteen)
+    prompt = list(range(40, 60))
+    plain, _ = run(Generator(model, tok), GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=10,
+                                                            stop_token_ids=[]))
+    for pages, drafting in ((5, False), (12, True)):  # 5: the idle session's 3 pages and 2 for the new one, no more
+        engine = Engine(model, tok, max_seq_len=96, pool_tokens=pages * 16)
+        engine.auto.cost = VerifyCost.flat()
+        idle = Generator(model, tok, engine=engine)
+        run(idle, GenerationRequest(prompt_ids=list(range(100, 140)), settings=GREEDY, max_new_tokens=8))
+        held = engine.cached_ids(idle)
+        out, stats = run(Generator(model, tok, engine=engine),
+                         GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=10, stop_token_ids=[],
+                                           speculative="auto"))
+        assert out == plain
+        assert engine.cached_ids(idle) == held and len(held) >= 40
+        assert (stats.drafted > 0) is drafting, stats
+
+
+def run(gen: Generator, req: GenerationRequest) -> tuple[list[int], Any]:
+    gen.begin_stream(req)
+    ids: list[int] = []
+    while True:
+        res = gen.stream()
+        ids += res.token_ids
+        if res.eos:
+            return ids, res.stats

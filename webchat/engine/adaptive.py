@@ -1,0 +1,320 @@
+"""Adaptive speculation (`speculative: "auto"`): per sequence and per step, draft only what its verify rows pay for.
+
+Each step every decoding `auto` sequence makes an offer: its best draft from a suffix match over its own prompt and
+output, over the recent outputs of the engine's other sequences (webchat.engine.suffix), or from the draft model
+(`--draft`). Draft token i carries q_i, the estimated chance that it and every token before it are accepted:
+
+    q_i = k * r^i * share_i    r: the sequence's recent acceptance for that source and match length, shrunk towards
+                               the engine-wide rate while the sequence has little history; share_i: the share of the
+                               matched occurrences that agree up to token i (suffix sources; 1 for the draft model);
+                               k: the source's realism, tokens accepted over tokens expected on the proposals checked
+                               lately, engine-wide (within [1/4, 5/4]), so estimates that run high are pulled down
+
+The planner grants the step's draft tokens greedily by q and keeps the prefix of grants with the most expected
+tokens per ms of the step: (rows without drafts + sum q) / (forward(rows + granted) + time between forwards + a draft
+model's forwards + the sampling of rows verified one by one), the forward from the measured curve
+(webchat.engine.verify_cost). Nothing is granted unless that beats the step without drafts by MARGIN. SmartSpec (Liu et
+al., 2024) plans vLLM's speculation lengths by the same measure ("goodput").
+
+Every proposal is checked against what the sequence emitted next, drafted or not: a shadow check, free for the
+suffix sources. A source that keeps failing loses its grants as its rate falls, and wins them back when its
+proposals match again. A draft model's proposal costs a forward a token, so once its rate has fallen it is probed
+with one token at growing intervals (PROBE_MIN steps, doubled after each miss, up to PROBE_MAX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from webchat.engine.suffix import SuffixIndex
+from webchat.engine.verify_cost import Cycles, VerifyCost
+
+SOURCES = ("context", "shared", "model")  # own prompt and output; other sequences' outputs; the draft model
+BUCKETS = (4, 8, 16)  # match lengths 2-3, 4-7, 8-15, 16+: a longer match continues more often
+PRIORS = {"context": (0.25, 0.4, 0.6, 0.8), "shared": (0.15, 0.3, 0.5, 0.7), "model": (0.4,)}  # engine-wide start
+ENGINE_PRIOR_WEIGHT = 8.0  # events the start values count as
+ENGINE_DECAY = 0.995  # engine-wide rate: weight of the past per event
+SEQ_PRIOR_WEIGHT = 2.0  # a sequence's rate is shrunk towards the engine-wide one by this many events
+SEQ_DECAY = 0.85  # a sequence's rate: weight of the past per event (about the last 7 events)
+MAX_AUTO_DRAFT = 16  # draft tokens a sequence may be granted in one step
+MAX_STEP_ROWS = 64  # rows the planner fills a step up to (the CPU step's one-call limit, kernels/cpu/step.py)
+MIN_Q = 0.05  # draft tokens less likely than this are not offered
+REALISM_DECAY = 0.98  # the engine-wide realism of a source's estimates: weight of the past per checked proposal
+REALISM_WEIGHT = 2.0  # accepted tokens the start value (1: estimates taken as they are) counts as
+REALISM_RANGE = (0.25, 1.25)
+MARGIN = 0.03  # drafts must promise this many more tokens per ms than the step without them
+SHARED_TOKENS = 1 << 16  # output tokens the engine-wide index keeps (the oldest outputs dropped first)
+PROBE_MIN, PROBE_MAX = 8, 128
+
+
+class ModelDrafts(Protocol):
+    """A draft model's drafter (webchat.engine.speculative.ModelDrafter)."""
+
+    def draft(self, context: list[int], k: int) -> list[int]: ...
+
+
+class Rate:
+    """Decayed counts of accepted / checked draft tokens."""
+
+    __slots__ = ("events", "hits")
+
+    def __init__(self) -> None:
+        self.hits = self.events = 0.0
+
+    def add(self, hits: int, misses: int, decay: float) -> None:
+        for _ in range(hits):
+            self.hits, self.events = self.hits * decay + 1, self.events * decay + 1
+        for _ in range(misses):
+            self.hits, self.events = self.hits * decay, self.events * decay + 1
+
+    def estimate(self, prior: float, weight: float) -> float:
+        return (self.hits + weight * prior) / (self.events + weight)
+
+
+def bucket(match: int) -> int:
+    return sum(match >= b for b in BUCKETS)
+
+
+@dataclass
+class Proposal:
+    """A draft a sequence offers: tokens (a draft model's come when granted) and q (see the module doc)."""
+
+    source: str
+    bucket: int
+    q: list[float]
+    tokens: list[int] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)  # q before the source's realism, for every token
+    at: int = 0  # the context's length when proposed
+    granted: int = 0
+    extra_ms: float = 0.0  # per granted token, beyond its verify row
+    probe: bool = False  # a draft model's probe: one token granted whatever the plan
+
+    @property
+    def value(self) -> float:
+        return sum(self.q)
+
+
+@dataclass
+class Counts:
+    """The planner's decisions, for /api/info and the served benchmark."""
+
+    steps: int = 0  # steps with a decoding auto sequence
+    offers: int = 0  # sequence-steps planned
+    proposed: int = 0  # of them, with a draft to offer
+    granted: int = 0  # of them, granted draft rows
+    probes: int = 0
+    drafted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    checked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))  # shadow checks
+    matched: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))  # ... whose first token came
+
+
+class AutoSpec:
+    """The engine-wide side: the cost curve, the time between forwards, the shared output index, the engine-wide
+    rates, the planner and its counts."""
+
+    def __init__(self, shared_tokens: int = SHARED_TOKENS) -> None:
+        self.cost: VerifyCost | None = None  # measured by Engine.calibrate (warm-up, or the first auto step)
+        self.cycles = Cycles()
+        self.shared = SuffixIndex(shared_tokens)
+        self.rates: dict[tuple[str, int], Rate] = {}
+        self.realism: dict[str, tuple[float, float]] = {}  # source -> decayed (tokens expected, tokens accepted)
+        self.sampled_row_ms = 0.0  # sampling one verify row of a sampled sequence (rows verified one by one)
+        self.draft_token_ms = 0.0  # one draft model forward
+        self.counts = Counts()
+
+    def rate(self, source: str, b: int) -> float:
+        r = self.rates.get((source, b))
+        prior = PRIORS[source][b]
+        return prior if r is None else r.estimate(prior, ENGINE_PRIOR_WEIGHT)
+
+    def observe(self, source: str, b: int, hits: int, misses: int) -> None:
+        self.rates.setdefault((source, b), Rate()).add(hits, misses, ENGINE_DECAY)
+
+    def realistic(self, source: str, raw: list[float]) -> list[float]:
+        """raw estimates scaled by the source's realism, capped at 0.99, cut where they fall under MIN_Q."""
+        expected, accepted = self.realism.get(source, (0.0, 0.0))
+        k = min(REALISM_RANGE[1], max(REALISM_RANGE[0], (accepted + REALISM_WEIGHT) / (expected + REALISM_WEIGHT)))
+        q = []
+        for x in raw:
+            if x * k < MIN_Q:
+                break
+            q.append(min(0.99, x * k))
+        return q
+
+    def checked(self, source: str, expected: float, accepted: int) -> None:
+        """A proposal checked: `expected` tokens of it were expected to come (its raw estimates), `accepted` came."""
+        e, a = self.realism.get(source, (0.0, 0.0))
+        self.realism[source] = (e * REALISM_DECAY + expected, a * REALISM_DECAY + accepted)
+
+    def timed(self, began: float, ended: float, rows: int) -> None:
+        """A forward ran from began to ended (perf_counter seconds); rows: its decode/verify rows, 0 when it had prompt
+        rows too (the curve's scale follows the former only)."""
+        self.cycles.forward_began(began)
+        self.cycles.forward_ended(ended)
+        if rows and self.cost is not None:
+            self.cost.observe(rows, (ended - began) * 1000)
+
+    def remember(self, output: list[int]) -> None:
+        """A finished sequence's output, for the others' drafts (auto sequences add theirs as they go)."""
+        if len(output) >= 2:
+            self.shared.add(self.shared.new_doc(), list(output))
+
+    def plan(self, offers: list[Proposal | None], base_rows: int, base_tokens: int, room: int) -> list[int]:
+        """Draft tokens granted to each offer: the prefix of all offered tokens, most likely first, with the most
+        expected tokens per ms, if it beats the step without drafts by MARGIN; probes get one token regardless."""
+        assert self.cost is not None, "plan() needs a measured cost curve"
+        self.counts.steps += 1
+        self.counts.offers += len(offers)
+        self.counts.proposed += sum(p is not None for p in offers)
+        ranked = sorted(((q, j, i) for i, p in enumerate(offers) if p is not None for j, q in enumerate(p.q)),
+                        key=lambda c: (-c[0], c[1]))[: max(0, room)]
+        overhead, fwd = self.cycles.overhead_ms, self.cost.forward_ms
+        best = base_tokens / (fwd(base_rows) + overhead) * (1 + MARGIN) if base_rows else 0.0
+        best_n, tokens, extra = 0, float(base_tokens), 0.0
+        for n, (q, _, i) in enumerate(ranked, 1):
+            p = offers[i]
+            assert p is not None
+            tokens += q
+            extra += p.extra_ms
+            rate = tokens / (fwd(base_rows + n) + overhead + extra)
+            if rate > best:
+                best, best_n = rate, n
+        grants = [0] * len(offers)
+        for _, _, i in ranked[:best_n]:
+            grants[i] += 1
+        for i, p in enumerate(offers):
+            if p is not None and p.probe and not grants[i] and room > sum(grants):
+                grants[i] = 1
+        return grants
+
+    def info(self) -> dict[str, object]:
+        """The curve, the time between forwards, the decisions and the engine-wide rates (/api/info)."""
+        c = self.counts
+        return {"cost": None if self.cost is None else self.cost.wire(),
+                "between_steps_ms": round(self.cycles.overhead_ms, 3),
+                "sampled_row_ms": round(self.sampled_row_ms, 3), "draft_token_ms": round(self.draft_token_ms, 3),
+                "steps": c.steps, "offers": c.offers, "proposed": c.proposed, "granted": c.granted,
+                "probes": c.probes, "drafted": dict(c.drafted), "accepted": dict(c.accepted),
+                "shadow_checked": dict(c.checked), "shadow_matched": dict(c.matched),
+                "rates": {f"{s}/{b}": round(self.rate(s, b), 3) for s, b in sorted(self.rates)},
+                "realism": {s: round((a + REALISM_WEIGHT) / (e + REALISM_WEIGHT), 3)
+                            for s, (e, a) in sorted(self.realism.items())}}
+
+
+class SeqDrafter:
+    """One auto sequence's drafting: its own suffix index (prompt and output), its share of the engine-wide one,
+    its rates, and the proposals of its last offer, checked against what it emitted next."""
+
+    def __init__(self, spec: AutoSpec, prompt_len: int, model: ModelDrafts | None = None) -> None:
+        self.spec, self.prompt_len, self.model = spec, prompt_len, model
+        self.own = SuffixIndex()
+        self.out: list[int] = []  # the output so far, as the engine-wide index holds it
+        self.doc = spec.shared.new_doc()
+        self.rates: dict[tuple[str, int], Rate] = {}
+        self.pending: list[Proposal] = []
+        self.probe_every, self.since_probe = PROBE_MIN, 0
+
+    def rate(self, source: str, b: int) -> float:
+        engine = self.spec.rate(source, b)
+        r = self.rates.get((source, b))
+        return engine if r is None else r.estimate(engine, SEQ_PRIOR_WEIGHT)
+
+    def offer(self, context: list[int], room: int, sampled: bool = False) -> Proposal | None:
+        """The best draft after context (prompt + output, the last token pending), at most `room` tokens; the
+        proposals of the last offer are checked first. sampled: verify rows are sampled one by one (costlier)."""
+        self._sync(context)
+        self._check(context)
+        room = min(room, MAX_AUTO_DRAFT)
+        if room < 1:
+            return None
+        found = [self._suffix(src, path.match, path.tokens, path.shares, len(context))
+                 for src, index, skip in (("context", self.own, None), ("shared", self.spec.shared, self.doc))
+                 for path in index.paths(context, room, exclude=skip)]
+        self.pending = [p for p in found if p.tokens]
+        best = max((p for p in self.pending if p.q), key=lambda p: p.value, default=None)
+        model = self._model_offer(room, len(context))
+        if model is not None and (best is None or model.q[0] > best.q[0]):
+            best = model
+        if best is not None and sampled:
+            best.extra_ms += self.spec.sampled_row_ms
+        return best
+
+    def _suffix(self, source: str, match: int, tokens: list[int], shares: list[float], at: int) -> Proposal:
+        b = bucket(match)
+        r = self.rate(source, b)
+        raw = [r ** (i + 1) * share for i, share in enumerate(shares)]
+        return Proposal(source, b, self.spec.realistic(source, raw), tokens, raw, at)
+
+    def _model_offer(self, room: int, at: int) -> Proposal | None:
+        if self.model is None:
+            return None
+        self.since_probe += 1
+        r = self.rate("model", 0)
+        raw = [r ** (i + 1) for i in range(room)]
+        q = self.spec.realistic("model", raw)
+        probe = self.since_probe >= self.probe_every
+        if not q and not probe:
+            return None
+        return Proposal("model", 0, q or [MIN_Q], raw=raw, at=at, extra_ms=self.spec.draft_token_ms, probe=probe)
+
+    def realise(self, p: Proposal, n: int, context: list[int]) -> list[int]:
+        """The first n tokens of a granted proposal (a draft model drafts them now)."""
+        if p.source == "model":
+            assert self.model is not None
+            p.tokens = self.model.draft(context, n)[:n]
+            self.pending.append(p)
+            self.since_probe = 0
+        p.granted = min(n, len(p.tokens))
+        counts = self.spec.counts
+        counts.drafted[p.source] += p.granted
+        counts.granted += p.granted > 0
+        counts.probes += p.probe and p.granted > 0
+        return p.tokens[: p.granted]
+
+    def draft(self, context: list[int], k: int) -> list[int]:
+        """The Drafter protocol (webchat.engine.speculative): the best offer's tokens, no plan."""
+        p = self.offer(context, k)
+        return [] if p is None else self.realise(p, len(p.q), context)
+
+    def finish(self, context: list[int]) -> None:
+        """The sequence ended: its last proposals checked, its whole output in the engine-wide index."""
+        self._sync(context)
+        self._check(context)
+
+    def _sync(self, context: list[int]) -> None:
+        self.own.add(0, context)  # the context list itself: the engine only appends to it
+        start = self.prompt_len + len(self.out)
+        if len(context) > start:
+            self.out += context[start:]
+            self.spec.shared.add(self.doc, self.out)
+
+    def _check(self, context: list[int]) -> None:
+        """Each pending proposal against the tokens emitted since: the tokens that came as proposed are hits, the
+        first that did not a miss (tokens past what was emitted tell nothing)."""
+        left = []
+        for p in self.pending:
+            came = context[p.at :]
+            if not came:
+                left.append(p)
+                continue
+            hits = 0
+            for want, got in zip(p.tokens, came, strict=False):
+                if want != got:
+                    break
+                hits += 1
+            misses = int(hits < min(len(p.tokens), len(came)))
+            self.rates.setdefault((p.source, p.bucket), Rate()).add(hits, misses, SEQ_DECAY)
+            self.spec.observe(p.source, p.bucket, hits, misses)
+            told = min(len(p.tokens), len(came), len(p.raw), max(p.granted, 1))  # the tokens this check speaks for
+            self.spec.checked(p.source, sum(p.raw[:told]), min(hits, told))
+            counts = self.spec.counts
+            if p.granted:
+                counts.accepted[p.source] += min(hits, p.granted)
+            else:
+                counts.checked[p.source] += 1
+                counts.matched[p.source] += hits > 0
+            if p.source == "model" and p.granted:  # the next probe: soon after a hit, later after each miss
+                self.probe_every = PROBE_MIN if hits else min(PROBE_MAX, 2 * self.probe_every)
+        self.pending = left
