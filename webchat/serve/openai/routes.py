@@ -30,6 +30,7 @@ from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
 from webchat.serve.rules import RuleError, context_room, speculative_mode
 from webchat.serve.runtime import Runtime, encode_text_work, text_chars
+from webchat.text.detok import decode_all
 
 log = logging.getLogger("webchat.openai")
 
@@ -113,7 +114,8 @@ class OpenAIApi:
                            "invalid_messages", "messages") from None
         reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_ids=bool(req.return_token_ids),
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      prompt_logprobs=req.prompt_logprobs)
         return await self._run(request, self._generation(rt, req, ids, req.limit(), reply, "messages"), reply,
                                bool(req.stream), messages, cont, self._job_model(request, rt))
 
@@ -135,7 +137,9 @@ class OpenAIApi:
             ids = list(prompt)
         reply = Reply(chat=False, model=rt.model_name, tokenizer=rt.tokenizer, logprobs=req.logprobs,
                       token_ids=bool(req.return_token_ids),
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      echo=(prompt if isinstance(prompt, str) else decode_all(rt.tokenizer.token_bytes, ids))
+                      if req.echo else None, prompt_logprobs=req.prompt_logprobs)
         return await self._run(request, self._generation(rt, req, ids, req.max_tokens, reply, "prompt"), reply,
                                bool(req.stream), model=self._job_model(request, rt))
 
@@ -170,6 +174,9 @@ class OpenAIApi:
             mode = speculative_mode(req.speculative, rt.default_mode, rt.modes)
         except RuleError as exc:
             raise APIError(400, exc.message, "invalid_value", exc.field) from None
+        if rt.tokenizer is None and req.scored() is not None:
+            raise APIError(400, "prompt scores (prompt_logprobs, echo) are not forwarded to the remote engine; ask "
+                           "the upstream itself", "unsupported_value", "prompt_logprobs")
         if rt.tokenizer is None:  # a remote engine checks the context itself; max_new_tokens 0: max_tokens not sent
             return GenerationRequest(prompt_ids=[], settings=req.sampling(2**31), max_new_tokens=limit or 0,
                                      stop_strings=req.stops(), return_probs=reply.logprobs is not None,
@@ -189,7 +196,7 @@ class OpenAIApi:
         return GenerationRequest(prompt_ids=ids, settings=req.sampling(rt.tokenizer.vocab_size),
                                  max_new_tokens=limit, stop_strings=req.stops(), stop_token_ids=None,
                                  return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,
-                                 return_logits=False, speculative=mode)
+                                 return_logits=False, speculative=mode, prompt_logprobs=req.scored())
 
     def _client(self, request: Request) -> Hashable:
         """Who is asking, for fair admission (webchat.serve.worker): the API key where the server has one, else the
@@ -224,6 +231,8 @@ class OpenAIApi:
                     _raise_failure(event)
                     if isinstance(event, ev.Tokens):
                         reply.add(event)
+                    elif isinstance(event, ev.PromptTokens):
+                        reply.prompt(event)
                     elif isinstance(event, ev.Finished):
                         return JSONResponse(reply.response(event), headers=self._cors(request))
                 events = await pending.next()

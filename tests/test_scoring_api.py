@@ -1,0 +1,144 @@
+"""Prompt scores through the OpenAI API (tiny model, real uvicorn): OpenAI's legacy `echo` with `logprobs`, vLLM's
+`prompt_logprobs` on both endpoints, pure scoring with max_tokens 0, and the refusals (docs/api.md, "Scoring")."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from live_server import Live, serve  # tests/ is on sys.path under pytest
+from test_openai_live import assert_error, openai_client, post
+
+from webchat.model.kv_cache import SeqCache
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime, load_runtime
+
+pytestmark = pytest.mark.timeout(180)
+TEXT = "def add(a, b):\n    return a + b  # Grüße 🎉 and a few more words"
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_dir: Path) -> Runtime:
+    return load_runtime(ServerConfig(model_dir=tiny_model_dir, device="cpu", max_seq_len=256))
+
+
+@pytest.fixture(scope="module")
+def live(runtime: Runtime, tiny_model_dir: Path) -> Iterator[Live]:
+    with serve(ServerConfig(model_dir=tiny_model_dir, device="cpu", max_seq_len=256), runtime) as server:
+        yield server
+
+
+def reference(runtime: Runtime, ids: list[int]) -> torch.Tensor:
+    """log-softmax of one whole forward over ids: (len(ids), vocab); row i scores token i + 1."""
+    model = runtime.local()[0]
+    cache = SeqCache(model.new_pool(len(ids) + 16))
+    return torch.log_softmax(cache.feed(model, ids, all_logits=True).float(), dim=-1)
+
+
+def check_vllm_shape(scored: list[Any], ids: list[int], ref: torch.Tensor, k: int, runtime: Runtime) -> None:
+    """[null, {id: {logprob, rank, decoded_token}}...]: the prompt token first, then its top k with ranks 1..k."""
+    tok = runtime.local()[1]
+    assert len(scored) == len(ids) and scored[0] is None
+    for i in range(1, len(ids)):
+        row, entry = ref[i - 1], scored[i]
+        keys = list(entry)
+        assert keys[0] == str(ids[i])
+        own = entry[keys[0]]
+        assert own["logprob"] == pytest.approx(float(row[ids[i]]), abs=1e-4)
+        assert own["rank"] == int((row > row[ids[i]]).sum()) + 1
+        assert own["decoded_token"] == tok.token_bytes(ids[i]).decode("utf-8", "replace")
+        top = torch.topk(row, k).indices.tolist()
+        assert set(keys) == {str(ids[i]), *map(str, top)}  # the prompt token once, beside the top k
+        for rank, tid in enumerate(top, start=1):
+            assert entry[str(tid)]["rank"] == rank
+            assert entry[str(tid)]["logprob"] == pytest.approx(float(row[tid]), abs=1e-4)
+
+
+def test_echo_scores_the_prompt_with_nothing_generated(live: Live, runtime: Runtime) -> None:
+    """OpenAI's legacy shape through the official client: the prompt's tokens, the first with logprob null."""
+    tok = runtime.local()[1]
+    ids = tok.encode_text(TEXT)
+    reply = openai_client(live).completions.create(model=runtime.model_name, prompt=TEXT, echo=True, logprobs=3,
+                                                   max_tokens=0, temperature=0)
+    choice = reply.choices[0]
+    assert choice.text == TEXT and choice.finish_reason == "length"
+    assert reply.usage is not None and (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), 0)
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == TEXT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = reference(runtime, ids)
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, ids[i]]), abs=1e-4), i
+        top = lp.top_logprobs[i]
+        assert top is not None and 1 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(float(ref[i - 1].max()), abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+
+
+def test_echo_then_generation_is_the_plain_completion_after_the_prompt(live: Live, runtime: Runtime) -> None:
+    client = openai_client(live)
+    plain = client.completions.create(model=runtime.model_name, prompt=TEXT, max_tokens=5, temperature=0, logprobs=2)
+    echoed = client.completions.create(model=runtime.model_name, prompt=TEXT, max_tokens=5, temperature=0, logprobs=2,
+                                       echo=True)
+    n = len(runtime.local()[1].encode_text(TEXT))
+    assert echoed.choices[0].text == TEXT + plain.choices[0].text
+    a, b = plain.choices[0].logprobs, echoed.choices[0].logprobs
+    assert a is not None and b is not None and b.tokens is not None and b.token_logprobs is not None
+    assert b.tokens[n:] == a.tokens and b.token_logprobs[n:] == pytest.approx(a.token_logprobs, abs=1e-5)
+    assert b.text_offset is not None and b.text_offset[n] == len(TEXT)
+    text_only = client.completions.create(model=runtime.model_name, prompt=TEXT, max_tokens=5, temperature=0,
+                                          echo=True)
+    assert text_only.choices[0].text == TEXT + plain.choices[0].text and text_only.choices[0].logprobs is None
+    streamed = list(client.completions.create(model=runtime.model_name, prompt=TEXT, max_tokens=5, temperature=0,
+                                              logprobs=2, echo=True, stream=True))
+    assert streamed[0].choices[0].text == TEXT  # the prompt comes first, with its scores
+    first = streamed[0].choices[0].logprobs
+    assert first is not None and first.token_logprobs is not None and first.token_logprobs[0] is None
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+
+
+def test_prompt_logprobs_in_vllms_shape_on_both_endpoints(live: Live, runtime: Runtime) -> None:
+    tok = runtime.local()[1]
+    ids = tok.encode_text(TEXT)
+    body = {"model": runtime.model_name, "prompt": TEXT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 4}
+    resp = post(live, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    check_vllm_shape(resp.json()["choices"][0]["prompt_logprobs"], ids, reference(runtime, ids), 4, runtime)
+    messages = [{"role": "user", "content": TEXT}]
+    chat_ids = tok.encode_chat(messages)
+    resp = post(live, "/v1/chat/completions", {"model": runtime.model_name, "messages": messages, "max_tokens": 0,
+                                               "prompt_logprobs": 2})
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["choices"][0]["message"]["content"] == "" and out["choices"][0]["finish_reason"] == "length"
+    check_vllm_shape(out["prompt_logprobs"], chat_ids, reference(runtime, chat_ids), 2, runtime)  # vLLM's place
+    zero = post(live, "/v1/completions", {**body, "prompt": ids, "prompt_logprobs": 0}).json()["choices"][0]
+    assert all(len(e) == 1 for e in zero["prompt_logprobs"][1:])  # k = 0: the prompt token alone
+
+
+def test_scoring_refusals_name_the_field(live: Live, runtime: Runtime) -> None:
+    base = {"model": runtime.model_name, "prompt": "Hi there"}
+    assert "echo: true or prompt_logprobs" in assert_error(
+        post(live, "/v1/completions", {**base, "max_tokens": 0}), 400, "invalid_value", "max_tokens")
+    assert_error(post(live, "/v1/completions", {**base, "prompt_logprobs": 21}), 400, "invalid_value",
+                 "prompt_logprobs")
+    assert "stream" in assert_error(post(live, "/v1/completions", {**base, "prompt_logprobs": 1, "stream": True}),
+                                    400, "invalid_value", "prompt_logprobs")
+    assert_error(post(live, "/v1/chat/completions", {"model": runtime.model_name, "max_tokens": 0,
+                                                     "messages": [{"role": "user", "content": "Hi"}]}),
+                 400, "invalid_value", "max_tokens")
+    assert httpx.get(f"{live.url}/healthz").json()["active"] == 0
+
+
+def test_a_p_of_zero_is_written_as_openai_writes_it() -> None:
+    from webchat.serve.openai.scoring import logprob
+
+    assert logprob(0.0) == -9999.0 and logprob(None) == -9999.0 and logprob(1.0) == 0.0
+    assert logprob(0.5) == pytest.approx(math.log(0.5))
