@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 from live_server import Live, serve  # tests/ is on sys.path under pytest
+from test_scoring_ws import ask
 
 from webchat.engine.engine import PREFILL_CHUNK
 from webchat.serve.config import ServerConfig
@@ -146,3 +147,19 @@ def test_prompt_scores_match_transformers_while_eight_streams_decode(
     finally:
         for t in threads:
             t.join(600)
+
+
+def test_a_reply_scored_is_its_own_heatmap(live: Live) -> None:
+    """A greedy reply, then scored on the websocket as the last message of its chat: the same tokens (its text
+    re-tokenised) with the same probabilities and ranks as when it was generated."""
+    chat = [{"role": "user", "content": "Name three rivers in Europe and say one thing about each."}]
+    msgs = ask(live.url, {"type": "generate", "id": "g", "messages": chat, "settings": {"temperature": 0.0},
+                          "max_new_tokens": 40, "alternatives": 3})
+    reply = "".join(m["text"] for m in msgs if m["type"] == "chunk")
+    made = [t for m in msgs if m["type"] == "chunk" for t in m["tokens"]]
+    scored = ask(live.url, {"type": "score", "id": "s", "alternatives": 3,
+                            "messages": [*chat, {"role": "assistant", "content": reply}]})[-1]["tokens"]
+    assert [t["id"] for t in scored] == [t["id"] for t in made] and len(made) == 40
+    assert [t["p"] for t in scored] == pytest.approx([t["p"] for t in made], abs=1e-4)
+    assert [t["rank"] for t in scored] == [t["rank"] for t in made]
+    assert [[a["id"] for a in t["top"]] for t in scored] == [[a["id"] for a in t["top"]] for t in made]

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest, Sequence
+
+if TYPE_CHECKING:
+    from webchat.serve.scoring import Scoring
 
 Deliver = Callable[[ev.Event], None]
 
@@ -33,6 +36,7 @@ class Job:
     continue_final: bool = False  # the last message is an assistant prefix to continue
     prefix_ids: list[int] | None = None  # that prefix as the model's token ids (a branch), sent as ids where taken
     model: str | None = None  # the model it runs on (webchat.serve.models; None: the default)
+    scoring: Scoring | None = None  # a `score` request: which text's tokens it reports (webchat.serve.scoring)
     # the backend's bookkeeping
     position: int = 0  # last `queued` position sent; 0 = never queued
     seq: Sequence | None = None  # the local engine's sequence while it runs

@@ -107,8 +107,9 @@ class OpenAIApi:
         messages = [m.for_template() for m in req.messages]
         cont = bool(req.continue_final_message)
         try:  # a remote engine (no tokenizer) templates and counts the prompt itself
-            ids = [] if rt.tokenizer is None else await encode_text_work(rt.encode_chat, messages, cont,
-                                                                             chars=text_chars(messages))
+            ids = [] if rt.tokenizer is None else await encode_text_work(
+                rt.tokenizer.encode_chat, messages, req.add_generation_prompt is not False, cont,
+                chars=text_chars(messages))
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None

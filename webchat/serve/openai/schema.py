@@ -194,9 +194,10 @@ class ChatRequest(_Request):
             if self.messages[-1].role != "assistant":
                 raise APIError(400, "continue_final_message: true needs the last message to be the assistant's, got "
                                f"{self.messages[-1].role!r}", "invalid_value", "messages")
-        elif self.add_generation_prompt is False:
-            raise APIError(400, "add_generation_prompt: false is only supported with continue_final_message: true",
-                           "unsupported_value", "add_generation_prompt")
+        elif self.add_generation_prompt is False and self.prompt_logprobs is None:
+            raise APIError(400, "add_generation_prompt: false is only supported with continue_final_message: true "
+                           "or prompt_logprobs (a chat scored as it stands)", "unsupported_value",
+                           "add_generation_prompt")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, f"top_logprobs = {self.top_logprobs} needs logprobs: true, got logprobs = "
                            f"{self.logprobs}", "invalid_value", "top_logprobs")
