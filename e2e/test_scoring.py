@@ -149,3 +149,26 @@ def test_score_with_another_model_side_by_side(two_models: Server,  # noqa: F811
     assert [t["bg"] for t in a["tokens"]] == chat.page.evaluate(DIFF_COLOURS_JS, [t["delta"] for t in a["tokens"]])
     assert len({t["bg"] for t in a["tokens"]}) > 3, "expected the differences to differ in colour"
     chat.page.screenshot(path=str(artifacts / "score-side-by-side.png"))
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_axe_finds_no_serious_violations_in_the_score_views(tiny_server: Server, new_page: Callable[..., ChatPage],
+                                                            scheme: str) -> None:
+    from test_actions_a11y import run_axe
+
+    chat = new_page(tiny_server, color_scheme=scheme, bypass_csp=True)  # bypass_csp: only to inject axe.min.js
+    chat.set_settings(max_new_tokens="6")
+    chat.send("Score me, please.")
+    chat.wait_done()
+    panel = score_message(chat, user_message(chat))
+    panel.locator("[data-testid=score-token]").nth(1).focus()
+    expect(chat.page.get_by_test_id("popover")).to_be_visible()
+    assert run_axe(chat.page) == [], "a scored message with the popover open"
+    for mode in ("rank", "surprise"):
+        user_message(chat).get_by_test_id("score-mode").select_option(mode)
+        assert run_axe(chat.page) == [], f"the score panel by {mode}"
+    chat.page.get_by_test_id("score-text-open").click()
+    chat.page.get_by_test_id("score-input").fill("A pasted text to score.")
+    chat.page.get_by_test_id("score-run").click()
+    expect(chat.page.get_by_test_id("score-result").get_by_test_id("score-panel")).to_be_visible(timeout=30_000)
+    assert run_axe(chat.page) == [], "the Score a text view with its result"

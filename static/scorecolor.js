@@ -54,7 +54,18 @@ export function diffColor(delta) {
   const t = Math.max(-1, Math.min(1, delta / DIFF_MAX));
   const end = t < 0 ? ORANGE : PURPLE;
   const rgb = MIDDLE.map((c, k) => Math.round(c + (end[k] - c) * Math.abs(t)));
-  return { bg: `rgb(${rgb[0]}, ${rgb[1]}, ${rgb[2]})`, fg: Math.abs(t) > 0.55 ? "#fff" : "#000" };
+  return { bg: `rgb(${rgb[0]}, ${rgb[1]}, ${rgb[2]})`, fg: luminance(rgb) > 0.179 ? "#000" : "#fff" };
+}
+
+/**
+ * Relative luminance of an sRGB colour (WCAG): black text on it while it is over 0.179, white under (heatmap.js's
+ * rule for the viridis scale).
+ * @param {number[]} rgb
+ * @returns {number}
+ */
+function luminance(rgb) {
+  const lin = rgb.map((c) => (c / 255 <= 0.04045 ? c / 255 / 12.92 : ((c / 255 + 0.055) / 1.055) ** 2.4));
+  return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2];
 }
 
 /**

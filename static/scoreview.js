@@ -5,7 +5,7 @@
  * Token spans are `.tok` with the reply spans' data (reply.js tokenData), so the popover works on them as on replies.
  */
 
-import { probColor } from "./heatmap.js";
+import { probColor, textColorOn } from "./heatmap.js";
 import { tokenData } from "./reply.js";
 import { BIN_LABELS, DIFF_MAX, SURPRISE_MAX_BITS, diffColor, differences, scoreColors, summaryLine } from "./scorecolor.js";
 
@@ -175,8 +175,9 @@ export function fillLegend(legend, mode) {
   if (mode === "rank") {
     BIN_LABELS.forEach((label, i) => {
       const chip = el("span", "score-chip", label);
-      chip.style.background = probColor([1, 0.75, 0.5, 0.25, 0][i]);
-      chip.style.color = i < 2 ? "#000" : "#fff";
+      const t = [1, 0.75, 0.5, 0.25, 0][i];
+      chip.style.background = probColor(t);
+      chip.style.color = textColorOn(t);
       legend.append(chip);
     });
     legend.title = "Rank of each token among all the model's candidates (GLTR's bins)";

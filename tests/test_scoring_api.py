@@ -142,3 +142,27 @@ def test_a_p_of_zero_is_written_as_openai_writes_it() -> None:
 
     assert logprob(0.0) == -9999.0 and logprob(None) == -9999.0 and logprob(1.0) == 0.0
     assert logprob(0.5) == pytest.approx(math.log(0.5))
+
+
+def test_lm_eval_local_completions_request_reads_the_continuation_loglikelihood(live: Live, runtime: Runtime) -> None:
+    """lm-evaluation-harness's `local-completions` log-likelihood request and parse, as its openai_completions.py does
+    them (0.4.x): token ids of context + continuation, echo, max_tokens 1, logprobs 1; sum(token_logprobs[ctxlen:-1])
+    and is_greedy from top_logprobs. Both must be the model's own: the sum of ln p(continuation | context)."""
+    tok = runtime.local()[1]
+    ctx = tok.encode_text("Question: What colour is the sky?\nAnswer:")
+    for cont_text in (" blue", " a shade of green"):
+        cont = tok.encode_text(cont_text)
+        body = {"model": runtime.model_name, "prompt": [ctx + cont], "temperature": 0, "max_tokens": 1,
+                "logprobs": 1, "seed": 1234, "echo": True}
+        resp = post(live, "/v1/completions", body)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        lps = choice["logprobs"]["token_logprobs"][len(ctx):-1]
+        tops = choice["logprobs"]["top_logprobs"][len(ctx):-1]
+        assert len(lps) == len(cont)
+        ids = ctx + cont
+        ref = reference(runtime, ids)
+        want = sum(float(ref[len(ctx) + j - 1, cont[j]]) for j in range(len(cont)))
+        assert sum(lps) == pytest.approx(want, abs=1e-4)
+        greedy = all(lp == max(top.values()) for lp, top in zip(lps, tops, strict=True))
+        assert greedy == all(int(ref[len(ctx) + j - 1].argmax()) == cont[j] for j in range(len(cont)))

@@ -6,39 +6,26 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import test_scoring_api
 import torch
 import uvicorn
-from live_server import Live, free_port, serve  # tests/ is on sys.path under pytest
+from live_server import Live, free_port  # tests/ is on sys.path under pytest
 from test_remote_live import fake_upstream_app, front
 from websockets.sync.client import connect as sync_connect
 
 from webchat.engine import events as ev
-from webchat.model.kv_cache import SeqCache
 from webchat.serve import protocol as p
-from webchat.serve.config import ServerConfig
 from webchat.serve.remote.scoring import parse_prompt_logprobs
-from webchat.serve.runtime import Runtime, load_runtime
+from webchat.serve.runtime import Runtime
 from webchat.serve.scoring import locate, target_tokens
 
 pytestmark = pytest.mark.timeout(180)
+runtime, live, reference = test_scoring_api.runtime, test_scoring_api.live, test_scoring_api.reference  # shared
 CHAT = [{"role": "user", "content": "Tell me about the quick brown fox."}]
-
-
-@pytest.fixture(scope="module")
-def runtime(tiny_model_dir: Path) -> Runtime:
-    return load_runtime(ServerConfig(model_dir=tiny_model_dir, device="cpu", max_seq_len=256))
-
-
-@pytest.fixture(scope="module")
-def live(runtime: Runtime, tiny_model_dir: Path) -> Iterator[Live]:
-    with serve(ServerConfig(model_dir=tiny_model_dir, device="cpu", max_seq_len=256), runtime) as server:
-        yield server
 
 
 def ask(url: str, *frames: dict[str, Any]) -> list[dict[str, Any]]:
@@ -54,12 +41,6 @@ def ask(url: str, *frames: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def reference(runtime: Runtime, ids: list[int]) -> torch.Tensor:
-    """Softmax of one whole forward over ids: row i is the distribution of token i + 1."""
-    model = runtime.local()[0]
-    return torch.softmax(SeqCache(model.new_pool(len(ids) + 16)).feed(model, ids, all_logits=True).float(), dim=-1)
-
-
 def test_a_pasted_text_is_scored_alone(live: Live, runtime: Runtime) -> None:
     tok = runtime.local()[1]
     text = "The fox jumps over the dog, twice."
@@ -70,7 +51,7 @@ def test_a_pasted_text_is_scored_alone(live: Live, runtime: Runtime) -> None:
     assert scored["model"] == runtime.model_name and [t["id"] for t in scored["tokens"]] == ids
     assert "".join(t["text"] for t in scored["tokens"]) == text
     assert scored["tokens"][0]["p"] is None and scored["tokens"][0]["rank"] is None  # nothing precedes it
-    probs = reference(runtime, ids)
+    probs = reference(runtime, ids).exp()
     for i, t in enumerate(scored["tokens"][1:], start=1):
         assert t["p"] == pytest.approx(float(probs[i - 1, ids[i]]), abs=1e-5)
         assert [a["id"] for a in t["top"]] == torch.topk(probs[i - 1], 3).indices.tolist()
@@ -84,7 +65,7 @@ def test_a_message_is_scored_in_its_chat(live: Live, runtime: Runtime) -> None:
     tokens = msgs[-1]["tokens"]
     assert "".join(t["text"] for t in tokens) == CHAT[0]["content"]
     ids = tok.encode_chat(CHAT, add_generation_prompt=False)
-    probs = reference(runtime, ids)
+    probs = reference(runtime, ids).exp()
     at = next(i for i in range(len(ids)) if ids[i : i + len(tokens)] == [t["id"] for t in tokens])
     assert at > 0 and all(t["p"] is not None for t in tokens)
     for j, t in enumerate(tokens):
