@@ -39,8 +39,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(src: Path, model: Path, shelf: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`webchat serve` with `src`'s code (PYTHONPATH first), waited for until /healthz answers."""
+def start(src: Path, model: Path, shelf: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """`webchat serve` with `src`'s code (PYTHONPATH first) and `extra` flags, waited for until /healthz answers."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     where = subprocess.run([sys.executable, "-c", "import webchat; print(webchat.__file__)"], env=env, cwd="/",
                            capture_output=True, text=True, check=True).stdout.strip()
@@ -48,7 +48,7 @@ def start(src: Path, model: Path, shelf: Path) -> tuple[subprocess.Popen[bytes],
         raise SystemExit(f"the code of {src} imports webchat from {where}")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "webchat.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--models-dir", str(shelf)], env=env, cwd="/", stdout=subprocess.DEVNULL,
+                             "--models-dir", str(shelf), *extra], env=env, cwd="/", stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240

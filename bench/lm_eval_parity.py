@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -59,7 +60,10 @@ def main() -> int:
     model_dir = args.model or ensure_default_model()
     os.chdir(REPO)  # the task YAML names its data file relative to the repository
     with tempfile.TemporaryDirectory() as shelf:
-        proc, url = start(REPO, model_dir, Path(shelf))  # bench/bench_scoring.py's: `webchat serve`, waited for
+        # bench/bench_scoring.py's: `webchat serve`, waited for; its exact path where it has two precisions
+        usage = subprocess.run([sys.executable, "-m", "webchat.cli", "serve", "--help"], capture_output=True,
+                               text=True, cwd=REPO).stdout
+        proc, url = start(REPO, model_dir, Path(shelf), *(["--exact"] if "--exact" in usage else []))
         try:
             api = run("local-completions", f"model={model_name(model_dir)},base_url={url}/v1/completions,"
                       f"tokenizer_backend=huggingface,tokenizer={model_dir},tokenized_requests=True,"

@@ -166,3 +166,19 @@ def test_lm_eval_local_completions_request_reads_the_continuation_loglikelihood(
         assert sum(lps) == pytest.approx(want, abs=1e-4)
         greedy = all(lp == max(top.values()) for lp, top in zip(lps, tops, strict=True))
         assert greedy == all(int(ref[len(ctx) + j - 1].argmax()) == cont[j] for j in range(len(cont)))
+
+
+def test_prompt_scores_are_the_same_without_the_cpu_row_scan(runtime: Runtime) -> None:
+    """engine.sampling.describe: the C++ row scan (the CPU's) and the torch path (a GPU's logits, or no kernels) give
+    a scored prompt the same probabilities, ranks and alternatives."""
+    from webchat.engine.sampling import describe
+
+    scan = runtime.local()[0].row_scan
+    assert scan is not None, "the tiny model on the CPU has the C++ row scan"
+    logits = torch.randn(6, 512, generator=torch.Generator().manual_seed(0)) * 4
+    rows, tokens = [0, 2, 3, 5], [7, 100, 3, 511]
+    a, b = describe(logits, rows, tokens, 5, scan), describe(logits, rows, tokens, 5, None)
+    for x, y in zip(a, b, strict=True):
+        assert x.prob == pytest.approx(y.prob, rel=1e-5) and x.rank == y.rank
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert [p for _, p in x.top] == pytest.approx([p for _, p in y.top], rel=1e-5)

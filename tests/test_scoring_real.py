@@ -34,9 +34,13 @@ TEXTS = {
 }
 
 
+# the exact path where the server has two precisions (an int8-activation fast path may become the CPU's default)
+EXACT: dict[str, Any] = {"exact": True} if "exact" in ServerConfig.__dataclass_fields__ else {}
+
+
 @pytest.fixture(scope="module")
 def config(real_model_dir: Path) -> ServerConfig:
-    return ServerConfig(model_dir=real_model_dir, device="cpu", max_seq_len=2048)
+    return ServerConfig(model_dir=real_model_dir, device="cpu", max_seq_len=2048, **EXACT)
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest, Sequence
 
-if TYPE_CHECKING:
-    from webchat.serve.scoring import Scoring
-
 Deliver = Callable[[ev.Event], None]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a `score` job answers (webchat.serve.scoring): the tokens of `target` within its prompt; `text`: the prompt
+    is `target` alone (a pasted text), else `target` is the last message of the job's chat."""
+
+    target: str
+    text: bool = False
 
 
 @dataclass

@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.serve import protocol as p
+from webchat.serve.backend import Scoring
 from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
 from webchat.text.trim import fit_history
 
@@ -30,14 +30,6 @@ if TYPE_CHECKING:
 MAX_LOSSY = 20_000  # characters of a text searched for with U+FFFD allowed for its non-ASCII characters
 MAX_TRIES = 64  # occurrences of the text looked at for one on token boundaries (a text made of one repeated word)
 UNAVAILABLE = "scoring needs an engine with prompt logprobs"
-
-
-@dataclass(frozen=True)
-class Scoring:
-    """What a score job reports: the tokens of `target` within its prompt; `text`: the prompt is `target` alone."""
-
-    target: str
-    text: bool = False
 
 
 def locate(pieces: list[str], target: str) -> tuple[int, int] | None:
