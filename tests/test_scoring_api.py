@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,3 +183,29 @@ def test_prompt_scores_are_the_same_without_the_cpu_row_scan(runtime: Runtime) -
         assert x.prob == pytest.approx(y.prob, rel=1e-5) and x.rank == y.rank
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
         assert [p for _, p in x.top] == pytest.approx([p for _, p in y.top], rel=1e-5)
+
+
+def test_echo_lists_the_stop_token_that_ended_the_completion(live: Live, runtime: Runtime) -> None:
+    """A completion that ends on a stop token keeps it as its last legacy entry (text ""), so the entries are the
+    prompt's tokens and every sampled one, as vLLM's echo gives them (lm-eval drops the last one). The bias makes the
+    stop token the greedy choice; its logprob is still the model's raw one."""
+    tok = runtime.local()[1]
+    ids = tok.encode_text(TEXT)
+    stop = tok.stop_token_ids[0]
+    for stream in (False, True):
+        body = {"model": runtime.model_name, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+                "echo": True, "logit_bias": {str(stop): 100}, "stream": stream}
+        if stream:
+            with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as resp:
+                chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+            lp = {k: [v for c in chunks if c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"][k]]
+                  for k in ("tokens", "token_logprobs")}
+            text, reason = "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = post(live, "/v1/completions", body).json()["choices"][0]
+            lp, text, reason = choice["logprobs"], choice["text"], choice["finish_reason"]
+        assert reason == "stop" and text == TEXT
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["tokens"][-1] == ""
+        assert lp["token_logprobs"][-1] == pytest.approx(float(reference(runtime, ids)[-1, stop]), abs=1e-4)
+    plain = post(live, "/v1/completions", {**body, "echo": False, "stream": False}).json()["choices"][0]
+    assert plain["logprobs"]["tokens"] == []  # without echo the legacy logprobs keep listing generated text only

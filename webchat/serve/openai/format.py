@@ -92,6 +92,14 @@ class Reply:
         self.legacy = {key: part[key] + self.legacy[key] for key in LEGACY_KEYS}
         return self._chunk(self.echo, part, None)
 
+    def _echo_stop(self, event: ev.Finished) -> dict[str, Any] | None:
+        """With echo and logprobs, a completion ended by a stop token lists it last (no text: token ""), as vLLM's and
+        OpenAI's echo do: then the entries are the prompt's tokens and every sampled one, and lm-evaluation-harness's
+        `token_logprobs[ctxlen:-1]` is the continuation's."""
+        if self.chat or self.echo is None or self.logprobs is None or event.stop is None:
+            return None
+        return self._legacy([event.stop], len(self.text))
+
     def _decoded(self, tid: int) -> str:
         """One token's own text (vLLM's decoded_token): its bytes as UTF-8, a partial character as U+FFFD."""
         return self.tokenizer.token_bytes(tid).decode("utf-8", "replace") if self.tokenizer is not None else ""
@@ -116,7 +124,8 @@ class Reply:
 
     def finish_chunks(self, event: ev.Finished) -> list[dict[str, Any]]:
         """The finish_reason chunk (with webchat's `stats`), then with include_usage the usage chunk (no choices)."""
-        out = [{**self._chunk({} if self.chat else "", None, FINISH[event.reason]), "stats": asdict(event.stats)}]
+        out = [{**self._chunk({} if self.chat else "", self._echo_stop(event), FINISH[event.reason]),
+                "stats": asdict(event.stats)}]
         if self.include_usage:
             out.append({**self._head(chunk=True), "choices": [], "usage": usage(event.stats)})
         return out
@@ -136,6 +145,7 @@ class Reply:
         self.chunk(event)
 
     def response(self, event: ev.Finished) -> dict[str, Any]:
+        self._echo_stop(event)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": self.text}
