@@ -15,6 +15,7 @@ import { TokenPopover, nextLowConfidence } from "./popover.js";
 import { download, fileName, readExport } from "./portability.js";
 import { Presets } from "./presets.js";
 import { tokenIndex } from "./reply.js";
+import { ReplyFormatField } from "./replyformat.js";
 import { SettingsPanel } from "./settings.js";
 import { Scorer } from "./score.js";
 import { renderSidebar } from "./sidebar.js";
@@ -36,6 +37,7 @@ const scoreInput = /** @type {HTMLTextAreaElement} */ ($("score-input"));
 const settings = new SettingsPanel($("settings-form"));
 new Presets($("settings-form"), settings);
 const lib = await Library.load();
+const replyFormat = new ReplyFormatField($("settings-form"), (conv) => lib.save(conv));
 const announcer = new Announcer($("announcer"));
 const connection = new Connection(socketUrl(), {
   onState: showConn, onClose: () => { turns.lost(); scorer.lost(); },
@@ -51,6 +53,8 @@ const turns = new Turns({
   },
   model: () => picker.value,
   loaded: (names) => picker.markLoaded(names),
+  format: () => replyFormat.value(),
+  formatError: () => replyFormat.error(),
 });
 const scorer = new Scorer({
   connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
@@ -115,6 +119,7 @@ function refresh() {
   const liveView = view.render(path(lib.current), live, a !== null || scorer.active !== null);
   if (a) a.view = liveView;
   scorer.renderText(scoreInput, $("score-result"));
+  if (replyFormat.conv !== lib.current || !a) replyFormat.show(lib.current);
   renderList();
   updateButtons();
   view.scrollToEnd(true);

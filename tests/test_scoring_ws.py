@@ -4,6 +4,7 @@ and through a remote engine (vLLM's prompt_logprobs upstream), and what an engin
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -19,6 +20,7 @@ from websockets.sync.client import connect as sync_connect
 
 from webchat.engine import events as ev
 from webchat.serve import protocol as p
+from webchat.serve.remote.client import UpstreamError
 from webchat.serve.remote.scoring import parse_prompt_logprobs
 from webchat.serve.runtime import Runtime
 from webchat.serve.scoring import locate, target_tokens
@@ -122,6 +124,22 @@ def test_vllms_prompt_logprobs_become_the_scored_prompt() -> None:
     assert tokens[1].prob == pytest.approx(0.1353, abs=1e-4)
 
 
+
+@pytest.mark.parametrize(("logprob", "words"), [(1e308, "prompt_logprobs[1].logprob is 1e+308"),
+                                                (float("nan"), "prompt_logprobs[1].logprob is NaN"),
+                                                ("-1", "prompt_logprobs[1].logprob is str")])
+def test_an_upstreams_impossible_prompt_logprob_is_its_error_naming_the_position(logprob: Any, words: str) -> None:
+    entries = [None, {"12": {"logprob": logprob, "rank": 1, "decoded_token": " fox"}}]
+    with pytest.raises(UpstreamError, match=re.escape(words)):
+        parse_prompt_logprobs(entries, 2, "The fox")
+
+
+def test_an_upstreams_flood_of_prompt_alternatives_is_cut_to_the_count_asked() -> None:
+    flood = {str(i): {"logprob": -0.01 * i, "rank": 1, "decoded_token": f"t{i}"} for i in range(10_000)}
+    tokens = parse_prompt_logprobs([None, flood], 3)
+    assert len(tokens[1].top) == 3 and tokens[1].id == 0
+
+
 def test_scoring_through_a_remote_webchat_equals_the_upstreams_own(live: Live) -> None:
     with front(live.url) as base:
         assert httpx.get(f"{base}/api/info").json()["engine"]["prompt_logprobs"] == "returned"
@@ -161,4 +179,5 @@ def test_an_upstream_without_prompt_logprobs_says_scoring_needs_them() -> None:
 def test_the_scored_message_type_round_trips() -> None:
     msg = p.Scored(id="s", model="m", tokens=[p.TokenOut(id=1, text="a", p=None, rank=None, top=[])],
                    stats=p.Stats())
-    assert json.loads(p.dump(msg))["tokens"][0]["p"] is None
+    shown = json.loads(p.dump(msg))["tokens"][0]
+    assert shown["p"] is None and "forbidden" not in shown  # a prompt's tokens: no reply format refused any

@@ -14,14 +14,14 @@ text, and unknown (empty) in a chat, where it is the template's.
 
 from __future__ import annotations
 
-import math
+from itertools import islice
 from typing import Any
 
 from webchat.engine import events as ev
 from webchat.serve.backend import Job
 from webchat.serve.remote.capabilities import Capabilities
 from webchat.serve.remote.client import Upstream, UpstreamError
-from webchat.serve.remote.parse import NO_ID
+from webchat.serve.remote.parse import MAX_ALTERNATIVES, NO_ID, ChunkError, prob_of
 
 
 def score_request(caps: Capabilities, job: Job) -> tuple[str, dict[str, Any]]:
@@ -62,9 +62,11 @@ def parse_prompt_logprobs(entries: list[Any], k: int, text: str | None = None) -
     for i, entry in enumerate(entries[1:], start=1):
         if not isinstance(entry, dict) or not entry:
             raise UpstreamError(f"prompt_logprobs[{i}] is {type(entry).__name__}, not an object of token ids")
-        items = [(_id(key, i), _logprob(value, i)) for key, value in entry.items()]
+        # an upstream that sends 10,000 alternatives: the prompt token and the first 4 * MAX_ALTERNATIVES are read
+        items = [(_id(key, i), _logprob(value, i)) for key, value in islice(entry.items(), 1 + 4 * MAX_ALTERNATIVES)]
         tid, own = items[0]
         top = sorted(((t, v) for t, v in items if v["rank"] is not None and v["rank"] <= k), key=lambda x: x[1]["rank"])
+        top = top[: min(k, MAX_ALTERNATIVES)]  # an untrusted upstream: never more than were asked for
         tokens.append(ev.TokenInfo(id=tid, piece=own["text"], prob=own["p"], rank=own["rank"],
                                    top=[(t, v["text"], v["p"]) for t, v in top]))
     if text is not None:
@@ -77,17 +79,21 @@ def _id(key: Any, i: int) -> int:
     try:
         tid = int(key)
     except (TypeError, ValueError):
-        raise UpstreamError(f"prompt_logprobs[{i}] has the key {key!r}, not a token id") from None
+        raise UpstreamError(f"prompt_logprobs[{i}] has the key {str(key)[:40]!r}, not a token id") from None
     return tid if tid >= 0 else NO_ID
 
 
 def _logprob(value: Any, i: int) -> dict[str, Any]:
-    """{p, rank, text} of one {logprob, rank, decoded_token} entry."""
-    if not isinstance(value, dict) or not isinstance(value.get("logprob"), int | float):
-        raise UpstreamError(f"prompt_logprobs[{i}] holds {value!r}, not {{logprob, rank, decoded_token}}")
-    lp = float(value["logprob"])
+    """{p, rank, text} of one {logprob, rank, decoded_token} entry; a logprob above 0, not finite or not a number is
+    the upstream's error naming it (as a streamed token's, webchat.serve.remote.parse)."""
+    if not isinstance(value, dict) or value.get("logprob") is None:
+        raise UpstreamError(f"prompt_logprobs[{i}] holds {str(value)[:80]!r}, not {{logprob, rank, decoded_token}}")
+    try:
+        p = prob_of({"logprob": value["logprob"]}, f"prompt_logprobs[{i}]")
+    except ChunkError as exc:
+        raise UpstreamError(f"the upstream's {exc}") from None
     rank = value.get("rank")
     decoded = value.get("decoded_token")
-    return {"p": 0.0 if lp <= -9999.0 or math.isinf(lp) else math.exp(lp),
+    return {"p": p,
             "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1 else None,
             "text": decoded if isinstance(decoded, str) else ""}
