@@ -17,6 +17,7 @@ import { Presets } from "./presets.js";
 import { tokenIndex } from "./reply.js";
 import { ReplyFormatField } from "./replyformat.js";
 import { SettingsPanel } from "./settings.js";
+import { Scorer } from "./score.js";
 import { renderSidebar } from "./sidebar.js";
 import { titleOf } from "./store.js";
 import { ThinkSwitch } from "./thinking.js";
@@ -32,6 +33,7 @@ const stopBtn = /** @type {HTMLButtonElement} */ ($("stop"));
 const search = /** @type {HTMLInputElement} */ ($("search"));
 const messagesEl = $("messages");
 const activity = $("activity");
+const scoreInput = /** @type {HTMLTextAreaElement} */ ($("score-input"));
 
 const settings = new SettingsPanel($("settings-form"));
 new Presets($("settings-form"), settings);
@@ -39,7 +41,8 @@ const lib = await Library.load();
 const replyFormat = new ReplyFormatField($("settings-form"), (conv) => lib.save(conv));
 const announcer = new Announcer($("announcer"));
 const connection = new Connection(socketUrl(), {
-  onState: showConn, onMessage: (m) => (m.type === "hello" ? applyHello(m) : turns.onServer(m)), onClose: () => turns.lost(),
+  onState: showConn, onClose: () => { turns.lost(); scorer.lost(); },
+  onMessage: (m) => (m.type === "hello" ? applyHello(m) : scorer.onServer(m) || turns.onServer(m)),
 });
 const turns = new Turns({
   connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
@@ -61,6 +64,11 @@ const think = new ThinkSwitch($("think-switch"), /** @type {HTMLInputElement} */
 });
 /** @type {import("./connection.js").Hello["thinking"]} the default model's thinking (hello) */
 let defaultThinking = null;
+const scorer = new Scorer({
+  connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
+  progress: (text) => { activity.textContent = text; },
+  models: () => picker.cards.map((c) => c.name), model: () => picker.value, busy: () => turns.active !== null,
+});
 /** The header while a model is picked: its name and what it is; with one model, hello's line stays. */
 const picker = new ModelPicker(/** @type {HTMLSelectElement} */ ($("model-picker")), (card) => {
   $("model-name").hidden = card !== null;
@@ -84,10 +92,12 @@ const view = new ChatView(messagesEl, {
     lib.save();
     refresh();
   },
+  score: { state: (step) => scorer.scoreState(step), onScore: (step) => scorer.onScore(step),
+    decorate: (el, step) => scorer.decorate(el, step) },
 });
 const popover = new TokenPopover(messagesEl, $("popover"), {
-  enabled: () => heat.on,
-  canPick: () => turns.active === null && connection.isOpen,
+  enabled: (span) => heat.on || span.closest(".score") !== null,
+  canPick: (span) => turns.active === null && connection.isOpen && span.closest(".score") === null,
   settingsOf: (span) => stepOf(span)?.msg.settings,
   onPick: (span, alt) => {
     const step = stepOf(span);
@@ -115,8 +125,9 @@ function stepOf(span) {
 function refresh() {
   const a = turns.active;
   const live = a && a.conv === lib.current ? a.msg : null;
-  const liveView = view.render(path(lib.current), live, a !== null);
+  const liveView = view.render(path(lib.current), live, a !== null || scorer.active !== null);
   if (a) a.view = liveView;
+  scorer.renderText(scoreInput, $("score-result"));
   if (replyFormat.conv !== lib.current || !a) replyFormat.show(lib.current);
   think.show(lib.current);
   renderList();
@@ -167,7 +178,7 @@ function updateButtons() {
   stopBtn.hidden = !here;
   stopBtn.disabled = a?.stopping ?? false;
   stopBtn.textContent = a?.stopping ? "Stopping…" : "Stop";
-  sendBtn.disabled = !connection.isOpen || a !== null;
+  sendBtn.disabled = !connection.isOpen || a !== null || scorer.active !== null;
   sendBtn.title = !connection.isOpen ? "Not connected; your text stays here until it reconnects"
     : a ? "A reply is still streaming in another chat" : "Send (Enter)";
 }
@@ -199,11 +210,12 @@ function applyHello(hello) {
   }
   settings.setServerLimits(hello);
   defaultThinking = hello.thinking ?? null;
+  scorer.setEngine(hello);
   picker.set(hello.models, lib.current.model ?? null);
 }
 
 function send() {
-  if (turns.active) return;
+  if (turns.active || scorer.active) return;
   view.clearError();
   if (turns.ask(input.value)) {
     input.value = "";
@@ -265,6 +277,24 @@ $("next-low").addEventListener("click", () => {
   if (!nextLowConfidence(messagesEl, focused, 1)) activity.textContent = "No low-confidence token here.";
 });
 $("settings-form").addEventListener("submit", (e) => e.preventDefault());
+new TokenPopover($("score-view"), $("score-popover"), {
+  enabled: () => true, canPick: () => false, onPick: () => {}, settingsOf: () => undefined,
+});
+$("score-text-open").addEventListener("click", () => {
+  const open = $("score-view").hidden;
+  $("score-view").hidden = !open;
+  $("score-text-open").setAttribute("aria-expanded", String(open));
+  if (open) scoreInput.focus();
+});
+$("score-close").addEventListener("click", () => {
+  $("score-view").hidden = true;
+  $("score-text-open").setAttribute("aria-expanded", "false");
+});
+$("score-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  view.clearError();
+  scorer.scoreText(scoreInput.value, null);
+});
 $("sidebar-toggle").addEventListener("click", () => {
   const open = document.body.classList.toggle("sidebar-open");
   $("sidebar-toggle").setAttribute("aria-expanded", String(open));

@@ -10,7 +10,9 @@ import { rawText } from "./thinking.js";
  * @typedef {import("./tree.js").Step} Step
  * @typedef {{onEdit: (step: Step, text: string) => void, onRegenerate: (step: Step) => void,
  *            onContinue: (step: Step) => void, onDelete: (step: Step) => void,
- *            onVersion: (step: Step, delta: number) => void}} Actions
+ *            onVersion: (step: Step, delta: number) => void, score?: ScoreHooks}} Actions
+ * @typedef {{state: (step: Step) => {label: string, disabled: boolean, title: string}, onScore: (step: Step) => void,
+ *            decorate: (el: HTMLElement, step: Step) => void}} ScoreHooks  a message's Score button and its panel
  */
 
 /** The message list. */
@@ -60,6 +62,7 @@ export class ChatView {
     let liveView = null;
     for (const step of steps) {
       const el = this.messageEl(step, step.index === steps.length - 1);
+      this.actions.score?.decorate(el, step);
       if (step.msg.role === "user") {
         renderText(/** @type {HTMLElement} */ (el.querySelector(".msg-body")), step.msg.content);
         continue;
@@ -112,6 +115,13 @@ export class ChatView {
       if (last) bar.append(button("Continue", "continue", () => a.onContinue(step), this.busy || rawText(msg) === ""));
     } else {
       bar.append(button("Edit", "edit", () => this.edit(el, step), this.busy));
+    }
+    const score = a.score?.state(step);
+    if (a.score && score) {
+      const idle = !this.busy || score.label !== "Score";
+      const b = button(score.label, "score", () => a.score?.onScore(step), score.disabled || !idle);
+      b.title = score.title;
+      bar.append(b);
     }
     bar.append(button("Delete", "delete", () => a.onDelete(step), this.busy));
     el.append(body, meta, bar);

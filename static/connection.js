@@ -9,7 +9,7 @@
  *            thinking?: {start: string, end: string, switch: boolean} | null}} Hello
  * @typedef {{url: string, state: string, error: string | null, kind: string, models: string[], model: string | null,
  *            context_length: number | null, max_top_logprobs: number, probabilities: string, bytes: string,
- *            token_ids: string, continue_final: string, token_prompt: string}} Engine
+ *            token_ids: string, continue_final: string, token_prompt: string, prompt_logprobs?: string}} Engine
  *   A remote engine's probed capabilities (`webchat serve --engine-url`, docs/scale-out.md).
  * @typedef {{id: number, text: string, p: number | null, rank: number | null,
  *            top: {id: number, text: string, p: number}[], sampled_p?: number | null, forbidden?: number[],
@@ -23,6 +23,7 @@
  *         | {type: "error", id: string | null, code: string, message: string}
  *         | {type: "loading", id: string, model: string, state: "loading" | "loaded", size_bytes?: number,
  *            estimate_bytes?: number, seconds?: number, loaded?: string[]}
+ *         | {type: "scored", id: string, model: string, tokens: WireToken[], stats: import("./store.js").Stats}
  *         | Hello} ServerMessage
  * @typedef {{onState: (state: ConnState, detail: string) => void, onMessage: (msg: ServerMessage) => void,
  *            onClose: () => void}} Handlers

@@ -43,7 +43,7 @@ export class Library {
 
   /** Shows an empty conversation: the existing empty one if there is one. */
   startNew() {
-    this.current = this.all.find((c) => c.root === null) ?? this.add();
+    this.current = this.all.find((c) => c.root === null && !c.scoredText) ?? this.add();
     store.saveCurrentId(this.current.id);
   }
 
@@ -78,7 +78,7 @@ export class Library {
   save(conv = this.current) {
     conv.title = store.titleOf(conv);
     this.lastSave.set(conv.id, performance.now());
-    if (conv.root === null && !conv.named) return;  // an empty chat is not worth keeping
+    if (conv.root === null && !conv.named && !conv.scoredText) return;  // an empty chat is not worth keeping
     store.putConversation(conv).catch((err) => console.warn("webchat: saving failed", err));
   }
 

@@ -13,9 +13,9 @@ import { postSampling } from "./postsample.js";
 export const LOW_P = 0.3;
 
 /**
- * @typedef {{enabled: () => boolean, onPick: (span: HTMLElement, alt: import("./heatmap.js").Alt) => void,
+ * @typedef {{enabled: (span: HTMLElement) => boolean, onPick: (span: HTMLElement, alt: import("./heatmap.js").Alt) => void,
  *            settingsOf: (span: HTMLElement) => Record<string, unknown> | undefined,
- *            canPick: () => boolean}} PopoverHooks
+ *            canPick: (span: HTMLElement) => boolean}} PopoverHooks
  */
 
 /** Wires the popover to the token spans inside `list` (event delegation, so streamed tokens need nothing more). */
@@ -74,7 +74,7 @@ export class TokenPopover {
   /** @param {Event} e */
   onPoint(e) {
     const t = e.target instanceof Element ? e.target.closest(".tok") : null;
-    if (!(t instanceof HTMLElement) || !this.hooks.enabled()) {
+    if (!(t instanceof HTMLElement) || !this.hooks.enabled(t)) {
       if (e.type === "pointerover" && this.anchor && !this.pop.contains(document.activeElement)
           && document.activeElement !== this.anchor && !(e.target instanceof Node && this.pop.contains(e.target))) {
         this.hide();
@@ -92,7 +92,7 @@ export class TokenPopover {
     this.anchor = span;
     span.classList.add("tok-active");
     span.setAttribute("aria-describedby", this.pop.id);
-    const pick = this.hooks.canPick() ? (/** @type {import("./heatmap.js").Alt} */ alt) => {
+    const pick = this.hooks.canPick(span) ? (/** @type {import("./heatmap.js").Alt} */ alt) => {
       this.hide();
       this.hooks.onPick(span, alt);
     } : null;
@@ -139,7 +139,7 @@ export class TokenPopover {
       nextLowConfidence(this.list, t, e.key === "N" ? -1 : 1);
       return;
     }
-    const body = t.closest(".msg-body");
+    const body = t.closest(".msg-body, .score-text");
     if (!body) return;
     const toks = /** @type {HTMLElement[]} */ ([...body.querySelectorAll(".tok:not(.tok-cont)")]);
     const i = toks.indexOf(t);

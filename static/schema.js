@@ -55,8 +55,35 @@ export function checkMessage(m, at) {
       }
     }
   }
+  if (msg.scores !== undefined) {
+    const err = checkScores(msg.scores, `${at}.scores`);
+    if (err) return err;
+  }
+  if (msg.scoreHidden !== undefined && typeof msg.scoreHidden !== "boolean") {
+    return `${at}.scoreHidden: expected true or false, got ${shown(msg.scoreHidden)}`;
+  }
   if (msg.tokens !== undefined) {
     return checkTokens(msg.tokens, msg.content, typeof msg.thinking === "string" ? msg.thinking : "", `${at}.tokens`);
+  }
+  return "";
+}
+
+/**
+ * A text's scores (score.js): up to two views {model, tokens, at}, each token as a reply's.
+ * @param {unknown} scores
+ * @param {string} at
+ * @returns {string}
+ */
+export function checkScores(scores, at) {
+  if (!Array.isArray(scores) || scores.length > 2) return `${at}: expected a list of at most 2 views, got ${shown(scores)}`;
+  for (const [i, s] of scores.entries()) {
+    const view = /** @type {Record<string, unknown>} */ (s);
+    if (!isObject(s) || typeof view.model !== "string" || !finite(view.at) || !Array.isArray(view.tokens)) {
+      return `${at}[${i}]: expected {model: string, tokens: list, at: time}, got ${shown(s)}`;
+    }
+    const text = view.tokens.map((t) => (isObject(t) ? /** @type {Record<string, unknown>} */ (t).text : "")).join("");
+    const err = checkTokens(view.tokens, text, `${at}[${i}].tokens`);
+    if (err) return err;
   }
   return "";
 }
@@ -155,6 +182,12 @@ export function checkConversation(c) {
   for (const key of ["created", "updated"]) {
     if (conv[key] !== undefined && !finite(conv[key])) return `${key}: expected a time in ms, got ${shown(conv[key])}`;
   }
+  if (conv.scoredText !== undefined) {
+    const kept = /** @type {Record<string, unknown>} */ (conv.scoredText);
+    if (!isObject(kept) || typeof kept.text !== "string") return `scoredText: expected {text, scores}, got ${shown(kept)}`;
+    const err = checkScores(kept.scores, "scoredText.scores");
+    if (err) return err;
+  }
   if (conv.root === null) return "";
   return checkThread(conv.root, "root", 0);
 }
@@ -171,8 +204,9 @@ function repairMessage(m) {
   if (raw.role !== "user" && raw.role !== "assistant") return null;
   /** @type {Message} */
   const msg = { role: raw.role, content: typeof raw.content === "string" ? raw.content : "" };
-  for (const key of /** @type {const} */ (["reason", "settings", "stats", "thinking", "thoughtMs", "tokens", "model",
-    "format"])) {
+  const keys = /** @type {const} */ (["reason", "settings", "stats", "thinking", "thoughtMs", "tokens", "model",
+    "format", "scores", "scoreHidden"]);
+  for (const key of keys) {
     if (raw[key] === undefined) continue;
     const trial = /** @type {Record<string, unknown>} */ ({ role: msg.role, content: msg.content, thinking: msg.thinking,
       [key]: raw[key] });

@@ -13,12 +13,14 @@ import { fromFlat, messages } from "./tree.js";
  *            reused_tokens?: number, drafted?: number, accepted?: number}} Stats
  * @typedef {{role: "user" | "assistant", content: string, tokens?: Tok[], reason?: string, stats?: Stats,
  *            settings?: Record<string, unknown>, model?: string, format?: import("./replyformat.js").ReplyFormat,
- *            thinking?: string, thoughtMs?: number}} Message
+ *            thinking?: string, thoughtMs?: number, scores?: import("./scoreview.js").Score[],
+ *            scoreHidden?: boolean}} Message
  *   `reason` is the `done` reason of an assistant reply (`cancelled` = stopped by the user), or `interrupted`;
  *   `settings` the sampling settings it was generated with (for the post-sampling probability); `model` the model
  *   that wrote the reply, on a server with several (hello.models); `format` the reply format it was made under.
  *   `content` is a reply's answer; `thinking` its thinking (shown folded, never as answer text), `thoughtMs` how long
- *   the thinking streamed (thinking.js).
+ *   the thinking streamed (thinking.js); `scores` how one or two models read the message (score.js), `scoreHidden`
+ *   its panel folded away.
  * @typedef {import("./tree.js").Conversation} Conversation
  */
 

@@ -81,8 +81,13 @@ def test_completion_prompts() -> None:
 
     assert one('"hi"') == "hi" and one("[1, 2]") == [1, 2] and one('["hi"]') == "hi" and one("[[3]]") == [3]
     assert "2 prompts" in error(lambda: one('["a", "b"]')).message
-    assert error(lambda: parse(CompletionRequest, b'{"model": "m", "prompt": "x", "echo": true}').check()).param \
-        == "echo"
+    echo = parse(CompletionRequest, b'{"model": "m", "prompt": "x", "echo": true, "max_tokens": 0}')
+    echo.check()  # pure scoring: the prompt is run for its text, nothing generated
+    assert echo.scored() == 0
+    assert parse(CompletionRequest, b'{"model": "m", "prompt": "x", "echo": true, "logprobs": 3}').scored() == 3
+    assert parse(CompletionRequest, b'{"model": "m", "prompt": "x", "echo": true}').scored() is None
+    assert error(lambda: parse(CompletionRequest, b'{"model": "m", "prompt": "x", "max_tokens": 0}').check()).param \
+        == "max_tokens"
 
 
 def test_encode_text_reads_special_tokens_as_characters(tiny_model_dir: Path) -> None:

@@ -551,12 +551,13 @@ class Engine:
         elif seq.grammar_active and c.token not in seq.stop_ids:  # decided before the token moves the split on
             assert seq.req.constraint is not None
             seq.req.constraint.accept(c.token)
-        if c.token in seq.stop_ids:
-            seq.end(out, "stop_token", c.token)
-            return
         info = TokenInfo(id=c.token, piece="", prob=c.prob, sampled_prob=c.sampled_prob, rank=c.rank,
                          top=[(t, self.tokenizer.id_to_text(t), p) for t, p in c.top], logits=c.logits,
                          forbidden=c.forbidden)
+        if c.token in seq.stop_ids:  # no text; its scores stay for a transport that lists it (the legacy echo)
+            seq.end(out, "stop_token", c.token)
+            out.stop_info = info
+            return
         released = seq.holder.push(info, seq.decoder.push(c.token))
         seq.release(out, released.items)
         if released.stop is not None:

@@ -96,6 +96,7 @@ class Finished:
     reason: str  # stop_token | stop_string | max_new_tokens | context_full | cancelled
     trigger: str | None  # the stop token's text or the stop string
     stats: Stats
+    stop: TokenInfo | None = None  # the stop token with its scores (reason stop_token; probabilities when asked)
 
 
 @dataclass(frozen=True)

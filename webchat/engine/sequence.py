@@ -59,6 +59,7 @@ class StreamResult:
     eos: bool = False
     eos_reason: str | None = None  # stop_token | stop_string | max_new_tokens | context_full | cancelled
     eos_trigger: int | str | None = None  # the stop token id or the stop string
+    stop_info: TokenInfo | None = None  # the stop token that ended it, with its scores (it adds no text)
     stats: Stats | None = None  # at eos only
 
     def merge(self, later: StreamResult) -> None:
@@ -70,6 +71,7 @@ class StreamResult:
         if later.eos:
             self.eos, self.eos_reason, self.eos_trigger, self.stats = True, later.eos_reason, later.eos_trigger, \
                 later.stats
+            self.stop_info = later.stop_info
 
 
 @dataclass(eq=False)

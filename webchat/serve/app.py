@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from webchat.engine import events as ev
 from webchat.engine.grammar import GrammarConstraint
 from webchat.serve import protocol as p
+from webchat.serve import scoring as score
 from webchat.serve import thinking
 from webchat.serve.backend import Backend, Job
 from webchat.serve.config import ServerConfig, content_security_policy, origin_allowed, static_version
@@ -129,7 +130,7 @@ class Connection:
                 if isinstance(msg, p.Stop):
                     self.worker.cancel(self.key, msg.id)
                 else:
-                    await self._generate(msg)
+                    await self._generate(msg)  # a generate, or a score
                 self.bad_frames = 0
                 continue
             except p.ProtocolError as exc:
@@ -159,13 +160,16 @@ class Connection:
         if self.guard is not None:
             self.guard.abort_peer(self.ws.scope.get("client"))
 
-    async def _generate(self, msg: p.Generate) -> None:
+    async def _generate(self, msg: p.Generate | p.Score) -> None:
         if self.current is not None:
             raise p.ProtocolError("busy_connection", f"request {self.current!r} is still running on this connection; "
                                   "send stop or wait for its done", msg.id)
         self.current = msg.id  # from here every error names this request and ends it
         try:
             rt = await self._model(msg)
+            if isinstance(msg, p.Score):
+                self.worker.submit(await self._score_job(msg, rt))
+                return
             ask = self._thinking(msg)
             request, n_prompt, trimmed = await self._prepare(msg, rt, ask)
         except p.ProtocolError:
@@ -185,7 +189,22 @@ class Connection:
                                upstream=None if msg.response_format is None or rt.tokenizer is not None else
                                {"response_format": msg.response_format.model_dump(by_alias=True, exclude_none=True)}))
 
-    async def _model(self, msg: p.Generate) -> Runtime:
+    async def _score_job(self, msg: p.Score, rt: Runtime) -> Job:
+        """A `score` (webchat.serve.scoring): the text read in one prefill, its tokens answered as `scored`."""
+        request, n_prompt, scoring = await score.prepare(msg, rt)
+        reply = score.ScoreReply(msg.id, rt.model_name, scoring)
+        messages = None if msg.messages is None else [m.model_dump() for m in msg.messages]
+        return Job(key=self.key, request_id=msg.id, request=request, prompt_tokens=n_prompt, client=self.key,
+                   deliver=functools.partial(self._deliver_score, reply), messages=messages, scoring=scoring,
+                   model=rt.model_name if self.models is not None else None)
+
+    def _deliver_score(self, reply: score.ScoreReply, event: ev.Event) -> None:
+        if isinstance(event, ev.Finished | ev.Failed) and reply.request_id == self.current:
+            self.current = None
+        for msg in reply.messages(event):
+            self.outbox.push(msg)
+
+    async def _model(self, msg: p.Generate | p.Score) -> Runtime:
         """The runtime of the model the request names, loaded first if need be (`loading` messages meanwhile)."""
         if self.models is None:
             if msg.model is not None and msg.model != self.runtime.model_name:

@@ -20,6 +20,15 @@ from webchat.serve.thinking import Ask
 Deliver = Callable[[ev.Event], None]
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """What a `score` job answers (webchat.serve.scoring): the tokens of `target` within its prompt; `text`: the prompt
+    is `target` alone (a pasted text), else `target` is the last message of the job's chat."""
+
+    target: str
+    text: bool = False
+
+
 @dataclass
 class Job:
     """One `generate` request: the generator request, where its messages go, and its place in the schedule."""
@@ -34,6 +43,7 @@ class Job:
     continue_final: bool = False  # the last message is an assistant prefix to continue
     prefix_ids: list[int] | None = None  # that prefix as the model's token ids (a branch), sent as ids where taken
     model: str | None = None  # the model it runs on (webchat.serve.models; None: the default)
+    scoring: Scoring | None = None  # a `score` request: which text's tokens it reports (webchat.serve.scoring)
     # a remote engine's pass-through: the client's response_format / structured_outputs / tools / tool_choice /
     # parallel_tool_calls, as sent (webchat.serve.openai.tools.upstream_fields); the upstream enforces them
     upstream: dict[str, Any] | None = None

@@ -23,7 +23,7 @@ MAX_PREFIX_IDS = 131_072  # a continued reply's token ids (the frame's size limi
 MAX_TEMPLATE_KWARGS = 32
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
-    "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
+    "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable",
 )
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
@@ -130,8 +130,31 @@ class Stop(_Strict):
     id: RequestId
 
 
-ClientMessage = Generate | Stop
-_CLIENT_TYPES: dict[str, type[Generate] | type[Stop]] = {"generate": Generate, "stop": Stop}
+class Score(_Strict):
+    """Score a text as the model reads it (issue 41): the last of `messages` in its chat, or `text` alone; the reply
+    is `scored` with that text's tokens (docs/protocol.md, "score")."""
+
+    type: Literal["score"]
+    id: RequestId
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1000)] | None = None
+    text: Annotated[str, Field(min_length=1)] | None = None
+    alternatives: Annotated[int, Field(ge=0, le=MAX_ALTERNATIVES)] = 5
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # None: the server's default model
+
+    @model_validator(mode="after")
+    def _one_text(self) -> Score:
+        if (self.messages is None) == (self.text is None):
+            raise PydanticCustomError("score_what", "give either 'messages' (score the last one in its chat) or "
+                                      "'text' (score it alone), got {got}",
+                                      {"got": "both" if self.text is not None else "neither"})
+        if self.messages is not None and self.messages[-1].content.strip() == "":
+            raise PydanticCustomError("score_what", "the last message is the one scored: it needs text")
+        return self
+
+
+ClientMessage = Generate | Stop | Score
+_CLIENT_TYPES: dict[str, type[Generate] | type[Stop] | type[Score]] = {"generate": Generate, "stop": Stop,
+                                                                       "score": Score}
 
 
 # ---------------------------------------------------------------- server → client
@@ -225,6 +248,7 @@ class Error(_Strict):
     code: Literal[
         "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy",
         "internal", "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
+        "scoring_unavailable",
     ]
     message: str
 
@@ -243,7 +267,18 @@ class Loading(_Strict):
     loaded: list[str] | None = None
 
 
-ServerMessage = Hello | Queued | Start | Chunk | Done | Error | Loading
+class Scored(_Strict):
+    """A `score` request's answer: the scored text's tokens (`p` null for a first token nothing precedes), how many
+    tokens the model read (its context included) and how long it took; the request ends here."""
+
+    type: Literal["scored"] = "scored"
+    id: str
+    model: str
+    tokens: list[TokenOut]
+    stats: Stats
+
+
+ServerMessage = Hello | Queued | Start | Chunk | Done | Error | Loading | Scored
 
 
 # ---------------------------------------------------------------- the websocket adapter of the worker's events
@@ -286,8 +321,8 @@ def dump(msg: ServerMessage) -> str:
     """The JSON text frame for a server message (`chunk.tokens` left out when not asked for)."""
     if isinstance(msg, Chunk) and msg.tokens is None:
         return msg.model_dump_json(exclude={"tokens"})
-    if isinstance(msg, Chunk) and all(t.forbidden is None for t in msg.tokens or []):
-        return msg.model_dump_json(exclude={"tokens": {"__all__": {"forbidden"}}})
+    if isinstance(msg, Chunk | Scored) and all(t.forbidden is None for t in msg.tokens or []):
+        return msg.model_dump_json(exclude={"tokens": {"__all__": {"forbidden"}}})  # a prompt's tokens: never any
     if isinstance(msg, Start) and msg.trimmed_messages is None:
         return msg.model_dump_json(exclude={"trimmed_messages"})
     if isinstance(msg, Loading):
@@ -356,7 +391,7 @@ def validation_error(exc: ValidationError, model: type[BaseModel], request_id: s
         return ProtocolError("bad_settings", f"{loc}: {err['msg']}", request_id)
     if err["type"] in ("prefix_ids", "prefix_without_continue"):  # whole-message checks of one field
         return ProtocolError("bad_message", f"field 'prefix_ids': {err['msg']}", request_id)
-    if err["type"] == "last_not_user":
+    if err["type"] in ("last_not_user", "score_what"):
         return ProtocolError("bad_message", f"field '{loc}': {err['msg']}", request_id)
     shown = short_repr(err.get("input"))
     return ProtocolError("bad_message", f"field '{loc}': {err['msg']}, got {shown}", request_id)

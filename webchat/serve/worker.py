@@ -321,7 +321,7 @@ def result_events(result: StreamResult, id_to_text: Callable[[int], str]) -> lis
     if result.eos:
         trigger = result.eos_trigger
         out.append(ev.Finished(result.eos_reason or "", id_to_text(trigger) if isinstance(trigger, int) else trigger,
-                               result.stats or ev.Stats()))
+                               result.stats or ev.Stats(), result.stop_info))
     return out
 
 

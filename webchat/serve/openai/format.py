@@ -12,7 +12,6 @@ on the finish chunk and the whole response, as llama.cpp's server adds `timings`
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from webchat.engine import events as ev
 from webchat.serve.openai import reasoning
+from webchat.serve.openai.scoring import echo_logprobs, logprob, vllm_prompt_logprobs
 
 if TYPE_CHECKING:
     from webchat.serve.openai.tools import ToolCalls
@@ -29,10 +29,6 @@ FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length
           "cancelled": "stop"}
 DONE = b"data: [DONE]\n\n"
 LEGACY_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-
-
-def logprob(p: float | None) -> float:
-    return math.log(p) if p is not None and p > 0.0 else -9999.0
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -74,15 +70,46 @@ class Reply:
     thinking_entries: list[dict[str, Any]] = field(default_factory=list)  # chat: logprobs.reasoning_content
     legacy: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in LEGACY_KEYS})  # text completions
     ids: list[int] = field(default_factory=list)  # every token's id so far (kept with token_ids only)
+    echo: str | None = None  # completions' echo: the prompt's text, first in `text` (and in logprobs when asked)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token (None: not asked)
+    scored: list[Any] | None = None  # the prompt's scores in vLLM's shape, once the prefill is done
     tools: ToolCalls | None = None  # the reply's tool calls, parsed as it streams (a chat request with tools)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        if self.echo is not None and self.logprobs is None:
+            self.text = self.echo  # with logprobs, the echo waits for the prompt's scores (prompt())
 
     # ------------------------------------------------------------ streaming
     def role_chunk(self) -> dict[str, Any] | None:
         """The first chat chunk (OpenAI's): the role, empty content."""
-        return self._chunk({"role": "assistant", "content": ""}, None, None) if self.chat else None
+        if self.chat:
+            return self._chunk({"role": "assistant", "content": ""}, None, None)
+        return self._chunk(self.text, None, None) if self.text else None  # an echo without logprobs
+
+    def prompt(self, event: ev.PromptTokens) -> dict[str, Any] | None:
+        """The scored prompt: kept for prompt_logprobs; with echo and logprobs, the prompt's text and legacy logprobs
+        come first (returned as the chunk that streams them)."""
+        if self.prompt_logprobs is not None:
+            self.scored = vllm_prompt_logprobs(event.tokens, self.prompt_logprobs, self._decoded)
+        if self.echo is None or self.logprobs is None or self.chat:
+            return None
+        part = echo_logprobs(event.tokens, self.logprobs)
+        self.text = self.echo
+        self.legacy = {key: part[key] + self.legacy[key] for key in LEGACY_KEYS}
+        return self._chunk(self.echo, part, None)
+
+    def _echo_stop(self, event: ev.Finished) -> dict[str, Any] | None:
+        """With echo and logprobs, a completion ended by a stop token lists it last (no text: token ""), as vLLM's and
+        OpenAI's echo do: then the entries are the prompt's tokens and every sampled one, and lm-evaluation-harness's
+        `token_logprobs[ctxlen:-1]` is the continuation's."""
+        if self.chat or self.echo is None or self.logprobs is None or event.stop is None:
+            return None
+        return self._legacy([event.stop], len(self.text))
+
+    def _decoded(self, tid: int) -> str:
+        """One token's own text (vLLM's decoded_token): its bytes as UTF-8, a partial character as U+FFFD."""
+        return self.tokenizer.token_bytes(tid).decode("utf-8", "replace") if self.tokenizer is not None else ""
 
     def chunk(self, event: ev.Tokens) -> dict[str, Any] | None:
         """A content chunk (its thinking apart, serve/openai/reasoning.py); None when it would carry nothing (no text,
@@ -118,7 +145,8 @@ class Reply:
         out = []
         if self.tools is not None and (delta := self._delta(*self.tools.finish())):
             out.append(self._chunk(delta, None, None))
-        out.append({**self._chunk({} if self.chat else "", None, self._finish(event)), "stats": asdict(event.stats)})
+        out.append({**self._chunk({} if self.chat else "", self._echo_stop(event), self._finish(event)),
+                    "stats": asdict(event.stats)})
         if self.include_usage:
             out.append({**self._head(chunk=True), "choices": [], "usage": usage(event.stats)})
         return out
@@ -138,6 +166,7 @@ class Reply:
         self.chunk(event)
 
     def response(self, event: ev.Finished) -> dict[str, Any]:
+        self._echo_stop(event)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             content: str | None = self.text
@@ -153,11 +182,16 @@ class Reply:
         else:
             choice["text"] = self.text
             choice["logprobs"] = None if self.logprobs is None else self.legacy
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.scored
         if self.token_ids:
             choice["token_ids"] = self.ids
         choice["finish_reason"] = self._finish(event)
-        return {**self._head(chunk=False), "choices": [choice], "usage": usage(event.stats),
-                "stats": asdict(event.stats)}
+        out = {**self._head(chunk=False), "choices": [choice], "usage": usage(event.stats),
+               "stats": asdict(event.stats)}
+        if self.chat and self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.scored  # vLLM's chat response carries them beside `choices`
+        return out
 
     # ------------------------------------------------------------ pieces
     def _finish(self, event: ev.Finished) -> str:

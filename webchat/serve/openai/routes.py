@@ -43,6 +43,7 @@ from webchat.serve.openai.tools import ToolCalls, chat_tools, upstream_fields
 from webchat.serve.replyformat import kept_ids, make_constraint
 from webchat.serve.rules import RuleError, context_room, speculative_mode
 from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
+from webchat.text.detok import decode_all
 from webchat.text.thinking import for_template, thinking_format
 from webchat.text.toolformat import GENERIC
 
@@ -133,9 +134,10 @@ class OpenAIApi:
                                                             rt.tokenizer.control_id)
             grammar = self._grammar(req, plan.grammar if plan is not None else None)
         try:  # a remote engine (no tokenizer) templates and counts the prompt itself
-            ids = [] if rt.tokenizer is None else await encode_text_work(rt.encode_chat, messages, cont, None,
-                                                                             template_tools, ask.kwargs,
-                                                                             chars=text_chars(messages))
+            # add_generation_prompt false: the chat scored as it stands (prompt_logprobs)
+            ids = [] if rt.tokenizer is None else await encode_text_work(
+                self._tokenize_chat, rt, messages, req.add_generation_prompt is not False, cont, ask.kwargs,
+                template_tools, chars=text_chars(messages))
             reasoning = None if rt.tokenizer is None else thinking.reasoning_for(rt.tokenizer, messages, cont, ask)
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
@@ -144,7 +146,8 @@ class OpenAIApi:
         reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                      tools=ToolCalls(tools) if tools is not None else None, raw=not ask.split)
+                      prompt_logprobs=req.prompt_logprobs, tools=ToolCalls(tools) if tools is not None else None,
+                      raw=not ask.split)
         gen = self._generation(rt, req, ids, req.limit(), reply, "messages")
         gen.reasoning = reasoning
         kept = str(messages[-1].get("content") or "") if cont else ""  # a continued reply goes on under the format
@@ -172,7 +175,9 @@ class OpenAIApi:
             grammar = self._grammar(req, None)
         reply = Reply(chat=False, model=rt.model_name, tokenizer=rt.tokenizer, logprobs=req.logprobs,
                       token_ids=bool(req.return_token_ids),
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      echo=(prompt if isinstance(prompt, str) else decode_all(rt.tokenizer.token_bytes, ids))
+                      if req.echo else None, prompt_logprobs=req.prompt_logprobs)
         gen = self._generation(rt, req, ids, req.max_tokens, reply, "prompt")
         gen.constraint = await self._constraint(rt, grammar, "response_format")
         return await self._run(request, gen, reply, bool(req.stream), model=self._job_model(request, rt))
@@ -202,13 +207,14 @@ class OpenAIApi:
                             headers=self._cors(request))
 
     @staticmethod
-    def _tokenize_chat(rt: Runtime, messages: list[dict[str, str]], add: bool, cont: bool,
-                       kwargs: dict[str, Any]) -> list[int]:  # fmt: skip
-        """/tokenize's chat: as the chat endpoint encodes it (its thinking too), or without the generation prompt."""
+    def _tokenize_chat(rt: Runtime, messages: list[dict[str, Any]], add: bool, cont: bool, kwargs: dict[str, Any],
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+        """The chat's prompt as the chat endpoint encodes it (its thinking and tools too), or without the generation
+        prompt (/tokenize's and a chat scored as it stands)."""
         if add or cont:
-            return rt.encode_chat(messages, cont, None, template_kwargs=kwargs)
+            return rt.encode_chat(messages, cont, None, tools, template_kwargs=kwargs)
         tokenizer = rt.local()[1]
-        return tokenizer.encode_chat(for_template(messages, thinking_format(tokenizer)), False, **kwargs)
+        return tokenizer.encode_chat(for_template(messages, thinking_format(tokenizer)), False, tools=tools, **kwargs)
 
     # ------------------------------------------------------------ one generation
     def _generation(self, rt: Runtime, req: ChatRequest | CompletionRequest, ids: list[int], limit: int | None,
@@ -219,6 +225,9 @@ class OpenAIApi:
             mode = speculative_mode(req.speculative, rt.default_mode, rt.modes)
         except RuleError as exc:
             raise APIError(400, exc.message, "invalid_value", exc.field) from None
+        if rt.tokenizer is None and req.scored() is not None:
+            raise APIError(400, "prompt scores (prompt_logprobs, echo) are not forwarded to the remote engine; ask "
+                           "the upstream itself", "unsupported_value", "prompt_logprobs")
         if rt.tokenizer is None:  # a remote engine checks the context itself; max_new_tokens 0: max_tokens not sent
             return GenerationRequest(prompt_ids=[], settings=req.sampling(2**31), max_new_tokens=limit or 0,
                                      stop_strings=req.stops(), return_probs=reply.logprobs is not None,
@@ -238,7 +247,7 @@ class OpenAIApi:
         return GenerationRequest(prompt_ids=ids, settings=req.sampling(rt.tokenizer.vocab_size),
                                  max_new_tokens=limit, stop_strings=req.stops(), stop_token_ids=None,
                                  return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,
-                                 return_logits=False, speculative=mode)
+                                 return_logits=False, speculative=mode, prompt_logprobs=req.scored())
 
     @staticmethod
     def _grammar(req: ChatRequest | CompletionRequest, tools: str | None) -> str | None:
@@ -294,6 +303,8 @@ class OpenAIApi:
                     _raise_failure(event)
                     if isinstance(event, ev.Tokens):
                         reply.add(event)
+                    elif isinstance(event, ev.PromptTokens):
+                        reply.prompt(event)
                     elif isinstance(event, ev.Finished):
                         return JSONResponse(reply.response(event), headers=self._cors(request))
                 events = await pending.next()

@@ -133,7 +133,7 @@ class _Request(_Strict):
     """Fields both endpoints share; None everywhere means the default (clients often send explicit nulls)."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: scoring only (echo or prompt_logprobs)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -153,6 +153,8 @@ class _Request(_Strict):
     repetition_range: int | None = None
     speculative: str | None = None
     return_token_ids: bool | None = None  # vLLM's extension: each choice carries its tokens' ids as `token_ids`
+    # vLLM's extension: each prompt token after the first with its logprob, rank and this many alternatives
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_ALTS)] | None = None
     # the reply's format (docs/api.md, "Structured output"): OpenAI's, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -179,6 +181,19 @@ class _Request(_Strict):
                            "invalid_value", "n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "invalid_value", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs are not available with stream: true (as in vLLM); ask without "
+                           "streaming, or use /v1/completions with echo", "invalid_value", "prompt_logprobs")
+
+    def scored(self) -> int | None:
+        """Alternatives per prompt token the engine scores (GenerationRequest.prompt_logprobs); None: not scored."""
+        return self.prompt_logprobs
+
+    def check_limit(self, limit: int | None, scoring: bool) -> None:
+        """0 tokens to generate only where the request scores its prompt (pure scoring)."""
+        if limit == 0 and not scoring:
+            raise APIError(400, "max_tokens 0 generates nothing: it needs echo: true or prompt_logprobs (scoring "
+                           "the prompt only), got neither", "invalid_value", "max_tokens")
 
     def sampling(self, vocab_size: int) -> SamplingSettings:
         """The sampling settings, OpenAI's defaults where a field is left out; ranges are SamplingSettings' own."""
@@ -210,7 +225,7 @@ def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
 
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_ALTS)] | None = None
     # vLLM's and SGLang's extension: continue the final assistant message instead of starting a new one
@@ -261,12 +276,14 @@ class ChatRequest(_Request):
             if self.messages[-1].role != "assistant":
                 raise APIError(400, "continue_final_message: true needs the last message to be the assistant's, got "
                                f"{self.messages[-1].role!r}", "invalid_value", "messages")
-        elif self.add_generation_prompt is False:
-            raise APIError(400, "add_generation_prompt: false is only supported with continue_final_message: true",
-                           "unsupported_value", "add_generation_prompt")
+        elif self.add_generation_prompt is False and self.prompt_logprobs is None:
+            raise APIError(400, "add_generation_prompt: false is only supported with continue_final_message: true "
+                           "or prompt_logprobs (a chat scored as it stands)", "unsupported_value",
+                           "add_generation_prompt")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, f"top_logprobs = {self.top_logprobs} needs logprobs: true, got logprobs = "
                            f"{self.logprobs}", "invalid_value", "top_logprobs")
+        self.check_limit(self.limit(), self.prompt_logprobs is not None)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -289,13 +306,19 @@ class CompletionRequest(_Request):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise APIError(400, "echo: true is not supported, got echo = true", "unsupported_value", "echo")
+        self.check_limit(self.max_tokens, bool(self.echo) or self.prompt_logprobs is not None)
         if self.suffix:
             raise APIError(400, "suffix is not supported (no fill-in-the-middle), got a suffix", "unsupported_value",
                            "suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, f"best_of must be 1, got {self.best_of}", "invalid_value", "best_of")
+
+    def scored(self) -> int | None:
+        """How many alternatives the engine gives each prompt token (GenerationRequest.prompt_logprobs); None: the
+        prompt is not scored. `prompt_logprobs`, and with echo the legacy `logprobs` (vLLM reads echo so); echo alone
+        with nothing to generate still runs the prompt (0)."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else 0 if self.echo and self.max_tokens == 0 else None
 
     def one_prompt(self) -> str | list[int]:
         """The single prompt: text, or token ids; a list of several prompts is refused (one choice per request)."""

@@ -86,8 +86,8 @@ class EventStream(Response):
         for event in events:
             if isinstance(event, ev.Queued):
                 out += f": queued, position {event.position}\n\n".encode()  # an SSE comment: clients skip it
-            elif isinstance(event, ev.Tokens):
-                chunk = self.reply.chunk(event)
+            elif isinstance(event, ev.Tokens | ev.PromptTokens):
+                chunk = self.reply.chunk(event) if isinstance(event, ev.Tokens) else self.reply.prompt(event)
                 out += sse(chunk) if chunk else b""
             elif isinstance(event, ev.Finished):
                 return out + b"".join(sse(c) for c in self.reply.finish_chunks(event)) + DONE, True

@@ -7,6 +7,7 @@
     POST chat + continue_final_message, add_generation_prompt false → continues a final assistant message
     POST /tokenize (vLLM, webchat) | /apply-template (llama.cpp) → a chat's prompt as ids | text, so a branch's
                                       token ids can follow it in a /v1/completions prompt (token_prompt)
+    POST chat + prompt_logprobs 1     → the prompt scored (vLLM, webchat): the page's `score` goes upstream
     POST chat + response_format json_schema | json_object, + tools → what structured output passes through
 Each field the upstream does not give is a named state (`"absent"`, `"unknown"`), never a zero.
 """
@@ -43,6 +44,7 @@ class Capabilities:
     # how a branch's token ids reach the upstream: tokenize (the chat's prompt ids from /tokenize, then the ids) |
     # apply_template (the chat's prompt text from /apply-template, then the ids, one mixed prompt) | absent (as text)
     token_prompt: str = "unknown"
+    prompt_logprobs: str = "unknown"  # returned (vLLM, webchat: the page can score texts) | absent | unknown
     # structured output passed through (webchat.serve.openai.tools.upstream_fields): json_schema (it takes a JSON
     # schema's response_format) | json_object (only JSON mode) | absent; tools: accepted | absent
     response_format: str = "unknown"
@@ -151,12 +153,28 @@ async def detect(up: Upstream, want_model: str | None) -> Capabilities:
             # llama.cpp continues a final assistant message by itself (--prefill-assistant, on by default)
             caps.continue_final = "final_assistant_message"
         caps.token_prompt = await _token_prompt(up, caps) if caps.token_ids != "absent" else "absent"
+        caps.prompt_logprobs = await _prompt_logprobs(up, base)
         caps.response_format, caps.tools = await _structured(up, base)
         caps.thinking = await _thinking(up, caps.kind)
         caps.state = "ready"
     except UpstreamError as exc:
         caps.state, caps.error = "unreachable", str(exc)
     return caps
+
+
+async def _prompt_logprobs(up: Upstream, base: dict[str, Any]) -> str:
+    """Whether the upstream scores a prompt: vLLM's `prompt_logprobs` on the chat response (top level, as vLLM has
+    it) or on its choice; a refusal or an answer without them is `absent`."""
+    try:
+        resp = await up.post_json("/v1/chat/completions", {**base, "prompt_logprobs": 1})
+    except UpstreamError as exc:
+        if exc.status is None:
+            raise
+        return "absent"
+    choice = (resp.get("choices") or [{}])[0] if isinstance(resp, dict) else {}
+    found = resp.get("prompt_logprobs") if isinstance(resp, dict) else None
+    found = found if found is not None else choice.get("prompt_logprobs") if isinstance(choice, dict) else None
+    return "returned" if isinstance(found, list) and len(found) > 1 else "absent"
 
 
 PROBE_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -183,6 +201,8 @@ async def _structured(up: Upstream, base: dict[str, Any]) -> tuple[str, str]:
            "json_object" if await accepted({"response_format": {"type": "json_object"}}) else "absent")
     tools = "accepted" if await accepted({"tools": [PROBE_TOOL], "tool_choice": "auto"}) else "absent"
     return fmt, tools
+
+
 def _length(value: Any) -> bool:
     """A context length: an integer from 1 to 2^31 (an upstream that says 10^100 says nothing)."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 31

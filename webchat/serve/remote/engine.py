@@ -28,6 +28,7 @@ from webchat.serve.remote.capabilities import Capabilities, detect
 from webchat.serve.remote.client import Upstream, UpstreamError
 from webchat.serve.remote.parse import ChunkError, ReportedError, StreamParser
 from webchat.serve.remote.reasoning import text_split, thinking_fields
+from webchat.serve.remote.scoring import score_upstream
 
 log = logging.getLogger("webchat.serve.remote")
 
@@ -242,6 +243,13 @@ class RemoteEngine:
                 await self.refresh()
                 if self.caps.state != "ready":
                     raise UpstreamError(self.caps.error or f"the upstream engine at {self.upstream.url} is not ready")
+            if job.request.prompt_logprobs is not None:  # a `score` (webchat.serve.remote.scoring)
+                tokens, stats.prompt_tokens = await score_upstream(self.upstream, self.caps, job)
+                self._finish(job)
+                for event in (ev.Started(stats.prompt_tokens, 0), ev.PromptTokens(tokens),
+                              ev.Finished("max_new_tokens", None, stats)):
+                    self._post(job, event)
+                return
             if job.messages is None:
                 raise UpstreamError(f"a raw prompt cannot be sent to the upstream engine at {self.upstream.url}: "
                                     "it takes chat messages")

@@ -57,7 +57,7 @@ class Parsed:
     usage: dict[str, int] | None = None
 
 
-def _prob(entry: dict[str, Any], where: str) -> float | None:
+def prob_of(entry: dict[str, Any], where: str) -> float | None:
     """The entry's probability: `prob` (llama.cpp post-sampling) or exp(`logprob`); None when neither is given;
     ChunkError naming the field when it is not a probability."""
     if "prob" in entry and entry["prob"] is not None:
@@ -233,14 +233,14 @@ class StreamParser:
         # an upstream that sends 10,000 alternatives: the first 4 * MAX_ALTERNATIVES are read, the best kept
         alts = alts[:4 * MAX_ALTERNATIVES] if isinstance(alts, list) else []
         scored = [(a, p) for j, a in enumerate(alts) if isinstance(a, dict)
-                  and (p := _prob(a, f"{where}.{key}[{j}]")) is not None]
+                  and (p := prob_of(a, f"{where}.{key}[{j}]")) is not None]
         scored.sort(key=lambda ap: -ap[1])
         rank = next((i + 1 for i, (a, _) in enumerate(scored) if _same(a, entry)), None)
         # an alternative without an id that is the token itself has the token's id (vLLM's token_ids, legacy maps)
         top = [(tid if _id(a) == NO_ID and _same(a, entry) else _id(a), _alt_text(a), p)
                for a, p in scored[:self.alternatives]]
         self.tokens_seen += 1
-        return ev.TokenInfo(id=tid, piece=piece, prob=_prob(entry, where), rank=rank, top=top)
+        return ev.TokenInfo(id=tid, piece=piece, prob=prob_of(entry, where), rank=rank, top=top)
 
 
 def _legacy_entries(logprobs: dict[str, Any], tokens: list[Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,145 @@
+"""Prompt scores (issue 41): what a request that does not ask for them pays, and what scoring costs.
+
+1. No cost otherwise: one greedy stream through the websocket on the default model, this checkout against another
+   checkout's code (`--before DIR`, e.g. `git archive 513b509 | tar -x -C /tmp/before`: main before the scoring
+   seam), each a `webchat serve` process of its own, both up, streams alternating (A, B, A, B, ...) so a noisy machine
+   drifts both alike. Decode tok/s (the server's own `done.stats.decode_tps`) and time to first chunk, medians.
+2. What scoring costs: a prompt of ~370 tokens read with every position scored (/v1/completions, echo, logprobs 5,
+   max_tokens 0) against the same prompt read plainly (max_tokens 1, no scores), alternating, on this checkout.
+Run: `.venv/bin/python bench/bench_scoring.py --before /tmp/before [--rounds 10] [--tokens 128]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.sync.client import connect
+
+HERE = Path(__file__).resolve().parent.parent
+PROMPT = "Write a long story about a dragon who learns to bake bread."
+TEXT = " ".join(["The committee met on Tuesday to discuss the budget for the new library, and after a long debate "
+                 "about opening hours, staffing and the children's reading room, it agreed to publish a draft plan "
+                 "for comment before the end of the month."] * 8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(src: Path, model: Path, shelf: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """`webchat serve` with `src`'s code (PYTHONPATH first) and `extra` flags, waited for until /healthz answers."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    where = subprocess.run([sys.executable, "-c", "import webchat; print(webchat.__file__)"], env=env, cwd="/",
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if not where.startswith(str(src)):
+        raise SystemExit(f"the code of {src} imports webchat from {where}")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "webchat.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--models-dir", str(shelf), *extra], env=env, cwd="/", stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"webchat serve ({src}) exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.terminate()
+    raise SystemExit(f"webchat serve ({src}) did not answer within 240 s")
+
+
+def stream(url: str, tokens: int, stop_ids: list[int]) -> tuple[float, float]:
+    """One greedy websocket stream of exactly `tokens` tokens: (decode tok/s of the server, first chunk ms)."""
+    with connect(url.replace("http", "ws") + "/ws", max_size=None) as ws:
+        json.loads(ws.recv(30))
+        t0 = time.perf_counter()
+        ws.send(json.dumps({"type": "generate", "id": "b", "messages": [{"role": "user", "content": PROMPT}],
+                            "max_new_tokens": tokens, "settings": {"temperature": 0.0, "token_bias": {
+                                str(t): -100.0 for t in stop_ids}}}))
+        first = 0.0
+        while (msg := json.loads(ws.recv(120)))["type"] not in ("done", "error"):
+            if msg["type"] == "chunk" and not first:
+                first = time.perf_counter() - t0
+        if msg["type"] == "error":
+            raise RuntimeError(f"the stream failed: {msg}")
+        return float(msg["stats"]["decode_tps"]), first * 1000
+
+
+def read(url: str, model: str, scored: bool) -> float:
+    """Seconds to read TEXT: every position scored (echo, logprobs 5, max_tokens 0) or plainly (max_tokens 1)."""
+    body: dict[str, Any] = {"model": model, "prompt": TEXT, "temperature": 0}
+    body.update({"echo": True, "logprobs": 5, "max_tokens": 0} if scored else {"max_tokens": 1})
+    t0 = time.perf_counter()
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    resp.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", type=Path, required=True, help="another checkout's root (its webchat/ is imported)")
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+    from webchat.pull import ensure_default_model
+    from webchat.text.tokenizer import Tokenizer
+
+    model = args.model or ensure_default_model()
+    stop_ids = Tokenizer.from_dir(model).stop_token_ids
+    with tempfile.TemporaryDirectory() as shelf:
+        servers = {"before": start(args.before, model, Path(shelf)), "after": start(HERE, model, Path(shelf))}
+        try:
+            info = httpx.get(f"{servers['after'][1]}/api/info").json()
+            for _, url in servers.values():
+                stream(url, 8, stop_ids)  # warm
+            rows: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
+            for _ in range(args.rounds):
+                for label, (_, url) in servers.items():
+                    rows[label].append(stream(url, args.tokens, stop_ids))
+            print(f"# bench_scoring: {info['model']} ({info['weights']} weights) on {info['device']}; "
+                  f"{args.rounds} rounds, streams alternating")
+            print(f"\n## One stream without prompt scores, {args.tokens} tokens, greedy (websocket)")
+            print("| code | decode tok/s median | min / max | first chunk ms median |")
+            print("|---|---|---|---|")
+            for label, runs in rows.items():
+                tps = [r[0] for r in runs]
+                where = args.before if label == "before" else "this checkout"
+                print(f"| {label} ({where}) | {statistics.median(tps):.1f} | {min(tps):.1f} / {max(tps):.1f} "
+                      f"| {statistics.median(r[1] for r in runs):.0f} |")
+            ratio = statistics.median(a[0] / b[0] for a, b in zip(rows["after"], rows["before"], strict=True))
+            print(f"\nafter / before, decode tok/s, median of the {args.rounds} pairs: {ratio:.3f}")
+            url = servers["after"][1]
+            n = len(Tokenizer.from_dir(model).encode_text(TEXT))
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(args.rounds):
+                for scored in (False, True):
+                    times[scored].append(read(url, info["model"], scored))
+            plain, scored_s = statistics.median(times[False]), statistics.median(times[True])
+            print(f"\n## Reading a {n}-token text (/v1/completions), this checkout")
+            print(f"plain (max_tokens 1): {plain * 1000:.0f} ms; every position scored (echo, logprobs 5, "
+                  f"max_tokens 0): {scored_s * 1000:.0f} ms; scored / plain {scored_s / plain:.2f}")
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
