@@ -6,7 +6,8 @@
    drifts both alike. Decode tok/s (the server's own `done.stats.decode_tps`) and time to first chunk, medians.
 2. What scoring costs: a prompt of ~370 tokens read with every position scored (/v1/completions, echo, logprobs 5,
    max_tokens 0) against the same prompt read plainly (max_tokens 1, no scores), alternating, on this checkout.
-Run: `.venv/bin/python bench/bench_scoring.py --before /tmp/before [--rounds 10] [--tokens 128]`.
+Run: `.venv/bin/python bench/bench_scoring.py --before /tmp/before [--rounds 10] [--tokens 128]
+[--serve-args '--speculative none']`.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--serve-args", default="", help="more flags for both servers, e.g. '--speculative none' (the "
+                    "scoring cost alone, without what later defaults add)")
     args = ap.parse_args()
     from webchat.pull import ensure_default_model
     from webchat.text.tokenizer import Tokenizer
@@ -104,7 +107,9 @@ def main() -> None:
     model = args.model or ensure_default_model()
     stop_ids = Tokenizer.from_dir(model).stop_token_ids
     with tempfile.TemporaryDirectory() as shelf:
-        servers = {"before": start(args.before, model, Path(shelf)), "after": start(HERE, model, Path(shelf))}
+        extra = args.serve_args.split()
+        servers = {"before": start(args.before, model, Path(shelf), *extra),
+                   "after": start(HERE, model, Path(shelf), *extra)}
         try:
             info = httpx.get(f"{servers['after'][1]}/api/info").json()
             for _, url in servers.values():
@@ -114,7 +119,7 @@ def main() -> None:
                 for label, (_, url) in servers.items():
                     rows[label].append(stream(url, args.tokens, stop_ids))
             print(f"# bench_scoring: {info['model']} ({info['weights']} weights) on {info['device']}; "
-                  f"{args.rounds} rounds, streams alternating")
+                  f"{args.rounds} rounds, streams alternating; serve flags: {args.serve_args or '(defaults)'}")
             print(f"\n## One stream without prompt scores, {args.tokens} tokens, greedy (websocket)")
             print("| code | decode tok/s median | min / max | first chunk ms median |")
             print("|---|---|---|---|")
