@@ -106,7 +106,7 @@ def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.Mo
     assert kept["model.layers.1.mlp.down_proj.weight"] == "q6_k" and kept["model.layers.1.mlp.up_proj.weight"] == "q4_k"
     blocks = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
     assert torch.equal(down, torch.from_numpy(np.array(blocks.data)))
-    model = load_model(folder)
+    model = load_model(folder, precision="exact")
     assert {m.qtype for m in model.modules() if isinstance(m, QLinear | QEmbedding)} == {"q4_k", "q6_k", "q8_0"}
     step = model.runner
     assert step is not None  # the C++ forward runs the K-quant matrices (and Qwen3's q/k norms) itself
@@ -164,7 +164,7 @@ def test_cpp_matmul_against_the_dequantized_weights(kernels: object, fmt: str, m
 
 def test_cpp_kernels_refuse_bad_input(kernels: object) -> None:
     w = torch.from_numpy(encode_q4_k(rows()))
-    with pytest.raises(RuntimeError, match=r"qtype must be 12 \(Q4_K\) or 14 \(Q6_K\), got 2"):
+    with pytest.raises(RuntimeError, match=r"qtype must be 12 \(Q4_K\), 13 \(Q5_K\) or 14 \(Q6_K\), got 2"):
         torch.ops.webchat_kq.matmul(torch.zeros(1, 512), w, 2, 512, None)
     with pytest.raises(RuntimeError, match="w rows must hold 420 bytes"):
         torch.ops.webchat_kq.matmul(torch.zeros(1, 512), w, 14, 512, None)
