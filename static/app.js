@@ -161,7 +161,8 @@ function updateButtons() {
 function applyHello(hello) {
   $("model-name").textContent = hello.model;
   document.title = `webchat · ${hello.model}`;
-  const quantized = hello.weights && hello.weights !== hello.dtype ? ` · ${hello.weights} weights` : "";
+  const quantized = hello.weights && hello.weights !== hello.dtype
+    ? ` · ${hello.weights} weights · ${hello.precision === "int8" ? "int8 activations" : "exact"}` : "";
   const info = $("model-info");
   const engine = hello.engine;
   if (engine) {
@@ -181,6 +182,10 @@ function applyHello(hello) {
     el.dataset.state = engine.state;
   } else {
     info.textContent = `${hello.device} · ${hello.dtype}${quantized} · context ${hello.context_length}`;
+    info.dataset.precision = hello.precision ?? "exact";
+    info.title = hello.precision === "int8"
+      ? "int8 activations: each matrix input quantized to 8 bits per block of 32 (faster; docs/quant.md)"
+      : "float32 activations (within float rounding of the float32 model on these weights)";
   }
   settings.setServerLimits(hello);
   picker.set(hello.models, lib.current.model ?? null);

@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K: our test encoder (tests/kquant_encode.py) checked against gguf.quants' decoder, webchat's own
+"""Q4_K, Q5_K and Q6_K: our test encoder (tests/kquant_encode.py) checked against gguf.quants' decoder, webchat's own
 decoder (webchat.model.quant.dequantize_k) identical to it, and a GGUF of K-quant matrices run by path."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from tests.gguf_write import F32, write_gguf
-from tests.kquant_encode import encode_q4_k, encode_q6_k
+from tests.kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
 from webchat.convert import QUANT_FILE, QUANT_KEY, hf_tensor_name
 from webchat.gguf_path import model_folder
 from webchat.kernels.cpu import build as qkernels
@@ -23,7 +23,8 @@ from webchat.model.loader import load_model
 from webchat.model.quant import QEmbedding, QLinear, dequantize_k
 
 Q = gguf.GGMLQuantizationType
-FORMATS = {"q4_k": (encode_q4_k, Q.Q4_K, 144, 15), "q6_k": (encode_q6_k, Q.Q6_K, 210, 63)}
+FORMATS = {"q4_k": (encode_q4_k, Q.Q4_K, 144, 15), "q5_k": (encode_q5_k, Q.Q5_K, 176, 31),
+           "q6_k": (encode_q6_k, Q.Q6_K, 210, 63)}
 
 
 def rows() -> np.ndarray:
@@ -61,8 +62,8 @@ def test_webchat_decoder_equals_gguf(fmt: str) -> None:
 
 
 def test_decoder_refuses_bad_blocks() -> None:
-    with pytest.raises(ValueError, match="q5_k"):
-        dequantize_k(torch.zeros(1, 144, dtype=torch.uint8), "q5_k")
+    with pytest.raises(ValueError, match="q3_k"):
+        dequantize_k(torch.zeros(1, 144, dtype=torch.uint8), "q3_k")
     with pytest.raises(ValueError, match=r"multiple|rows, k \* 210"):
         dequantize_k(torch.zeros(1, 144, dtype=torch.uint8), "q6_k")
 

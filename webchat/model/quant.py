@@ -143,7 +143,7 @@ def swap_modules(model: nn.Module, qtypes: dict[str, str], kernels: QKernels | N
 
 
 def dequantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 (N, K) from ggml Q4_K or Q6_K blocks, uint8 (N, K / 256 * block bytes), with ggml's arithmetic."""
+    """float32 (N, K) from ggml Q4_K, Q5_K or Q6_K blocks, uint8 (N, K / 256 * block bytes), with ggml's arithmetic."""
     if qtype not in K_QTYPES:
         raise ValueError(f"K-quant type must be one of {', '.join(K_QTYPES)}, got {qtype!r}")
     nbytes = K_QTYPES[qtype][1]
@@ -151,7 +151,7 @@ def dequantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:
         raise ValueError(f"{qtype} blocks must be uint8 (rows, k * {nbytes}), got {w.dtype} {tuple(w.shape)}")
     n = w.shape[0]
     b = w.reshape(-1, nbytes)
-    y = _dequant_q4_k(b) if qtype == "q4_k" else _dequant_q6_k(b)
+    y = _dequant_q6_k(b) if qtype == "q6_k" else _dequant_q45_k(b, qtype == "q5_k")
     return y.reshape(n, -1)
 
 
@@ -160,12 +160,17 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).reshape(-1).float()
 
 
-def _dequant_q4_k(b: torch.Tensor) -> torch.Tensor:
-    # block: d, dmin (f16), scales[12] (eight 6-bit scale/min pairs), qs[128]; x = d*sc_j * q - dmin*m_j, j of 32
-    d, dmin, s, qs = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].int(), b[:, 16:144].int()
+def _dequant_q45_k(b: torch.Tensor, five: bool) -> torch.Tensor:
+    # block: d, dmin (f16), scales[12] (eight 6-bit scale/min pairs), [Q5_K: qh[32], bit j of qh[l] the fifth bit of
+    # value l of sub-block j], qs[128]; x = d*sc_j * q - dmin*m_j, j of 32
+    d, dmin, s = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].int()
+    qs = b[:, 48:176].int() if five else b[:, 16:144].int()
     sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], dim=1)  # (B, 8)
     mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
     q = torch.stack([qs.view(-1, 4, 32) & 0xF, qs.view(-1, 4, 32) >> 4], dim=2).reshape(-1, 8, 32)  # sub-block j
+    if five:
+        qh = b[:, 16:48].int()  # (B, 32)
+        q = q | torch.stack([((qh >> j) & 1) << 4 for j in range(8)], dim=1)
     d1 = (d[:, None] * sc.float())[..., None]  # (B, 8, 1)
     m1 = (dmin[:, None] * mn.float())[..., None]
     return (d1 * q.float() - m1).reshape(-1, QK_K)

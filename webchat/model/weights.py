@@ -17,7 +17,16 @@ def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
                              "(docs/quant.md); float32: the float weights; quantized: insist on the blocks")
     parser.add_argument("--quantize", default=None, choices=QUANTIZE,
                         help="quantize a float model's matrices at load (CPU)")
+    add_precision_argument(parser)
+
+
+def add_precision_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true",
                         help="multiply the quantized weights with float32 activations (within float rounding of the "
                              "float32 model on the same weights); default: whichever of that and int8 activations "
                              "runs faster for the file's formats on this CPU (docs/quant.md)")
+
+
+def precision_of(args: argparse.Namespace) -> str | None:
+    """load_model's precision for the parsed flags: "exact" with --exact, else None (the faster for the file)."""
+    return "exact" if getattr(args, "exact", False) else None

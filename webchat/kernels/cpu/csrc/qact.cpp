@@ -72,15 +72,39 @@ using Amax = float (*)(const float*);
 using Round = int32_t (*)(const float*, float, float, int8_t*);
 float amax32_scalar(const float* x) { return amax_scalar(x, 32); }
 int32_t round32_scalar(const float* x, float scale, float id, int8_t* q) { return round_scalar(x, 32, scale, id, q); }
+float amax8_scalar(const float* x) { return amax_scalar(x, 8); }
+int32_t round8_scalar(const float* x, float scale, float id, int8_t* q) { return round_scalar(x, 8, scale, id, q); }
 
-// one row of k values into the blocks form
-void blocks_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sq, Amax amax, Round round) {
+// 8 values at a time
+QA_AVX2 inline float amax8_avx2(const float* x) {
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(x));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+QA_AVX2 inline int32_t round8_avx2(const float* x, float scale, float id, int8_t* q) {
+  const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(scale)),
+                                                     _mm256_set1_ps(id)));
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));  // in order
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packs_epi16(w, w));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// one row of k values into the blocks form: a scale per 8 values
+void blocks_row(const float* x, int64_t k, int8_t* q, float* d8, float* s, Amax amax, Round round) {
   for (int64_t b = 0; b < k / 32; ++b) {
-    const float a = amax(x + 32 * b);
-    const float id = a > 0.f ? 127.f / a : 0.f;
-    d[b] = a / 127.f;
-    sq[b] = round(x + 32 * b, 1.f, id, q + 32 * b);
-    s[b] = d[b] * static_cast<float>(sq[b]);
+    float part[4];
+    for (int c = 0; c < 4; ++c) {
+      const float* xc = x + 32 * b + 8 * c;
+      const float a = amax(xc);
+      const float d = a / 127.f;
+      d8[8 * b + 2 * c] = d8[8 * b + 2 * c + 1] = d;
+      part[c] = d * static_cast<float>(round(xc, 1.f, a > 0.f ? 127.f / a : 0.f, q + 32 * b + 8 * c));
+    }
+    s[b] = (part[0] + part[1]) + (part[2] + part[3]);
   }
 }
 
@@ -118,10 +142,7 @@ void Act8::shape(int64_t rows, int64_t cols, bool want_blocks, bool want_supers)
   TORCH_CHECK(!want_supers || cols % 256 == 0, "K-quant activations need whole super-blocks of 256, got ", cols);
   m = rows, k = cols, blocks = want_blocks, supers = want_supers;
   ldb = (cols / 32 + 7) / 8 * 8, nsb = cols / 256;
-  if (blocks) {
-    qb.resize(rows * cols), sq.resize(rows * ldb);
-    d.assign(rows * ldb, 0.f), s.assign(rows * ldb, 0.f);  // the padding stays zero
-  }
+  if (blocks) qb.resize(rows * cols), d8.resize(rows * cols / 4), s.assign(rows * ldb, 0.f);  // padding stays zero
   if (supers) qs.resize(rows * cols), dk.resize(rows * nsb), p.resize(rows * nsb * 8), pq.resize(rows * nsb * 8);
 }
 
@@ -130,7 +151,8 @@ void Act8::quantize(int64_t r, const float* x) {
   const Amax amax = vec ? amax32_avx2 : amax32_scalar;
   const Round round = vec ? round32_avx2 : round32_scalar;
   if (blocks)
-    blocks_row(x, k, qb.data() + r * k, d.data() + r * ldb, s.data() + r * ldb, sq.data() + r * ldb, amax, round);
+    blocks_row(x, k, qb.data() + r * k, d8.data() + r * k / 4, s.data() + r * ldb, vec ? amax8_avx2 : amax8_scalar,
+               vec ? round8_avx2 : round8_scalar);
   if (supers)
     supers_row(x, k, qs.data() + r * k, dk.data() + r * nsb, p.data() + r * nsb * 8, pq.data() + r * nsb * 8, amax,
                round);

@@ -1,6 +1,7 @@
 // The 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against int8 activations (qint8.h, docs/quant.md).
 //
-//   y = sum_b d_w,b d_x,b (sum_i w_i q_i) [+ m_w,b s_x,b],  w_i: Q4_0 q - 8, Q4_1 q, Q5_0 q - 16, Q5_1 q, Q8_0 q
+//   y = sum_b sum_c d_w,b d_x,c (sum_{i in c} w_i q_i) [+ m_w,b s_x,b],  c: the block's 8-value groups,
+//   w_i: Q4_0 q - 8, Q4_1 q, Q5_0 q - 16, Q5_1 q, Q8_0 q
 //
 // Three paths give the same bits: the integer sums are exact, and every path takes the float steps of
 // qint8_blocks.inc in the same order (the scalar path lane by lane, std::fma). AVX2: vpmaddubsw + vpmaddwd;
@@ -64,16 +65,17 @@ void rows_scalar(const Job8& j, int64_t n0, int64_t n1) {
     for (int r = 0; r < j.m; ++r) {
       const int64_t xr = j.r0 + r;
       const int8_t* q = j.a->qb.data() + xr * j.k;
+      const float* d8 = j.a->d8.data() + xr * j.k / 4;
       float acc[8] = {}, macc[8] = {};
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * BB;
         int w[32];
         block_ints<QT>(blk, w);
-        const float dd = half_to_float(blk) * j.a->d[xr * ldb + b];
+        const float dw = half_to_float(blk);
         for (int l = 0; l < 8; ++l) {
           int32_t isum = 0;
           for (int i = 4 * l; i < 4 * l + 4; ++i) isum += w[i] * q[32 * b + i];
-          acc[l] = std::fma(dd, static_cast<float>(isum), acc[l]);
+          acc[l] = std::fma(dw * d8[8 * b + l], static_cast<float>(isum), acc[l]);
         }
         if (MIN) macc[b % 8] = std::fma(half_to_float(blk + 2), j.a->s[xr * ldb + b], macc[b % 8]);
       }
@@ -86,18 +88,31 @@ void rows_scalar(const Job8& j, int64_t n0, int64_t n1) {
 #define I8_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // the float16 scales (d) of nbg blocks of BB bytes from p, and their zero points (m, the next half), as 8 halves each;
-// zeros past nbg. Built in general registers: a vector load of 8 narrow stores would stall on store forwarding.
+// zeros past nbg. Built in general registers (a vector load of narrow stores would stall on store forwarding), a
+// whole group without a loop.
+template <int64_t BB>
+inline uint64_t four_halves(const uint8_t* p) {
+  uint16_t h[4];
+  for (int i = 0; i < 4; ++i) std::memcpy(&h[i], p + i * BB, 2);
+  return uint64_t(h[0]) | uint64_t(h[1]) << 16 | uint64_t(h[2]) << 32 | uint64_t(h[3]) << 48;
+}
+
 template <int64_t BB, bool MIN>
 I8_AVX2 inline void group_halves(const uint8_t* p, int nbg, __m128i* d, __m128i* m) {
-  uint64_t dq[2] = {0, 0}, mq[2] = {0, 0};
-  for (int b = 0; b < nbg; ++b) {
-    uint16_t h[2];
-    std::memcpy(h, p + b * BB, MIN ? 4 : 2);
-    dq[b / 4] |= uint64_t(h[0]) << (16 * (b % 4));
-    if (MIN) mq[b / 4] |= uint64_t(h[1]) << (16 * (b % 4));
+  if (nbg == 8) {
+    *d = _mm_set_epi64x(static_cast<int64_t>(four_halves<BB>(p + 4 * BB)), static_cast<int64_t>(four_halves<BB>(p)));
+    if (MIN)
+      *m = _mm_set_epi64x(static_cast<int64_t>(four_halves<BB>(p + 4 * BB + 2)),
+                          static_cast<int64_t>(four_halves<BB>(p + 2)));
+    return;
   }
-  *d = _mm_set_epi64x(static_cast<int64_t>(dq[1]), static_cast<int64_t>(dq[0]));
-  *m = _mm_set_epi64x(static_cast<int64_t>(mq[1]), static_cast<int64_t>(mq[0]));
+  alignas(16) uint16_t dh[8] = {}, mh[8] = {};
+  for (int b = 0; b < nbg; ++b) {
+    std::memcpy(&dh[b], p + b * BB, 2);
+    if (MIN) std::memcpy(&mh[b], p + b * BB + 2, 2);
+  }
+  *d = _mm_load_si128(reinterpret_cast<const __m128i*>(dh));
+  *m = _mm_load_si128(reinterpret_cast<const __m128i*>(mh));
 }
 
 // byte i = ((qh >> i) & 1) << 4

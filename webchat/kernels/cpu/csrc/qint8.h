@@ -12,19 +12,23 @@ namespace wq {
 
 // m rows of k activations at 8 bits, in the forms the kernels read (each filled where a matrix of its family needs it).
 //
-// blocks (the 32-value formats, llama.cpp's Q8_0/Q8_1 with a float scale): per block b of 32, a_b = max |x|,
-//   d_b = a_b / 127, q = round(x * (127 / a_b)) (half to even), sq_b = sum(q), s_b = d_b * sq_b; x ~ d_b q.
+// blocks (the 32-value formats): a scale for every 8 values, where llama.cpp's Q8_0/Q8_1 give 32 one (a float16):
+//   per 8 values a = max |x|, d = a / 127, q = round(x * (127 / a)) (half to even); x ~ d q. Each block of 32 keeps
+//   its four d twice over, in the order the kernels' int32 lanes hold the products (d0 d0 d1 d1 d2 d2 d3 d3: lane l
+//   sums values 4l .. 4l + 3), and s = (d0 sum q0 + d1 sum q1) + (d2 sum q2 + d3 sum q3) for Q4_1/Q5_1's zero point.
+//   On the default model, a scale per 8 against one per 32 halves the largest logit error of the int8 path
+//   (docs/quant.md), at no cost in the kernels: a block's scales are one vector either way.
 // supers (the K-quants): per super-block of 256, A = max |x| and per sub-block j of 32 the largest e_j <= 7 with
 //   a_j 2^e_j <= A; q = round((x 2^e_j) * (127 / A)), dk = A / 127 / 128, p_j = 2^(7 - e_j), pq_j = p_j * sum_j(q);
 //   x ~ dk p_j q. llama.cpp's Q8_K gives all 256 values one scale; here a sub-block 2^e times smaller than the largest
 //   keeps e more bits, and the power of two folds into the weights' integer sub-block scales (sc_j p_j fits int16).
-// Rows of the per-block arrays are padded to whole groups of 8 blocks with zeros (the kernels read 8 at a time).
+// Rows of s are padded to whole groups of 8 blocks with zeros (the kernels read 8 at a time).
 struct Act8 {
-  int64_t m = 0, k = 0, ldb = 0, nsb = 0;  // ldb: per-block entries a row (k / 32 rounded up to 8); nsb = k / 256
+  int64_t m = 0, k = 0, ldb = 0, nsb = 0;  // ldb: s entries a row (k / 32 rounded up to 8); nsb = k / 256
   bool blocks = false, supers = false;
   std::vector<int8_t> qb, qs;   // (m, k): the blocks' q and the super-blocks' q
-  std::vector<float> d, s;      // (m, ldb)
-  std::vector<int32_t> sq;      // (m, ldb)
+  std::vector<float> d8;        // (m, k / 32, 8): each block's four scales of 8 values, twice each
+  std::vector<float> s;         // (m, ldb)
   std::vector<float> dk;        // (m, nsb)
   std::vector<int16_t> p;       // (m, nsb, 8)
   std::vector<int32_t> pq;      // (m, nsb, 8)
