@@ -23,62 +23,26 @@
 #include <vector>
 
 #include "qint8.h"
+#include "qkblocks.h"
 
 namespace wq {
 
 namespace {
 
-constexpr int64_t QK = 256;
-
-template <int QT>
-constexpr int64_t kbytes() {
-  return QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
-}
-
-// a super-block's 256 weight integers, its 8 sub-block scales (Q6_K: 16 group scales) and 8 mins
-template <int QT>
-void super_ints(const uint8_t* blk, int w[QK], int sc[16], int mn[8]) {
-  if (QT == Q6_K) {
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = blk + 64 * h;
-      const uint8_t* qh = blk + 128 + 32 * h;
-      for (int l = 0; l < 32; ++l) {
-        w[128 * h + l] = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
-        w[128 * h + 32 + l] = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
-        w[128 * h + 64 + l] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-        w[128 * h + 96 + l] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      }
-    }
-    for (int g = 0; g < 16; ++g) sc[g] = static_cast<int8_t>(blk[192 + g]);
-    return;
-  }
-  uint8_t s8[8], m8[8];
-  scales_mins_k4(blk + 4, s8, m8);
-  const uint8_t* q = blk + (QT == Q4_K ? 16 : 48);
-  for (int c = 0; c < 4; ++c)
-    for (int l = 0; l < 32; ++l) {
-      const int hi0 = QT == Q5_K ? ((blk[16 + l] >> (2 * c)) & 1) << 4 : 0;
-      const int hi1 = QT == Q5_K ? ((blk[16 + l] >> (2 * c + 1)) & 1) << 4 : 0;
-      w[64 * c + l] = (q[32 * c + l] & 15) + hi0;
-      w[64 * c + 32 + l] = (q[32 * c + l] >> 4) + hi1;
-    }
-  for (int v = 0; v < 8; ++v) sc[2 * v] = sc[2 * v + 1] = s8[v], mn[v] = m8[v];
-}
-
 // ---------------------------------------------------------------- scalar: the order every path follows
 template <int QT>
 void gemm_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0,
                  int64_t n1, float* y, int64_t ldy) {
-  const int64_t nsb = a.k / QK;
+  const int64_t nsb = a.k / QK_K;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t r = 0; r < m; ++r) {
       const int64_t xr = row0 + r;
       float acc = 0.f;
       for (int64_t i = 0; i < nsb; ++i) {
         const uint8_t* blk = wm + n * row_bytes + i * kbytes<QT>();
-        const int8_t* q = a.qs.data() + xr * a.k + i * QK;
+        const int8_t* q = a.qs.data() + xr * a.k + i * QK_K;
         const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
-        int w[QK], sc[16], mn[8];
+        int w[QK_K], sc[16], mn[8];
         super_ints<QT>(blk, w, sc, mn);
         const float dk = a.dk[xr * nsb + i];
         const float dd = half_to_float(blk + (QT == Q6_K ? 208 : 0)) * dk;
@@ -100,28 +64,6 @@ void gemm_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* wm, int6
 // ---------------------------------------------------------------- AVX2 on the panel
 #define G8_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// A Q6_K half's 128 values as four 32-value quarters of 6-bit q, unsigned (ggml's layout: q[l], q[l + 32], q[l + 64],
-// q[l + 96] share ql[l], ql[l + 32] and qh[l]); the 16-bit shifts never carry a kept bit across a byte
-G8_AVX2 inline void q6_quarters(const uint8_t* ql, const uint8_t* qh, __m256i q[4]) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-  q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
-  q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
-  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
-  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
-}
-
-G8_AVX2 inline float half_f16c(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 // the 4 bytes at p in every 32-bit lane (vbroadcastss: a load, no shuffle)
 G8_AVX2 inline __m256i bcast4(const int8_t* p) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
@@ -130,8 +72,8 @@ G8_AVX2 inline __m256i bcast4(const int8_t* p) {
 // one weight row's super-block as the GEMM reads it: its 256 integers a byte each (Q6_K: q - 32, and |q - 32| for
 // the sign trick), its scales and mins as ints, d and dmin
 struct Decoded {
-  alignas(32) int8_t w[QK];
-  alignas(32) int8_t a[QK];
+  alignas(32) int8_t w[QK_K];
+  alignas(32) int8_t a[QK_K];
   alignas(32) int16_t sc[16][16];  // each group's scale in all 16 lanes (the vpmullw operand)
   alignas(32) float d[8];          // d in all 8 lanes
   int mn[8];
@@ -270,7 +212,7 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
     const int64_t g = r / 8, l = r % 8, xr = row0 + r;
     for (int64_t i = 0; i < nsb; ++i) {
       const int64_t pb = g * nsb + i;
-      const int8_t* src = a.qs.data() + xr * a.k + i * QK;
+      const int8_t* src = a.qs.data() + xr * a.k + i * QK_K;
       for (int w = 0; w < 64; ++w) std::memcpy(q.data() + pb * 2048 + w * 32 + 4 * l, src + 4 * w, 4);
       for (int j = 0; j < 8; ++j) {
         p[pb * 128 + j * 16 + 2 * l] = p[pb * 128 + j * 16 + 2 * l + 1] = a.p[(xr * nsb + i) * 8 + j];

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "qint8.h"
+#include "qkblocks.h"
 
 namespace wq {
 
@@ -52,8 +53,6 @@ void block_ints(const uint8_t* blk, int w[32]) {
     w[i + 16] = (blk[QOFF + i] >> 4) + (Q5 ? ((qh >> (i + 16)) & 1) << 4 : 0) - ZERO;
   }
 }
-
-float hsum8(const float* v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
 template <int QT>
 void rows_scalar(const Job8& j, int64_t n0, int64_t n1) {

@@ -17,54 +17,16 @@
 #include <cstring>
 
 #include "qint8.h"
+#include "qkblocks.h"
 
 namespace wq {
 
 namespace {
 
-constexpr int64_t QK = 256;
-
-template <int QT>
-constexpr int64_t kbytes() {
-  return QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
-}
-
 // ---------------------------------------------------------------- scalar: the order every path follows
-// a super-block's 256 weight integers and 16 integer group scales (before the activation's powers of two)
-template <int QT>
-void super_ints(const uint8_t* blk, int w[QK], int sc[16], int mn[8]) {
-  if (QT == Q6_K) {
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = blk + 64 * h;
-      const uint8_t* qh = blk + 128 + 32 * h;
-      for (int l = 0; l < 32; ++l) {
-        w[128 * h + l] = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
-        w[128 * h + 32 + l] = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
-        w[128 * h + 64 + l] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-        w[128 * h + 96 + l] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      }
-    }
-    for (int g = 0; g < 16; ++g) sc[g] = static_cast<int8_t>(blk[192 + g]);
-    return;
-  }
-  uint8_t s8[8], m8[8];
-  scales_mins_k4(blk + 4, s8, m8);
-  const uint8_t* q = blk + (QT == Q4_K ? 16 : 48);
-  for (int c = 0; c < 4; ++c)
-    for (int l = 0; l < 32; ++l) {
-      const int hi0 = QT == Q5_K ? ((blk[16 + l] >> (2 * c)) & 1) << 4 : 0;
-      const int hi1 = QT == Q5_K ? ((blk[16 + l] >> (2 * c + 1)) & 1) << 4 : 0;
-      w[64 * c + l] = (q[32 * c + l] & 15) + hi0;
-      w[64 * c + 32 + l] = (q[32 * c + l] >> 4) + hi1;
-    }
-  for (int v = 0; v < 8; ++v) sc[2 * v] = sc[2 * v + 1] = s8[v], mn[v] = m8[v];
-}
-
-float hsum8(const float* v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
-
 template <int QT>
 void rows_scalar(const Job8& j, int64_t n0, int64_t n1) {
-  const int64_t nsb = j.k / QK;
+  const int64_t nsb = j.k / QK_K;
   const Act8& a = *j.a;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
@@ -73,9 +35,9 @@ void rows_scalar(const Job8& j, int64_t n0, int64_t n1) {
       float acc[8] = {}, macc = 0.f;
       for (int64_t i = 0; i < nsb; ++i) {
         const uint8_t* blk = row + i * kbytes<QT>();
-        const int8_t* q = a.qs.data() + xr * j.k + i * QK;
+        const int8_t* q = a.qs.data() + xr * j.k + i * QK_K;
         const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
-        int w[QK], sc[16], mn[8];
+        int w[QK_K], sc[16], mn[8];
         super_ints<QT>(blk, w, sc, mn);
         int32_t isum[8] = {};
         for (int v = 0; v < 8; ++v)
@@ -97,12 +59,6 @@ void rows_scalar(const Job8& j, int64_t n0, int64_t n1) {
 // ---------------------------------------------------------------- AVX2
 #define K8_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-K8_AVX2 inline float half_f16c(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 K8_AVX2 inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
@@ -112,27 +68,11 @@ K8_AVX2 inline int32_t hsum_epi32(__m256i v) {
 // the shuffle that fills every int16 of a 128-bit lane with its element e
 K8_AVX2 inline __m256i pick16(int e) { return _mm256_set1_epi16(static_cast<int16_t>((2 * e) | ((2 * e + 1) << 8))); }
 
-// A Q6_K half's 128 values as four 32-value quarters of 6-bit q, unsigned (ggml's layout: q[l], q[l + 32], q[l + 64],
-// q[l + 96] share ql[l], ql[l + 32] and qh[l]); the 16-bit shifts never carry a kept bit across a byte
-K8_AVX2 inline void q6_quarters8(const uint8_t* ql, const uint8_t* qh, __m256i q[4]) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-  q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
-  q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
-  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
-  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
-}
-
 // Q4_K / Q5_K: R rows of x against weight rows [n0, n1)
 template <int QT, int R>
 K8_AVX2 void rows_q45k(const Job8& j, int r0, int64_t n0, int64_t n1) {
   constexpr int64_t BB = kbytes<QT>();
-  const int64_t nsb = j.k / QK;
+  const int64_t nsb = j.k / QK_K;
   const Act8& a = *j.a;
   const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
   const int64_t xr0 = j.r0 + r0;
@@ -172,7 +112,7 @@ K8_AVX2 void rows_q45k(const Job8& j, int r0, int64_t n0, int64_t n1) {
         }
         const __m256i plo = pick16(2 * c), phi = pick16(2 * c + 1);
         for (int r = 0; r < R; ++r) {
-          const int8_t* xq = a.qs.data() + (xr0 + r) * j.k + i * QK + 64 * c;
+          const int8_t* xq = a.qs.data() + (xr0 + r) * j.k + i * QK_K + 64 * c;
           const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
           const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
           const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_shuffle_epi8(scale[r], plo));
@@ -194,7 +134,7 @@ K8_AVX2 void rows_q45k(const Job8& j, int r0, int64_t n0, int64_t n1) {
 // Q6_K: R rows of x against weight rows [n0, n1); q - 32 by the sign trick (|w| unsigned times x with w's sign)
 template <int R>
 K8_AVX2 void rows_q6k(const Job8& j, int r0, int64_t n0, int64_t n1) {
-  const int64_t nsb = j.k / QK;
+  const int64_t nsb = j.k / QK_K;
   const Act8& a = *j.a;
   const __m256i m32 = _mm256_set1_epi8(32);
   const int64_t xr0 = j.r0 + r0;
@@ -216,14 +156,14 @@ K8_AVX2 void rows_q6k(const Job8& j, int r0, int64_t n0, int64_t n1) {
       }
       for (int h = 0; h < 2; ++h) {
         __m256i q[4];
-        q6_quarters8(blk + 64 * h, blk + 128 + 32 * h, q);
+        q6_quarters(blk + 64 * h, blk + 128 + 32 * h, q);
         for (int c = 0; c < 4; ++c) {  // sub-block v = 4h + c: groups 2v (values 0-15) and 2v + 1 (16-31)
           const __m256i wv = _mm256_sub_epi8(q[c], m32), ax = _mm256_sign_epi8(wv, wv);
           const __m256i pick = _mm256_set_m128i(_mm256_castsi256_si128(pick16(2 * c + 1)),
                                                 _mm256_castsi256_si128(pick16(2 * c)));
           for (int r = 0; r < R; ++r) {
             const __m256i xv = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(a.qs.data() + (xr0 + r) * j.k + i * QK + 128 * h + 32 * c));
+                reinterpret_cast<const __m256i*>(a.qs.data() + (xr0 + r) * j.k + i * QK_K + 128 * h + 32 * c));
             const __m256i pr = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(xv, wv));
             const __m256i s = _mm256_shuffle_epi8(h ? hi8[r] : lo8[r], pick);
             sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(pr, s));

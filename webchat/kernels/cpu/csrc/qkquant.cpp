@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "qcommon.h"
+#include "qkblocks.h"
 
 namespace wq {
 namespace {
@@ -91,29 +92,6 @@ KQ_CLONES void dequant_q6_k(const uint8_t* b, float* y) {
 // product here is exact (d is a half, 11 bits; a scale 6 or 8 bits; q 4 or 6 bits: at most 24 bits), so the loops
 // above, vectorised with or without FMA, and these give the same floats.
 #define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
-
-// A Q6_K half's 128 values as four 32-value quarters of 6-bit q, unsigned (ggml's layout: per half, q[l], q[l + 32],
-// q[l + 64], q[l + 96] share ql[l], ql[l + 32] and qh[l]); the 16-bit shifts never carry a kept bit across a byte
-// (masked first)
-__attribute__((target("avx2"))) inline void q6_quarters(const uint8_t* ql, const uint8_t* qh, __m256i q[4]) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-  q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
-  q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
-  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
-  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
-}
-
-KQ_AVX512 inline float half_f16c(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 KQ_AVX512 inline __m512 bytes16(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 
