@@ -105,13 +105,16 @@ I8_AVX2 inline void group_halves(const uint8_t* p, int nbg, __m128i* d, __m128i*
                           static_cast<int64_t>(four_halves<BB>(p + 2)));
     return;
   }
-  alignas(16) uint16_t dh[8] = {}, mh[8] = {};
+  uint64_t d0 = 0, d1 = 0, m0 = 0, m1 = 0;  // a last, short group: the same in general registers, block by block
   for (int b = 0; b < nbg; ++b) {
-    std::memcpy(&dh[b], p + b * BB, 2);
-    if (MIN) std::memcpy(&mh[b], p + b * BB + 2, 2);
+    uint16_t h[2];
+    std::memcpy(h, p + b * BB, MIN ? 4 : 2);
+    const int shift = 16 * (b % 4);
+    (b < 4 ? d0 : d1) |= uint64_t(h[0]) << shift;
+    if (MIN) (b < 4 ? m0 : m1) |= uint64_t(h[1]) << shift;
   }
-  *d = _mm_load_si128(reinterpret_cast<const __m128i*>(dh));
-  *m = _mm_load_si128(reinterpret_cast<const __m128i*>(mh));
+  *d = _mm_set_epi64x(static_cast<int64_t>(d1), static_cast<int64_t>(d0));
+  *m = _mm_set_epi64x(static_cast<int64_t>(m1), static_cast<int64_t>(m0));
 }
 
 // byte i = ((qh >> i) & 1) << 4
