@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,10 +172,13 @@ def write(out: Path, s: Shape, wtype: str, source_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
+    tty = sys.stdout.isatty()
     for n, (_, shape, role) in enumerate(specs):
-        print(f"\rtensor {n + 1}/{len(specs)}", end="", flush=True)
+        if tty:
+            print(f"\rtensor {n + 1}/{len(specs)}", end="", flush=True)
         writer.write_tensor_data(draw(rng, shape, storage(role, wtype)))
-    print()
+    if tty:
+        print()
     writer.close()
     part.replace(out)
 
