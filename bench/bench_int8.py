@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,13 +33,13 @@ PAGE = 16
 PRECISIONS = ("exact", "int8")
 
 
-def cpu_ms(fn: object, reps: int) -> float:
+def cpu_ms(fn: Callable[[], object], reps: int) -> float:
     """min over 5 batches of CPU time a call, ms (this thread's)."""
     best = []
     for _ in range(5):
         t = time.thread_time()
         for _ in range(reps):
-            fn()  # type: ignore[operator]
+            fn()
         best.append((time.thread_time() - t) / reps)
     return min(best) * 1000
 
@@ -56,7 +58,7 @@ def matrices(model: Transformer) -> None:
         for rows, gemm in ((1, False), (4, False), (256, True)):
             x = torch.randn(rows, k)
             reps = max(2, int(3e7 / (rows * n * k)))
-            times = [cpu_ms(lambda int8=int8: kernels.qmatmul(x, lin.weight, qt, k, None, gemm, int8), reps)
+            times = [cpu_ms(partial(kernels.qmatmul, x, lin.weight, qt, k, None, gemm, int8), reps)
                      for int8 in (False, True)]
             print(f"{f'{n}x{k} {qtype}':>22} {rows:>4} {times[0]:>9.3f} {times[1]:>8.3f} "
                   f"{rows * n * k / times[1] / 1e6:>11.1f}")
