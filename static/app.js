@@ -15,6 +15,7 @@ import { TokenPopover, nextLowConfidence } from "./popover.js";
 import { download, fileName, readExport } from "./portability.js";
 import { Presets } from "./presets.js";
 import { tokenIndex } from "./reply.js";
+import { ReplyFormatField } from "./replyformat.js";
 import { SettingsPanel } from "./settings.js";
 import { renderSidebar } from "./sidebar.js";
 import { titleOf } from "./store.js";
@@ -34,6 +35,7 @@ const activity = $("activity");
 const settings = new SettingsPanel($("settings-form"));
 new Presets($("settings-form"), settings);
 const lib = await Library.load();
+const replyFormat = new ReplyFormatField($("settings-form"), (conv) => lib.save(conv));
 const announcer = new Announcer($("announcer"));
 const connection = new Connection(socketUrl(), {
   onState: showConn, onMessage: (m) => (m.type === "hello" ? applyHello(m) : turns.onServer(m)), onClose: () => turns.lost(),
@@ -48,6 +50,8 @@ const turns = new Turns({
   },
   model: () => picker.value,
   loaded: (names) => picker.markLoaded(names),
+  format: () => replyFormat.value(),
+  formatError: () => replyFormat.error(),
 });
 /** The header while a model is picked: its name and what it is; with one model, hello's line stays. */
 const picker = new ModelPicker(/** @type {HTMLSelectElement} */ ($("model-picker")), (card) => {
@@ -104,6 +108,7 @@ function refresh() {
   const live = a && a.conv === lib.current ? a.msg : null;
   const liveView = view.render(path(lib.current), live, a !== null);
   if (a) a.view = liveView;
+  if (replyFormat.conv !== lib.current || !a) replyFormat.show(lib.current);
   renderList();
   updateButtons();
   view.scrollToEnd(true);

@@ -12,7 +12,7 @@
  *            token_ids: string, continue_final: string, token_prompt: string}} Engine
  *   A remote engine's probed capabilities (`webchat serve --engine-url`, docs/scale-out.md).
  * @typedef {{id: number, text: string, p: number | null, rank: number | null,
- *            top: {id: number, text: string, p: number}[], sampled_p?: number | null}} WireToken
+ *            top: {id: number, text: string, p: number}[], sampled_p?: number | null, forbidden?: number[]}} WireToken
  *   `id` -1, `p` / `rank` null: a remote engine did not return them.
  * @typedef {{type: "queued", id: string, position: number}
  *         | {type: "start", id: string, prompt_tokens: number, reused_tokens: number, trimmed_messages?: number}

@@ -4,12 +4,13 @@
 /**
  * @typedef {{id?: number, text: string, p: number}} Alt
  * @typedef {{id?: number, text: string, p: number | null, rank: number | null, top: Alt[], parts?: number,
- *            picked?: boolean, sp?: number}} Tok
+ *            picked?: boolean, sp?: number, forbidden?: number[]}} Tok
  *   `p` null: the engine gave no probability; `rank` null: outside the top-k the engine returned, or unknown
  *   (a remote engine, docs/scale-out.md). Such a token is painted grey, not as a zero.
  *   One displayed token. `parts` > 1 when a character split over several byte tokens was merged into this one span:
  *   then `p` is the joint probability (product of the parts), `rank` the worst rank and `top` the first part's.
  *   `picked`: the user chose this token from the alternatives (a branch), the model did not draw it.
+ *   `forbidden`: the ids of `top` the reply's format did not allow here (their p is still the model's).
  *   `sp`: its probability after the sampling settings, as the server reported it (wire `sampled_p`).
  * @typedef {"prob" | "rank" | "entropy"} HeatMode
  */
@@ -228,13 +229,20 @@ export function fillPopover(pop, tok, post, onPick) {
   list.setAttribute("aria-label", onPick ? "Alternatives: choose one to branch the reply here" : "Alternatives");
   const alts = [...tok.top].sort((a, b) => b.p - a.p);
   const drawn = chosenIndex(tok, alts);
+  const forbidden = new Set(tok.forbidden ?? []);
   for (const [index, alt] of alts.entries()) {
     const li = document.createElement("li");
     li.dataset.testid = "alt";
     li.dataset.p = String(alt.p);
     const chosen = index === drawn;
+    const barred = alt.id !== undefined && forbidden.has(alt.id);  // the reply format refused it: no branch from it
     if (chosen) li.className = "chosen";
-    const t = document.createElement(onPick && !chosen && !isByteToken(alt.text) ? "button" : "code");
+    if (barred) {
+      li.className = "forbidden";
+      li.dataset.forbidden = "true";
+      li.title = "forbidden by the reply format (the model's probability)";
+    }
+    const t = document.createElement(onPick && !chosen && !barred && !isByteToken(alt.text) ? "button" : "code");
     t.textContent = visibleToken(alt.text);
     if (t instanceof HTMLButtonElement) {
       t.type = "button";
@@ -251,6 +259,13 @@ export function fillPopover(pop, tok, post, onPick) {
     pct.dataset.testid = "alt-pct";
     pct.textContent = percent(alt.p);
     li.append(t, bar, pct);
+    if (barred) {
+      const note = document.createElement("span");
+      note.className = "alt-forbidden";
+      note.dataset.testid = "alt-forbidden";
+      note.textContent = "forbidden";
+      li.append(note);
+    }
     list.append(li);
   }
   pop.append(head, meta, list);

@@ -5,6 +5,7 @@
  */
 
 import { MarkdownWriter } from "./blocks.js";
+import { JsonWriter } from "./jsonview.js";
 import { paintToken } from "./heatmap.js";
 
 /**
@@ -49,6 +50,7 @@ export function mergeParts(parts) {
       rank: parts.every((t) => t.rank !== null) ? Math.max(...parts.map((t) => /** @type {number} */ (t.rank))) : null,
       top: parts[0].top, parts: parts.length };
   if (sp !== null) tok.sp = sp;
+  if (last.forbidden && last.forbidden.length) tok.forbidden = last.forbidden;
   return tok;
 }
 
@@ -130,7 +132,10 @@ export class ReplyView {
     this.meta = /** @type {HTMLElement} */ (el.querySelector(".msg-meta"));
     this.focusable = focusable;
     this.index = 0;
-    this.writer = new MarkdownWriter(this.body, (piece, primary) => this.span(piece, primary));
+    /** @type {(piece: Piece, primary: boolean) => HTMLElement} */
+    const span = (piece, primary) => this.span(piece, primary);
+    // a reply made under a JSON format: highlighted JSON, every token still its own span (jsonview.js)
+    this.writer = msg.format ? new JsonWriter(this.body, span) : new MarkdownWriter(this.body, span);
     this.queuedFlush = false;
     this.flushedAt = 0;
     this.flushCost = 0;  // ms a flush takes on the main thread, averaged

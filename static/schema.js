@@ -12,6 +12,8 @@
  * @typedef {import("./store.js").Message} Message
  */
 
+import { checkFormat } from "./replyformat.js";
+
 const MAX_DEPTH = 10000;
 const STATS = ["ttft_ms", "decode_tps", "new_tokens", "prompt_tokens", "reused_tokens", "drafted", "accepted"];
 
@@ -39,6 +41,7 @@ export function checkMessage(m, at) {
   if (msg.reason !== undefined && typeof msg.reason !== "string") return `${at}.reason: expected a string, got ${shown(msg.reason)}`;
   if (msg.settings !== undefined && !isObject(msg.settings)) return `${at}.settings: expected an object, got ${shown(msg.settings)}`;
   if (msg.model !== undefined && typeof msg.model !== "string") return `${at}.model: expected a string, got ${shown(msg.model)}`;
+  if (msg.format !== undefined && checkFormat(msg.format, `${at}.format`)) return checkFormat(msg.format, `${at}.format`);
   if (msg.stats !== undefined) {
     if (!isObject(msg.stats)) return `${at}.stats: expected an object, got ${shown(msg.stats)}`;
     const stats = /** @type {Record<string, unknown>} */ (msg.stats);
@@ -77,6 +80,9 @@ function checkTokens(tokens, content, at) {
     }
     if (tok.sp !== undefined && !finite(tok.sp)) return `${here}.sp: expected a number, got ${shown(tok.sp)}`;
     if (tok.parts !== undefined && !Number.isInteger(tok.parts)) return `${here}.parts: expected an integer, got ${shown(tok.parts)}`;
+    if (tok.forbidden !== undefined && !(Array.isArray(tok.forbidden) && tok.forbidden.every(Number.isInteger))) {
+      return `${here}.forbidden: expected a list of token ids, got ${shown(tok.forbidden)}`;
+    }
     if (tok.picked !== undefined && typeof tok.picked !== "boolean") return `${here}.picked: expected true or false, got ${shown(tok.picked)}`;
     if (!Array.isArray(tok.top)) return `${here}.top: expected a list, got ${shown(tok.top)}`;
     for (const [j, a] of tok.top.entries()) {
@@ -132,6 +138,7 @@ export function checkConversation(c) {
   if (conv.title !== undefined && typeof conv.title !== "string") return `title: expected a string, got ${shown(conv.title)}`;
   if (conv.named !== undefined && typeof conv.named !== "boolean") return `named: expected true or false, got ${shown(conv.named)}`;
   if (conv.model !== undefined && typeof conv.model !== "string") return `model: expected a string, got ${shown(conv.model)}`;
+  if (conv.format !== undefined && checkFormat(conv.format, "format")) return checkFormat(conv.format, "format");
   for (const key of ["created", "updated"]) {
     if (conv[key] !== undefined && !finite(conv[key])) return `${key}: expected a time in ms, got ${shown(conv[key])}`;
   }
@@ -151,7 +158,7 @@ function repairMessage(m) {
   if (raw.role !== "user" && raw.role !== "assistant") return null;
   /** @type {Message} */
   const msg = { role: raw.role, content: typeof raw.content === "string" ? raw.content : "" };
-  for (const key of /** @type {const} */ (["reason", "settings", "stats", "tokens", "model"])) {
+  for (const key of /** @type {const} */ (["reason", "settings", "stats", "tokens", "model", "format"])) {
     if (raw[key] === undefined) continue;
     const trial = /** @type {Record<string, unknown>} */ ({ role: msg.role, content: msg.content, [key]: raw[key] });
     if (!checkMessage(trial, "m")) /** @type {Record<string, unknown>} */ (msg)[key] = raw[key];
@@ -198,6 +205,8 @@ export function repairConversation(c, newId) {
     title: typeof raw.title === "string" ? raw.title : "Damaged chat",
     named: raw.named === true,
     ...(typeof raw.model === "string" ? { model: raw.model } : {}),
+    ...(raw.format !== undefined && !checkFormat(raw.format, "format")
+      ? { format: /** @type {import("./replyformat.js").ReplyFormat} */ (raw.format) } : {}),
     created: finite(raw.created) ? /** @type {number} */ (raw.created) : now,
     updated: finite(raw.updated) ? /** @type {number} */ (raw.updated) : now,
     root: repairThread(raw.root, 0),

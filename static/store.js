@@ -12,10 +12,10 @@ import { fromFlat, messages } from "./tree.js";
  * @typedef {{ttft_ms?: number, decode_tps?: number, new_tokens?: number, prompt_tokens?: number,
  *            reused_tokens?: number, drafted?: number, accepted?: number}} Stats
  * @typedef {{role: "user" | "assistant", content: string, tokens?: Tok[], reason?: string, stats?: Stats,
- *            settings?: Record<string, unknown>, model?: string}} Message
+ *            settings?: Record<string, unknown>, model?: string, format?: import("./replyformat.js").ReplyFormat}} Message
  *   `reason` is the `done` reason of an assistant reply (`cancelled` = stopped by the user), or `interrupted`;
  *   `settings` the sampling settings it was generated with (for the post-sampling probability); `model` the model
- *   that wrote the reply, on a server with several (hello.models).
+ *   that wrote the reply, on a server with several (hello.models); `format` the reply format it was made under.
  * @typedef {import("./tree.js").Conversation} Conversation
  */
 

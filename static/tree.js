@@ -10,7 +10,8 @@
  * @typedef {{versions: Version[], current: number}} Thread
  * @typedef {{msg: Message, next: Thread | null}} Version
  * @typedef {{id: string, title: string, named?: boolean, created: number, updated: number, root: Thread | null,
- *            model?: string}} Conversation  `model`: the model its latest request ran on (the picker follows it)
+ *            model?: string, format?: import("./replyformat.js").ReplyFormat}} Conversation
+ *   `model`: the model its latest request ran on (the picker follows it); `format`: its reply format (Settings).
  *   `named`: the user renamed it (the title no longer follows the first question).
  * @typedef {{msg: Message, thread: Thread, index: number}} Step  one message of the shown path and where it lives
  */

@@ -25,8 +25,10 @@ import { addVersion, append, path, removeVersion, show } from "./tree.js";
  * @typedef {{connection: import("./connection.js").Connection, lib: import("./conversations.js").Library,
  *   settings: import("./settings.js").SettingsPanel, refresh: () => void, error: (text: string, code: string) => void,
  *   progress: (text: string) => void, announce: (text: string, final: boolean) => void,
- *   restoreInput: (text: string) => void, model: () => string | null, loaded: (names: string[]) => void}} Deps
- *   `model`: the picked model the next request names (null: the server's one); `loaded`: the models loaded now.
+ *   restoreInput: (text: string) => void, model: () => string | null, loaded: (names: string[]) => void,
+ *   format: () => import("./replyformat.js").ReplyFormat | null, formatError: () => string}} Deps
+ *   `model`: the picked model the next request names (null: the server's one); `loaded`: the models loaded now;
+ *   `format`: the chat's reply format (Settings), `formatError` what is wrong with the one being typed.
  */
 
 const STOP_TIMEOUT_MS = 15000;
@@ -128,7 +130,10 @@ export class Turns {
     /** @type {Tok} */
     const chosen = { id: alt.id, text: alt.text, p: alt.p, rank: rank || tok.rank, top: tok.top, picked: true };
     const content = before.map((t) => t.text).join("") + alt.text;
-    this.regenerate(step, { role: "assistant", content, tokens: [...before, chosen] });
+    /** @type {Message} */
+    const reply = { role: "assistant", content, tokens: [...before, chosen] };
+    if (step.msg.format) reply.format = step.msg.format;  // a branch keeps the reply's format (its grammar)
+    this.regenerate(step, reply);
   }
 
   /**
@@ -165,6 +170,11 @@ export class Turns {
       d.error("not connected to the server; your message is kept, send it again once reconnected", "offline");
       return false;
     }
+    const formatError = cont ? "" : d.formatError();
+    if (formatError) {
+      d.error(`fix the reply format first: ${formatError}`, "invalid_settings");
+      return false;
+    }
     const req = d.settings.request();
     const wire = messages.slice(0, cont ? messages.length : -1).map((m) => ({ role: m.role, content: m.content }));
     const all = req.system.trim() ? [{ role: "system", content: req.system }, ...wire] : wire;
@@ -182,12 +192,16 @@ export class Turns {
       const ids = prefixIds(reply);
       if (ids) frame.prefix_ids = ids;
     }
+    // Continue and a branch go on under the reply's own format; a new reply takes the chat's (replyformat.js)
+    const format = cont ? reply.format : d.format() ?? undefined;
+    if (format) frame.response_format = format;
     if (!d.connection.send(frame)) {
       d.error("the message could not be sent; it is kept in the input", "offline");
       return false;
     }
     delete reply.reason;
     reply.settings = req.settings;
+    if (format) reply.format = format;
     if (model) reply.model = model;
     this.active = { id, conv, msg: reply, data: new ReplyData(reply), view: null, undo, typed, stopping: false,
       before: reply.content.length, trimmed: 0 };

@@ -110,7 +110,7 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path: Path, h
     _, folder = converted("phi3" if prefix else "gemma2", tmp_path, vocab)
     tok = Tokenizer.from_dir(folder)
     sp = vocab.processor
-    merged = 0
+    merged = total = 0
     for text in TEXTS:
         want = llama_cpp_spm(sp, text, {t: vocab.tokens.index(t) for t in USER_DEFINED})
         got = tok.encode_text(text)[1:]  # after the BOS llama.cpp adds to a SentencePiece vocabulary
@@ -118,7 +118,10 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path: Path, h
         spaced = re.sub("(^|<think>)(?=.)(?!<think>)", r"\1 ", text) if prefix else text  # llama.cpp's prefix spaces
         assert b"".join(tok.token_bytes(i) for i in got).decode() == spaced
         merged += len(text.encode()) - len(got)
-    assert merged > 100  # the merges do work: far fewer tokens than bytes
+        total += len(text.encode())
+    # the merges do work: far fewer tokens than bytes (a share, not a count: the vocabulary is trained on docs that
+    # change, and a space-prefixed vocabulary spends a token on every prefix space)
+    assert merged > total // 4, (merged, total)
     byte_ids = [i for i in tok.encode_text("🙂") if vocab.tokens[i].startswith("<0x")]
     assert len(byte_ids) == 4  # a character the vocabulary lacks falls back to its UTF-8 bytes
 

@@ -6,84 +6,28 @@ from __future__ import annotations
 import base64
 import json
 import os
-import resource
 import socket
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from live_child import Child  # tests/ is on sys.path under pytest
+from live_child import serve as serve_child
 from websockets.sync.client import connect as ws_connect
 
 from webchat.serve.limits import AcceptErrorLog
 
 pytestmark = pytest.mark.timeout(240)
-REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Child:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError(f"no VmRSS in /proc/{self.proc.pid}/status")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
 def serve(model_dir: Path, tmp_path: Path, *extra: str, nofile: int | None = None) -> Iterator[Child]:
-    port = free_port()
-    log = tmp_path / f"serve-{port}.log"
-
-    def limit() -> None:
-        if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-    cmd = [sys.executable, "-m", "webchat.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--device", "cpu", *extra]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=limit,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    child = Child(proc, port, log)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"serve exited {proc.returncode}: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{child.url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.2)
+    with serve_child(tmp_path, "--model", str(model_dir), *extra, nofile=nofile, ready_s=120) as child:
         yield child
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def hello_over_websocket(child: Child) -> dict[str, object]:

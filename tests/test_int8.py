@@ -314,6 +314,38 @@ def test_a_k_quant_model_in_int8_against_its_float32_twin(kernels: Any, kquant_d
     assert max(gaps) <= 3e-2, gaps
 
 
+@pytest.mark.parametrize("chunk", [256, 7])
+def test_prompt_scores_are_those_of_the_precision_that_runs(kernels: Any, kquant_dir: Path, chunk: int) -> None:
+    """A request's prompt_logprobs (the heatmap's prompt scores) come from the prefill that ran: in int8 the prompt
+    GEMM's logits, however the prompt is chunked, and with --exact the float32 ones; the two differ."""
+    from test_prompt_logprobs import GREEDY, check, drain
+
+    from webchat.engine.generator import Generator
+    from webchat.engine.sequence import GenerationRequest
+    from webchat.model.batch import make_batch
+    from webchat.model.kv_cache import PageTable
+    from webchat.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(kquant_dir)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(12)).tolist()
+    probs: dict[str, list[float]] = {}
+    for precision in ("int8", "exact"):
+        model = load_model(kquant_dir, precision=precision)
+        pool = model.new_pool(len(ids) + 16, 16)
+        table = PageTable(pool)
+        table.ensure(len(ids))
+        whole = model(make_batch([(ids, 0, table.pages, list(range(len(ids))))], 16, prompt_ends=[len(ids)]), pool)
+        want = torch.log_softmax(whole.float(), dim=-1)  # one forward of the whole prompt, as a prompt
+        gen = Generator(model, tok, prefill_chunk=chunk)
+        gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=GREEDY, max_new_tokens=2, prompt_logprobs=5))
+        scored = drain(gen)[0]
+        assert scored is not None
+        check(scored, ids, want, 5, tok)
+        probs[precision] = [t.prob for t in scored[1:] if t.prob is not None]  # check: every one has it
+    gap = max(abs(a - b) for a, b in zip(probs["int8"], probs["exact"], strict=True))
+    assert gap > 1e-4, f"int8 and exact prompt scores agree to {gap}: one of them did not run its own path"
+
+
 # ---------------------------------------------------------------- the real default model
 @pytest.mark.real_model
 def test_the_default_model_in_int8_against_float32(real_model_dir: Path) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +207,74 @@ def test_without_a_models_dir_the_server_serves_its_one_model(shelf: Path, runti
     with serve(cfg, runtime_a) as live:
         hello, msgs = ask(live.ws_url, None)
         assert [m["name"] for m in hello["models"]] == ["tiny-a"] and msgs[-1]["type"] == "done"
+
+
+# ---------------------------------------------------------------- issue 42, row 4: loads racing for the limits
+@pytest.fixture(scope="module")
+def five(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("five")
+    for seed, name in enumerate("abcde"):
+        make_tiny_model(root / f"m-{name}", seed=seed, max_seq_len=256)
+    return root
+
+
+@pytest.mark.parametrize("limit", ["max_models", "memory_budget"])
+def test_four_models_racing_never_pass_max_models_or_the_memory_budget(five: Path, limit: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests for four models not loaded, at the same moment (the default, m-a, loaded and idle): a load in
+    progress counts from the moment it is decided, so the models in memory (loaded or loading, polled every few ms)
+    never pass --max-models 1, nor two models' estimates under a budget of 2.5; every request is served or refused
+    by name (model_busy). Before, all four loads were decided at once and all four ended loaded."""
+    import webchat.serve.runtime as runtime_module
+
+    warm_up = runtime_module.warm_up
+
+    def slow_warm_up(rt: Runtime) -> Runtime:  # each load takes a second more: the polls see it in progress
+        time.sleep(1.0)
+        return warm_up(rt)
+
+    monkeypatch.setattr(runtime_module, "warm_up", slow_warm_up)
+    base = ServerConfig(model_dir=five / "m-a", device="cpu", max_sessions=8, max_queue=8, max_seq_len=256,
+                        models_dir=five, kv_pool="4MiB")
+    cards = scan(five / "m-a", five)
+    one = sum(Models(cards, base, None, lambda rt: None).estimate(cards["m-b"]))  # type: ignore[arg-type,return-value]
+    cfg = dataclasses.replace(base, max_models=1) if limit == "max_models" else dataclasses.replace(
+        base, max_models=4, memory_budget=one * 5 // 2)
+    runtime = load_runtime(dataclasses.replace(base, models_dir=None))
+    with serve(cfg, runtime) as live:
+        stop, seen, loading = threading.Event(), [], []
+
+        def poll() -> None:
+            while not stop.is_set():
+                models = httpx.get(f"{live.url}/api/info", timeout=10).json()["models"]
+                seen.append([m["name"] for m in models if m["loaded"] or m.get("loading")])
+                loading.extend(m["name"] for m in models if m.get("loading"))
+                stop.wait(0.005)
+
+        results: dict[str, list[dict[str, Any]]] = {}
+        gate = threading.Barrier(4)
+
+        def run(model: str) -> None:
+            gate.wait()
+            results[model] = ask(live.ws_url, model, 24)[1]
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        racers = [threading.Thread(target=run, args=(f"m-{n}",)) for n in "bcde"]
+        for t in racers:
+            t.start()
+        for t in racers:
+            t.join(180)
+        time.sleep(0.2)
+        stop.set()
+        poller.join(10)
+    most = max(seen, key=len)
+    print(f"{limit}: {len(seen)} polls ({len(loading)} during a load), at most {len(most)} in memory ({most}); ends "
+          f"{ {m: r[-1].get('code', r[-1]['type']) for m, r in sorted(results.items())} }")
+    assert all(len(names) <= (1 if limit == "max_models" else 2) for names in seen), most
+    assert loading  # polled while a load was in progress
+    ends = [r[-1] for r in results.values()]
+    assert len(ends) == 4 and all(e["type"] == "done" or e.get("code") == "model_busy" for e in ends), ends
+    assert sum(e["type"] == "done" for e in ends) >= 1
+    busy = [e["message"] for e in ends if e["type"] == "error"]
+    assert all("cannot be loaded now" in m and "in use" in m for m in busy), busy

@@ -46,7 +46,9 @@ def test_extensions_and_integers_for_floats() -> None:
     ('"stop": 5', "stop", "expected a string or a list of strings, got 5"),
     ('"max_tokens": true', "max_tokens", "valid integer"),
     ('"messages": [{"role": "user", "content": 5}]', "messages", "expected a string or a list of text parts"),
-    ('"messages": [{"role": "tool", "content": "x"}]', "messages.0.role", 'got "tool"'),
+    ('"messages": [{"role": "robot", "content": "x"}]', "messages.0.role", 'got "robot"'),
+    ('"messages": [{"role": "tool", "content": "x"}]', "messages.0", "needs tool_call_id"),
+    ('"messages": [{"role": "user", "content": null}]', "messages.0", "content is required"),
     ('"frobnicate": 1', "frobnicate", "not supported"),
 ])
 def test_type_errors_name_the_field(extra: str, param: str, says: str) -> None:

@@ -114,6 +114,7 @@ def test_capabilities_are_probed_and_shown(remote: str, upstream: Live, tiny_mod
     assert engine["token_ids"] == "per_entry"  # webchat's /v1 entries carry `id`, as llama.cpp's do
     assert engine["token_prompt"] == "tokenize"  # a branch's ids go after /tokenize's prompt ids
     assert engine["continue_final"] == "continue_final_message"
+    assert engine["response_format"] == "json_schema" and engine["tools"] == "accepted"  # structured output passes
     assert engine["context_length"] == 256 and info["context_length"] == 256
     hello, _ = converse(remote, [{"role": "user", "content": "Hi"}], max_new_tokens=1)
     assert hello["engine"] == engine and hello["device"] == "remote"
@@ -484,3 +485,51 @@ def test_a_bad_chunk_mid_reply_keeps_the_text_and_names_the_upstream(mode: str, 
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+CHOICE = {"type": "object", "properties": {"c": {"enum": ["up", "down"]}, "n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}},
+          "required": ["c", "n"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "move", "parameters": CHOICE}}
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_model_dir: Path) -> Iterator[tuple[Live, str]]:
+    """An upstream with room for a tools prompt (the generic one is ~540 tiny-model tokens), and a front on it."""
+    config = ServerConfig(model_dir=tiny_model_dir, device="cpu", max_sessions=2, max_queue=4, max_seq_len=1024)
+    with serve(config, load_runtime(config)) as live, front(live.url) as url:
+        yield live, url
+
+
+def test_a_reply_format_and_tools_pass_through_to_the_upstream(roomy: tuple[Live, str], tiny_model_dir: Path) -> None:
+    """The upstream enforces them: the remote's replies equal the upstream's own (greedy), tool calls included,
+    whole and streamed; and the websocket's response_format reaches it too."""
+    upstream, remote = roomy
+    base = {"model": tiny_model_dir.name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 300,
+            "temperature": 0}
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CHOICE}}}
+    direct = httpx.post(f"{upstream.url}/v1/chat/completions", json={**base, **fmt}, timeout=60).json()
+    far = httpx.post(f"{remote}/v1/chat/completions", json={**base, **fmt}, timeout=60).json()
+    text = far["choices"][0]["message"]["content"]
+    assert text == direct["choices"][0]["message"]["content"] and set(json.loads(text)) == {"c", "n"}
+    tools = {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    direct = httpx.post(f"{upstream.url}/v1/chat/completions", json={**base, **tools}, timeout=60).json()
+    far = httpx.post(f"{remote}/v1/chat/completions", json={**base, **tools}, timeout=60).json()
+    want = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in direct["choices"][0]["message"]["tool_calls"]]
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+           for c in far["choices"][0]["message"]["tool_calls"]]
+    assert got == want and len(got) == 1 and far["choices"][0]["finish_reason"] == "tool_calls"
+    streamed: dict[int, list[str]] = {}
+    with httpx.stream("POST", f"{remote}/v1/chat/completions", json={**base, **tools, "stream": True},
+                      timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    for d in choice["delta"].get("tool_calls") or []:
+                        entry = streamed.setdefault(d["index"], [d["function"].get("name") or "", ""])
+                        entry[1] += d["function"].get("arguments") or ""
+    assert [(n, json.loads(a)) for n, a in streamed.values()] == want
+    _, msgs = converse(remote, [{"role": "user", "content": "Go"}], max_new_tokens=60,
+                       response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": CHOICE}})
+    assert msgs[-1]["type"] == "done" and set(json.loads(text_of(msgs))) == {"c", "n"}

@@ -21,6 +21,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from webchat.gguf_header import GGUFError, keep_none, read_header
 from webchat.text.gguf_vocab import Fields, VocabError, build_tokenizer, special_tokens
 
 # GGUF general.architecture → the Hugging Face architecture and model_type the folder's config.json names
@@ -312,7 +313,7 @@ def write_quantized(reader: gguf.GGUFReader, h: Hyper, out_dir: Path, progress: 
 
 def add_quantized(gguf_path: Path, out_dir: Path) -> None:
     """Add quantized.safetensors to a folder converted before it existed (same GGUF, same names)."""
-    reader = gguf.GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     meta = _Meta(reader)
     arch = str(meta.get("general.architecture"))
     write_quantized(reader, read_hyper(meta, arch, len(meta.need("tokenizer.ggml.tokens"))), out_dir)
@@ -399,7 +400,12 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
-    """A GGUFReader, or ConversionError in one line for a file that is not GGUF (or not a version gguf reads)."""
+    """A GGUFReader, or ConversionError in one line for a file that is not GGUF (or not a version gguf reads). The
+    bounded reader (webchat.gguf_header) checks the header first: gguf's reader trusts every count in it."""
+    try:
+        read_header(gguf_path, keep=keep_none)
+    except GGUFError as e:
+        raise ConversionError(str(e)) from None
     try:
         return gguf.GGUFReader(gguf_path)
     except (ValueError, IndexError, TypeError) as e:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from webchat.convert import convert_gguf
+from webchat.gguf_header import keep_none, read_header
 from webchat.paths import webchat_home
 
 KEY_HEX = 16  # hex digits of the SHA-256 that name a cache folder
@@ -63,6 +64,7 @@ def model_folder(path: Path, home: Path | None = None, out: TextIO | None = None
         raise FileNotFoundError(f"--model {path} does not exist (expected a model folder or a .gguf file)")
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"--model {path}: expected a model folder or a .gguf file, got {path.suffix or 'a'} file")
+    read_header(path, keep=keep_none)  # a bad header is named before the file is hashed or converted
     root = gguf_models_dir(home)
     dest = root / f"{path.stem}-{file_key(path, root, out)}"
     if dest.is_dir():

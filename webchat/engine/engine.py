@@ -25,9 +25,10 @@ from typing import Protocol
 
 import torch
 
+from webchat.engine import constraint as cst
 from webchat.engine.events import Stats, TokenInfo
-from webchat.engine.sampling import Choice, RowAsk, RowScan, Sampler, sample_batch
-from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult, add
+from webchat.engine.sampling import Choice, RowAsk, RowScan, Sampler, describe, sample_batch
+from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult
 from webchat.engine.settings import MAX_TOP_ALTS
 from webchat.engine.speculative import (
     MODES,
@@ -42,11 +43,13 @@ from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelArgs
 from webchat.model.kv_cache import PAGE_SIZE, ROOT, KVPool, PageTable, PoolExhausted
 from webchat.text.detok import IncrementalDecoder
+from webchat.text.reasoning import PartSplitter
 from webchat.text.stops import StopHolder
 
 PREFILL_CHUNK = 256  # prompt tokens per step when no other sequence is decoding
 MIXED_CHUNK = 32  # prompt tokens per step while others decode (bounds their gap between tokens)
 FIRST_LOGITS_BYTES = 16 << 20  # kept last-row logits of recent prompts (Engine.first_logits): 85 rows of a 49152 vocab
+MAX_FORCED = 16  # forced tokens (a grammar's, a reasoning budget's closing) verified in one forward
 
 
 class Model(Protocol):
@@ -89,6 +92,19 @@ class _Row:
     feed: list[int]
     drafts: list[int] = field(default_factory=list)
     sample: bool = True  # False: a prefill chunk that does not finish the prompt
+    forced: bool = False  # drafts are forced tokens (not speculation: not counted as drafted or accepted)
+    score: bool = False  # a prefill chunk of a request that scores its prompt: logits for every row
+
+    def logit_offsets(self) -> list[int]:
+        """The feed positions whose logits this row wants (make_batch's logit_offsets)."""
+        if self.score or (self.sample and self.drafts):
+            return list(range(len(self.feed)))
+        return [-1] if self.sample else []
+
+    @property
+    def n_sample(self) -> int:
+        """Logits rows that sample a token (the last ones of logit_offsets)."""
+        return 0 if not self.sample else len(self.feed) if self.drafts else 1
 
 
 class Engine:
@@ -144,8 +160,9 @@ class Engine:
             if seq.owner is owner:
                 raise RuntimeError("this handle already has a sequence running")
         kept = self.retained.pop(owner, None)
-        first = self.first_logits.get(tuple(prompt))
-        most = len(prompt) if first is not None else len(prompt) - 1  # with its logits kept, the whole prompt
+        scoring = req.prompt_logprobs is not None  # every prompt row's logits are wanted: nothing is reused
+        first = None if scoring else self.first_logits.get(tuple(prompt))
+        most = 0 if scoring else len(prompt) if first is not None else len(prompt) - 1  # logits kept: the whole prompt
         own = min(common_prefix(kept.ids, prompt), most) if kept is not None else 0
         table = PageTable(self.pool)
         reused = self._reuse(table, prompt, most, keep=kept.table.pages if kept is not None else [])
@@ -161,7 +178,13 @@ class Engine:
                        holder=StopHolder(req.stop_strings), stop_ids=frozenset(stop_ids), tokens=prompt, table=table,
                        stats=Stats(prompt_tokens=len(prompt), reused_tokens=reused),
                        drafter=self._drafter(owner, req.speculative), limit=self.capacity, n_cached=reused,
-                       owner=owner, first_logits=first if reused == len(prompt) else None)
+                       owner=owner, first_logits=first if reused == len(prompt) else None,
+                       splitter=None if req.reasoning is None else PartSplitter(req.reasoning.markers,
+                                                                               req.reasoning.inside))
+        self._spend_budget(seq)  # a prompt that opened thinking with a budget of 0: closed at once
+        if scoring:  # each prompt token with the text it adds; scored as the prefill reaches it (the first never)
+            text = IncrementalDecoder(self.tokenizer.token_bytes)
+            seq.scored = [TokenInfo(id=t, piece=text.push(t)) for t in prompt]
         if first is not None:
             self.first_logits.move_to_end(tuple(prompt))
         self.running.append(seq)
@@ -231,15 +254,17 @@ class Engine:
             elif seq.first_logits is not None and seq.n_cached == len(seq.tokens):
                 self._first_from_kept(seq)
             elif seq.prefilling or seq.n_cached < len(seq.tokens) - 1:  # the prompt, or recomputing after preemption
-                if not seq.table.pages and seq.n_cached == 0:
+                if not seq.table.pages and seq.n_cached == 0 and seq.req.prompt_logprobs is None:
                     seq.n_cached = self._reuse(seq.table, seq.tokens, len(seq.tokens) - 1)
                     seq.table.truncate(seq.n_cached)
                 end = len(seq.tokens) if seq.prefilling else len(seq.tokens) - 1
                 n = min(end - seq.n_cached, budget)
                 if n > 0:
                     budget -= n
+                    last = seq.prefilling and n == end - seq.n_cached
                     rows.append(_Row(seq, seq.tokens[seq.n_cached : seq.n_cached + n],
-                                     sample=seq.prefilling and n == end - seq.n_cached))
+                                     sample=last and seq.req.max_new_tokens > 0,
+                                     score=seq.prefilling and seq.req.prompt_logprobs is not None))
             else:
                 rows.append(self._decode_row(seq))
             if out.eos:
@@ -263,9 +288,14 @@ class Engine:
 
     @staticmethod
     def _prompt_done(seq: Sequence, out: StreamResult) -> None:
-        """The whole prompt is in the cache: its prefill time, and the end if it fills the context."""
+        """The whole prompt is in the cache: its prefill time, its scores when asked for, and the end if nothing is to
+        be generated (a prompt scored only) or it fills the context."""
         seq.stats.prefill_ms = (time.perf_counter() - seq.t_begin) * 1000
-        if len(seq.tokens) >= seq.limit:
+        if seq.req.prompt_logprobs is not None:
+            out.prompt = seq.scored
+        if seq.req.max_new_tokens == 0:
+            seq.end(out, "max_new_tokens", None)
+        elif len(seq.tokens) >= seq.limit:
             seq.end(out, "context_full", None)
 
     def _keep_first(self, prompt: list[int], row: torch.Tensor) -> None:
@@ -309,7 +339,11 @@ class Engine:
         pending = seq.tokens[seq.n_cached :]
         assert len(pending) == 1, f"a decoding sequence has one pending token, got {len(pending)}"
         req = seq.req
-        k = min(req.draft_tokens, req.max_new_tokens - seq.stats.new_tokens - 1, seq.limit - len(seq.tokens) - 1)
+        room = min(req.max_new_tokens - seq.stats.new_tokens - 1, seq.limit - len(seq.tokens) - 1)
+        forced = self._forced(seq)[: max(0, min(room, MAX_FORCED))]
+        if forced:  # verified like drafts, and the mask makes every one the sample: tokens without a forward each
+            return _Row(seq, pending + forced, forced, forced=True)
+        k = min(req.draft_tokens, room)
         drafts: list[int] = []
         if seq.drafter is not None and k > 0 and isinstance(seq.drafter, SelfDrafter):
             try:
@@ -324,32 +358,45 @@ class Engine:
             seq.stats.drafted += len(drafts)
         return _Row(seq, pending + drafts, drafts)
 
+    @staticmethod
+    def _forced(seq: Sequence) -> list[int]:
+        """Tokens nothing but the request decides next: a reasoning budget's closing, or the grammar's only way on."""
+        if seq.force:
+            return list(seq.force)
+        if seq.grammar_active:
+            assert seq.req.constraint is not None
+            return seq.req.constraint.forced()
+        return []
+
     def _forward(self, rows: list[_Row]) -> None:
         spec = []
         for r in rows:
             r.seq.table.ensure(r.seq.n_cached + len(r.feed))
-            offsets = [] if not r.sample else list(range(len(r.feed))) if r.drafts else [-1]
-            spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, offsets))
+            spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, r.logit_offsets()))
         # a prompt's positions: computed alike however the prompt is chunked, recomputed alike after a preemption
         ends = [r.seq.stats.prompt_tokens for r in rows]
         logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends), self.pool)  # (R, vocab)
-        at, todo = 0, []  # (row, its first logits row, how many it samples, its results)
+        at, todo = 0, []  # (row, its first sampling logits row, how many it samples, its results)
         for r in rows:
             seq, out = r.seq, StreamResult()
+            n_logits, n_rows = len(r.logit_offsets()), r.n_sample
+            if r.score:
+                self._score(seq, logits, at, seq.n_cached, n_logits)
             seq.n_cached += len(r.feed)
-            n_rows = 0 if not r.sample else len(r.feed) if r.drafts else 1
-            if r.sample and seq.prefilling:
-                self._keep_first(seq.tokens, logits[at])
+            first = at + n_logits - n_rows
+            if seq.prefilling and seq.n_cached == len(seq.tokens):  # the whole prompt is in
+                if r.sample:
+                    self._keep_first(seq.tokens, logits[first])
                 self._prompt_done(seq, out)
-            todo.append((r, at, n_rows if not seq.done else 0, out))
-            at += n_rows
+            todo.append((r, first, n_rows if not seq.done else 0, out))
+            at += n_logits
         # one call samples every sequence's first row, and a greedy sequence's verify rows too (they draw nothing);
-        # a sampled sequence's verify row is sampled only once the draft before it is accepted, so each random
-        # stream draws exactly what it would alone
+        # a sampled or masked sequence's verify row is sampled only once the draft before it is accepted, so each
+        # random stream draws exactly what it would alone, and each mask is the constraint's after what came before
         at_rows: list[int] = []
         asks: list[RowAsk] = []
         for r, first, n, _ in todo:
-            k = n if r.seq.sampler.settings.greedy else min(n, 1)
+            k = n if self._batch_verify(r.seq) else min(n, 1)
             at_rows += range(first, first + k)
             asks += [self._ask(r.seq)] * k
         picked = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when every row is asked
@@ -357,15 +404,38 @@ class Engine:
         choices = iter(sample_batch(picked, asks, self.model.row_scan) if asks else [])
         for r, first, n, out in todo:
             if n:
-                k = n if r.seq.sampler.settings.greedy else 1
-                self._verify(r.seq, out, r.drafts, logits, [next(choices) for _ in range(k)], first)
+                k = n if self._batch_verify(r.seq) else 1
+                self._verify(r.seq, out, r.drafts, logits, [next(choices) for _ in range(k)], first, not r.forced)
             r.seq.table.register(r.seq.tokens, r.seq.n_cached)
             self._post(r.seq, out)
 
+    @staticmethod
+    def _batch_verify(seq: Sequence) -> bool:
+        """A greedy sequence that no mask can reach has its verify rows all sampled in the step's one call (they draw
+        nothing); where a grammar or a reasoning budget may mask a row, each row's mask follows the tokens before."""
+        r = seq.req.reasoning
+        return (seq.sampler.settings.greedy and seq.req.constraint is None and not seq.force
+                and (r is None or r.budget is None or seq.budget_spent))
+
+    def _score(self, seq: Sequence, logits: torch.Tensor, at: int, start: int, n: int) -> None:
+        """A scored prefill chunk: logits rows at..at+n-1 are positions start..start+n-1, and row j tells how likely
+        the prompt's token at start+j+1 was (the last row of the prompt's last chunk predicts the reply instead)."""
+        prompt = seq.stats.prompt_tokens
+        m = min(n, prompt - 1 - start)  # rows that predict a prompt token
+        if m <= 0:
+            return
+        k = seq.req.prompt_logprobs or 0
+        found = describe(logits, list(range(at, at + m)), seq.tokens[start + 1 : start + 1 + m], k, self.model.row_scan)
+        for j, c in enumerate(found):
+            info = seq.scored[start + 1 + j]
+            info.prob, info.rank = c.prob, c.rank
+            info.top = [(t, self.tokenizer.id_to_text(t), p) for t, p in c.top]
+
     def _verify(self, seq: Sequence, out: StreamResult, drafts: list[int], logits: torch.Tensor,
-                sampled: list[Choice], first: int = 0) -> None:
+                sampled: list[Choice], first: int = 0, speculated: bool = True) -> None:
         """Take row i's sample (i = 0..len(drafts), logits row first + i) while the previous one equals draft i - 1
-        (exllamav2's rule); rows past `sampled` (the rows sampled already) are sampled here, only when reached."""
+        (exllamav2's rule); rows past `sampled` (the rows sampled already) are sampled here, only when reached.
+        speculated: the drafts were a drafter's guesses (counted in the stats), not forced tokens."""
         base = seq.n_cached - len(drafts)  # tokens[:base] are in the cache for good (the fed pending token included)
         accepted = 0
         for i in range(len(drafts) + 1):
@@ -374,20 +444,30 @@ class Engine:
             if seq.done or i == len(drafts) or choice.token != drafts[i]:
                 break
             accepted += 1
-        seq.stats.accepted += accepted
+        seq.stats.accepted += accepted if speculated else 0
         if drafts:
             seq.n_cached = base + accepted  # pending + accepted drafts; the last sample is the new pending token
             seq.table.truncate(seq.n_cached)
 
-    @staticmethod
-    def _ask(seq: Sequence) -> RowAsk:
+    def _ask(self, seq: Sequence) -> RowAsk:
         req = seq.req
         return RowAsk(seq.sampler, seq.tokens, top_alts=req.top_alts if req.return_probs else 0,
-                      want_probs=req.return_probs, want_logits=req.return_logits)
+                      want_probs=req.return_probs, want_logits=req.return_logits, mask=self._mask(seq))
 
     def _sample(self, seq: Sequence, row: torch.Tensor) -> Choice:
         a = self._ask(seq)
-        return seq.sampler.sample(row, a.history, a.top_alts, a.want_probs, a.want_logits)
+        return seq.sampler.sample(row, a.history, a.top_alts, a.want_probs, a.want_logits, a.mask)
+
+    def _mask(self, seq: Sequence) -> torch.Tensor | None:
+        """The tokens allowed next (constraint's bitmask), None for all: the next forced token, else the grammar's."""
+        vocab = self.model.args.vocab_size
+        if seq.force:
+            return cst.only(seq.force[:1], vocab)
+        if not seq.grammar_active:
+            return None
+        assert seq.req.constraint is not None
+        bits = cst.empty_mask(vocab)
+        return bits if seq.req.constraint.mask(bits) else None
 
     def _emit(self, seq: Sequence, out: StreamResult, c: Choice) -> None:
         """Append the sampled token; end the sequence when a stop condition holds."""
@@ -396,17 +476,33 @@ class Engine:
         if seq.stats.new_tokens == 1:
             seq.t_first = time.perf_counter()
             seq.stats.ttft_ms = (seq.t_first - seq.t_begin) * 1000
+        if seq.force:  # the mask allowed this token alone
+            seq.force.pop(0)
+        elif seq.grammar_active and c.token not in seq.stop_ids:  # decided before the token moves the split on
+            assert seq.req.constraint is not None
+            seq.req.constraint.accept(c.token)
         if c.token in seq.stop_ids:
             seq.end(out, "stop_token", c.token)
             return
         info = TokenInfo(id=c.token, piece="", prob=c.prob, sampled_prob=c.sampled_prob, rank=c.rank,
-                         top=[(t, self.tokenizer.id_to_text(t), p) for t, p in c.top], logits=c.logits)
+                         top=[(t, self.tokenizer.id_to_text(t), p) for t, p in c.top], logits=c.logits,
+                         forbidden=c.forbidden)
         released = seq.holder.push(info, seq.decoder.push(c.token))
-        add(out, released.items)
+        seq.release(out, released.items)
         if released.stop is not None:
             seq.end(out, "stop_string", released.stop)
         elif seq.stats.new_tokens >= seq.req.max_new_tokens:
             seq.end(out, "max_new_tokens", None)
+        else:
+            self._spend_budget(seq)
+
+    @staticmethod
+    def _spend_budget(seq: Sequence) -> None:
+        """Thinking that reached the request's reasoning budget is closed: its closing tokens are forced next."""
+        r = seq.req.reasoning
+        if (r is not None and r.budget is not None and not seq.budget_spent and seq.splitter is not None
+                and seq.splitter.part == "thinking" and seq.splitter.thinking_tokens >= r.budget):
+            seq.force, seq.budget_spent = list(r.close), True
 
     def _post(self, seq: Sequence, out: StreamResult) -> None:
         if seq in self.outbox:
@@ -451,8 +547,11 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}], got {bad!r}")
         if len(ids) > self.capacity:
             raise ValueError(f"prompt is {len(ids)} tokens; the cache holds at most {self.capacity}")
-        if req.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {req.max_new_tokens}")
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_ALTS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_ALTS}], got {req.prompt_logprobs}")
+        least = 0 if req.prompt_logprobs is not None else 1  # a prompt scored only generates nothing
+        if req.max_new_tokens < least:
+            raise ValueError(f"max_new_tokens must be at least {least}, got {req.max_new_tokens}")
         if not 0 <= req.top_alts <= MAX_TOP_ALTS:
             raise ValueError(f"top_alts must be in [0, {MAX_TOP_ALTS}], got {req.top_alts}")
         if req.draft_tokens < 1:

@@ -1,6 +1,6 @@
 """What the worker reports about one request: neutral events that each transport formats in its own adapter.
 
-    Queued(position)* → Started → Tokens* → Finished          (or Failed at any point)
+    Queued(position)* → Started → [PromptTokens] → Tokens* → Finished          (or Failed at any point)
 
 The websocket adapter is `webchat.serve.protocol.event_messages`; an HTTP API formats the same events its own way, so
 the transports cannot drift apart.
@@ -12,11 +12,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from webchat.text.reasoning import Part
+
 
 @dataclass
 class TokenInfo:
-    """One emitted token. piece: the exact text it adds (the pieces of a result concatenate to its text).
-    prob/rank/top use softmax of the main model's raw logits; sampled_prob the distribution actually drawn from."""
+    """One emitted (or, for prompt logprobs, one prompt) token. piece: the exact text it adds to its part (the pieces
+    of a result concatenate to its text; a reasoning marker's characters are in no piece). prob/rank/top use softmax
+    of the main model's raw logits; sampled_prob the distribution actually drawn from (after the constraint's mask).
+    part: the reply's thinking or its answer (webchat.text.reasoning). forbidden: the ids in `top` that the request's
+    constraint did not allow at this position (their prob is still the model's)."""
 
     id: int
     piece: str
@@ -25,6 +30,8 @@ class TokenInfo:
     rank: int | None = None
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, display text, prob), prob descending
     logits: torch.Tensor | None = None  # (vocab,) raw row when return_logits
+    part: Part = "answer"
+    forbidden: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -54,6 +61,14 @@ class Started:
 
 
 @dataclass(frozen=True)
+class PromptTokens:
+    """The prompt's tokens scored by the model (a request's prompt_logprobs): tokens[0] has no probability (nothing
+    precedes it); tokens[i] is the prompt's token i with its probability, rank and alternatives given tokens[:i]."""
+
+    tokens: list[TokenInfo]
+
+
+@dataclass(frozen=True)
 class Tokens:
     """New text and the tokens that carry it (tokens hold probabilities only when the request asked for them)."""
 
@@ -76,4 +91,4 @@ class Failed:
     message: str
 
 
-Event = Queued | Started | Tokens | Finished | Failed
+Event = Queued | Started | PromptTokens | Tokens | Finished | Failed

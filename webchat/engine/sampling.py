@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from webchat.engine import constraint as cst
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, check_token_ids
 
 
@@ -17,7 +18,7 @@ class Choice:
 
     prob: softmax(raw logits)[token]; sampled_prob: probability under the distribution actually drawn from
     (after penalties, temperature and truncation; 1.0 when greedy); rank: 1-based under the raw logits;
-    top: [(id, prob)] by raw probability, descending.
+    top: [(id, prob)] by raw probability, descending; forbidden: the ids of top the row's mask did not allow.
     """
 
     token: int
@@ -26,6 +27,7 @@ class Choice:
     rank: int | None = None
     top: list[tuple[int, float]] = field(default_factory=list)
     logits: torch.Tensor | None = None
+    forbidden: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -61,23 +63,28 @@ class Sampler:
         return self._dense_bias
 
     def sample(self, logits: torch.Tensor, history: list[int], top_alts: int = 0, want_probs: bool = False,
-               want_logits: bool = False) -> Choice:
-        """logits: (vocab,) raw row for the next position; history: every token before it (prompt + reply)."""
+               want_logits: bool = False, mask: torch.Tensor | None = None) -> Choice:
+        """logits: (vocab,) raw row for the next position; history: every token before it (prompt + reply); mask:
+        the tokens allowed (webchat.engine.constraint's bitmask), None for all."""
         raw = logits.float()
-        x = self._adjust(raw.cpu(), history)
+        x = self._adjust(raw.cpu(), history, mask)
         token, sampled_prob = self._draw(x)
         choice = Choice(token=token, sampled_prob=sampled_prob if want_probs or top_alts else None)
         if want_probs or top_alts:
             _describe(choice, raw, min(top_alts, MAX_TOP_ALTS))
+            _mark_forbidden(choice, mask)
         if want_logits:
             choice.logits = raw.detach().cpu().clone()
         return choice
 
-    def _adjust(self, x: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """Token bias and penalties; returns a new (vocab,) row."""
+    def _adjust(self, x: torch.Tensor, history: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token bias, penalties and the mask; returns a new (vocab,) row (x itself when nothing applies)."""
         s = self.settings
-        if self._bias_ids is not None:
+        if mask is not None:
             x = x.clone()
+            cst.apply(x, mask)
+        if self._bias_ids is not None:
+            x = x.clone() if mask is None else x
             self._add_bias(x)
         if not s.penalised or not history:
             return x
@@ -159,6 +166,7 @@ class RowAsk:
     top_alts: int = 0
     want_probs: bool = False
     want_logits: bool = False
+    mask: torch.Tensor | None = None  # the tokens allowed (webchat.engine.constraint's bitmask); None: all
 
 
 class RowScan(Protocol):
@@ -187,11 +195,12 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk], scan: RowScan | None 
     if logits.shape[0] != len(asks):
         raise ValueError(f"{len(asks)} asks for {logits.shape[0]} logits rows")
     if logits.device.type != "cpu" or any(type(a.sampler) is not Sampler for a in asks):
-        return [a.sampler.sample(logits[i], a.history, a.top_alts, a.want_probs, a.want_logits)
+        return [a.sampler.sample(logits[i], a.history, a.top_alts, a.want_probs, a.want_logits, a.mask)
                 for i, a in enumerate(asks)]
     raw = logits if logits.dtype == torch.float32 else logits.float()  # (each torch call costs after a forward)
     x = raw
-    penalised = [i for i, a in enumerate(asks) if a.sampler.settings.penalised and a.history]
+    # rows adjusted one by one (the bias rides along): penalties need the history, a mask its bits
+    penalised = [i for i, a in enumerate(asks) if (a.sampler.settings.penalised and a.history) or a.mask is not None]
     biased = [i for i, a in enumerate(asks) if a.sampler._bias_ids is not None and i not in penalised]
     # a greedy row's bias alone (an API client's logit_bias, on every token) is added by the scan as it looks for the
     # largest logit: no copy of the rows and no torch op, each of which costs tens of microseconds after a forward
@@ -201,7 +210,7 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk], scan: RowScan | None 
         for i in biased:  # only the biased ids (adding 0.0 elsewhere changes nothing): no (N, vocab) temporaries
             asks[i].sampler._add_bias(x[i])
         for i in penalised:
-            x[i] = asks[i].sampler._adjust(raw[i], asks[i].history)
+            x[i] = asks[i].sampler._adjust(raw[i], asks[i].history, asks[i].mask)
     greedy = [i for i, a in enumerate(asks) if a.sampler.settings.greedy]
     tokens = [0] * len(asks)
     sampled = [1.0] * len(asks)
@@ -230,9 +239,34 @@ def sample_batch(logits: torch.Tensor, asks: list[RowAsk], scan: RowScan | None 
             found = scan.describe_rows(raw.contiguous(), described, [choices[i].token for i in described], ks)
             for i, (prob, rank, top) in zip(described, found, strict=True):
                 choices[i].prob, choices[i].rank, choices[i].top = prob, rank, top
+        for i in described:
+            _mark_forbidden(choices[i], asks[i].mask)
     for i, a in enumerate(asks):
         if a.want_logits:
             choices[i].logits = raw[i].detach().cpu().clone()
+    return choices
+
+
+def _mark_forbidden(choice: Choice, mask: torch.Tensor | None) -> None:
+    if mask is not None:
+        choice.forbidden = [t for t, _ in choice.top if not cst.allows(mask, t)]
+
+
+def describe(logits: torch.Tensor, rows: list[int], tokens: list[int], k: int,
+             scan: RowScan | None = None) -> list[Choice]:  # fmt: skip
+    """What the model thought of given tokens (a prompt's, scored): for logits row rows[j], tokens[j]'s probability
+    and rank and k alternatives, as a sampled token's are described."""
+    choices = [Choice(token=t) for t in tokens]
+    if not rows:
+        return choices
+    k = min(k, MAX_TOP_ALTS)
+    if scan is None or logits.device.type != "cpu":  # _describe_rows reads choices[i] for logits row i
+        sub = logits.float().index_select(0, torch.tensor(rows, device=logits.device))
+        _describe_rows(choices, sub, list(range(len(rows))), [k] * len(rows))
+        return choices
+    x = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
+    for c, (prob, rank, top) in zip(choices, scan.describe_rows(x, rows, tokens, [k] * len(rows)), strict=True):
+        c.prob, c.rank, c.top = prob, rank, top
     return choices
 
 

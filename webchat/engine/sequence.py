@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from webchat.engine.constraint import Constraint
 from webchat.engine.events import Stats, TokenInfo
 from webchat.engine.sampling import Sampler
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.speculative import Drafter
 from webchat.model.kv_cache import PageTable
 from webchat.text.detok import IncrementalDecoder
+from webchat.text.reasoning import PartSplitter, Reasoning
 from webchat.text.stops import StopHolder
 
 
@@ -34,6 +36,11 @@ class GenerationRequest:
     return_logits: bool = False
     speculative: str = "none"  # one of speculative.MODES
     draft_tokens: int = 4  # k drafted tokens verified per forward
+    # what may come next (a grammar: webchat.engine.grammar); built for this request, advanced by the engine
+    constraint: Constraint | None = None
+    reasoning: Reasoning | None = None  # split the reply into thinking and answer (and bound the thinking)
+    # score the prompt: each prompt token's probability, rank and this many alternatives (max_new_tokens may be 0)
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -46,6 +53,7 @@ class StartInfo:
 @dataclass
 class StreamResult:
     text: str = ""
+    prompt: list[TokenInfo] | None = None  # the scored prompt (prompt_logprobs), once, when its prefill ends
     token_ids: list[int] = field(default_factory=list)
     tokens: list[TokenInfo] = field(default_factory=list)
     eos: bool = False
@@ -56,6 +64,7 @@ class StreamResult:
     def merge(self, later: StreamResult) -> None:
         """Append a later step's result (a handle not read for a while gets one result for several steps)."""
         self.text += later.text
+        self.prompt = self.prompt if later.prompt is None else later.prompt
         self.token_ids += later.token_ids
         self.tokens += later.tokens
         if later.eos:
@@ -84,14 +93,42 @@ class Sequence:
     done: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     first_logits: torch.Tensor | None = None  # the whole prompt was cached with its last row's logits: no forward
+    splitter: PartSplitter[TokenInfo] | None = None  # thinking / answer (req.reasoning)
+    force: list[int] = field(default_factory=list)  # tokens that must come next (a reasoning budget's closing)
+    budget_spent: bool = False
+    scored: list[TokenInfo] = field(default_factory=list)  # the prompt's tokens, scored as prefilled (prompt_logprobs)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the next token is masked: forced tokens, or the request's constraint where it applies (a grammar
+        is off inside thinking, as SGLang does: it shapes the answer)."""
+        return bool(self.force) or self.grammar_active
+
+    @property
+    def grammar_active(self) -> bool:
+        return self.req.constraint is not None and (self.splitter is None or not self.splitter.in_thinking)
 
     @property
     def prefilling(self) -> bool:
         return self.stats.new_tokens == 0
 
+    def release(self, out: StreamResult, items: list[tuple[TokenInfo, str]]) -> None:
+        """Tokens the stop holder let go: through the thinking / answer split, into the result."""
+        if self.splitter is None:
+            add(out, items)
+            return
+        for info, piece in items:
+            for token, shown, part in self.splitter.push(info, piece):
+                token.part = part
+                add(out, [(token, shown)])
+
     def end(self, out: StreamResult, reason: str, trigger: int | str | None) -> None:
         if reason != "stop_string":
-            add(out, self.holder.flush().items)
+            self.release(out, self.holder.flush().items)
+        if self.splitter is not None:  # held text ends in the part it is in (a reply cut inside thinking: thinking)
+            for token, shown, part in self.splitter.flush():
+                token.part = part
+                add(out, [(token, shown)])
         self.decoder.finish()
         self.done = True
         st = self.stats

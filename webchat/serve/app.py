@@ -21,6 +21,7 @@ from starlette.templating import Jinja2Templates
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from webchat.engine import events as ev
+from webchat.engine.grammar import GrammarConstraint
 from webchat.serve import protocol as p
 from webchat.serve.backend import Backend, Job
 from webchat.serve.config import ServerConfig, content_security_policy, origin_allowed, static_version
@@ -35,6 +36,7 @@ from webchat.serve.limits import (
 from webchat.serve.models import Card, Fleet, ModelError, Models, scan
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
+from webchat.serve.replyformat import format_grammar, kept_ids, make_constraint
 from webchat.serve.rules import RuleError, context_room, short_repr, speculative_mode
 from webchat.serve.runtime import (
     RemoteRuntime,
@@ -176,7 +178,9 @@ class Connection:
         self.worker.submit(Job(key=self.key, request_id=msg.id, request=request, deliver=deliver,
                                prompt_tokens=n_prompt, client=self.key,
                                messages=[m.model_dump() for m in msg.messages], continue_final=msg.continue_,
-                               prefix_ids=msg.prefix_ids, model=rt.model_name if self.models is not None else None))
+                               prefix_ids=msg.prefix_ids, model=rt.model_name if self.models is not None else None,
+                               upstream=None if msg.response_format is None or rt.tokenizer is not None else
+                               {"response_format": msg.response_format.model_dump(by_alias=True, exclude_none=True)}))
 
     async def _model(self, msg: p.Generate) -> Runtime:
         """The runtime of the model the request names, loaded first if need be (`loading` messages meanwhile)."""
@@ -236,7 +240,8 @@ class Connection:
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=msg.max_new_tokens,
                                     stop_strings=list(msg.stop), stop_token_ids=None,
                                     return_probs=msg.alternatives > 0, top_alts=msg.alternatives,
-                                    return_logits=False, speculative=mode)
+                                    return_logits=False, speculative=mode,
+                                    constraint=await format_constraint(msg, rt))
         return request, len(ids), fitted.dropped
 
     def _check_prefix(self, msg: p.Generate, rt: Runtime) -> None:
@@ -257,6 +262,22 @@ class Connection:
             raise p.ProtocolError("bad_message", f"field 'prefix_ids': the {len(ids)} ids spell {short_repr(text)}, "
                                   f"the final message is {short_repr(content)} (they differ from character {at}); "
                                   "they must be that message's tokens", msg.id)
+
+
+async def format_constraint(msg: p.Generate, rt: Runtime) -> GrammarConstraint | None:
+    """The reply format's constraint (docs/protocol.md, `response_format`), the kept reply of a Continue or a branch
+    replayed into it; `bad_message` naming the field when the format or the kept reply cannot be."""
+    if msg.response_format is None or rt.tokenizer is None:
+        return None  # a remote engine: the upstream enforces it (Job.upstream)
+    tokenizer = rt.tokenizer
+    kept = msg.prefix_ids
+    if kept is None and msg.continue_:
+        kept = kept_ids(tokenizer, msg.messages[-1].content)
+    try:
+        grammar = format_grammar(msg.response_format, "response_format")
+        return await make_constraint(tokenizer, rt.local()[0].args.vocab_size, grammar, "response_format", kept)
+    except RuleError as exc:
+        raise p.ProtocolError("bad_message", f"field '{exc.field}': {exc.message}", msg.id) from None
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

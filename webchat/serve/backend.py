@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from webchat.engine import events as ev
 from webchat.engine.sequence import GenerationRequest, Sequence
@@ -29,10 +29,13 @@ class Job:
     deliver: Deliver  # runs on the event loop
     prompt_tokens: int = 0
     client: Hashable = None  # who is asking, for fair admission: a websocket connection, an API key or a peer address
-    messages: list[dict[str, str]] | None = None  # the chat the prompt ids were encoded from (None: a raw prompt)
+    messages: list[dict[str, Any]] | None = None  # the chat the prompt ids were encoded from (None: a raw prompt)
     continue_final: bool = False  # the last message is an assistant prefix to continue
     prefix_ids: list[int] | None = None  # that prefix as the model's token ids (a branch), sent as ids where taken
     model: str | None = None  # the model it runs on (webchat.serve.models; None: the default)
+    # a remote engine's pass-through: the client's response_format / structured_outputs / tools / tool_choice /
+    # parallel_tool_calls, as sent (webchat.serve.openai.tools.upstream_fields); the upstream enforces them
+    upstream: dict[str, Any] | None = None
     # the backend's bookkeeping
     position: int = 0  # last `queued` position sent; 0 = never queued
     seq: Sequence | None = None  # the local engine's sequence while it runs

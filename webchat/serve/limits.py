@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from starlette.responses import PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 log = logging.getLogger("webchat.serve.app")
 
@@ -132,6 +132,19 @@ class AcceptErrorLog:
         self.last, self.skipped = now, 0
 
 
+API_PATHS = ("/v1/", "/tokenize")
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error"}
+
+
+def refusal(scope: dict[str, Any], status: int, message: str, code: str) -> Response:
+    """A middleware's refusal: in the OpenAI API's error shape on its paths (/v1, /tokenize), plain text elsewhere."""
+    path = scope.get("path", "")
+    if path == "/v1" or path.startswith(API_PATHS):
+        return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                                       "param": None, "code": code}}, status_code=status)
+    return PlainTextResponse(message, status_code=status)
+
+
 class HostCheck:
     """ASGI middleware: requests whose Host header names another host get 403 (DNS rebinding on a loopback server)."""
 
@@ -147,8 +160,8 @@ class HostCheck:
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
-                response = PlainTextResponse(f"host {host!r} is not served here; use http://127.0.0.1 or localhost",
-                                             status_code=403)
+                response = refusal(scope, 403, f"host {host!r} is not served here; use http://127.0.0.1 or localhost",
+                                   "host_not_allowed")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -189,8 +202,8 @@ class TokenCheck:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            response = PlainTextResponse("this server needs its access token: open it as /?token=TOKEN, or send "
-                                         "'Authorization: Bearer TOKEN'", status_code=401)
+            response = refusal(scope, 401, "this server needs its access token: open it as /?token=TOKEN, or send "
+                               "'Authorization: Bearer TOKEN'", "invalid_access_token")
             await response(scope, receive, send)
             return
         if not from_query or scope["type"] != "http":

@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-key", default=os.environ.get("WEBCHAT_ENGINE_KEY"), metavar="KEY",
                         help="API key sent to the upstream engine; default: $WEBCHAT_ENGINE_KEY")
     parser.add_argument("--engine-timeout", type=float, default=60.0,
-                        help="seconds the upstream may send nothing before a request fails (default 60)")
+                        help="seconds the upstream may go without a complete event (or send nothing) before a request "
+                        "fails (default 60)")
     parser.add_argument("--engine-affinity-header", default=None, metavar="NAME",
                         help="also send each conversation's stable key in this header (e.g. x-session-id) for a "
                         "router's session affinity; it always goes in the body's 'user' field")

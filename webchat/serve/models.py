@@ -4,6 +4,9 @@
     use(M)   → M loaded? its Runtime : load it on the device thread (a .gguf converted once first), after unloading
                the least recently used idle model while more than --max-models would be loaded or the estimates
                would pass --memory-budget; refused before loading, with the estimate, when M alone passes the budget
+    admission: one load decided and run at a time (a lock); a load in progress counts against both limits, so
+               requests racing for models not loaded wait their turn, and are refused (model_busy) when the models
+               in memory are all in use; a model handed to a request is claimed until its job is submitted
     Fleet    = the Backend the front ends submit to: one Worker per loaded model, a job routed by its `model`, and
                the device thread's driver stepping the workers with work in turn (one engine step each)
 
@@ -17,28 +20,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import json
 import logging
 import os
-import struct
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from webchat.engine import events as ev
-from webchat.gguf_path import model_name
 from webchat.serve.backend import Job, Snapshot
+from webchat.serve.catalog import Card, describe, kv_bytes, scan
 from webchat.serve.config import ServerConfig
 from webchat.serve.device import DeviceThread
 from webchat.serve.runtime import Runtime
 from webchat.serve.worker import Worker
 
+__all__ = ["Card", "Fleet", "ModelError", "Models", "describe", "kv_bytes", "scan"]
+
 log = logging.getLogger("webchat.serve.models")
 
 MIB = 1 << 20
+CLAIM_S = 10.0  # a model handed to a request stays loaded this long at most while the request prepares its job
 
 
 class ModelError(Exception):
@@ -47,110 +50,6 @@ class ModelError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
-
-
-@dataclass
-class Card:
-    """A model in the catalog, described from its files without loading it."""
-
-    name: str
-    path: Path  # a model folder or a .gguf file
-    size_bytes: int  # the weight files it runs from
-    architecture: str
-    weights: str  # the commonest weight format: "q4_1", "q4_k", "float32", ...
-    context_length: int | None
-    default: bool = False
-    kv_per_token: int | None = None  # bytes of k and v a token takes in a float32 pool; None: shape unknown
-
-    def wire(self, loaded: bool) -> dict[str, Any]:
-        return {"name": self.name, "size_bytes": self.size_bytes, "architecture": self.architecture,
-                "weights": self.weights, "context_length": self.context_length, "default": self.default,
-                "loaded": loaded}
-
-
-def _safetensors_metadata(path: Path) -> dict[str, str]:
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    meta = header.get("__metadata__") or {}
-    return meta if isinstance(meta, dict) else {}
-
-
-def describe(path: Path, default: bool = False) -> Card:
-    """A folder (config.json, its safetensors) or a .gguf (its metadata and tensor types); ValueError if neither."""
-    if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-
-        def field(key: str) -> Any:
-            f = reader.fields.get(key)
-            return None if f is None else f.contents()
-
-        arch = str(field("general.architecture") or "unknown")
-        kinds = Counter(t.tensor_type.name.lower() for t in reader.tensors if len(t.shape) > 1)
-        ctx = field(f"{arch}.context_length")
-        heads = field(f"{arch}.attention.head_count")
-        kv = kv_bytes(field(f"{arch}.block_count"), field(f"{arch}.attention.head_count_kv") or heads,
-                      field(f"{arch}.attention.key_length") or _div(field(f"{arch}.embedding_length"), heads),
-                      field(f"{arch}.attention.value_length") or _div(field(f"{arch}.embedding_length"), heads))
-        return Card(path.stem, path, path.stat().st_size, arch, kinds.most_common(1)[0][0] if kinds else "unknown",
-                    int(ctx) if isinstance(ctx, int) else None, default, kv)
-    config = path / "config.json"
-    if not config.is_file():
-        raise ValueError(f"{path}: neither a model folder (config.json) nor a .gguf file")
-    cfg = json.loads(config.read_text())
-    arch = (cfg.get("architectures") or ["unknown"])[0]
-    quantized = path / "quantized.safetensors"
-    if quantized.is_file():
-        kinds = Counter(json.loads(_safetensors_metadata(quantized).get("webchat.model.quant", "{}")).values())
-        weights = kinds.most_common(1)[0][0] if kinds else "quantized"
-        size = quantized.stat().st_size
-    else:
-        weights = str(cfg.get("torch_dtype") or "float32")
-        size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    ctx = cfg.get("max_position_embeddings")
-    heads = cfg.get("num_attention_heads")
-    head_dim = cfg.get("head_dim") or _div(cfg.get("hidden_size"), heads)
-    kv = kv_bytes(cfg.get("num_hidden_layers"), cfg.get("num_key_value_heads") or heads, head_dim, head_dim)
-    return Card(model_name(path), path, size, str(arch), weights, ctx if isinstance(ctx, int) else None, default, kv)
-
-
-def _div(a: Any, b: Any) -> int | None:
-    return a // b if isinstance(a, int) and isinstance(b, int) and b > 0 else None
-
-
-def kv_bytes(layers: Any, kv_heads: Any, key_len: Any, value_len: Any) -> int | None:
-    """Float32 bytes of one token's k and v over all layers (kv_cache.kv_bytes_per_token's count from a model's
-    metadata); a per-layer list of kv heads (some GGUFs) counts each layer's own; None when a figure is missing."""
-    if isinstance(kv_heads, list):
-        kv_heads = sum(int(h) for h in kv_heads) / len(kv_heads) if kv_heads else None
-    if not all(isinstance(v, (int, float)) and v > 0 for v in (layers, kv_heads, key_len, value_len)):
-        return None
-    return int(4 * layers * kv_heads * (key_len + value_len))
-
-
-def scan(default: Path, models_dir: Path | None) -> dict[str, Card]:
-    """The default model first, then each model folder and .gguf in models_dir (by name; a name seen first wins,
-    and the default's own folder is not listed twice). Unreadable entries are logged and left out."""
-    cards = {(card := describe(default, default=True)).name: card}
-    seen = {default.resolve()}
-    if models_dir is not None and models_dir.is_dir():
-        for path in sorted(models_dir.iterdir()):
-            if path.resolve() in seen or path.name.startswith("."):
-                continue
-            if not (path.is_dir() and (path / "config.json").is_file()) and path.suffix != ".gguf":
-                continue
-            try:
-                card = describe(path)
-            except Exception as exc:  # a broken file must not stop the server: it is named and skipped
-                log.warning("models dir: %s left out: %s: %s", path, type(exc).__name__, exc)
-                continue
-            if card.name in cards:  # the default's .gguf itself, or another file of the same name
-                log.info("models dir: %s left out: the name %r is %s's", path, card.name, cards[card.name].path)
-                continue
-            cards[card.name] = card
-    return cards
 
 
 def memory_total() -> int:
@@ -172,6 +71,7 @@ class Fleet:
         self.device, self.default = device, default
         self.workers: dict[str, Worker] = {}
         self._turn = 0
+        self.on_submit: Callable[[str], None] | None = None  # told the model of each job submitted (Models.release)
 
     def add(self, name: str, worker: Worker) -> None:
         with self.device.cond:
@@ -197,6 +97,8 @@ class Fleet:
         self.device.stop(timeout)
 
     def submit(self, job: Job) -> None:
+        if self.on_submit is not None:
+            self.on_submit(job.model or self.default)
         worker = self.workers.get(job.model or self.default)
         if worker is None:  # unloaded between the front end's use() and now: the front end loads it again
             job.deliver(ev.Failed("model_busy", f"model {job.model!r} was unloaded before the request started; "
@@ -257,13 +159,20 @@ class Models:
         self.max_models = max_models
         self.budget = memory_budget if memory_budget is not None else int(memory_total() * 0.8)
         self.loaded: OrderedDict[str, Loaded] = OrderedDict()
+        self.loading: dict[str, int] = {}  # a load in progress: its estimate
         self._loading: dict[str, asyncio.Task[Loaded]] = {}
+        self._admission = asyncio.Lock()  # one decision-and-load at a time
+        self._waiting: dict[str, int] = {}  # requests waiting on a model's load
+        self._claims: dict[str, list[float]] = {}  # per model: when each claim on it lapses
+        if fleet is not None:  # None: estimates only (tests)
+            fleet.on_submit = self.release
 
     def wire(self) -> list[dict[str, Any]]:
         """Each model for hello and /v1/models; the context it is served with (--max-seq-len applied)."""
         out = []
         for name, card in self.cards.items():
             entry = card.wire(name in self.loaded)
+            entry["loading"] = name in self.loading
             if name in self.loaded:
                 entry["context_length"] = self.loaded[name].runtime.context_length
             elif card.context_length is not None and self.config.max_seq_len is not None:
@@ -301,10 +210,12 @@ class Models:
         return name
 
     async def use(self, name: str | None, progress: Callable[[dict[str, Any]], None] | None = None) -> Runtime:
-        """The model's runtime, loaded first if it is not (`progress` hears `loading`, then `loaded`)."""
+        """The model's runtime, loaded first if it is not (`progress` hears `loading`, then `loaded`). The model is
+        claimed for the caller until its job is submitted (or CLAIM_S passes): no other load unloads it meanwhile."""
         name = self.check(name)
         if name in self.loaded:
             self.loaded.move_to_end(name)
+            self._claim(name)
             return self.loaded[name].runtime
         card = self.cards[name]
         weights, pool = self.estimate(card)
@@ -317,6 +228,7 @@ class Models:
         if task is None:
             task = self._loading[name] = asyncio.get_running_loop().create_task(self._load(card, weights + pool))
             task.add_done_callback(lambda _: self._loading.pop(name, None))
+        self._waiting[name] = self._waiting.get(name, 0) + 1  # each gets its claim when the load ends
         if progress is not None:
             progress({"model": name, "state": "loading", "size_bytes": card.size_bytes,
                       "estimate_bytes": weights + pool})
@@ -328,6 +240,20 @@ class Models:
         return loaded.runtime
 
     async def _load(self, card: Card, need: int) -> Loaded:
+        """One load at a time: room is made and the load counted (`loading`) under the admission lock, so loads in
+        progress count against --max-models and --memory-budget from the moment they are decided."""
+        async with self._admission:
+            try:
+                return await self._load_admitted(card, need)
+            finally:
+                waiting = self._waiting.pop(card.name, 0)
+                if card.name in self.loaded:
+                    for _ in range(waiting):
+                        self._claim(card.name)
+
+    async def _load_admitted(self, card: Card, need: int) -> Loaded:
+        if card.name in self.loaded:  # loaded by an earlier holder of the lock
+            return self.loaded[card.name]
         self._make_room(card.name, need)
         from webchat.serve.runtime import load_runtime, warm_up
 
@@ -340,12 +266,19 @@ class Models:
             return warm_up(load_runtime(dataclasses.replace(self.config, model_dir=folder, draft_dir=None)))
 
         t0 = time.perf_counter()
+        self.loading[card.name] = need
         try:
             runtime = await self.fleet.device.run(load)
         except Exception as exc:
-            log.exception("loading model %r failed", card.name)
-            raise ModelError("model_failed", f"model {card.name!r} could not be loaded: {type(exc).__name__}: "
-                                             f"{exc}") from None
+            if isinstance(exc, OSError | ValueError):  # a bad file: its error says what is wrong
+                log.warning("loading model %r failed: %s", card.name, exc)
+                message = str(exc)
+            else:
+                log.exception("loading model %r failed", card.name)
+                message = f"{type(exc).__name__}: {exc}"
+            raise ModelError("model_failed", f"model {card.name!r} could not be loaded: {message}") from None
+        finally:
+            self.loading.pop(card.name, None)
         runtime.model_name = card.name
         log.info("model %r loaded in %.1f s", card.name, time.perf_counter() - t0)
         self.fleet.add(card.name, self.make_worker(runtime))
@@ -353,17 +286,37 @@ class Models:
         return loaded
 
     def _make_room(self, name: str, need: int) -> None:
-        """Unload idle models, least recently used first, until `name` fits the count and the budget."""
-        while len(self.loaded) >= self.max_models or sum(m.estimate for m in self.loaded.values()) + need > self.budget:
+        """Unload idle models, least recently used first, until `name` fits the count and the budget beside the
+        loaded models and any load in progress."""
+        while (len(self.loaded) + len(self.loading) >= self.max_models
+               or self.in_memory() + need > self.budget):  # fmt: skip
             idle = next((n for n in self.loaded if self._idle(n)), None)
             if idle is None:
+                busy = list(self.loaded) + [f"{n} (loading)" for n in self.loading]
                 raise ModelError("model_busy", (
-                    f"model {name!r} cannot be loaded now: the loaded models {list(self.loaded)} are all in use "
+                    f"model {name!r} cannot be loaded now: the models {busy} are all in use "
                     f"(at most {self.max_models} loaded, --max-models; memory budget {fmt_bytes(self.budget)}); "
                     "send it again when a reply has ended"))
             self.unload(idle)
 
+    def in_memory(self) -> int:
+        """The estimates of the loaded models and of the loads in progress, in bytes."""
+        return sum(m.estimate for m in self.loaded.values()) + sum(self.loading.values())
+
+    def _claim(self, name: str) -> None:
+        self._claims.setdefault(name, []).append(time.monotonic() + CLAIM_S)
+
+    def release(self, name: str) -> None:
+        """A job for `name` was submitted (the Fleet calls this): one claim on it ends."""
+        claims = self._claims.get(name)
+        if claims:
+            claims.pop(0)
+
     def _idle(self, name: str) -> bool:
+        now = time.monotonic()
+        claims = self._claims[name] = [t for t in self._claims.get(name, []) if t > now]
+        if claims:
+            return False
         worker = self.fleet.workers.get(name)
         if worker is None:
             return True

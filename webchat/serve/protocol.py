@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
 from webchat.engine.settings import BIAS_RANGE, RANGES, Range, SamplingSettings, SettingsError, token_id
+from webchat.serve.replyformat import ResponseFormat
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 
 VERSION = 1
@@ -94,6 +95,8 @@ class Generate(_Strict):
     # with continue: the final message's content as the token ids the model produced (a branch keeps the exact
     # tokens, never re-tokenised); the prompt is then the history's generation prompt followed by these ids
     prefix_ids: Annotated[list[int], Field(min_length=1, max_length=MAX_PREFIX_IDS)] | None = None
+    # the reply's format (the API's response_format): text, any JSON object, or a JSON schema's instances
+    response_format: ResponseFormat | None = None
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
@@ -172,6 +175,7 @@ class TokenOut(_Strict):
     rank: int | None  # None: outside the top-k the engine returned, or unknown
     top: list[Alternative]
     sampled_p: float | None = None  # under the distribution drawn from (settings applied); None when unknown
+    forbidden: list[int] | None = None  # ids in `top` the reply's format did not allow here (a constrained reply)
 
 
 class Chunk(_Strict):
@@ -248,6 +252,8 @@ def event_messages(request_id: str, event: ev.Event, want_tokens: bool) -> list[
     if isinstance(event, ev.Finished):
         return [Done(id=request_id, reason=event.reason, trigger=event.trigger,  # type: ignore[arg-type]
                      stats=stats_out(event.stats))]
+    if isinstance(event, ev.PromptTokens):
+        return []  # the websocket asks for no prompt scores yet
     return [Error(id=request_id, code=event.code, message=event.message)]  # type: ignore[arg-type]
 
 
@@ -256,7 +262,8 @@ def token_out(info: ev.TokenInfo) -> TokenOut:
     top = [Alternative(id=int(tid), text=text, p=float(prob)) for tid, text, prob in info.top]
     sampled = None if info.sampled_prob is None else float(info.sampled_prob)
     return TokenOut(id=int(info.id), text=info.piece, p=None if info.prob is None else float(info.prob),
-                    rank=None if info.rank is None else int(info.rank), top=top, sampled_p=sampled)
+                    rank=None if info.rank is None else int(info.rank), top=top, sampled_p=sampled,
+                    forbidden=[int(t) for t in info.forbidden] or None)
 
 
 def stats_out(stats: ev.Stats) -> Stats:
@@ -269,6 +276,8 @@ def dump(msg: ServerMessage) -> str:
     """The JSON text frame for a server message (`chunk.tokens` left out when not asked for)."""
     if isinstance(msg, Chunk) and msg.tokens is None:
         return msg.model_dump_json(exclude={"tokens"})
+    if isinstance(msg, Chunk) and all(t.forbidden is None for t in msg.tokens or []):
+        return msg.model_dump_json(exclude={"tokens": {"__all__": {"forbidden"}}})
     if isinstance(msg, Start) and msg.trimmed_messages is None:
         return msg.model_dump_json(exclude={"trimmed_messages"})
     if isinstance(msg, Loading):

@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
-
-from starlette.concurrency import run_in_threadpool
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from webchat.engine.speculative import MODES
 from webchat.gguf_path import model_name
 from webchat.serve import protocol as p
 from webchat.serve.config import ServerConfig
+from webchat.text.template_budget import FULL, INLINE, Budget, InlineExhausted, budget
 
 if TYPE_CHECKING:
     from webchat.engine.engine import Engine
@@ -25,18 +27,34 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 INLINE_TEXT_CHARS = 4096  # a prompt this short is templated and tokenized on the event loop (well under 1 ms)
+ENCODE_THREADS = 2  # templating and tokenizing off the loop, at most this many at once (one per core)
+_ENCODE = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="webchat-encode")
 
 
 async def encode_text_work(fn: Callable[..., T], *args: object, chars: int) -> T:
-    """fn(*args), a prompt's templating and tokenizing over `chars` characters of text: on the event loop when short,
-    where a worker thread's two hand-offs cost more than the work (about 1 ms of a ~25 ms short-prompt TTFT, every
-    request); on a worker thread past INLINE_TEXT_CHARS, so a long prompt never stalls the other connections."""
+    """fn(*args), a prompt's templating and tokenizing over `chars` characters of text.
+
+    Short prompts run on the event loop, where a worker thread's two hand-offs cost more than the work (measured:
+    encode_chat 1.34 ms inline, 1.84 ms through a thread; docs/api.md), under the template's INLINE budget (10k
+    steps, 1M characters, 50 ms: a real template's short chat takes a few hundred steps); a template that needs more
+    is run again on a worker thread and never tried on the loop again. Long prompts go to a worker thread at once.
+    There each request's renders spend one FULL budget (500k steps, about a second at most), so no template holds a
+    thread or a core for long; ENCODE_THREADS such threads bound the memory that runaway renders can hold at once."""
     if chars <= INLINE_TEXT_CHARS:
+        try:
+            with budget(INLINE):
+                return fn(*args)
+        except InlineExhausted:
+            pass
+    return await asyncio.get_running_loop().run_in_executor(_ENCODE, functools.partial(_spend, FULL, fn, *args))
+
+
+def _spend(spend: Budget, fn: Callable[..., T], *args: object) -> T:
+    with budget(spend):
         return fn(*args)
-    return await run_in_threadpool(fn, *args)
 
 
-def text_chars(messages: list[dict[str, str]]) -> int:
+def text_chars(messages: list[dict[str, Any]]) -> int:
     """What templating and tokenizing chat messages costs, in characters: their text, and the template's markers
     counted as 64 a message (many short messages are not cheap)."""
     return sum(64 + len(str(m.get("content") or "")) for m in messages)
@@ -72,8 +90,9 @@ class Runtime:
         model, tokenizer, engine = self.local()
         return Generator(model, tokenizer, engine=engine)
 
-    def encode_chat(self, messages: list[dict[str, str]], continue_final: bool = False,
-                    prefix_ids: list[int] | None = None) -> list[int]:  # fmt: skip
+    def encode_chat(self, messages: list[dict[str, Any]], continue_final: bool = False,
+                    prefix_ids: list[int] | None = None, tools: list[dict[str, Any]] | None = None,
+                    ) -> list[int]:  # fmt: skip
         """The prompt ids: message contents tokenized as text, only the template's markers are control ids.
 
         prefix_ids: the final (assistant) message as the model's own tokens: the prompt is the rest of the history
@@ -81,8 +100,8 @@ class Runtime:
         """
         tokenizer = self.local()[1]
         if prefix_ids is not None:
-            return tokenizer.encode_chat(messages[:-1]) + list(prefix_ids)
-        return tokenizer.encode_chat(messages, continue_final=continue_final)
+            return tokenizer.encode_chat(messages[:-1], tools=tools) + list(prefix_ids)
+        return tokenizer.encode_chat(messages, continue_final=continue_final, tools=tools)
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,

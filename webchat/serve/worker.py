@@ -311,8 +311,11 @@ class Worker:
 
 # ---------------------------------------------------------------- engine results → neutral events
 def result_events(result: StreamResult, id_to_text: Callable[[int], str]) -> list[ev.Event]:
-    """One StreamResult as `Tokens` (when it carries text or tokens) and, at its end, `Finished`."""
+    """One StreamResult as `PromptTokens` (a scored prompt), `Tokens` (when it carries text or tokens) and, at its
+    end, `Finished`."""
     out: list[ev.Event] = []
+    if result.prompt is not None:
+        out.append(ev.PromptTokens(result.prompt))
     if result.text or result.tokens:
         out.append(ev.Tokens(result.text, list(result.tokens)))
     if result.eos:

@@ -14,7 +14,9 @@ import jinja2.nodes
 import jinja2.parser
 from tokenizers import Tokenizer as HFTokenizer
 
-from webchat.text.chat_encode import BudgetedSandbox, chat_parts, render_budgeted
+from webchat.text.chat_encode import chat_parts
+from webchat.text.template_budget import render
+from webchat.text.template_sandbox import BudgetedSandbox
 
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<|eom_id|>", "<end_of_turn>")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -115,12 +117,13 @@ def _strftime_now(fmt: str) -> str:
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile as transformers does: sandboxed, trim_blocks, lstrip_blocks, loopcontrols, its globals and tojson.
 
-    The sandbox also holds each render to a time and an output budget (webchat.text.chat_encode).
+    The sandbox also holds each render to its step, character, output and time budgets
+    (webchat.text.template_budget).
     """
     env = BudgetedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = _tojson
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
@@ -132,7 +135,7 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], add_genera
     chat = [dict(m) for m in messages]
     variables: dict[str, Any] = {"tools": None, "documents": None, **context}
     variables.update(messages=chat, add_generation_prompt=add_generation_prompt)
-    return render_budgeted(compile_chat_template(source), variables)
+    return render(compile_chat_template(source), source, variables)
 
 
 def _display(raw: bytes) -> str:
@@ -218,15 +221,16 @@ class Tokenizer:
         return ids
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final: bool = False) -> list[int]:  # fmt: skip
+                    continue_final: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
         """The chat prompt's ids, message contents tokenized as text: only the template's own markers are control ids.
 
         continue_final: end right after the final message's content (no end-of-turn, no generation prompt).
         Usually the ids of `encode(apply_chat_template(...))`; where a content holds a special token's text, that
         content is encoded on its own with special tokens read as text.
         """
-        parts = chat_parts(lambda msgs: self.apply_chat_template(msgs, add_generation_prompt and not continue_final),
-                           messages, continue_final)  # fmt: skip
+        extra = {"tools": tools} if tools else {}  # the template's `tools` (webchat.text.toolformat)
+        parts = chat_parts(lambda msgs: self.apply_chat_template(msgs, add_generation_prompt and not continue_final,
+                                                                 **extra), messages, continue_final)  # fmt: skip
         text = "".join(t for t, _ in parts)
         enc = self._tok.encode(text, add_special_tokens=False)
         spans, pos = [], 0
@@ -244,6 +248,15 @@ class Tokenizer:
         if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
+
+    def control_id(self, text: str) -> int | None:
+        """The id of the special (control) token spelt `text`, e.g. a template's `[TOOL_CALLS]`; None if none is."""
+        i = self._tok.token_to_id(text)
+        return int(i) if i is not None and i in self._control else None
+
+    def to_json(self) -> str:
+        """The `tokenizers` JSON of this vocabulary (a grammar library builds its token trie from it)."""
+        return str(self._tok.to_str())
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from webchat.engine import constraint as cst
 from webchat.engine.sampling import Choice, Sampler, draw
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings
 from webchat.kernels.cuda.launch import ELEMENTWISE_THREADS, KernelInputError, Launch, Launcher, blocks, check, i32, ptr
@@ -49,12 +50,15 @@ class CudaSampler(Sampler):
 
     def sample(
         self, logits: torch.Tensor, history: list[int], top_alts: int = 0, want_probs: bool = False,
-        want_logits: bool = False,
+        want_logits: bool = False, mask: torch.Tensor | None = None,
     ) -> Choice:  # fmt: skip
         raw = logits.float().reshape(-1)  # (vocab,)
         if raw.shape[0] != self.vocab_size:
             raise KernelInputError(f"logits must hold {self.vocab_size} values, got shape {tuple(logits.shape)}")
         x = self._adjust_device(raw, history) if self._launch is not None else self._adjust(raw, history)
+        if mask is not None:  # the constraint's bits, unpacked on the host and uploaded (one (vocab,) bool row)
+            x = x.clone() if x is raw else x
+            x.masked_fill_(~cst.allowed(mask, self.vocab_size).to(x.device, non_blocking=True), float("-inf"))
         s, describe = self.settings, want_probs or top_alts > 0
         if s.greedy:
             token, sampled = torch.argmax(x), torch.ones((), dtype=torch.float64, device=x.device)
@@ -74,6 +78,8 @@ class CudaSampler(Sampler):
         if describe:
             choice.prob, choice.rank = host[2], int(host[3])
             choice.top = [(int(i), p) for i, p in zip(host[4 : 4 + k], host[4 + k :], strict=True)]
+            if mask is not None:
+                choice.forbidden = [t for t, _ in choice.top if not cst.allows(mask, t)]
         if want_logits:
             choice.logits = raw.detach().cpu().clone()
         return choice

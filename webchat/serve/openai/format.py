@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from webchat.engine import events as ev
 
 if TYPE_CHECKING:
+    from webchat.serve.openai.tools import ToolCalls
     from webchat.text.tokenizer import Tokenizer
 
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_full": "length",
@@ -68,6 +69,7 @@ class Reply:
     entries: list[dict[str, Any]] = field(default_factory=list)  # chat: logprobs.content
     legacy: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in LEGACY_KEYS})  # text completions
     ids: list[int] = field(default_factory=list)  # every token's id so far (kept with token_ids only)
+    tools: ToolCalls | None = None  # the reply's tool calls, parsed as it streams (a chat request with tools)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -88,7 +90,10 @@ class Reply:
         if self.chat:
             entries = self._entries(event.tokens)
             self.entries += entries or []
-            chunk = self._chunk({"content": event.text}, None if entries is None else {"content": entries}, None)
+            delta = self._delta(*self.tools.feed(event.text)) if self.tools is not None else {"content": event.text}
+            if not delta and entries is None:
+                return None
+            chunk = self._chunk(delta, None if entries is None else {"content": entries}, None)
         else:
             chunk = self._chunk(event.text, self._legacy(event.tokens, offset), None)
         if self.token_ids:
@@ -97,7 +102,10 @@ class Reply:
 
     def finish_chunks(self, event: ev.Finished) -> list[dict[str, Any]]:
         """The finish_reason chunk (with webchat's `stats`), then with include_usage the usage chunk (no choices)."""
-        out = [{**self._chunk({} if self.chat else "", None, FINISH[event.reason]), "stats": asdict(event.stats)}]
+        out = []
+        if self.tools is not None and (delta := self._delta(*self.tools.finish())):
+            out.append(self._chunk(delta, None, None))
+        out.append({**self._chunk({} if self.chat else "", None, self._finish(event)), "stats": asdict(event.stats)})
         if self.include_usage:
             out.append({**self._head(chunk=True), "choices": [], "usage": usage(event.stats)})
         return out
@@ -118,7 +126,13 @@ class Reply:
 
     def response(self, event: ev.Finished) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+        if self.chat and self.tools is not None:
+            self.tools.finish()
+            calls = self.tools.calls
+            choice["message"] = {"role": "assistant", "content": self.tools.content if not calls
+                                 or self.tools.content.strip() else None, **({"tool_calls": calls} if calls else {})}
+            choice["logprobs"] = None if self.logprobs is None else {"content": self.entries}
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": self.text}
             choice["logprobs"] = None if self.logprobs is None else {"content": self.entries}
         else:
@@ -126,11 +140,20 @@ class Reply:
             choice["logprobs"] = None if self.logprobs is None else self.legacy
         if self.token_ids:
             choice["token_ids"] = self.ids
-        choice["finish_reason"] = FINISH[event.reason]
+        choice["finish_reason"] = self._finish(event)
         return {**self._head(chunk=False), "choices": [choice], "usage": usage(event.stats),
                 "stats": asdict(event.stats)}
 
     # ------------------------------------------------------------ pieces
+    def _finish(self, event: ev.Finished) -> str:
+        """finish_reason: "tool_calls" when the reply made calls and ended by itself; a cut reply is "length"."""
+        reason = FINISH[event.reason]
+        return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.calls else reason
+
+    @staticmethod
+    def _delta(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}

@@ -11,7 +11,8 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import jinja2
@@ -20,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from webchat.engine import events as ev
+from webchat.engine.grammar import GrammarConstraint
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SettingsError, check_token_ids
 from webchat.serve.backend import Job
@@ -28,8 +30,12 @@ from webchat.serve.models import ModelError, Models
 from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import APIError, ChatRequest, CompletionRequest, TokenizeRequest, parse
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
+from webchat.serve.openai.structured import request_grammar
+from webchat.serve.openai.tools import ToolCalls, chat_tools, upstream_fields
+from webchat.serve.replyformat import kept_ids, make_constraint
 from webchat.serve.rules import RuleError, context_room, speculative_mode
-from webchat.serve.runtime import Runtime, encode_text_work, text_chars
+from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
+from webchat.text.toolformat import GENERIC
 
 log = logging.getLogger("webchat.openai")
 
@@ -57,6 +63,7 @@ class OpenAIApi:
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=both),
             Route("/v1/completions", self._endpoint(self.completions), methods=both),
             Route("/tokenize", self._endpoint(self.tokenize), methods=both),
+            Route("/tokenize", self._endpoint(self.unknown), methods=ALL_METHODS),  # 405 in the API's shape
             Route("/v1/{rest:path}", self._endpoint(self.unknown), methods=ALL_METHODS),  # 404, or 405 on a known path
         ]
 
@@ -105,17 +112,32 @@ class OpenAIApi:
         rt = await self._runtime(request, req.model)
         messages = [m.for_template() for m in req.messages]
         cont = bool(req.continue_final_message)
+        upstream = upstream_fields(req) if rt.tokenizer is None else None  # a remote engine takes them as they are
+        if upstream is not None and isinstance(rt, RemoteRuntime):
+            _upstream_takes(rt, upstream)
+        plan, template_tools = None, None
+        with _rule_errors():
+            if rt.tokenizer is not None:
+                messages, template_tools, plan = chat_tools(messages, req.tools, req.tool_choice,
+                                                            req.parallel_tool_calls, rt.tokenizer.chat_template,
+                                                            rt.tokenizer.control_id)
+            grammar = self._grammar(req, plan.grammar if plan is not None else None)
         try:  # a remote engine (no tokenizer) templates and counts the prompt itself
-            ids = [] if rt.tokenizer is None else await encode_text_work(rt.encode_chat, messages, cont,
-                                                                             chars=text_chars(messages))
+            ids = [] if rt.tokenizer is None else await encode_text_work(rt.encode_chat, messages, cont, None,
+                                                                             template_tools, chars=text_chars(messages))
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None
+        tools = plan.fmt if plan is not None else GENERIC if upstream and upstream.get("tools") else None
         reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_ids=bool(req.return_token_ids),
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
-        return await self._run(request, self._generation(rt, req, ids, req.limit(), reply, "messages"), reply,
-                               bool(req.stream), messages, cont, self._job_model(request, rt))
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      tools=ToolCalls(tools) if tools is not None else None)
+        gen = self._generation(rt, req, ids, req.limit(), reply, "messages")
+        kept = str(messages[-1].get("content") or "") if cont else ""  # a continued reply goes on under the format
+        gen.constraint = await self._constraint(rt, grammar, "tools" if plan is not None else "response_format", kept)
+        return await self._run(request, gen, reply, bool(req.stream), messages, cont, self._job_model(request, rt),
+                               upstream)
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await self._body(request))
@@ -133,11 +155,14 @@ class OpenAIApi:
             except SettingsError as exc:
                 raise APIError(400, str(exc), "invalid_value", "prompt") from None
             ids = list(prompt)
+        with _rule_errors():
+            grammar = self._grammar(req, None)
         reply = Reply(chat=False, model=rt.model_name, tokenizer=rt.tokenizer, logprobs=req.logprobs,
                       token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
-        return await self._run(request, self._generation(rt, req, ids, req.max_tokens, reply, "prompt"), reply,
-                               bool(req.stream), model=self._job_model(request, rt))
+        gen = self._generation(rt, req, ids, req.max_tokens, reply, "prompt")
+        gen.constraint = await self._constraint(rt, grammar, "response_format")
+        return await self._run(request, gen, reply, bool(req.stream), model=self._job_model(request, rt))
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: the prompt ids a chat (as /v1/chat/completions templates it) or a text would run on; a
@@ -191,6 +216,25 @@ class OpenAIApi:
                                  return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,
                                  return_logits=False, speculative=mode)
 
+    @staticmethod
+    def _grammar(req: ChatRequest | CompletionRequest, tools: str | None) -> str | None:
+        """The reply's grammar: the tools' (tool_choice), or the response format's; not both (RuleError)."""
+        asked = request_grammar(req.response_format, req.structured_outputs)
+        if tools is not None and asked is not None:
+            raise RuleError("response_format", "a reply format cannot be combined with tools that may be called; "
+                            "send tool_choice 'none', or leave the format out")
+        return tools if tools is not None else asked
+
+    @staticmethod
+    async def _constraint(rt: Runtime, grammar: str | None, field: str, kept: str = "") -> GrammarConstraint | None:
+        """The grammar's constraint; `kept`: the final assistant message a continue_final_message request goes on
+        from, replayed into it first (so the continuation completes that reply, not a new one)."""
+        if grammar is None or rt.tokenizer is None:
+            return None  # a remote engine: the upstream enforces the format (upstream_fields)
+        ids = kept_ids(rt.tokenizer, kept) if kept else None
+        with _rule_errors():
+            return await make_constraint(rt.tokenizer, rt.local()[0].args.vocab_size, grammar, field, ids)
+
     def _client(self, request: Request) -> Hashable:
         """Who is asking, for fair admission (webchat.serve.worker): the API key where the server has one, else the
         peer's address (every connection from one host is one client)."""
@@ -199,8 +243,8 @@ class OpenAIApi:
         return ("peer", request.client.host if request.client is not None else "")
 
     async def _run(self, request: Request, gen_request: GenerationRequest, reply: Reply, stream: bool,
-                   messages: list[dict[str, str]] | None = None, continue_final: bool = False,
-                   model: str | None = None) -> Response:
+                   messages: list[dict[str, Any]] | None = None, continue_final: bool = False,
+                   model: str | None = None, upstream: dict[str, Any] | None = None) -> Response:
         """Submit the job and answer: errors before the first event keep their status; streams begin at 200."""
         if self.closing:
             raise APIError(503, "the server is shutting down", "shutting_down")
@@ -208,7 +252,8 @@ class OpenAIApi:
         self.live.add(pending)
         pending.worker.submit(Job(key=pending.key, request_id=reply.id, request=gen_request, deliver=pending.deliver,
                                   prompt_tokens=len(gen_request.prompt_ids), client=self._client(request),
-                                  messages=messages, continue_final=continue_final, model=model))
+                                  messages=messages, continue_final=continue_final, model=model,
+                                  upstream=upstream))
         watcher = asyncio.create_task(pending.watch(request.receive))
         streaming = False
         try:
@@ -289,9 +334,10 @@ class OpenAIApi:
                  **{k: v for k, v in c.items() if k != "name"}} for c in models.wire()]
 
     def _check_model(self, request: Request, name: str, param: str | None) -> None:
-        served = request.state.runtime.model_name
-        if name != served:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {served!r} (GET /v1/models)",
+        models: Models | None = request.state.models
+        served = list(models.cards) if models is not None else [request.state.runtime.model_name]
+        if name not in served:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {served} (GET /v1/models)",
                            "model_not_found", param)
 
     def _model_card(self, request: Request) -> dict[str, Any]:
@@ -316,6 +362,30 @@ class OpenAIApi:
         if exc.status in (429, 503):
             headers["Retry-After"] = "1"  # a slot frees within a reply; clients (the openai SDK) back off and retry
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _upstream_takes(rt: RemoteRuntime, fields: dict[str, Any]) -> None:
+    """A 400 for what the remote engine was found not to take (its capability probe), before anything is sent."""
+    caps = rt.remote().caps
+    fmt = fields.get("response_format") or {}
+    wants = "json_schema" if fmt.get("type") == "json_schema" or "structured_outputs" in fields else (
+        "json_object" if fmt.get("type") == "json_object" else None)
+    if wants is not None and (caps.response_format == "absent" or (wants == "json_schema"
+                                                                      and caps.response_format == "json_object")):
+        raise APIError(400, f"the upstream engine at {caps.url} does not take a {wants} reply format (its probe "
+                       f"found {caps.response_format!r})", "unsupported_value", "response_format")
+    if "tools" in fields and caps.tools == "absent":
+        raise APIError(400, f"the upstream engine at {caps.url} does not take tools (its probe refused them)",
+                       "unsupported_value", "tools")
+
+
+@contextmanager
+def _rule_errors() -> Iterator[None]:
+    """A RuleError (a reply format or tools the request cannot have) as the API's 400 naming the field."""
+    try:
+        yield
+    except RuleError as exc:
+        raise APIError(400, exc.message, "invalid_value", exc.field) from None
 
 
 def _raise_failure(event: ev.Event | None) -> None:

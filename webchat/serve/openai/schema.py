@@ -13,10 +13,13 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
+from webchat.serve.openai.structured import ResponseFormat, StructuredOutputs
+from webchat.serve.openai.tools import Tool, ToolCall, ToolChoice
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 
 MAX_STOPS = 16
@@ -81,14 +84,36 @@ Content = Annotated[
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None  # null only on an assistant message that carries tool_calls
     name: str | None = None  # accepted and ignored
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made (docs/api.md, "Tools")
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None  # tool: the call it answers
+    refusal: str | None = None  # accepted and ignored (the official client sends it back)
 
-    def for_template(self) -> dict[str, str]:
-        """role/content as the chat template reads them: developer → system, text parts joined by newlines."""
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "content is required unless an assistant message has tool_calls, "
+                                      "got null on a {role} message", {"role": repr(self.role)})
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "only assistant messages carry tool_calls, got a {role} message",
+                                      {"role": repr(self.role)})
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("tool_call_id", "a tool message needs tool_call_id (and only a tool message "
+                                      "has one), got role {role}", {"role": repr(self.role)})
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """role/content as the chat template reads them: developer → system, text parts joined by newlines; an
+        assistant's calls and a tool result's call id kept (webchat.text.toolformat shapes them per format)."""
+        text = self.content if isinstance(self.content, str | None) else "\n".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(_Strict):
@@ -119,6 +144,9 @@ class _Request(_Strict):
     repetition_range: int | None = None
     speculative: str | None = None
     return_token_ids: bool | None = None  # vLLM's extension: each choice carries its tokens' ids as `token_ids`
+    # the reply's format (docs/api.md, "Structured output"): OpenAI's, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -169,6 +197,14 @@ class ChatRequest(_Request):
     # vLLM's and SGLang's extension: continue the final assistant message instead of starting a new one
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _tool_choice(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _union(v, handler, "'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
     def check(self) -> None:
         self.check_common()

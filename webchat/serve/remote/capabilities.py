@@ -7,17 +7,22 @@
     POST chat + continue_final_message, add_generation_prompt false → continues a final assistant message
     POST /tokenize (vLLM, webchat) | /apply-template (llama.cpp) → a chat's prompt as ids | text, so a branch's
                                       token ids can follow it in a /v1/completions prompt (token_prompt)
+    POST chat + response_format json_schema | json_object, + tools → what structured output passes through
 Each field the upstream does not give is a named state (`"absent"`, `"unknown"`), never a zero.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from webchat.serve.remote.client import Upstream, UpstreamError
 
+log = logging.getLogger("webchat.serve.remote")
+
 TOP_LOGPROBS_TRIES = (20, 10, 5, 1)
+MAX_MODELS = 256  # of the upstream's model list, kept and shown (hello.engine.models, /api/info)
 PROBE = [{"role": "user", "content": "Hi"}]
 
 
@@ -38,6 +43,10 @@ class Capabilities:
     # how a branch's token ids reach the upstream: tokenize (the chat's prompt ids from /tokenize, then the ids) |
     # apply_template (the chat's prompt text from /apply-template, then the ids, one mixed prompt) | absent (as text)
     token_prompt: str = "unknown"
+    # structured output passed through (webchat.serve.openai.tools.upstream_fields): json_schema (it takes a JSON
+    # schema's response_format) | json_object (only JSON mode) | absent; tools: accepted | absent
+    response_format: str = "unknown"
+    tools: str = "unknown"
 
     def wire(self) -> dict[str, Any]:
         """What `hello.engine` and /api/info show (the key never is here: it is not part of this)."""
@@ -73,21 +82,29 @@ async def detect(up: Upstream, want_model: str | None) -> Capabilities:
     caps = Capabilities(url=up.url)
     try:
         listing = await up.get_json("/v1/models")
-        cards = [c for c in listing.get("data", []) if isinstance(c, dict)] if isinstance(listing, dict) else []
-        caps.models = [str(c.get("id")) for c in cards]
-        if want_model is not None and want_model not in caps.models:
+        data = listing.get("data") if isinstance(listing, dict) else None
+        cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)] if isinstance(
+            data, list) else []
+        ids = [c["id"] for c in cards]
+        if want_model is not None and want_model not in ids:
             raise UpstreamError(f"the upstream engine at {up.url} does not serve model {want_model!r}; it serves "
-                                f"{caps.models}")
-        if not caps.models:
+                                f"{_listed(ids)}")
+        if not ids:
             raise UpstreamError(f"the upstream engine at {up.url} lists no models at /v1/models")
-        caps.model = want_model or caps.models[0]
-        card = cards[caps.models.index(caps.model)]
+        caps.model = want_model or ids[0]
+        card = cards[ids.index(caps.model)]
+        caps.models = ids[:MAX_MODELS]
+        if len(ids) > MAX_MODELS:
+            log.warning("the upstream engine at %s lists %d models; the first %d are kept", up.url, len(ids),
+                        MAX_MODELS)
+            if caps.model not in caps.models:
+                caps.models[-1] = caps.model
         for key in ("max_model_len", "context_length"):
-            if isinstance(card.get(key), int):
+            if _length(card.get(key)):
                 caps.context_length = card[key]
                 break
         meta = card.get("meta")
-        if caps.context_length is None and isinstance(meta, dict) and isinstance(meta.get("n_ctx_train"), int):
+        if caps.context_length is None and isinstance(meta, dict) and _length(meta.get("n_ctx_train")):
             caps.context_length = meta["n_ctx_train"]  # llama.cpp: the trained context (its --ctx-size may be less)
         caps.kind = await _kind(up)
         base = {"model": caps.model, "messages": PROBE, "max_tokens": 1, "temperature": 0, "stream": False}
@@ -131,10 +148,44 @@ async def detect(up: Upstream, want_model: str | None) -> Capabilities:
             # llama.cpp continues a final assistant message by itself (--prefill-assistant, on by default)
             caps.continue_final = "final_assistant_message"
         caps.token_prompt = await _token_prompt(up, caps) if caps.token_ids != "absent" else "absent"
+        caps.response_format, caps.tools = await _structured(up, base)
         caps.state = "ready"
     except UpstreamError as exc:
         caps.state, caps.error = "unreachable", str(exc)
     return caps
+
+
+PROBE_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "a probe",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+
+async def _structured(up: Upstream, base: dict[str, Any]) -> tuple[str, str]:
+    """Whether the upstream takes a JSON schema's response_format (or only JSON mode), and tools: a request of one
+    token with each, accepted (2xx) or refused (4xx). llama-server and vLLM take both; an engine that ignores a field
+    it does not know is taken at its word (the reply then shows whether it was honoured)."""
+
+    async def accepted(extra: dict[str, Any]) -> bool:
+        try:
+            await up.post_json("/v1/chat/completions", {**base, **extra})
+            return True
+        except UpstreamError as exc:
+            if exc.status is None or exc.status >= 500:
+                raise
+            return exc.context_overflow  # taken, then the prompt (with the tools) did not fit a small context
+
+    schema = {"type": "json_schema", "json_schema": {"name": "probe", "schema": PROBE_SCHEMA}}
+    fmt = ("json_schema" if await accepted({"response_format": schema}) else
+           "json_object" if await accepted({"response_format": {"type": "json_object"}}) else "absent")
+    tools = "accepted" if await accepted({"tools": [PROBE_TOOL], "tool_choice": "auto"}) else "absent"
+    return fmt, tools
+def _length(value: Any) -> bool:
+    """A context length: an integer from 1 to 2^31 (an upstream that says 10^100 says nothing)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 31
+
+
+def _listed(ids: list[str], n: int = 20) -> str:
+    return str(ids) if len(ids) <= n else f"{ids[:n]} and {len(ids) - n} more"
 
 
 async def _token_prompt(up: Upstream, caps: Capabilities) -> str:

@@ -185,12 +185,16 @@ class RemoteEngine:
             body["return_token_ids"] = True
         if job.continue_final and caps.continue_final == "continue_final_message":
             body.update(continue_final_message=True, add_generation_prompt=False)
+        body.update(job.upstream or {})  # the reply format and tools, as the client sent them: the upstream enforces
         # final_assistant_message (llama.cpp): the last assistant message is continued as it stands
         return {k: v for k, v in body.items() if v is not None}
 
     def by_ids(self, job: Job) -> bool:
-        """Whether the job is a branch given as token ids that this upstream can take as ids."""
-        return bool(job.prefix_ids) and job.continue_final and self.caps.token_prompt in ("tokenize", "apply_template")
+        """Whether the job is a branch given as token ids that this upstream can take as ids. Not under a reply format:
+        a text completion's grammar would start afresh after the ids; the chat endpoint's continue_final_message lets
+        an upstream that replays the kept reply into its grammar (webchat) keep the format."""
+        return (bool(job.prefix_ids) and job.continue_final and self.caps.token_prompt in ("tokenize", "apply_template")
+                and not (job.upstream or {}).get("response_format"))
 
     async def completion_body(self, job: Job) -> dict[str, Any]:
         """A branch's request as a text completion: the chat's own prompt (all but the final message, with the
@@ -239,7 +243,8 @@ class RemoteEngine:
             if job.messages is None:
                 raise UpstreamError(f"a raw prompt cannot be sent to the upstream engine at {self.upstream.url}: "
                                     "it takes chat messages")
-            parser = StreamParser()
+            req = job.request
+            parser = StreamParser(req.top_alts if req.return_probs else 0)  # alternatives cut to what was asked
             reason: str | None = None
             trigger: str | None = None
             by_ids = self.by_ids(job)

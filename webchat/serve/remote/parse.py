@@ -10,18 +10,25 @@ or the legacy shape {tokens, token_logprobs, top_logprobs: [{text: logprob}]} (v
 alternative's id only where it is the sampled token.
 A token's text is rebuilt from its `bytes` through one incremental UTF-8 decoder per stream, so a character split
 across tokens shows whole on the token that completes it; without `bytes` the token's own string is used.
+The upstream is untrusted: a token's alternatives are cut to the count asked for, and a probability outside its range
+(a logprob above 0 or not finite, a prob outside [0, 1]) is a ChunkError naming the field.
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from webchat.engine import events as ev
 
 NO_ID = -1  # a token id the upstream did not return
+MAX_ALTERNATIVES = 20  # OpenAI's top_logprobs limit: more than this is never kept
+ROUNDING = 1e-4  # a logprob this far above 0 (or a prob this far above 1) is rounding, read as 0 (or 1)
+LINE_END = re.compile(rb"\r\n|\r|\n")
 # OpenAI finish_reason → webchat's Finished.reason; vLLM's `stop_reason` (a string: the stop string) refines "stop"
 FINISH = {"stop": "stop_token", "length": "max_new_tokens", "abort": "cancelled", "eos": "stop_token",
           "tool_calls": "stop_token", "content_filter": "stop_token"}
@@ -47,14 +54,28 @@ class Parsed:
     usage: dict[str, int] | None = None
 
 
-def _prob(entry: dict[str, Any]) -> float | None:
-    """The entry's probability: `prob` (llama.cpp post-sampling) or exp(`logprob`); None when neither is a number."""
-    if isinstance(entry.get("prob"), int | float):
-        return float(entry["prob"])
-    lp = entry.get("logprob")
-    if isinstance(lp, int | float) and not isinstance(lp, bool):
-        return 0.0 if lp <= -9999.0 or math.isinf(lp) else math.exp(lp)
-    return None
+def _prob(entry: dict[str, Any], where: str) -> float | None:
+    """The entry's probability: `prob` (llama.cpp post-sampling) or exp(`logprob`); None when neither is given;
+    ChunkError naming the field when it is not a probability."""
+    if "prob" in entry and entry["prob"] is not None:
+        p = _number(entry["prob"], f"{where}.prob")
+        if not -ROUNDING <= p <= 1 + ROUNDING:
+            raise ChunkError(f"{where}.prob is {p!r}; a probability is between 0 and 1")
+        return min(max(p, 0.0), 1.0)
+    if "logprob" not in entry or entry["logprob"] is None:
+        return None
+    lp = _number(entry["logprob"], f"{where}.logprob")
+    if lp > ROUNDING or math.isinf(lp) and lp > 0:
+        raise ChunkError(f"{where}.logprob is {lp!r}; a log-probability is at most 0")
+    return 0.0 if lp <= -9999.0 else math.exp(min(lp, 0.0))
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ChunkError(f"{where} is {type(value).__name__} {str(value)[:40]!r}; expected a number")
+    if isinstance(value, float) and math.isnan(value):
+        raise ChunkError(f"{where} is NaN; expected a number")
+    return float(value)
 
 
 def _bytes(entry: dict[str, Any]) -> bytes | None:
@@ -87,12 +108,45 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.get("token") == b.get("token")
 
 
-class StreamParser:
-    """One response stream's parser: feed() each decoded `data:` object in order, then end() once it closes."""
+class CallText:
+    """An upstream's streamed `delta.tool_calls` as webchat's generic tool-call text (webchat.text.toolformat: a
+    `<tool_call>` block per call), which the front's own parser reads back into calls: one parser for every engine."""
 
     def __init__(self) -> None:
+        self.open = False
+        self.args = False  # the open call has argument text
+
+    def feed(self, calls: list[Any]) -> str:
+        out = ""
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict):
+                raise ChunkError(f"expected delta.tool_calls[i].function to be an object, got {type(fn).__name__}")
+            if isinstance(fn.get("name"), str) and fn["name"]:
+                out += self.close() + '<tool_call>\n{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
+                self.open, self.args = True, False
+            args = fn.get("arguments")
+            if isinstance(args, str) and args and self.open:
+                out += args
+                self.args = True
+        return out
+
+    def close(self) -> str:
+        if not self.open:
+            return ""
+        self.open = False
+        return ("" if self.args else "{}") + "}\n</tool_call>\n"
+
+
+class StreamParser:
+    """One response stream's parser: feed() each decoded `data:` object in order, then end() once it closes.
+    Each token keeps at most `alternatives` of its alternatives (the count the request asked for)."""
+
+    def __init__(self, alternatives: int = MAX_ALTERNATIVES) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.tokens_seen = 0
+        self._calls = CallText()
+        self.alternatives = max(0, min(alternatives, MAX_ALTERNATIVES))
 
     def feed(self, chunk: Any) -> Parsed:
         if not isinstance(chunk, dict):
@@ -125,18 +179,24 @@ class StreamParser:
             for i, entry in enumerate(entries):
                 if not isinstance(entry, dict):
                     raise ChunkError(f"expected logprobs.content[{i}] to be an object, got {type(entry).__name__}")
-                out.tokens.append(self._token(entry, ids[i] if ids is not None else None))
+                out.tokens.append(self._token(entry, ids[i] if ids is not None else None,
+                                              f"choices[0].logprobs.content[{i}]"))
             out.text = "".join(t.piece for t in out.tokens)
         elif isinstance(legacy, list) and legacy:
             assert isinstance(logprobs, dict)
             ids = ids if isinstance(ids, list) and len(ids) == len(legacy) else None
             for i, entry in enumerate(_legacy_entries(logprobs, legacy)):
-                out.tokens.append(self._token(entry, ids[i] if ids is not None else None))
+                out.tokens.append(self._token(entry, ids[i] if ids is not None else None,
+                                              f"choices[0].logprobs.tokens[{i}]"))
             out.text = "".join(t.piece for t in out.tokens)
         else:
             out.text = content
+        calls = delta.get("tool_calls") if "delta" in choice and isinstance(delta, dict) else None
+        if isinstance(calls, list) and calls:  # the upstream parsed calls: as the generic format's text, no tokens
+            out.text, out.tokens = content + self._calls.feed(calls), []
         reason = choice.get("finish_reason")
         if isinstance(reason, str):
+            out.text += self._calls.close()
             out.reason = FINISH.get(reason, "stop_token")
             stop = choice.get("stop_reason")
             if reason == "stop" and isinstance(stop, str):
@@ -144,28 +204,31 @@ class StreamParser:
             self._utf8.reset()  # a character cut at the very end is dropped, as webchat.text.detok does
         return out
 
-    def _token(self, entry: dict[str, Any], choice_id: Any) -> ev.TokenInfo:
+    def _token(self, entry: dict[str, Any], choice_id: Any, where: str) -> ev.TokenInfo:
         raw = _bytes(entry)
         if raw is not None:
             piece = self._utf8.decode(raw)
         else:
             token = entry.get("token")
             if not isinstance(token, str):
-                raise ChunkError("a logprobs.content entry has neither 'bytes' nor a string 'token'")
+                raise ChunkError(f"{where} has neither 'bytes' nor a string 'token'")
             piece = token
         tid = _id(entry)
         if tid == NO_ID and isinstance(choice_id, int) and not isinstance(choice_id, bool) and choice_id >= 0:
             tid = choice_id
-        alts = entry.get("top_logprobs", entry.get("top_probs"))
-        alts = [a for a in alts if isinstance(a, dict)] if isinstance(alts, list) else []
+        key = "top_logprobs" if "top_logprobs" in entry else "top_probs"
+        alts = entry.get(key)
+        # an upstream that sends 10,000 alternatives: the first 4 * MAX_ALTERNATIVES are read, the best kept
+        alts = alts[:4 * MAX_ALTERNATIVES] if isinstance(alts, list) else []
+        scored = [(a, p) for j, a in enumerate(alts) if isinstance(a, dict)
+                  and (p := _prob(a, f"{where}.{key}[{j}]")) is not None]
+        scored.sort(key=lambda ap: -ap[1])
+        rank = next((i + 1 for i, (a, _) in enumerate(scored) if _same(a, entry)), None)
         # an alternative without an id that is the token itself has the token's id (vLLM's token_ids, legacy maps)
         top = [(tid if _id(a) == NO_ID and _same(a, entry) else _id(a), _alt_text(a), p)
-               for a in alts if (p := _prob(a)) is not None]
-        top.sort(key=lambda t: -t[2])
-        ranked = sorted((a for a in alts if _prob(a) is not None), key=lambda a: -(_prob(a) or 0.0))
-        rank = next((i + 1 for i, a in enumerate(ranked) if _same(a, entry)), None)
+               for a, p in scored[:self.alternatives]]
         self.tokens_seen += 1
-        return ev.TokenInfo(id=tid, piece=piece, prob=_prob(entry), rank=rank, top=top)
+        return ev.TokenInfo(id=tid, piece=piece, prob=_prob(entry, where), rank=rank, top=top)
 
 
 def _legacy_entries(logprobs: dict[str, Any], tokens: list[Any]) -> list[dict[str, Any]]:
@@ -179,7 +242,8 @@ def _legacy_entries(logprobs: dict[str, Any], tokens: list[Any]) -> list[dict[st
     for i, (token, lp, top) in enumerate(zip(tokens, lps, tops, strict=True)):
         if not isinstance(token, str):
             raise ChunkError(f"expected logprobs.tokens[{i}] to be a string, got {type(token).__name__}")
-        alts = [{"token": k, "logprob": v} for k, v in top.items()] if isinstance(top, dict) else []
+        pairs = list(top.items())[:4 * MAX_ALTERNATIVES] if isinstance(top, dict) else []
+        alts = [{"token": k, "logprob": v} for k, v in pairs]
         out.append({"token": token, "logprob": lp, "top_logprobs": alts})
     return out
 
@@ -187,7 +251,7 @@ def _legacy_entries(logprobs: dict[str, Any], tokens: list[Any]) -> list[dict[st
 def _usage(raw: Any) -> dict[str, int] | None:
     if not isinstance(raw, dict):
         return None
-    return {k: v for k, v in raw.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return {k: v for k, v in raw.items() if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 53}
 
 
 def sse_data(line: str) -> str | None:
@@ -195,3 +259,33 @@ def sse_data(line: str) -> str | None:
     if not line.startswith("data:"):
         return None
     return line[5:].strip()
+
+
+class Lines:
+    """An SSE body's lines (ended by CRLF, LF or CR) as they arrive; ChunkError once a line passes `limit` bytes
+    without its end."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list[str]:
+        held_cr = self.buf.endswith(b"\r")
+        self.buf += data
+        if not held_cr and b"\n" not in data and b"\r" not in data:  # the line goes on: its length is checked
+            self._check()
+            return []
+        end = len(self.buf) - (1 if self.buf.endswith(b"\r") else 0)  # a CR may be half of a CRLF
+        parts = LINE_END.split(bytes(self.buf[:end]))
+        self.buf = bytearray(parts[-1]) + self.buf[end:]
+        self._check()
+        return [p.decode("utf-8", errors="replace") for p in parts[:-1]]
+
+    def end(self) -> list[str]:
+        """The last line, if the body did not end with a line end."""
+        rest, self.buf = bytes(self.buf).rstrip(b"\r"), bytearray()
+        return [rest.decode("utf-8", errors="replace")] if rest else []
+
+    def _check(self) -> None:
+        if len(self.buf) > self.limit:
+            raise ChunkError(f"a line is longer than {self.limit} bytes (no line end yet)")

@@ -1,0 +1,250 @@
+"""The model catalog: each model folder and .gguf described from its files without loading it, every entry with limits
+and a deadline, so that no file in --models-dir (a header bomb, a symbolic link loop, a FIFO, a file on a hung disk)
+can hold start-up.
+
+    scan(default, dir) = {name: Card}: the default first, then each entry of dir, described by DESCRIBE_THREADS daemon
+                         threads; an entry not described within DESCRIBE_TIMEOUT_S, or that cannot be, is left out
+                         with one log line naming the file and what was wrong
+A .gguf is described by webchat.gguf_header (every count checked against the bytes left, caps on the header's size,
+strings and time); a folder from its config.json (at most CONFIG_BYTES) and its safetensors headers (at most
+SAFETENSORS_HEADER_BYTES, safetensors' own limit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from webchat.gguf_header import os_words, read_header
+from webchat.gguf_path import model_name
+
+log = logging.getLogger("webchat.serve.models")
+
+CONFIG_BYTES = 16 << 20  # a config.json is a few KiB
+SAFETENSORS_HEADER_BYTES = 100 << 20  # safetensors' own limit on its JSON header
+DESCRIBE_TIMEOUT_S = 10.0  # one entry of --models-dir
+DESCRIBE_THREADS = 4
+
+
+class BadEntry(ValueError):
+    """A catalog entry that cannot be described; the message says what is wrong, in words."""
+
+
+@dataclass
+class Card:
+    """A model in the catalog, described from its files without loading it."""
+
+    name: str
+    path: Path  # a model folder or a .gguf file
+    size_bytes: int  # the weight files it runs from
+    architecture: str
+    weights: str  # the commonest weight format: "q4_1", "q4_k", "float32", ...
+    context_length: int | None
+    default: bool = False
+    kv_per_token: int | None = None  # bytes of k and v a token takes in a float32 pool; None: shape unknown
+
+    def wire(self, loaded: bool) -> dict[str, Any]:
+        return {"name": self.name, "size_bytes": self.size_bytes, "architecture": self.architecture,
+                "weights": self.weights, "context_length": self.context_length, "default": self.default,
+                "loaded": loaded}
+
+
+def _div(a: Any, b: Any) -> int | None:
+    return a // b if isinstance(a, int) and isinstance(b, int) and b > 0 else None
+
+
+def kv_bytes(layers: Any, kv_heads: Any, key_len: Any, value_len: Any) -> int | None:
+    """Float32 bytes of one token's k and v over all layers (kv_cache.kv_bytes_per_token's count from a model's
+    metadata); a per-layer list of kv heads (some GGUFs) counts each layer's own; None when a figure is missing."""
+    if isinstance(kv_heads, list):
+        kv_heads = sum(int(h) for h in kv_heads) / len(kv_heads) if kv_heads else None
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (layers, kv_heads, key_len, value_len)):
+        return None
+    return int(4 * layers * kv_heads * (key_len + value_len))
+
+
+def _json_file(path: Path, limit: int) -> dict[str, Any]:
+    size = path.stat().st_size
+    if size > limit:
+        raise BadEntry(f"{path.name} is {size} bytes; a model's is a few KiB (at most {limit} are read)")
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadEntry(f"{path.name} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise BadEntry(f"{path.name} nests deeper than a JSON reader follows") from None
+    if not isinstance(data, dict):
+        raise BadEntry(f"{path.name} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise BadEntry(f"{path.name} is {len(head)} bytes long, shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        left = path.stat().st_size - 8
+        if n > min(left, SAFETENSORS_HEADER_BYTES):
+            raise BadEntry(f"{path.name} declares a {n}-byte header; the file has {left} bytes after its length "
+                           f"and safetensors allows {SAFETENSORS_HEADER_BYTES}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadEntry(f"{path.name}'s header is not valid JSON ({exc})") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _describe_gguf(path: Path, default: bool) -> Card:
+    header = read_header(path)
+    meta = header.metadata
+
+    def num(key: str) -> Any:
+        value = meta.get(key)
+        return value if isinstance(value, int | float | list) and not isinstance(value, bool) else None
+
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise BadEntry(f"{path.name}: its metadata names no general.architecture; not a model file")
+    if not header.tensors:
+        raise BadEntry(f"{path.name}: it holds no tensors; not a model file")
+    kinds = Counter(t.type_name for t in header.tensors if len(t.shape) > 1)
+    ctx, heads, width = num(f"{arch}.context_length"), num(f"{arch}.attention.head_count"), num(
+        f"{arch}.embedding_length")
+    kv = kv_bytes(num(f"{arch}.block_count"), num(f"{arch}.attention.head_count_kv") or heads,
+                  num(f"{arch}.attention.key_length") or _div(width, heads),
+                  num(f"{arch}.attention.value_length") or _div(width, heads))
+    return Card(path.stem, path, path.stat().st_size, arch, kinds.most_common(1)[0][0] if kinds else "unknown",
+                ctx if isinstance(ctx, int) else None, default, kv)
+
+
+def _describe_folder(path: Path, default: bool) -> Card:
+    config = path / "config.json"
+    if not config.is_file():
+        raise BadEntry(f"{path}: neither a model folder (config.json) nor a .gguf file")
+    cfg = _json_file(config, CONFIG_BYTES)
+    archs = cfg.get("architectures")
+    arch = str(archs[0]) if isinstance(archs, list) and archs else "unknown"
+    quantized = path / "quantized.safetensors"
+    if quantized.is_file():
+        try:
+            kinds = Counter(json.loads(_safetensors_metadata(quantized).get("webchat.model.quant", "{}")).values())
+        except (json.JSONDecodeError, TypeError, AttributeError):
+            raise BadEntry(f"{quantized.name}'s webchat.model.quant metadata is not a JSON object of formats") from None
+        weights = str(kinds.most_common(1)[0][0]) if kinds else "quantized"
+        size = quantized.stat().st_size
+    else:
+        weights = str(cfg.get("torch_dtype") or "float32")
+        size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    ctx = cfg.get("max_position_embeddings")
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim") or _div(cfg.get("hidden_size"), heads)
+    kv = kv_bytes(cfg.get("num_hidden_layers"), cfg.get("num_key_value_heads") or heads, head_dim, head_dim)
+    return Card(model_name(path), path, size, arch, weights, ctx if isinstance(ctx, int) else None, default, kv)
+
+
+def describe(path: Path, default: bool = False) -> Card:
+    """A folder (config.json, its safetensors) or a .gguf (its metadata and tensor table); ValueError saying what is
+    wrong otherwise (BadEntry, GGUFError)."""
+    try:
+        if path.suffix == ".gguf" and not path.is_dir():
+            return _describe_gguf(path, default)
+        return _describe_folder(path, default)
+    except OSError as exc:
+        raise BadEntry(f"{path.name}: cannot be read: {os_words(exc)}") from None
+    except RecursionError:
+        raise BadEntry(f"{path.name}: nests deeper than its reader follows") from None
+
+
+def _candidate(path: Path) -> bool:
+    """A model folder or a .gguf by its name and kind (a symbolic link loop and the like answer False to is_dir and
+    are then judged by their name: a bad .gguf is described, and named, like any other)."""
+    if path.name.startswith("."):
+        return False
+    try:
+        return (path.is_dir() and (path / "config.json").exists()) or path.suffix == ".gguf"
+    except OSError:
+        return path.suffix == ".gguf"
+
+
+def describe_all(paths: list[Path], timeout: float = DESCRIBE_TIMEOUT_S,
+                 describe_one: Callable[[Path], Card] = describe) -> list[Card | str]:  # fmt: skip
+    """Each path's Card, or why it is left out, in order; DESCRIBE_THREADS daemon threads, each entry given
+    `timeout` seconds from its start (a thread stuck past it is left behind and replaced)."""
+    results: list[Card | str | None] = [None] * len(paths)
+    started: dict[int, float] = {}
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(paths)):
+        todo.put(i)
+    cond = threading.Condition()
+
+    def work() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            with cond:
+                started[i] = time.monotonic()
+            try:
+                out: Card | str = describe_one(paths[i])
+            except Exception as exc:  # noqa: BLE001 - every failure is this entry's, named and skipped
+                out = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            with cond:
+                if results[i] is None:
+                    results[i] = out
+                cond.notify_all()
+
+    def spawn() -> None:
+        threading.Thread(target=work, name="webchat-describe", daemon=True).start()
+
+    for _ in range(min(DESCRIBE_THREADS, len(paths))):
+        spawn()
+    with cond:
+        while any(r is None for r in results):
+            now = time.monotonic()
+            for i, t0 in started.items():
+                if results[i] is None and now - t0 > timeout:
+                    results[i] = f"describing it took more than {timeout:g} s"
+                    spawn()  # its thread is stuck on this entry: another takes the rest of the queue
+            cond.wait(0.05)
+    return [r for r in results if r is not None]
+
+
+def scan(default: Path, models_dir: Path | None, timeout: float = DESCRIBE_TIMEOUT_S) -> dict[str, Card]:
+    """The default model first, then each model folder and .gguf in models_dir (by name; a name seen first wins,
+    and the default's own folder is not listed twice). Bad entries are left out, each with one log line."""
+    cards = {(card := describe(default, default=True)).name: card}
+    if models_dir is None or not models_dir.is_dir():
+        return cards
+    seen = {default.resolve()}
+    paths = []
+    for path in sorted(models_dir.iterdir()):
+        if not _candidate(path):
+            continue
+        try:
+            if path.resolve(strict=False) in seen:
+                continue
+        except (OSError, RuntimeError):  # a symbolic link loop (RuntimeError before Python 3.13)
+            log.warning("models dir: %s left out: a symbolic link loop", path)
+            continue
+        paths.append(path)
+    for path, out in zip(paths, describe_all(paths, timeout), strict=True):
+        if isinstance(out, str):
+            log.warning("models dir: %s left out: %s", path, out)
+        elif out.name in cards:  # the default's .gguf itself, or another file of the same name
+            log.info("models dir: %s left out: the name %r is %s's", path, out.name, cards[out.name].path)
+        else:
+            cards[out.name] = out
+    return cards
