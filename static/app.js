@@ -190,7 +190,8 @@ function applyHello(hello) {
     info.textContent = `${hello.device} · ${quantized} · context ${hello.context_length}`;
     info.dataset.precision = hello.precision ?? "exact";
     info.title = hello.precision === "int8"
-      ? "int8 activations: each matrix input quantized to 8 bits per block of 32 (faster; docs/quant.md)"
+      ? "int8 activations: each matrix input quantized to 8 bits, a scale per 8 values (per 32 in a K-quant; "
+        + "faster; docs/quant.md)"
       : "float32 activations (within float rounding of the float32 model on these weights)";
   }
   settings.setServerLimits(hello);
