@@ -38,201 +38,32 @@ penalised or favoured.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package (bench_page imports this as one)
+from served_client import Section, Server, concurrent, free_port, long_chat, short_chat  # noqa: E402
+from served_files import (  # noqa: E402
+    MEMORY_BOUND_BYTES,
+    SETS,
+    has_exact_flag,
+    matrix_bytes,
+    precision_of,
+    read_bandwidth,
+    set_files,
+    weights_line,
+)
+
 HERE = Path(__file__).resolve().parents[1]
 THREADS = 2
 C1_RUNS = 3  # single-client runs a round; the median one is kept
-TOPICS = ["a lighthouse keeper", "a city under the sea", "a robot gardener", "the last train home", "a winter market",
-          "a lost violin", "two rival bakers", "a map with no names", "a comet over the desert", "a library at night",
-          "a ship in a bottle", "the mountain post office", "a clockmaker's apprentice", "a river that ran uphill",
-          "a festival of lanterns", "an orchard in the fog"]
-LONG_PARAGRAPH = (
-    "Here are my notes from the meeting. We discussed the quarterly roadmap, the hiring plan for the platform team, "
-    "the migration of the billing service to the new database cluster, and the incident from last Tuesday when the "
-    "cache layer returned stale prices for about forty minutes. The action items were: write a postmortem, add an "
-    "alert on cache age, review the rollout checklist, and schedule a load test before the holiday freeze. ")
-
-
-def short_chat(i: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}]
-
-
-def long_chat() -> list[dict[str, str]]:
-    text = " ".join(f"Meeting {k + 1}. {LONG_PARAGRAPH}" for k in range(10))  # ~1,000 tokens with either tokenizer
-    return [{"role": "user", "content": text + "Summarise these notes as a short list of decisions."}]
-
-
-@dataclass
-class Stream:
-    ttft_ms: float
-    tokens: int
-    decode_tps: float
-    end: float  # perf_counter of the last content chunk
-    prompt_tokens: int = 0
-
-
-@dataclass
-class Section:
-    name: str
-    streams: list[Stream]
-    wall_s: float
-    extra: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def aggregate(self) -> float:
-        return sum(s.tokens for s in self.streams) / self.wall_s
-
-    @property
-    def decode_median(self) -> float:
-        return statistics.median(s.decode_tps for s in self.streams)
-
-    @property
-    def decode_min(self) -> float:
-        return min(s.decode_tps for s in self.streams)
-
-    @property
-    def ttft_median(self) -> float:
-        return statistics.median(s.ttft_ms for s in self.streams)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class Server:
-    """One server process on one port; `body` adds its own way of biasing end-of-turn away."""
-
-    def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
-                 extra_body: dict[str, object] | None = None, ready_path: str = "/health",
-                 cwd: Path | None = None) -> None:
-        self.name, self.port, self.extra_body, self.ready_path = name, port, extra_body or {}, ready_path
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        # the log read as it comes, its end kept for errors: a server that logs more than the pipe holds (64 KB;
-        # llama-server logs every request) would otherwise stop at its next write
-        self._log: deque[bytes] = deque(maxlen=64)
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.peak_rss = 0
-        self.model = "default"
-        self._sampling = True
-        self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._log.append(line)
-
-    def _sample_rss(self) -> None:
-        status = Path(f"/proc/{self.proc.pid}/status")
-        while self._sampling:
-            try:
-                for line in status.read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        self.peak_rss = max(self.peak_rss, int(line.split()[1]) * 1024)
-            except OSError:
-                return
-            time.sleep(0.05)
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                time.sleep(0.2)  # the drain's last lines
-                err = b"".join(self._log).decode(errors="replace")[-2000:]
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{err}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", self.ready_path)
-                if conn.getresponse().status == 200:
-                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-                    conn.request("GET", "/v1/models")
-                    self.model = json.loads(conn.getresponse().read())["data"][0]["id"]
-                    self._sampler.start()
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not answer on port {self.port} within {timeout:.0f} s")
-
-    def stop(self) -> None:
-        self._sampling = False
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stream(self, messages: list[dict[str, str]], tokens: int) -> Stream:
-        body = {"model": self.model, "messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, **self.extra_body}
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{self.name}: HTTP {resp.status}: {resp.read()[:300]!r}")
-        first = last = 0.0
-        chunks = 0
-        usage: dict[str, int] = {}
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            choices = chunk.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-        conn.close()
-        n = int(usage.get("completion_tokens", chunks))
-        if n < 2 or not first:
-            raise RuntimeError(f"{self.name}: expected a stream of tokens, got {n} ({chunks} content chunks)")
-        decode = (n - 1) / (last - first) if last > first else float("nan")
-        return Stream((first - t0) * 1000, n, decode, last, int(usage.get("prompt_tokens", 0)))
-
-
-def concurrent(server: Server, clients: int, tokens: int, offset: int) -> Section:
-    results: list[Stream | BaseException] = [RuntimeError("not run")] * clients
-
-    def one(i: int) -> None:
-        try:
-            results[i] = server.stream(short_chat(offset + i), tokens)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            results[i] = exc
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    streams = []
-    for r in results:
-        if isinstance(r, BaseException):
-            raise RuntimeError(f"{server.name}, {clients} clients: {r}") from r
-        streams.append(r)
-    return Section(f"c{clients}", streams, max(s.end for s in streams) - t0)
-
-
 def run_sections(server: Server, tokens: int, clients: list[int], rnd: int) -> dict[str, Section]:
     out: dict[str, Section] = {}
     server.stream(short_chat(99), 8)  # warm-up: lazy set-up out of the figures
@@ -292,7 +123,7 @@ def run_paired(server: Server, bare: BareChild, tokens: int, pairs: int) -> list
     """`pairs` times: one single-client stream (a new topic each time, so no prompt is reused whole), then one bare
     decode, a second apart: (served aggregate, its decode alone, bare decode) per pair."""
     server.stream(short_chat(99), 8)  # warm-up (topic 99 % 16 = 3 is never one of the pairs' prompts)
-    out = []
+    out: list[tuple[float, float, float]] = []
     for i in (i for i in range(pairs + 1) if i != 3):
         if len(out) == pairs:
             break
@@ -316,17 +147,20 @@ def stop_token_ids(gguf: Path) -> list[int]:
     return sorted(ids)
 
 
-def webchat_server(gguf: Path, port: int, stops: list[int], src: Path) -> Server:
-    """`webchat serve` from the checkout `src`: run from inside it, since `python -m` puts the working directory ahead
-    of PYTHONPATH (from another checkout's folder, that checkout's package would be the one served)."""
+def webchat_server(gguf: Path, port: int, stops: list[int], src: Path, exact: bool = False) -> Server:
+    """`webchat serve` from the checkout `src` (with `--exact`: issue 38's float32 activations): run from inside it,
+    since `python -m` puts the working directory ahead of PYTHONPATH (from another checkout's folder, that checkout's
+    package would be the one served). Its /api/info is read once it is up (the precision it runs)."""
     env = dict(os.environ, PYTHONPATH=str(src))
     argv = [sys.executable, "-m", "webchat.cli", "serve", "--model", str(gguf), "--device", "cpu", "--port", str(port)]
-    return Server("webchat", argv, port, env, {"logit_bias": {str(t): -100 for t in stops}}, "/healthz", cwd=src)
+    name = "webchat --exact" if exact else "webchat"
+    return Server(name, argv + (["--exact"] if exact else []), port, env,
+                  {"logit_bias": {str(t): -100 for t in stops}}, "/healthz", cwd=src, info_path="/api/info")
 
 
-def llama_server(binary: Path, gguf: Path, port: int, ctx: int) -> Server:
+def llama_server(binary: Path, gguf: Path, port: int, ctx: int, parallel: int = 16) -> Server:
     argv = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", str(THREADS),
-            "-tb", str(THREADS), "-np", "16", "-c", str(ctx), "--no-webui"]
+            "-tb", str(THREADS), "-np", str(parallel), "-c", str(ctx), "--no-webui"]
     return Server("llama-server", argv, port, None, {"ignore_eos": True}, "/health")
 
 
@@ -377,15 +211,137 @@ def paired_main(gguf: Path, src: Path, tokens: int, rounds: int, n: int) -> None
     print(f"its decode alone (first token to last) / bare decode: median {statistics.median(decode):.2f}x")
 
 
-def main() -> None:
+@dataclass
+class FileRun:
+    """One file's rounds: each server's best section (by aggregate, by TTFT for one-stream sections), peak RSS and
+    what /api/info said of its precision; with --bare, (served c1 aggregate, its decode, bare decode) per round."""
+
+    best: dict[str, dict[str, Section]]
+    rss: dict[str, int]
+    precision: dict[str, str] = field(default_factory=dict)
+    pairs: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def keep(self, name: str, sections: dict[str, Section], server: Server) -> None:
+        self.rss[name] = max(self.rss.get(name, 0), server.peak_rss)
+        if server.info_path is not None:
+            self.precision[name] = precision_of(server.info)
+        mine = self.best.setdefault(name, {})
+        for sec in sections.values():
+            old = mine.get(sec.name)
+            if sec.name in ("repeat", "long"):
+                better = old is None or sec.streams[0].ttft_ms < old.streams[0].ttft_ms
+            else:
+                better = old is None or sec.aggregate > old.aggregate
+            if better:
+                mine[sec.name] = sec
+
+
+def run_file(makers: dict[str, Callable[[int], Server]], tokens: int, clients: list[int], rounds: int,
+             bare_src: Path | None) -> FileRun:
+    """`rounds` rounds of every server in turn (one process at a time); with bare_src, bench_cpu.py's bare decode
+    after webchat's each round."""
+    run = FileRun({}, {})
+    for rnd in range(rounds):
+        for name, make in makers.items():
+            server = make(free_port())
+            try:
+                server.wait_ready()
+                sections = run_sections(server, tokens, clients, rnd)
+            finally:
+                server.stop()
+            run.keep(name, sections, server)
+            summary = ", ".join(f"{k} {v.aggregate:.1f} tok/s" for k, v in sections.items() if k.startswith("c"))
+            print(f"round {rnd + 1} {name}: {summary}; repeat TTFT {sections['repeat'].streams[0].ttft_ms:.0f} ms; "
+                  f"long TTFT {sections['long'].streams[0].ttft_ms:.0f} ms", flush=True)
+            if name == "webchat" and bare_src is not None:
+                bare = bare_decode(bare_src)
+                c1 = sections["c1"]
+                run.pairs.append((c1.aggregate, c1.decode_median, bare))
+                print(f"round {rnd + 1} bare webchat (bench_cpu.py): decode {bare:.1f} tok/s; served c1 aggregate / "
+                      f"bare {c1.aggregate / bare:.2f}x, its decode alone / bare {c1.decode_median / bare:.2f}x",
+                      flush=True)
+    return run
+
+
+def print_table(run: FileRun, clients: list[int]) -> None:
+    """One row per figure, one column per server, then each webchat column's ratio against llama-server."""
+    names = list(run.best)
+    ours = [n for n in names if n != "llama-server"]
+    peer = "llama-server" in names
+    label = {n: f"{n} ({run.precision[n]})" if n in run.precision else n for n in names}
+    ratios = [f"{n} / llama" for n in ours] if peer else []
+    print(f"| section | {' | '.join(label[n] for n in names)} |" + "".join(f" {r} |" for r in ratios))
+    print("|---|" + "---:|" * (len(names) + len(ratios)))
+
+    def row(title: str, values: dict[str, float], unit: str, lower_better: bool = False) -> None:
+        cells = [f"{values[n]:.1f} {unit}" for n in names]
+        for n in ours if peer else []:
+            theirs = values["llama-server"]
+            cells.append(fmt_ratio(theirs, values[n]) if lower_better else fmt_ratio(values[n], theirs))
+        print(f"| {title} | {' | '.join(cells)} |")
+
+    best = run.best
+    for n in clients:
+        key = f"c{n}"
+        row(f"{n} client(s): aggregate", {m: best[m][key].aggregate for m in names}, "tok/s")
+        row(f"{n} client(s): decode median / client", {m: best[m][key].decode_median for m in names}, "tok/s")
+        row(f"{n} client(s): decode min / client", {m: best[m][key].decode_min for m in names}, "tok/s")
+        row(f"{n} client(s): TTFT median", {m: best[m][key].ttft_median for m in names}, "ms", lower_better=True)
+    row("repeated short prompt: TTFT (2nd)", {m: best[m]["repeat"].streams[0].ttft_ms for m in names}, "ms", True)
+    row("short prompt: TTFT (1st)", {m: best[m]["repeat"].extra["first_ttft_ms"] for m in names}, "ms", True)
+    long_tokens = "/".join(str(int(best[m]["long"].extra["prompt_tokens"])) for m in names)
+    row(f"long prompt ({long_tokens} tok): TTFT", {m: best[m]["long"].streams[0].ttft_ms for m in names}, "ms", True)
+    row("long prompt: decode after it", {m: best[m]["long"].streams[0].decode_tps for m in names}, "tok/s")
+    row("peak RSS", {m: run.rss[m] / 2**20 for m in names}, "MiB", True)
+    if peer:
+        print("\nratio: webchat / llama-server for tok/s; llama-server / webchat for times and memory "
+              "(>1: webchat better)")
+
+
+def print_bare(pairs: list[tuple[float, float, float]]) -> None:
+    ratios = [served / bare for served, _, bare in pairs]
+    print(f"\nserved single-client aggregate / bare decode (bench_cpu.py), round by round: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x (target >= 0.9)")
+    decode = [served / bare for _, served, bare in pairs]  # the aggregate less its TTFT (the new turn's prefill)
+    print(f"its decode alone (first token to last) / bare decode, round by round: "
+          f"{', '.join(f'{r:.2f}' for r in decode)}; median {statistics.median(decode):.2f}x")
+
+
+def webchat_makers(gguf: Path, src: Path, precision: str, exact_flag: bool) -> dict[str, Callable[[int], Server]]:
+    """"webchat" (its default precision) and/or "webchat --exact", as --precision asks and the checkout allows."""
+    stops = stop_token_ids(gguf)
+    makers: dict[str, Callable[[int], Server]] = {}
+    if precision in ("both", "default") or not exact_flag:
+        makers["webchat"] = lambda port: webchat_server(gguf, port, stops, src)
+    if precision in ("both", "exact") and exact_flag:
+        makers["webchat --exact"] = lambda port: webchat_server(gguf, port, stops, src, exact=True)
+    return makers
+
+
+def peer_maker(binary: Path, gguf: Path, ctx: int, parallel: int) -> Callable[[int], Server]:
+    return lambda port: llama_server(binary, gguf, port, ctx, parallel)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the default model's Q4_1)")
+    parser.add_argument("--gguf", type=Path, action="append", default=[],
+                        help="GGUF file, repeatable: one table each (default: the default model's Q4_1)")
+    parser.add_argument("--set", choices=list(SETS), default=None,
+                        help="issue38: the 1.1B file in Q4_0/Q4_1/Q8_0/Q4_K_M and the 3B Q4_K_M of "
+                             "bench/make_bench_files.sh, after any --gguf (clients 1,4 unless --clients)")
     parser.add_argument("--llama-server", type=Path, default=None, help="binary (default: bench/build_llama_server.sh)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--clients", default="1,4,16")
-    parser.add_argument("--ctx", type=int, default=16 * 2048, help="llama-server's total context (-c), split by -np 16")
+    parser.add_argument("--clients", default=None,
+                        help="concurrent clients per section (default 1,4,16; 1,4 with --set)")
+    parser.add_argument("--ctx", type=int, default=None,
+                        help="llama-server's total context (-c), split over -np (the most clients); 2048 a slot")
     parser.add_argument("--only", choices=["webchat", "llama-server"], default=None)
+    parser.add_argument("--precision", choices=["both", "default", "exact"], default="both",
+                        help="webchat's servers: its default precision and `serve --exact` beside it (both, where the "
+                             "checkout has --exact), or one of them")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="measure the read bandwidth before every file (default: files past 1 GiB of matrices)")
     parser.add_argument("--src", type=Path, default=HERE, help="the webchat checkout to serve from")
     parser.add_argument("--bare", action="store_true",
                         help="each round, bench_cpu.py's bare webchat decode too (the default model; needs clients 1)")
@@ -396,97 +352,64 @@ def main() -> None:
 
     served_speculation.add_arguments(parser)
     args = parser.parse_args()
-    gguf = (args.gguf or default_gguf()).resolve()
+    args.clients = [int(c) for c in (args.clients or (SETS[args.set][1] if args.set else "1,4,16")).split(",")]
+    args.files = [g.expanduser().resolve() for g in args.gguf] + (set_files(args.set) if args.set else [])
+    if args.paired and (args.files or not 0 < args.paired <= 15):
+        parser.error("--paired N compares webchat with its bare forward on the default model, 1 <= N <= 15 (the "
+                     "topics that keep every prompt new)")
+    if args.bare and (1 not in args.clients or args.only == "llama-server" or args.files):
+        parser.error("--bare compares webchat's single client on the default model: keep 1 in --clients, no --gguf "
+                     "or --set, no --only llama-server")
+    return args
+
+
+def exact_available(args: argparse.Namespace) -> bool:
+    """Whether to start `webchat serve --exact`; says so plainly where the checkout lacks the flag."""
+    if args.only == "llama-server" or args.precision == "default":
+        return False
+    if has_exact_flag(args.src.resolve()):
+        return True
+    if args.precision == "exact":
+        raise SystemExit(f"--precision exact: `webchat serve` in {args.src} has no --exact (issue 38's precision "
+                         "choice has not landed in this checkout)")
+    print(f"note: `webchat serve` in {args.src} has no --exact (issue 38's precision choice has not landed in this "
+          "checkout): only its default server runs, whose activations are float32 (today's exact path), and no "
+          "`precision` is expected in its /api/info", flush=True)
+    return False
+
+
+def main() -> None:
+    args = parse_args()
+    src = args.src.resolve()
     if args.speculation:
-        served_speculation.main(args, gguf)
+        import served_speculation  # bench/ (it imports this module's helpers)
+
+        served_speculation.main(args, args.files[0] if args.files else default_gguf().resolve())
         return
-    clients = [int(c) for c in args.clients.split(",")]
     if args.paired:
-        if args.gguf is not None or not 0 < args.paired <= 15:
-            parser.error("--paired N compares webchat with its bare forward on the default model, 1 <= N <= 15 (the "
-                         "topics that keep every prompt new)")
-        paired_main(gguf, args.src.resolve(), args.tokens, args.rounds, args.paired)
+        paired_main(default_gguf().resolve(), src, args.tokens, args.rounds, args.paired)
         return
-    if args.bare and (1 not in clients or args.only == "llama-server" or args.gguf is not None):
-        parser.error("--bare compares webchat's single client on the default model: keep 1 in --clients, no --gguf, "
-                     "no --only llama-server")
-    stops = stop_token_ids(gguf)
-    makers: dict[str, Callable[[int], Server]] = {}
-    if args.only in (None, "webchat"):
-        makers["webchat"] = lambda port: webchat_server(gguf, port, stops, args.src.resolve())
-    if args.only in (None, "llama-server"):
-        binary = find_llama_server(args.llama_server)
-        makers["llama-server"] = lambda port: llama_server(binary, gguf, port, args.ctx)
-    print(f"{gguf.name}, {args.tokens} greedy tokens, {THREADS} threads, {args.rounds} rounds (best kept), "
-          f"servers alternating, one at a time", flush=True)
-    best: dict[str, dict[str, Section]] = {name: {} for name in makers}
-    rss: dict[str, int] = {name: 0 for name in makers}
-
-    def better(name: str, sec: Section) -> bool:
-        old = best[name].get(sec.name)
-        if old is None:
-            return True
-        if sec.name in ("repeat", "long"):
-            return sec.streams[0].ttft_ms < old.streams[0].ttft_ms
-        return sec.aggregate > old.aggregate
-
-    pairs: list[tuple[float, float, float]] = []  # --bare: (served c1 aggregate, its decode, bare decode) per round
-    for rnd in range(args.rounds):
-        for name, make in makers.items():
-            server = make(free_port())
-            try:
-                server.wait_ready()
-                sections = run_sections(server, args.tokens, clients, rnd)
-            finally:
-                server.stop()
-            rss[name] = max(rss[name], server.peak_rss)
-            for sec in sections.values():
-                if better(name, sec):
-                    best[name][sec.name] = sec
-            summary = ", ".join(f"{k} {v.aggregate:.1f} tok/s" for k, v in sections.items() if k.startswith("c"))
-            print(f"round {rnd + 1} {name}: {summary}; repeat TTFT {sections['repeat'].streams[0].ttft_ms:.0f} ms; "
-                  f"long TTFT {sections['long'].streams[0].ttft_ms:.0f} ms", flush=True)
-            if name == "webchat" and args.bare:
-                bare = bare_decode(args.src.resolve())
-                c1 = sections["c1"]
-                pairs.append((c1.aggregate, c1.decode_median, bare))
-                print(f"round {rnd + 1} bare webchat (bench_cpu.py): decode {bare:.1f} tok/s; served c1 aggregate / "
-                      f"bare {c1.aggregate / bare:.2f}x, its decode alone / bare {c1.decode_median / bare:.2f}x",
-                      flush=True)
-
-    names = list(makers)
-    print()
-    print(f"| section | {' | '.join(names)} | ratio |" if len(names) == 2 else f"| section | {names[0]} |")
-    print("|---|" + "---:|" * (len(names) + (1 if len(names) == 2 else 0)))
-
-    def row(label: str, values: list[float], unit: str, lower_better: bool = False) -> None:
-        cells = [f"{v:.1f} {unit}" for v in values]
-        if len(values) == 2:
-            ratio = fmt_ratio(values[1], values[0]) if lower_better else fmt_ratio(values[0], values[1])
-            cells.append(ratio + (" (llama/webchat)" if lower_better else ""))
-        print(f"| {label} | {' | '.join(cells)} |")
-
-    for n in clients:
-        key = f"c{n}"
-        row(f"{n} client(s): aggregate", [best[m][key].aggregate for m in names], "tok/s")
-        row(f"{n} client(s): decode median / client", [best[m][key].decode_median for m in names], "tok/s")
-        row(f"{n} client(s): decode min / client", [best[m][key].decode_min for m in names], "tok/s")
-        row(f"{n} client(s): TTFT median", [best[m][key].ttft_median for m in names], "ms", lower_better=True)
-    row("repeated short prompt: TTFT (2nd)", [best[m]["repeat"].streams[0].ttft_ms for m in names], "ms", True)
-    row("short prompt: TTFT (1st)", [best[m]["repeat"].extra["first_ttft_ms"] for m in names], "ms", True)
-    long_tokens = [int(best[m]["long"].extra["prompt_tokens"]) for m in names]
-    row(f"long prompt ({'/'.join(map(str, long_tokens))} tok): TTFT", [best[m]["long"].streams[0].ttft_ms
-                                                                       for m in names], "ms", True)
-    row("long prompt: decode after it", [best[m]["long"].streams[0].decode_tps for m in names], "tok/s")
-    row("peak RSS", [rss[m] / 2**20 for m in names], "MiB", True)
-    print("\nratio: webchat / llama-server for tok/s; llama-server / webchat for times and memory (>1: webchat better)")
-    if pairs:
-        ratios = [served / bare for served, _, bare in pairs]
-        print(f"\nserved single-client aggregate / bare decode (bench_cpu.py), round by round: "
-              f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x (target >= 0.9)")
-        decode = [served / bare for _, served, bare in pairs]  # the aggregate less its TTFT (the new turn's prefill)
-        print(f"its decode alone (first token to last) / bare decode, round by round: "
-              f"{', '.join(f'{r:.2f}' for r in decode)}; median {statistics.median(decode):.2f}x")
+    exact_flag = exact_available(args)
+    binary = find_llama_server(args.llama_server) if args.only != "webchat" else None
+    parallel = max(args.clients)
+    ctx = args.ctx or 2048 * parallel
+    for gguf in args.files or [default_gguf().resolve()]:
+        makers = webchat_makers(gguf, src, args.precision, exact_flag) if args.only != "llama-server" else {}
+        if binary is not None:
+            makers["llama-server"] = peer_maker(binary, gguf, ctx, parallel)
+        gbps = None
+        if args.bandwidth or matrix_bytes(gguf) > MEMORY_BOUND_BYTES:
+            gbps = read_bandwidth(THREADS)
+        print(f"\n{gguf.name}, {args.tokens} greedy tokens, {THREADS} threads, {args.rounds} rounds (best kept), "
+              f"servers alternating, one at a time ({', '.join(makers)}; llama-server -np {parallel} -c {ctx})",
+              flush=True)
+        run = run_file(makers, args.tokens, args.clients, args.rounds, src if args.bare else None)
+        print()
+        print_table(run, args.clients)
+        if 1 in args.clients:
+            print(weights_line(gguf, {n: run.best[n]["c1"].decode_median for n in run.best}, gbps))
+        if run.pairs:
+            print_bare(run.pairs)
 
 
 if __name__ == "__main__":

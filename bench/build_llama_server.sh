@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` from the llama.cpp vendored in the llama-cpp-python source package the `bench`
-# extra pins, for bench/bench_served.py. Outside the test set-up: about 9-12 minutes on 2 cores, once.
-# Idempotent: a second run prints the binary's path. Usage: bash bench/build_llama_server.sh  (prints the path last)
+# Builds llama.cpp's `llama-server`, and `llama-quantize` beside it (same cmake tree, bin/), from the llama.cpp vendored
+# in the llama-cpp-python source package the `bench` extra pins, for bench/bench_served.py and bench/make_bench_files.sh.
+# Outside the test set-up: about 9-12 minutes on 2 cores, once.
+# Idempotent: a second run prints llama-server's path. Usage: bash bench/build_llama_server.sh  (prints the path last;
+# llama-quantize is $(dirname path)/llama-quantize)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -10,13 +12,13 @@ root=${WEBCHAT_HOME:-$HOME/.cache/webchat}/llama-server
 mkdir -p "$root"
 sdist=$(ls "$root"/llama_cpp_python-*.tar.gz 2>/dev/null | sort -V | tail -1 || true)
 if [ -z "$sdist" ]; then
-  "$py" -m pip download -q --disable-pip-version-check --no-binary :all: --no-deps "$spec" -d "$root" >&2
+  "$py" -m pip download -q --disable-pip-version-check --no-binary llama-cpp-python --no-deps "$spec" -d "$root" >&2
   sdist=$(ls "$root"/llama_cpp_python-*.tar.gz | sort -V | tail -1)
 fi
 version=$(basename "$sdist" .tar.gz)
 src="$root/$version"
 bin="$src/build/bin/llama-server"
-if [ ! -x "$bin" ] || [ "${REBUILD:-0}" = 1 ]; then
+if [ ! -x "$bin" ] || [ ! -x "$src/build/bin/llama-quantize" ] || [ "${REBUILD:-0}" = 1 ]; then
   [ -d "$src" ] || tar -xzf "$sdist" -C "$root"
   # This CPU's x86 features, named (GGML_NATIVE would also turn on AMX, which some VMs list in /proc/cpuinfo but do
   # not grant: llama-server then dies with SIGILL at the first matmul).
@@ -32,6 +34,6 @@ if [ ! -x "$bin" ] || [ "${REBUILD:-0}" = 1 ]; then
   cmake -S "$src/vendor/llama.cpp" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON "${flags[@]}" \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-  cmake --build "$src/build" --target llama-server -j "$(nproc)" >&2
+  cmake --build "$src/build" --target llama-server llama-quantize -j "$(nproc)" >&2
 fi
 echo "$bin"

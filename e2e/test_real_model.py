@@ -37,7 +37,9 @@ def test_real_model_streams_a_true_answer_with_its_heatmap(
 ) -> None:
     chat = new_page(real_server, color_scheme=scheme)
     expect(chat.page.get_by_test_id("model-name")).to_have_text("SmolLM2-135M-Instruct")
-    expect(chat.page.locator("#model-info")).to_contain_text("q4_1 weights")  # the default runs the 4-bit blocks
+    # the default runs the 4-bit blocks, with int8 activations on a vector path (docs/quant.md)
+    expect(chat.page.locator("#model-info")).to_contain_text("q4_1 weights · int8 activations")
+    expect(chat.page.locator("#model-info")).to_have_attribute("data-precision", "int8")
     if scheme == "dark":  # the light run checks the whole answer; this one stops mid-stream
         start_with_heatmap(chat, LONG_QUESTION, 500)
     else:

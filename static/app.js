@@ -187,7 +187,9 @@ function updateButtons() {
 function applyHello(hello) {
   $("model-name").textContent = hello.model;
   document.title = `webchat · ${hello.model}`;
-  const quantized = hello.weights && hello.weights !== hello.dtype ? ` · ${hello.weights} weights` : "";
+  // quantized weights: what they are and what they multiply (the activations' float32 goes without saying)
+  const quantized = hello.weights && hello.weights !== hello.dtype
+    ? `${hello.weights} weights · ${hello.precision === "int8" ? "int8 activations" : "exact"}` : hello.dtype;
   const info = $("model-info");
   const engine = hello.engine;
   if (engine) {
@@ -206,7 +208,12 @@ function applyHello(hello) {
     el.hidden = false;
     el.dataset.state = engine.state;
   } else {
-    info.textContent = `${hello.device} · ${hello.dtype}${quantized} · context ${hello.context_length}`;
+    info.textContent = `${hello.device} · ${quantized} · context ${hello.context_length}`;
+    info.dataset.precision = hello.precision ?? "exact";
+    info.title = hello.precision === "int8"
+      ? "int8 activations: each matrix input quantized to 8 bits, a scale per 8 values (per 32 in a K-quant; "
+        + "faster; docs/quant.md)"
+      : "float32 activations (within float rounding of the float32 model on these weights)";
   }
   settings.setServerLimits(hello);
   defaultThinking = hello.thinking ?? null;

@@ -4,8 +4,8 @@
 /**
  * @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnState
  * @typedef {{type: "hello", v: number, model: string, context_length: number, device: string, dtype: string,
- *            weights?: string, speculative: string[], max_alternatives: number, engine?: Engine | null,
- *            models?: import("./models.js").ModelCard[] | null,
+ *            weights?: string, precision?: string, speculative: string[], max_alternatives: number,
+ *            engine?: Engine | null, models?: import("./models.js").ModelCard[] | null,
  *            thinking?: {start: string, end: string, switch: boolean} | null}} Hello
  * @typedef {{url: string, state: string, error: string | null, kind: string, models: string[], model: string | null,
  *            context_length: number | null, max_top_logprobs: number, probabilities: string, bytes: string,

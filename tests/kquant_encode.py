@@ -1,4 +1,4 @@
-"""Test helper: an encoder of our own for ggml's Q4_K and Q6_K blocks (gguf.quants only decodes them).
+"""Test helper: an encoder of our own for ggml's Q4_K, Q5_K and Q6_K blocks (gguf.quants only decodes them).
 
 Any valid encoding tests a decoder; this one is plain round-to-nearest, not llama.cpp's searched scales.
 Q4_K: 256 values in 144 bytes: d, dmin (f16), 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of 4-bit q;
@@ -26,10 +26,20 @@ def _f16(v: np.ndarray) -> np.ndarray:
 
 def encode_q4_k(x: np.ndarray) -> np.ndarray:
     """uint8 (rows, K / 256 * 144) ggml Q4_K blocks of float rows x (rows, K)."""
+    return _encode_q45_k(x, 15)
+
+
+def encode_q5_k(x: np.ndarray) -> np.ndarray:
+    """uint8 (rows, K / 256 * 176) ggml Q5_K blocks: Q4_K's with 32 levels, the fifth bit of value l of sub-block j
+    in bit j of qh[l]."""
+    return _encode_q45_k(x, 31)
+
+
+def _encode_q45_k(x: np.ndarray, levels: int) -> np.ndarray:
     rows = x.shape[0] if x.ndim > 1 else 1
     b = _blocks(x).reshape(-1, 8, 32)  # (B, sub-block, value)
     lo = np.minimum(b.min(-1), 0.0)  # (B, 8)
-    scale = (b.max(-1) - lo) / 15.0
+    scale = (b.max(-1) - lo) / float(levels)
     d = _f16(scale.max(-1) / 63.0)  # (B,)
     dmin = _f16(-lo.min(-1) / 63.0)
     df, dminf = d.astype(np.float32), dmin.astype(np.float32)
@@ -38,15 +48,21 @@ def encode_q4_k(x: np.ndarray) -> np.ndarray:
     step = df[:, None] * sc  # (B, 8)
     q = np.rint(np.divide(b + (dminf[:, None] * mn)[..., None], step[..., None],
                           out=np.zeros_like(b), where=step[..., None] > 0))
-    q = np.clip(q, 0, 15).astype(np.uint8)  # (B, 8, 32)
+    q = np.clip(q, 0, levels).astype(np.uint8)  # (B, 8, 32)
     sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
     packed = np.zeros((b.shape[0], 12), np.uint8)
     packed[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
     packed[:, 4:8] = (mn[:, 0:4] & 63) | ((mn[:, 4:8] >> 4) << 6)
     packed[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk j: low nibble sub-block 2j, high 2j + 1
-    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1)
-    return out.reshape(rows, -1)
+    low = q & 15
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)  # chunk j: low nibble sub-block 2j, high 2j + 1
+    head = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed]
+    if levels == 31:
+        qh = np.zeros((b.shape[0], 32), np.uint8)
+        for j in range(8):
+            qh |= ((q[:, j] >> 4) & 1).astype(np.uint8) << j
+        head.append(qh)
+    return np.concatenate([*head, qs], axis=1).reshape(rows, -1)
 
 
 def encode_q6_k(x: np.ndarray) -> np.ndarray:

@@ -139,7 +139,8 @@ def run_both(model: Transformer, owner: Transformer) -> tuple[torch.Tensor, torc
 def test_cpp_forward_matches_the_pytorch_path(tiny_model_dir: Path, shapes_root: Path, shape: str, weights: str,
                                              code_path: str) -> None:
     path = model_dir(shapes_root, tiny_model_dir, shape)
-    model = load_model(path, weights="float32") if weights == "float32" else load_model(path, quantize=weights)
+    model = load_model(path, weights="float32") if weights == "float32" else load_model(path, quantize=weights,
+                                                                                      precision="exact")
     ours, ref, pool, twin, tables = run_both(model, model)
     assert ours.shape == ref.shape == (6, model.args.vocab_size)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
@@ -176,18 +177,19 @@ def test_gemma_in_cpp_matches_the_pytorch_path(shapes_root: Path, kind: str, cod
     if not folder.exists():
         config, extra = GEMMAS[kind]
         random_model(getattr(transformers, config)(**GEMMA_SHAPE, **extra), folder)
-    for model in (load_model(folder, weights="float32"), load_model(folder, quantize="q8_0")):
+    for model in (load_model(folder, weights="float32"), load_model(folder, quantize="q8_0", precision="exact")):
         ours, ref, *_ = run_both(model, model)
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("precision", ["exact", "int8"])
 @pytest.mark.parametrize("shape", ["hd64-gqa2", "hd32-gqa4-qwen2-bias"])
 def test_a_rows_logits_do_not_depend_on_the_batch(tiny_model_dir: Path, shapes_root: Path, shape: str,
-                                                  code_path: str) -> None:
+                                                  code_path: str, precision: str) -> None:
     """Each sequence alone gives bit-identical logits to the same sequence inside the mixed batch, its prefill chunk
-    taken as prompt rows (the GEMM) or not (the row kernels)."""
-    model = load_model(model_dir(shapes_root, tiny_model_dir, shape), quantize="q4_1")
+    taken as prompt rows (the GEMM) or not (the row kernels), with float32 or int8 activations."""
+    model = load_model(model_dir(shapes_root, tiny_model_dir, shape), quantize="q4_1", precision=precision)
     for ends in (None, PROMPT_ENDS):
         pool, tables = setup_sequences(model)
         twin = clone(pool)
@@ -198,13 +200,16 @@ def test_a_rows_logits_do_not_depend_on_the_batch(tiny_model_dir: Path, shapes_r
         assert torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("weights", ["float32", "q4_1"])
+@pytest.mark.parametrize("weights", ["float32", "q4_1", "q4_1-int8"])
 def test_a_prompt_is_computed_alike_however_it_is_chunked(tiny_model_dir: Path, shapes_root: Path, weights: str,
                                                            code_path: str) -> None:
     """Bit for bit: a prompt's k/v and its last row's logits fed whole, in chunks of 1, 7 and 22, or row by row
-    (a GEMM row depends on its own x only), so a recomputation after a preemption meets the same cache."""
+    (a GEMM row depends on its own x only), so a recomputation after a preemption meets the same cache. (The
+    K-quants' int8 GEMM: tests/test_int8.py.)"""
     path = model_dir(shapes_root, tiny_model_dir, "hd64-gqa2")
-    model = load_model(path, weights="float32") if weights == "float32" else load_model(path, quantize=weights)
+    precision = "int8" if weights.endswith("-int8") else "exact"
+    model = (load_model(path, weights="float32") if weights == "float32"
+             else load_model(path, quantize=weights.removesuffix("-int8"), precision=precision))
     runner = model.runner
     assert isinstance(runner, CpuStep)
     ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(8)).tolist()
@@ -227,13 +232,16 @@ def test_a_prompt_is_computed_alike_however_it_is_chunked(tiny_model_dir: Path, 
         logits, kv = feed(chunks)
         assert torch.equal(logits, whole), chunks
         assert all(torch.equal(a, b) for a, b in zip(kv, whole_kv, strict=True)), chunks
-    if weights == "q4_1":  # the same rows as non-prompt rows take the row kernels: other roundings, so other bits
+    if weights != "float32":
         _, row_kv = feed([30], prompt=False)
-        assert not all(torch.equal(a, b) for a, b in zip(row_kv, whole_kv, strict=True))
+        same = all(torch.equal(a, b) for a, b in zip(row_kv, whole_kv, strict=True))
+        # exact: the same rows as non-prompt rows take the row kernels, other roundings, so other bits; int8: a
+        # 32-value format's prompt rows take the row kernels too (only the K-quants have a prompt GEMM)
+        assert same == (weights == "q4_1-int8")
 
 
 def test_self_draft_truncation_runs_in_cpp_and_matches(tiny_model_dir: Path, shapes_root: Path) -> None:
-    model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q8_0")
+    model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q8_0", precision="exact")
     ours, ref, *_ = run_both(model.truncated(1), model)  # the first layer only, on the full model's C++ step
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 

@@ -287,8 +287,10 @@ def test_session_evicted_under_pressure_re_prefills_correctly(tiny: tuple[Any, T
 
 
 @pytest.mark.real_model
-def test_real_model_greedy_alone_equals_batched_for_every_fidelity_prompt(real_model_dir: Path) -> None:
-    model, tok = load_model(real_model_dir), Tokenizer.from_dir(real_model_dir)
+@pytest.mark.parametrize("precision", ["exact", "int8"])
+def test_real_model_greedy_alone_equals_batched_for_every_fidelity_prompt(real_model_dir: Path,
+                                                                          precision: str) -> None:
+    model, tok = load_model(real_model_dir, precision=precision), Tokenizer.from_dir(real_model_dir)
     ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in FIDELITY_PROMPTS]
     fillers = [p[:120] for p in prompts(11, model.args.vocab_size, seed=6)]  # 16 in all, mixed lengths and modes
     modes = ["none", "ngram", "self", "auto"]

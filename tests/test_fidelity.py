@@ -25,7 +25,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def ours(real_model_dir: Path) -> Transformer:
-    return load_model(real_model_dir, dtype=torch.float32)
+    return load_model(real_model_dir, dtype=torch.float32, precision="exact")
 
 
 @pytest.fixture(scope="module")

@@ -247,7 +247,7 @@ def test_speculative_verify_through_the_emulated_kernels_keeps_greedy_output(tin
 def test_default_model_greedy_through_the_emulated_kernels_matches_cpu_float32(real_model_dir: Path) -> None:
     # the GPU acceptance check below, on two prompts and fewer tokens: the emulator takes ~0.3 s a token
     tok = Tokenizer.from_dir(real_model_dir)
-    cpu, emulated = load_model(real_model_dir), emulated_model(real_model_dir)
+    cpu, emulated = load_model(real_model_dir, precision="exact"), emulated_model(real_model_dir)
     for text in PROMPTS[:2]:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
         want, got = greedy(cpu, ids, 24), greedy(emulated, ids, 24)
@@ -328,7 +328,7 @@ def test_default_model_first_64_greedy_tokens_match_cpu_float32(real_model_dir: 
     # the five prompts decode together, through the graphs of their batch buckets, as the CPU does them batched
     tok = Tokenizer.from_dir(real_model_dir)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
-    cpu = load_model(real_model_dir)
+    cpu = load_model(real_model_dir, precision="exact")
     gpu = cuda_model(real_model_dir, torch.float32)
     want = paged_greedy(cpu, prompts, 64, chunk=16, page_size=16)
     got = paged_greedy(gpu, prompts, 64, chunk=16, page_size=16)

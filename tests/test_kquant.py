@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K: our test encoder (tests/kquant_encode.py) checked against gguf.quants' decoder, webchat's own
+"""Q4_K, Q5_K and Q6_K: our test encoder (tests/kquant_encode.py) checked against gguf.quants' decoder, webchat's own
 decoder (webchat.model.quant.dequantize_k) identical to it, and a GGUF of K-quant matrices run by path."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from tests.gguf_write import F32, write_gguf
-from tests.kquant_encode import encode_q4_k, encode_q6_k
+from tests.kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
 from webchat.convert import QUANT_FILE, QUANT_KEY, hf_tensor_name
 from webchat.gguf_path import model_folder
 from webchat.kernels.cpu import build as qkernels
@@ -23,7 +23,8 @@ from webchat.model.loader import load_model
 from webchat.model.quant import QEmbedding, QLinear, dequantize_k
 
 Q = gguf.GGMLQuantizationType
-FORMATS = {"q4_k": (encode_q4_k, Q.Q4_K, 144, 15), "q6_k": (encode_q6_k, Q.Q6_K, 210, 63)}
+FORMATS = {"q4_k": (encode_q4_k, Q.Q4_K, 144, 15), "q5_k": (encode_q5_k, Q.Q5_K, 176, 31),
+           "q6_k": (encode_q6_k, Q.Q6_K, 210, 63)}
 
 
 def rows() -> np.ndarray:
@@ -61,8 +62,8 @@ def test_webchat_decoder_equals_gguf(fmt: str) -> None:
 
 
 def test_decoder_refuses_bad_blocks() -> None:
-    with pytest.raises(ValueError, match="q5_k"):
-        dequantize_k(torch.zeros(1, 144, dtype=torch.uint8), "q5_k")
+    with pytest.raises(ValueError, match="q3_k"):
+        dequantize_k(torch.zeros(1, 144, dtype=torch.uint8), "q3_k")
     with pytest.raises(ValueError, match=r"multiple|rows, k \* 210"):
         dequantize_k(torch.zeros(1, 144, dtype=torch.uint8), "q6_k")
 
@@ -106,7 +107,7 @@ def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.Mo
     assert kept["model.layers.1.mlp.down_proj.weight"] == "q6_k" and kept["model.layers.1.mlp.up_proj.weight"] == "q4_k"
     blocks = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
     assert torch.equal(down, torch.from_numpy(np.array(blocks.data)))
-    model = load_model(folder)
+    model = load_model(folder, precision="exact")
     assert {m.qtype for m in model.modules() if isinstance(m, QLinear | QEmbedding)} == {"q4_k", "q6_k", "q8_0"}
     step = model.runner
     assert step is not None  # the C++ forward runs the K-quant matrices (and Qwen3's q/k norms) itself
@@ -164,7 +165,7 @@ def test_cpp_matmul_against_the_dequantized_weights(kernels: object, fmt: str, m
 
 def test_cpp_kernels_refuse_bad_input(kernels: object) -> None:
     w = torch.from_numpy(encode_q4_k(rows()))
-    with pytest.raises(RuntimeError, match=r"qtype must be 12 \(Q4_K\) or 14 \(Q6_K\), got 2"):
+    with pytest.raises(RuntimeError, match=r"qtype must be 12 \(Q4_K\), 13 \(Q5_K\) or 14 \(Q6_K\), got 2"):
         torch.ops.webchat_kq.matmul(torch.zeros(1, 512), w, 2, 512, None)
     with pytest.raises(RuntimeError, match="w rows must hold 420 bytes"):
         torch.ops.webchat_kq.matmul(torch.zeros(1, 512), w, 14, 512, None)

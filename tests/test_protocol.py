@@ -136,8 +136,10 @@ def test_hello_and_info_describe_the_model(client: TestClient, runtime: Runtime)
     assert hello.v == p.VERSION and hello.model == runtime.model_name
     assert hello.context_length == 256 and hello.device == "cpu" and hello.dtype == "float32"
     assert hello.speculative == ["auto", "none", "self", "ngram"] and hello.max_alternatives == 20
+    assert hello.weights == "float32" and hello.precision == "exact"  # float weights: float32 activations
     info = client.get("/api/info").json()
     assert info["model"] == hello.model and info["speculative"] == hello.speculative
+    assert info["precision"] == "exact"
     assert info["max_sessions"] == 2 and info["default_speculative"] == "auto"
     spec = info["speculation"]  # the auto mode's cost curve (measured at warm-up or its first step) and decisions
     assert {"cost", "between_steps_ms", "steps", "offers", "granted", "drafted", "accepted"} <= set(spec)

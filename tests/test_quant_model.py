@@ -107,7 +107,7 @@ def test_a_prefill_gemm_in_row_tiles_matches_the_dequantized_matrix(monkeypatch:
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_quantize_at_load_matches_dequantized_float_model(tiny_model_dir: Path, tmp_path: Path, qtype: str) -> None:
-    q = load_model(tiny_model_dir, quantize=qtype)
+    q = load_model(tiny_model_dir, quantize=qtype, precision="exact")
     f = load_model(dequantized_folder(tiny_model_dir, tmp_path / "f", qtype))
     assert weights_name(q) == qtype and weights_name(f) == "float32"
     assert isinstance(q.layers[0].attention.wq, QLinear)
@@ -150,7 +150,8 @@ def write_quantized_folder(folder: Path) -> None:
 # ----------------------------------------------------------------------------------------------- the real model
 @pytest.fixture(scope="module")
 def real(real_model_dir: Path) -> tuple[Transformer, Transformer, Tokenizer]:
-    return load_model(real_model_dir), load_model(real_model_dir, weights="float32"), Tokenizer.from_dir(real_model_dir)
+    exact = load_model(real_model_dir, precision="exact")
+    return exact, load_model(real_model_dir, weights="float32"), Tokenizer.from_dir(real_model_dir)
 
 
 @pytest.mark.real_model

@@ -16,6 +16,7 @@ from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings, SettingsError
 from webchat.engine.speculative import MODES
+from webchat.model.weights import add_precision_argument, precision_of
 
 if TYPE_CHECKING:
     from webchat.text.tokenizer import Tokenizer
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", default="auto", choices=[m for m in MODES if m != "draft"],
                         help="auto (default): draft where it pays, measured here; none: never")
     parser.add_argument("--stats", action="store_true", help="print tokens/s and timings after each reply")
+    add_precision_argument(parser)
 
 
 @contextmanager
@@ -83,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     path = model_folder(args.model) if args.model else ensure_default_model()  # a .gguf: converted once
     check_model_folder(path)  # config and tokenizer, before the weights load
     device = resolve_device(args.device)
-    model = load_model(path, device, resolve_dtype(None, device))
+    model = load_model(path, device, resolve_dtype(None, device), precision=precision_of(args))
     tok = Tokenizer.from_dir(path)
     gen = Generator(model, tok, max_seq_len=args.context)
     if args.speculative == "auto":

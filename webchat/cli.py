@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from webchat.model.weights import add_weight_arguments
+from webchat.model.weights import add_weight_arguments, precision_of
 
 # subcommand → module with add_arguments(parser) and main(args) -> int
 SUBCOMMANDS = {
@@ -39,7 +39,8 @@ def main(args: argparse.Namespace) -> int:
     path = model_folder(args.model) if args.model else ensure_default_model()  # a .gguf: converted once
     check_model_folder(path)  # config and tokenizer, before the weights load
     device = resolve_device(args.device)
-    model = load_model(path, device, resolve_dtype(None, device), weights=args.weights, quantize=args.quantize)
+    model = load_model(path, device, resolve_dtype(None, device), weights=args.weights, quantize=args.quantize,
+                       precision=precision_of(args))
     tok = Tokenizer.from_dir(path)
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     cache = model.new_cache(len(ids) + args.max_new_tokens)

@@ -3,7 +3,8 @@ safetensors + tokenizer), undoing what llama.cpp's convert_hf_to_gguf.py did (ll
 stored as 1 + w).
 
 Beside model.safetensors (float32, what transformers loads) it writes quantized.safetensors: the same tensors with
-Q4_0/Q4_1/Q8_0 matrices kept as their ggml blocks (docs/quant.md), which webchat runs on the CPU by default.
+Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices kept as their ggml blocks (docs/quant.md), which webchat runs on the
+CPU by default.
 """
 
 from __future__ import annotations
@@ -76,11 +77,17 @@ QUANT_LAYOUT = "ggml-blocks-v1"  # uint8 (rows, cols / block values * block byte
 KEPT_QUANTIZED = {
     gguf.GGMLQuantizationType.Q4_0: "q4_0",
     gguf.GGMLQuantizationType.Q4_1: "q4_1",
+    gguf.GGMLQuantizationType.Q5_0: "q5_0",
+    gguf.GGMLQuantizationType.Q5_1: "q5_1",
     gguf.GGMLQuantizationType.Q8_0: "q8_0",
     gguf.GGMLQuantizationType.Q4_K: "q4_k",  # 256-value super-blocks (kernels/cpu/csrc/qkquant.cpp)
+    gguf.GGMLQuantizationType.Q5_K: "q5_k",
     gguf.GGMLQuantizationType.Q6_K: "q6_k",
 }
-K_QUANTS = {gguf.GGMLQuantizationType.Q4_K: "q4_k", gguf.GGMLQuantizationType.Q6_K: "q6_k"}
+# decoded by webchat.model.quant.dequantize_k (the rest by gguf.quants); Q2_K/Q3_K matrices are dequantized to float32
+# in both files (webchat has no kernel for them: docs/quant.md)
+K_QUANTS = {gguf.GGMLQuantizationType.Q4_K: "q4_k", gguf.GGMLQuantizationType.Q5_K: "q5_k",
+            gguf.GGMLQuantizationType.Q6_K: "q6_k"}
 
 class ConversionError(ValueError):
     """The GGUF file holds something this converter does not handle (architecture, tokenizer, tensor)."""
@@ -200,8 +207,8 @@ def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
 def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False,
                  progress: Progress | None = None) -> dict[str, np.ndarray]:
     """All tensors with HF names, [out, in] shapes, llama's q/k rows un-permuted, Gemma's norms back to w: float32
-    (any type gguf.quants reads, K-quants included, dequantized), or with keep_quantized the Q4_0/Q4_1/Q8_0 matrices as
-    uint8 (out, in / 32 * block bytes) blocks (see quantized_types for which)."""
+    (any type gguf.quants reads, K-quants included, dequantized), or with keep_quantized the KEPT_QUANTIZED matrices
+    as uint8 (out, in / block values * block bytes) blocks (see quantized_types for which)."""
     out: dict[str, np.ndarray] = {}
     for n, t in enumerate(reader.tensors):
         if t.name == ROPE_FREQS:  # not a weight: the rope scaling, read by rope_scaling_of
@@ -407,7 +414,7 @@ def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json, and
-    quantized.safetensors where the GGUF holds Q4_0/Q4_1/Q8_0 matrices. progress(done, total) per tensor read
+    quantized.safetensors where the GGUF holds matrices of a KEPT_QUANTIZED type. progress(done, total) per tensor read
     (each is read twice where the quantized file is written)."""
     reader = open_gguf(gguf_path)
     meta = _Meta(reader)

@@ -2,6 +2,8 @@
 
 Weights: the folder's quantized.safetensors (ggml blocks, docs/quant.md) on the CPU when present, else the float
 tensors; `weights="float32"` forces the float ones, `quantize="q8_0"|"q4_0"` quantizes float tensors at load.
+Precision: what the quantized matrices multiply at, "exact" (float32 activations) or "int8"; None takes the faster
+for the model's formats on this CPU (webchat.model.precision).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.arena import into_huge_pages
 from webchat.model.config import ModelArgs
+from webchat.model.precision import default_precision, quantized_formats, set_precision
 from webchat.model.quant import ALL_QTYPES, QEmbedding, QLinear, quantize, swap_modules
 from webchat.model.transformer import Transformer
-from webchat.model.weights import QUANTIZE, WEIGHTS
+from webchat.model.weights import PRECISIONS, QUANTIZE, WEIGHTS
 
 # checkpoint name → ours (gpt-fast's weight_map); {} is the layer index
 WEIGHT_MAP = {
@@ -84,10 +87,12 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 def load_model(
     path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-    weights: str = "auto", quantize: str | None = None,
+    weights: str = "auto", quantize: str | None = None, precision: str | None = None,
 ) -> Transformer:
     """Build the model on the meta device, swap in quantized modules, then assign every tensor, checking names and
-    shapes. See the module docstring for `weights` and `quantize`."""
+    shapes. See the module docstring for `weights`, `quantize` and `precision`."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
@@ -146,6 +151,11 @@ def load_model(
 
         enable_cpu_step(model, kernels)
         model.row_scan = kernels  # the sampler's argmax and heatmap numbers in C++ (webchat.engine.sampling.RowScan)
+    if precision is None:
+        names = {v: k for k, v in qkernels.PATHS.items()}
+        here = names[int(kernels.path())] if kernels is not None else "none"
+        precision = default_precision(quantized_formats(model), here)
+    set_precision(model, precision, kernels)
     return model
 
 

@@ -1,8 +1,8 @@
 """Quantized weights behind one seam: QLinear/QEmbedding swapped in before load_state_dict (docs/quant.md).
 
 A quantized weight is a uint8 tensor (out_features, K/32 * block_bytes) holding ggml's blocks row by row, unchanged;
-its format (q4_0, q4_1, q8_0; q4_k, q6_k from GGUF files) lives on the module. Activations and accumulation stay float32
-(webchat.kernels.cpu.build).
+its format (q4_0, q4_1, q5_0, q5_1, q8_0; q4_k, q5_k, q6_k from GGUF files) lives on the module. Activations are
+float32, or with `int8` set (webchat.model.precision) quantized to 8 bits a row at a time (webchat.kernels.cpu.build).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ if TYPE_CHECKING:
     from webchat.kernels.cpu.build import QKernels
 
 # name → (ggml type number, bytes per block of 32 weights)
-QTYPES: dict[str, tuple[int, int]] = {"q4_0": (2, 18), "q4_1": (3, 20), "q8_0": (8, 34)}
+QTYPES: dict[str, tuple[int, int]] = {"q4_0": (2, 18), "q4_1": (3, 20), "q5_0": (6, 22), "q5_1": (7, 24),
+                                      "q8_0": (8, 34)}
 BLOCK = 32
 # K-quants from GGUF files: name → (ggml type number, bytes per 256-value super-block); kernels/cpu/csrc/qkquant.cpp
-K_QTYPES: dict[str, tuple[int, int]] = {"q4_k": (12, 144), "q6_k": (14, 210)}
+K_QTYPES: dict[str, tuple[int, int]] = {"q4_k": (12, 144), "q5_k": (13, 176), "q6_k": (14, 210)}
 QK_K = 256
 ALL_QTYPES = (*QTYPES, *K_QTYPES)
 GEMM_ROWS = 32  # from this many rows of x, QLinear dequantizes the matrix and calls torch's float32 GEMM
@@ -59,9 +60,15 @@ class QLinear(nn.Module):
         self.weight = _uint8_param(out_features, row_bytes(qtype, in_features))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernels = kernels
+        self.int8 = False  # x's rows at 8 bits and the int8 kernels, every row alike (webchat.model.precision)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
+        if self.int8:
+            qt = ({**QTYPES, **K_QTYPES})[self.qtype][0]
+            y8 = _compiled(self.kernels, self.qtype).qmatmul(x2, self.weight, qt, self.in_features, self.bias,
+                                                             int8=True)
+            return y8.view(*lead, self.out_features)
         if x2.shape[0] >= GEMM_ROWS:  # prefill: torch's sgemm on dequantized rows (float32, exact)
             return self._gemm(x2).view(*lead, self.out_features)
         if self.qtype in K_QTYPES:  # kernels/cpu/csrc/qkquant.cpp: one dequantized block dotted with every row
@@ -136,7 +143,7 @@ def swap_modules(model: nn.Module, qtypes: dict[str, str], kernels: QKernels | N
 
 
 def dequantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 (N, K) from ggml Q4_K or Q6_K blocks, uint8 (N, K / 256 * block bytes), with ggml's arithmetic."""
+    """float32 (N, K) from ggml Q4_K, Q5_K or Q6_K blocks, uint8 (N, K / 256 * block bytes), with ggml's arithmetic."""
     if qtype not in K_QTYPES:
         raise ValueError(f"K-quant type must be one of {', '.join(K_QTYPES)}, got {qtype!r}")
     nbytes = K_QTYPES[qtype][1]
@@ -144,7 +151,7 @@ def dequantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:
         raise ValueError(f"{qtype} blocks must be uint8 (rows, k * {nbytes}), got {w.dtype} {tuple(w.shape)}")
     n = w.shape[0]
     b = w.reshape(-1, nbytes)
-    y = _dequant_q4_k(b) if qtype == "q4_k" else _dequant_q6_k(b)
+    y = _dequant_q6_k(b) if qtype == "q6_k" else _dequant_q45_k(b, qtype == "q5_k")
     return y.reshape(n, -1)
 
 
@@ -153,12 +160,17 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).reshape(-1).float()
 
 
-def _dequant_q4_k(b: torch.Tensor) -> torch.Tensor:
-    # block: d, dmin (f16), scales[12] (eight 6-bit scale/min pairs), qs[128]; x = d*sc_j * q - dmin*m_j, j of 32
-    d, dmin, s, qs = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].int(), b[:, 16:144].int()
+def _dequant_q45_k(b: torch.Tensor, five: bool) -> torch.Tensor:
+    # block: d, dmin (f16), scales[12] (eight 6-bit scale/min pairs), [Q5_K: qh[32], bit j of qh[l] the fifth bit of
+    # value l of sub-block j], qs[128]; x = d*sc_j * q - dmin*m_j, j of 32
+    d, dmin, s = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].int()
+    qs = b[:, 48:176].int() if five else b[:, 16:144].int()
     sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], dim=1)  # (B, 8)
     mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
     q = torch.stack([qs.view(-1, 4, 32) & 0xF, qs.view(-1, 4, 32) >> 4], dim=2).reshape(-1, 8, 32)  # sub-block j
+    if five:
+        qh = b[:, 16:48].int()  # (B, 32)
+        q = q | torch.stack([((qh >> j) & 1) << 4 for j in range(8)], dim=1)
     d1 = (d[:, None] * sc.float())[..., None]  # (B, 8, 1)
     m1 = (dmin[:, None] * mn.float())[..., None]
     return (d1 * q.float() - m1).reshape(-1, QK_K)
@@ -179,8 +191,9 @@ def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
     import gguf
 
     row_bytes(qtype, w.shape[-1])
-    kind = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
-            "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+    if qtype not in QTYPES:
+        raise ValueError(f"webchat quantizes to {', '.join(QTYPES)} (gguf.quants' encoders), got {qtype!r}")
+    kind = gguf.GGMLQuantizationType[qtype.upper()]
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w.float().numpy(), kind)))
 
 

@@ -137,6 +137,8 @@ class Transformer(nn.Module):
         self.runner: Runner | None = None
         self.sampler_factory: Callable[..., object] | None = None
         self.row_scan: Any = None
+        # the quantized matrices' activations: "exact" (float32) or "int8" (webchat.model.precision, by the loader)
+        self.precision = "exact"
 
     @property
     def device(self) -> torch.device:

@@ -1,4 +1,5 @@
-"""The --weights and --quantize choices, shared by the command lines and webchat.model.loader (no torch import here)."""
+"""The --weights, --quantize and --exact choices, shared by the command lines and webchat.model.loader (no torch
+import here)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 
 WEIGHTS = ("auto", "quantized", "float32")  # auto: the folder's quantized.safetensors on the CPU in float32
 QUANTIZE = ("q8_0", "q4_1", "q4_0")  # matrices to this at load; the embedding and a tied head to q8_0
+# what a quantized matrix's input is multiplied at: float32 ("exact"), or 8-bit integers ("int8"); docs/quant.md
+PRECISIONS = ("exact", "int8")
 
 
 def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,4 +16,17 @@ def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): the model's quantized blocks on the CPU where the folder has them "
                              "(docs/quant.md); float32: the float weights; quantized: insist on the blocks")
     parser.add_argument("--quantize", default=None, choices=QUANTIZE,
-                        help="quantize a float model's matrices at load (CPU, float32 activations)")
+                        help="quantize a float model's matrices at load (CPU)")
+    add_precision_argument(parser)
+
+
+def add_precision_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--exact", action="store_true",
+                        help="multiply the quantized weights with float32 activations (within float rounding of the "
+                             "float32 model on the same weights); default: whichever of that and int8 activations "
+                             "runs faster for the file's formats on this CPU (docs/quant.md)")
+
+
+def precision_of(args: argparse.Namespace) -> str | None:
+    """load_model's precision for the parsed flags: "exact" with --exact, else None (the faster for the file)."""
+    return "exact" if getattr(args, "exact", False) else None

@@ -125,6 +125,7 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         stall_timeout=args.stall_timeout, access_token=args.access_token,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
                         kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize,
+                        exact=args.exact,
                         engine_url=getattr(args, "engine_url", None), engine_model=getattr(args, "engine_model", None),
                         engine_key=getattr(args, "engine_key", None),
                         engine_timeout=getattr(args, "engine_timeout", 60.0),

@@ -75,6 +75,7 @@ class Runtime:
     default_mode: str = "none"
     engine: Engine | None = None  # one KV pool and one batched forward for every connection
     weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
+    precision: str = "exact"  # webchat.model.precision: "exact" (float32 activations) or "int8"
 
     def local(self) -> tuple[Transformer, Tokenizer, Engine]:
         """The local model, its tokenizer and the engine; a remote runtime has none of them (RuntimeError)."""
@@ -104,7 +105,7 @@ class Runtime:
 
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
-                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights,
+                       dtype=self.dtype, speculative=list(self.modes), weights=self.weights, precision=self.precision,
                        thinking=None if self.tokenizer is None else thinking.wire(self.tokenizer))
 
 
@@ -118,10 +119,13 @@ def load_runtime(config: ServerConfig) -> Runtime:
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = Tokenizer.from_dir(config.model_dir)  # checked before the weights load
     check_model_folder(config.model_dir)
-    model = load_model(config.model_dir, device, dtype, weights=config.weights, quantize=config.quantize)
+    precision = "exact" if config.exact else None  # None: the faster for the file (webchat.model.precision)
+    model = load_model(config.model_dir, device, dtype, weights=config.weights, quantize=config.quantize,
+                       precision=precision)
     draft = None
     if config.draft_dir is not None:
-        draft = load_model(config.draft_dir, device, dtype, weights=config.weights, quantize=config.quantize)
+        draft = load_model(config.draft_dir, device, dtype, weights=config.weights, quantize=config.quantize,
+                           precision=precision)
     context = min(model.args.max_seq_len, config.max_seq_len or model.args.max_seq_len)
     modes = [m for m in MODES if m != "draft" or draft is not None]
     if config.speculative not in modes:
@@ -133,7 +137,8 @@ def load_runtime(config: ServerConfig) -> Runtime:
                     pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
     return Runtime(model=model, tokenizer=tokenizer, model_name=model_name(config.model_dir), device=str(device),
                    dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
-                   default_mode=config.speculative, engine=engine, weights=weights_name(model))
+                   default_mode=config.speculative, engine=engine, weights=weights_name(model),
+                   precision=model.precision)
 
 
 def warm_up(rt: Runtime) -> Runtime:
@@ -185,8 +190,8 @@ class RemoteRuntime(Runtime):
         caps = self.remote().caps
         return p.Hello(model=caps.model or self.model_name, context_length=caps.context_length or 0,
                        device="remote", dtype="remote", speculative=list(self.modes), weights="remote",
-                       max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES, engine=caps.wire(),
-                       thinking=caps.thinking)
+                       precision="remote", max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES,
+                       engine=caps.wire(), thinking=caps.thinking)
 
 
 async def load_remote_runtime(config: ServerConfig) -> RemoteRuntime:

@@ -22,7 +22,8 @@ from webchat.paths import webchat_home
 if TYPE_CHECKING:
     import torch
 
-SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp")
+SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp", "qact.cpp", "qint8.cpp",
+           "qint8k.cpp", "qgemm8.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
@@ -37,13 +38,15 @@ class StepHandle(Protocol):
 
     def forward_rows(self, *args: Any) -> torch.Tensor: ...
 
+    def set_int8(self, on: bool) -> None: ...
+
 
 class QKernels(Protocol):
     """The compiled module (csrc/qops.cpp's bindings), typed once here: every caller holds this, never the bare
     extension handle."""
 
     def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
-                gemm: bool = False) -> torch.Tensor: ...  # fmt: skip
+                gemm: bool = False, int8: bool = False) -> torch.Tensor: ...  # fmt: skip
 
     def dequantize(self, w: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -52,6 +55,10 @@ class QKernels(Protocol):
     def path(self) -> int: ...
 
     def best_path(self) -> int: ...
+
+    def set_vnni(self, on: int) -> bool: ...
+
+    def vnni(self) -> bool: ...
 
     def Step(self, *args: Any) -> StepHandle: ...  # noqa: N802 (the C++ class's name)
 

@@ -6,8 +6,9 @@ pool to `Step.forward`, which runs every layer with the quantized (or float32) m
 attention in C++ on torch's thread pool. Each row is computed on its own, so its logits do not depend on the batch.
 Gemma's parts run there too: the embedding scale, the post norms, GELU-tanh, the score scale and soft cap, sliding
 windows per layer and Gemma 3's local rope tables; the final soft cap is one op on the logits here.
-Batches of more than MAX_ROWS tokens (long prefill chunks) return None and run the PyTorch path, whose matmuls are
-GEMMs (webchat.model.quant.QLinear dequantizes a layer's matrix for them).
+With float32 activations (exact), batches of more than MAX_ROWS tokens (long prefill chunks) return None and run the
+PyTorch path, whose matmuls are GEMMs (webchat.model.quant.QLinear dequantizes a layer's matrix for them); with int8
+activations (set_int8) the C++ forward runs every batch, each row through the same int8 kernels whatever its chunk.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ NONE = torch.empty(0)
 
 def _matrix(m: nn.Module) -> tuple[torch.Tensor, int] | None:
     """(weight, ggml type) of a QLinear/QEmbedding or a float32 Linear/Embedding; None for anything else."""
-    if isinstance(m, QLinear | QEmbedding):  # Q4_0/Q4_1/Q8_0 (qmatmul.cpp), Q4_K/Q6_K from GGUF files (qkquant.cpp)
+    if isinstance(m, QLinear | QEmbedding):  # the 32-value formats (qmatmul.cpp), the K-quants (qkquant.cpp)
         known = {**QTYPES, **K_QTYPES}
         return (m.weight, known[m.qtype][0]) if m.qtype in known else None
     if isinstance(m, nn.Linear | nn.Embedding) and m.weight.dtype == torch.float32 and m.weight.is_contiguous():
@@ -84,13 +85,19 @@ class CpuStep:
         self.embedding = model.tok_embeddings
         self.layers = list(model.layers)
         self.calls = 0
+        self.int8 = False
+
+    def set_int8(self, on: bool) -> None:
+        """The quantized matrices' inputs at 8 bits (int8 activations) or float32."""
+        self.step.set_int8(on)
+        self.int8 = on
 
     def __call__(self, model: Transformer, batch: Batch, kv: PagedKV) -> torch.Tensor | None:
         n = len(model.layers)
-        if (batch.num_tokens > MAX_ROWS or model.tok_embeddings is not self.embedding
+        if ((batch.num_tokens > MAX_ROWS and not self.int8) or model.tok_embeddings is not self.embedding
                 or n > len(self.layers) or model.layers[n - 1] is not self.layers[n - 1]
                 or kv.k[0].dtype != torch.float32):
-            return None  # a long prefill chunk, or another model sharing this hook
+            return None  # a long prefill chunk (exact), or another model sharing this hook
         self.calls += 1
         local = model.rope_local or (NONE, NONE)
         rows = batch.rows

@@ -8,12 +8,14 @@
 
 namespace wq {
 
-enum QType { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type numbers
+enum QType { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's numbers
 enum Path { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 template <int QT> struct BlockOf;
 template <> struct BlockOf<Q4_0> { static constexpr int bytes = 18; };
 template <> struct BlockOf<Q4_1> { static constexpr int bytes = 20; };
+template <> struct BlockOf<Q5_0> { static constexpr int bytes = 22; };
+template <> struct BlockOf<Q5_1> { static constexpr int bytes = 24; };
 template <> struct BlockOf<Q8_0> { static constexpr int bytes = 34; };
 
 // Weight rows stream from memory once a token, a few hundred bytes to a few KB each, and the hardware prefetcher
@@ -28,7 +30,9 @@ inline void prefetch_ahead(const uint8_t* row, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) + PREFETCH_AHEAD + o), _MM_HINT_T0);
 }
 
-inline int64_t block_bytes(int64_t qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0; }
+inline int64_t block_bytes(int64_t qtype) {  // the 32-value blocks; 0 for any other type
+  return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : qtype == Q5_1 ? 24 : qtype == Q8_0 ? 34 : 0;
+}
 
 // one call: y rows [0, m) of width ldy, x rows of stride ldx, xsum (m, k/32), w rows of row_bytes
 struct Job {
@@ -69,6 +73,19 @@ inline float half_to_float(const uint8_t* p) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// The 8 six-bit scales and the 8 mins of a Q4_K/Q5_K super-block's 12 bytes, as bytes (ggml's kmask unpacking:
+// get_scale_min_k4's values, four at a time)
+inline void scales_mins_k4(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t u[3], out[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  out[0] = u[0] & k1;
+  out[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  out[2] = u[1] & k1;
+  out[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  std::memcpy(sc, out, 8), std::memcpy(mn, out + 2, 8);
 }
 
 // the sum of a vector's 8 lanes, ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)): every AVX2 kernel's one
@@ -127,12 +144,14 @@ void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int
 void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count);
 // one row of a matrix of any type as float32 (k values): the embedding lookup, the PyTorch path's dequantized matrices
 void dequant_row(int qtype, const uint8_t* row, int64_t k, float* out);
+// the float32 row kernels on a Job of F32 rows (qmatmul.cpp): the int8 matmul's float matrices
+void float_rows(const Job& j, int64_t n0, int64_t n1, int p);
 void qmatmul_raw(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int qtype,
                  float* xsum2, float* y);
 
-// Q4_K / Q6_K (qkquant.cpp): 256-value super-blocks of kq_block_bytes; rows [n0, n1) of a Job (its xsum the
+// Q4_K / Q5_K / Q6_K (qkquant.cpp): 256-value super-blocks of kq_block_bytes; rows [n0, n1) of a Job (its xsum the
 // (m, k / 32, 2) block sums) and one dequantized row (the embedding)
-inline bool is_kquant(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
+inline bool is_kquant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
 int64_t kq_block_bytes(int qtype);
 void kq_rows(const Job& j, int64_t n0, int64_t n1, int p);
 void kq_dequant_row(int qtype, const uint8_t* row, int64_t k, float* out);

@@ -51,6 +51,26 @@ static void dequant_q_scalar(int qtype, const uint8_t* row, int64_t k, float* ou
   }
 }
 
+// Q5_0 / Q5_1: q of 5 bits, the fifth from qh (bit i: value i); w = d * (q - 16) + 0 (Q5_0), d * q + m (Q5_1), the
+// same order of operations as above. One form for every path (the compiler's AVX2 clone where the CPU has it).
+__attribute__((target_clones("arch=haswell", "default"))) static void dequant_q5(int qtype, const uint8_t* row,
+                                                                                  int64_t k, float* out) {
+  const int64_t bb = block_bytes(qtype);
+  const bool one = qtype == Q5_1;
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half_to_float(blk), m = one ? half_to_float(blk + 2) : 0.f, off = one ? 0.f : 16.f;
+    uint32_t qh;
+    std::memcpy(&qh, blk + (one ? 4 : 2), 4);
+    const uint8_t* q = blk + (one ? 8 : 6);
+    float* o = out + b * 32;
+    for (int i = 0; i < 16; ++i) {
+      o[i] = d * (float((q[i] & 15) | (((qh >> i) & 1) << 4)) - off) + m;
+      o[i + 16] = d * (float((q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - off) + m;
+    }
+  }
+}
+
 WQ_AVX512 static void dequant_q_avx512(int qtype, const uint8_t* row, int64_t k, float* out) {
   const int64_t bb = block_bytes(qtype);
   const __m128i low = _mm_set1_epi8(15);
@@ -113,6 +133,7 @@ WQ_AVX2 static void dequant_q_avx2(int qtype, const uint8_t* row, int64_t k, flo
 void dequant_row(int qtype, const uint8_t* row, int64_t k, float* out) {
   if (qtype == F32) return static_cast<void>(std::memcpy(out, row, k * sizeof(float)));
   if (is_kquant(qtype)) return kq_dequant_row(qtype, row, k, out);
+  if (qtype == Q5_0 || qtype == Q5_1) return dequant_q5(qtype, row, k, out);
   const int p = path();
   if (p == PATH_AVX512) return dequant_q_avx512(qtype, row, k, out);
   if (p == PATH_AVX2) return dequant_q_avx2(qtype, row, k, out);

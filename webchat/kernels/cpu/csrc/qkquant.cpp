@@ -1,7 +1,9 @@
-// Q4_K and Q6_K (ggml's 256-value super-blocks) on the CPU: dequantization and y = x @ dequant(w)^T (+ bias).
+// Q4_K, Q5_K and Q6_K (ggml's 256-value super-blocks) on the CPU: dequantization and y = x @ dequant(w)^T (+ bias).
 // Registered as torch ops (torch.ops.webchat_kq.matmul / .dequantize) so this file needs no binding elsewhere.
 //   Q4_K block (144 B): d, dmin (f16), scales[12] (eight 6-bit scale/min pairs), qs[128] (4-bit);
 //                      w = d * sc_j * q - dmin * m_j for sub-block j of 32
+//   Q5_K block (176 B): d, dmin, scales[12] as Q4_K, qh[32] (bit j of qh[l]: the fifth bit of value l of sub-block j),
+//                      qs[128]; w = d * sc_j * q - dmin * m_j, q of 5 bits
 //   Q6_K block (210 B): ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d (f16);
 //                      w = d * sc_g * (q - 32) for group g of 16
 #include <torch/extension.h>
@@ -13,6 +15,7 @@
 #include <cstdint>
 
 #include "qcommon.h"
+#include "qkblocks.h"
 
 namespace wq {
 namespace {
@@ -20,7 +23,7 @@ namespace {
 constexpr int64_t QK = 256;
 // Q4_K = 12, Q6_K = 14: ggml's type numbers (qcommon.h)
 
-int64_t kblock_bytes(int64_t qtype) { return qtype == Q4_K ? 144 : qtype == Q6_K ? 210 : 0; }
+int64_t kblock_bytes(int64_t qtype) { return qtype == Q4_K ? 144 : qtype == Q5_K ? 176 : qtype == Q6_K ? 210 : 0; }
 
 // the 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
 inline void scale_min(int j, const uint8_t* s, int* sc, int* m) {
@@ -50,6 +53,22 @@ KQ_CLONES void dequant_q4_k(const uint8_t* b, float* y) {
   }
 }
 
+KQ_CLONES void dequant_q5_k(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* s = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* q = b + 48;
+  for (int j = 0; j < 4; ++j) {  // 64 values: low nibbles (and qh bit 2j) sub-block 2j, high nibbles (bit 2j + 1) 2j + 1
+    int sc1, m1, sc2, m2;
+    scale_min(2 * j, s, &sc1, &m1);
+    scale_min(2 * j + 1, s, &sc2, &m2);
+    const float d1 = d * float(sc1), n1 = dmin * float(m1), d2 = d * float(sc2), n2 = dmin * float(m2);
+    for (int l = 0; l < 32; ++l) y[64 * j + l] = d1 * float((q[32 * j + l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4)) - n1;
+    for (int l = 0; l < 32; ++l)
+      y[64 * j + 32 + l] = d2 * float((q[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4)) - n2;
+  }
+}
+
 KQ_CLONES void dequant_q6_k(const uint8_t* b, float* y) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
@@ -73,29 +92,6 @@ KQ_CLONES void dequant_q6_k(const uint8_t* b, float* y) {
 // product here is exact (d is a half, 11 bits; a scale 6 or 8 bits; q 4 or 6 bits: at most 24 bits), so the loops
 // above, vectorised with or without FMA, and these give the same floats.
 #define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
-
-// A Q6_K half's 128 values as four 32-value quarters of 6-bit q, unsigned (ggml's layout: per half, q[l], q[l + 32],
-// q[l + 64], q[l + 96] share ql[l], ql[l + 32] and qh[l]); the 16-bit shifts never carry a kept bit across a byte
-// (masked first)
-__attribute__((target("avx2"))) inline void q6_quarters(const uint8_t* ql, const uint8_t* qh, __m256i q[4]) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-  q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
-  q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
-  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
-  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
-}
-
-KQ_AVX512 inline float half_f16c(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 KQ_AVX512 inline __m512 bytes16(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 
@@ -140,7 +136,9 @@ KQ_AVX512 void dequant_q6_k_avx512(const uint8_t* b, float* y) {
 
 // avx512: path() is PATH_AVX512 (WEBCHAT_QPATH and set_path choose it, as for every other kernel)
 inline void dequant_block(int64_t qtype, const uint8_t* b, float* y, bool avx512) {
-  if (qtype == Q4_K) {
+  if (qtype == Q5_K) {  // one form for every path (its products are exact too)
+    dequant_q5_k(b, y);
+  } else if (qtype == Q4_K) {
     avx512 ? dequant_q4_k_avx512(b, y) : dequant_q4_k(b, y);
   } else {
     avx512 ? dequant_q6_k_avx512(b, y) : dequant_q6_k(b, y);
@@ -161,6 +159,23 @@ KQ_CLONES void unpack_q4_k(const uint8_t* b, Unpacked* u) {
   for (int j = 0; j < 4; ++j) {
     for (int l = 0; l < 32; ++l) u->q[64 * j + l] = int8_t(q[32 * j + l] & 0xF);
     for (int l = 0; l < 32; ++l) u->q[64 * j + 32 + l] = int8_t(q[32 * j + l] >> 4);
+  }
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    scale_min(j, b + 4, &sc, &mn);
+    u->scale[j] = d * float(sc);
+    u->minus[j] = dmin * float(mn);
+  }
+}
+
+KQ_CLONES void unpack_q5_k(const uint8_t* b, Unpacked* u) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* qh = b + 16;
+  const uint8_t* q = b + 48;
+  for (int j = 0; j < 4; ++j) {
+    for (int l = 0; l < 32; ++l) u->q[64 * j + l] = int8_t((q[32 * j + l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4));
+    for (int l = 0; l < 32; ++l)
+      u->q[64 * j + 32 + l] = int8_t((q[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
   }
   for (int j = 0; j < 8; ++j) {
     int sc, mn;
@@ -219,13 +234,15 @@ void block_dot(int64_t qtype, const uint8_t* b, const float* x, int64_t ldx, con
   Unpacked u;
   if (qtype == Q4_K) {
     unpack_q4_k(b, &u);
+  } else if (qtype == Q5_K) {
+    unpack_q5_k(b, &u);
   } else {
     unpack_q6_k(b, &u);
   }
   for (int64_t i = 0; i < m; ++i) {
     const float* xr = x + i * ldx;
     float s;
-    if (qtype == Q4_K) {
+    if (qtype != Q6_K) {  // Q4_K, Q5_K: groups of 32 with mins
       s = avx2 ? qdot_avx2<32>(u, xr) : qdot_scalar<32>(u, xr);
       for (int j = 0; j < 8; ++j) s -= u.minus[j] * xsum[i * lds + j * js];
     } else {
@@ -237,7 +254,7 @@ void block_dot(int64_t qtype, const uint8_t* b, const float* x, int64_t ldx, con
 
 void check(const torch::Tensor& w, int64_t qtype, int64_t k) {
   const int64_t bb = kblock_bytes(qtype);
-  TORCH_CHECK(bb > 0, "qtype must be 12 (Q4_K) or 14 (Q6_K), got ", qtype);
+  TORCH_CHECK(bb > 0, "qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
   TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of 256 (the super-block), got ", k);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous(),
               "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
@@ -289,19 +306,6 @@ torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t 
 }  // namespace
 
 namespace {
-
-// The 8 six-bit scales and the 8 mins of a Q4_K super-block's 12 bytes, as bytes (ggml's kmask unpacking: the same
-// values as scale_min, four at a time)
-inline void scales_mins_k4(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
-  uint32_t u[3], out[4];
-  std::memcpy(u, s, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  out[0] = u[0] & k1;
-  out[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  out[2] = u[1] & k1;
-  out[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  std::memcpy(sc, out, 8), std::memcpy(mn, out + 2, 8);
-}
 
 __attribute__((target("avx2,fma,f16c"))) inline __m256 widen8(const uint8_t* b8) {  // 8 bytes as 8 floats
   int64_t v;

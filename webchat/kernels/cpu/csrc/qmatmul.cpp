@@ -439,16 +439,34 @@ static void rows(const Job& j, int64_t n0, int64_t n1, int p) {
   }
 }
 
+// Q5_0 / Q5_1 with float32 activations: each weight row dequantized (dequant_row, the values the PyTorch path's
+// matrices hold) and dotted with every x row, 8 lanes and one hsum on the vector paths, in order on the scalar one
+static void rows_via_dequant(const Job& j, int64_t n0, int64_t n1, int p) {
+  thread_local std::vector<float> buf;
+  buf.resize(j.k);
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row(j.qtype, j.w + n * j.row_bytes, j.k, buf.data());
+    const Job f{j.x, j.ldx, nullptr, reinterpret_cast<const uint8_t*>(buf.data()), 4 * j.k, j.m, j.k, F32,
+                j.y + n, j.ldy};
+    rows<F32>(f, 0, 1, p);
+  }
+}
+
 static void run_rows(const Job& j, int64_t n0, int64_t n1, int p) {
   switch (j.qtype) {
     case F32: return rows<F32>(j, n0, n1, p);
     case Q4_0: return rows<Q4_0>(j, n0, n1, p);
     case Q4_1: return rows<Q4_1>(j, n0, n1, p);
+    case Q5_0:
+    case Q5_1: return rows_via_dequant(j, n0, n1, p);
     case Q4_K:
+    case Q5_K:
     case Q6_K: return kq_rows(j, n0, n1, p);
     default: return rows<Q8_0>(j, n0, n1, p);
   }
 }
+
+void float_rows(const Job& j, int64_t n0, int64_t n1, int p) { rows<F32>(j, n0, n1, p); }
 
 // xsum2[r, b] = (0, sum of x[r, 32b .. 32b+31]): the zero-point term of Q4_0/Q4_1, shared by every output row
 static void block_sums(const float* x, int64_t m, int64_t k, float* xsum2) {
@@ -472,7 +490,7 @@ void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int
   bool zero_points = false, q4 = false, q4k = false;
   int64_t total = 0, max_row_bytes = 0;
   for (int i = 0; i < count; ++i) {
-    zero_points |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1 || mats[i].qtype == Q4_K;
+    zero_points |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1 || mats[i].qtype == Q4_K || mats[i].qtype == Q5_K;
     q4 |= mats[i].qtype == Q4_0 || mats[i].qtype == Q4_1;
     q4k |= mats[i].qtype == Q4_K;
     total += mats[i].n;

@@ -10,28 +10,31 @@
 #include <vector>
 
 #include "qcommon.h"
+#include "qint8.h"
 #include "qstep.h"
 
 namespace wq {
 
 inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
   const int64_t bb = block_bytes(qtype);
-  TORCH_CHECK(bb > 0, "qtype must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ", qtype);
+  TORCH_CHECK(bb > 0, "qtype must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1) or 8 (Q8_0), got ", qtype);
   TORCH_CHECK(k > 0 && k % 32 == 0, "K must be a positive multiple of 32 (the block size), got ", k);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous(),
               "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
   TORCH_CHECK(w.size(1) == k / 32 * bb, "w rows must hold ", k / 32 * bb, " bytes for K=", k, ", got ", w.size(1));
 }
 
-// y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]: the row kernels, or (gemm) the prompt rows' GEMM
+// y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]: the row kernels, or (gemm) the prompt rows' GEMM,
+// or (int8) x's rows quantized to 8 bits and the int8 kernels (qint8.h)
 torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
-                      const c10::optional<torch::Tensor>& bias, bool gemm) {
+                      const c10::optional<torch::Tensor>& bias, bool gemm, bool int8) {
   if (is_kquant(qtype)) {  // the C++ forward's K-quant rows (kq_rows), the op its tests call
     const int64_t bb = kq_block_bytes(static_cast<int>(qtype));
-    TORCH_CHECK(k > 0 && k % 256 == 0, "K must be a positive multiple of 256 for Q4_K/Q6_K, got ", k);
+    TORCH_CHECK(k > 0 && k % 256 == 0, "K must be a positive multiple of 256 for Q4_K/Q5_K/Q6_K, got ", k);
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous() &&
                     w.size(1) == k / 256 * bb,
-                "a Q4_K/Q6_K matrix must be contiguous uint8 (n, ", k / 256 * bb, ") on the CPU, got ", w.sizes());
+                "a Q4_K/Q5_K/Q6_K matrix must be contiguous uint8 (n, ", k / 256 * bb, ") on the CPU, got ",
+                w.sizes());
   } else {
     check_weight(w, qtype, k);
   }
@@ -42,7 +45,14 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qt
   const int64_t m = xc.size(0), n = w.size(0);
   torch::Tensor y = torch::empty({m, n}, xc.options());
   if (m == 0 || n == 0) return y;
-  if (gemm) {
+  if (int8) {
+    const int qt = static_cast<int>(qtype);
+    Act8 a;
+    a.shape(m, k, reads_blocks(qt), reads_supers(qt));
+    a.quantize_rows(xc.data_ptr<float>(), k);
+    const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), qt, y.data_ptr<float>()};
+    qmatmul8_multi(a, 0, m, xc.data_ptr<float>(), &r, 1, gemm);
+  } else if (gemm) {
     const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype), y.data_ptr<float>()};
     qgemm_multi(xc.data_ptr<float>(), m, k, &r, 1);
   } else {
@@ -212,6 +222,8 @@ class Step {
     }
   }
 
+  void set_int8(bool on) { m_.int8 = on; }
+
   // logits (R, vocab) of a webchat.model.batch.Batch through the first n_layers layers, k/v written into the pool;
   // prompt_ends (B) int64, or empty: rows of b at positions below prompt_ends[b] are prompt rows (qgemm.cpp)
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions, const torch::Tensor& slots,
@@ -348,11 +360,11 @@ class Step {
       check_f32(w, "a float matrix");
       TORCH_CHECK(w.dim() == 2 && w.size(1) == k, "a float matrix must be (n, ", k, "), got ", w.sizes());
       m.w = reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), m.row_bytes = k * 4;
-    } else if (is_kquant(qtype)) {  // Q4_K / Q6_K from GGUF files (qkquant.cpp)
+    } else if (is_kquant(qtype)) {  // Q4_K / Q5_K / Q6_K from GGUF files (qkquant.cpp)
       const int64_t bb = kq_block_bytes(static_cast<int>(qtype));
-      TORCH_CHECK(k % 256 == 0, "a Q4_K/Q6_K matrix needs K a multiple of 256, got ", k);
+      TORCH_CHECK(k % 256 == 0, "a Q4_K/Q5_K/Q6_K matrix needs K a multiple of 256, got ", k);
       TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == k / 256 * bb,
-                  "a Q4_K/Q6_K matrix must be contiguous uint8 (n, ", k / 256 * bb, "), got ", w.sizes());
+                  "a Q4_K/Q5_K/Q6_K matrix must be contiguous uint8 (n, ", k / 256 * bb, "), got ", w.sizes());
       m.w = w.data_ptr<uint8_t>(), m.row_bytes = w.size(1);
     } else {
       check_weight(w, qtype, k);
@@ -375,9 +387,12 @@ class Step {
 }  // namespace wq
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qmatmul", &wq::qmatmul, "y = x @ dequant(w).T (+ bias), float32; gemm: as the forward computes prompt rows",
+  m.def("qmatmul", &wq::qmatmul,
+        "y = x @ dequant(w).T (+ bias), float32; gemm: as the forward computes prompt rows; int8: x's rows at 8 bits",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none(),
-        py::arg("gemm") = false);
+        py::arg("gemm") = false, py::arg("int8") = false);
+  m.def("set_vnni", &wq::set_vnni, "the int8 kernels' vpdpbusd: -1 where the CPU has it, 0 off, 1 on; returns in use");
+  m.def("vnni", &wq::vnni, "whether the int8 kernels use vpdpbusd");
   m.def("dequantize", &wq::dequantize, "float32 rows of a quantized matrix", py::arg("w"), py::arg("qtype"),
         py::arg("k"), py::arg("ids") = py::none());
   m.def("set_path", &wq::set_path, "force a code path (-1 best, 0 scalar, 1 avx2, 2 avx512); returns the one set");
@@ -393,6 +408,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<double>>())
+      .def("set_int8", &wq::Step::set_int8, "int8 activations for the quantized matrices (False: float32)")
       .def("forward", &wq::Step::forward)
       .def("forward_rows", &wq::Step::forward_rows);
 }

@@ -236,9 +236,29 @@ static void rope_heads(float* x, int64_t heads, int64_t hd, const float* c, cons
 // y_i (m, n_i) = x (m, k) @ W_i^T (+ bias_i) for matrices sharing x and k, in one parallel region per run of rows:
 // with `tokens` (x holds the batch's token rows), a prompt's rows take the GEMM (qgemm.cpp) and the others the row
 // kernels, each a row's numbers whatever the batch; otherwise (the head's logit rows) the row kernels
-void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m,
-                        bool tokens) {
+//
+// int8: the int8 kernels (qint8.h) on act_, the rows of x at 8 bits made just before (quantize_for, or the norm or
+// SiLU that made x): a prompt's rows against the K-quants as a GEMM (qgemm8.cpp), every other row and format by the
+// row kernels, each row's numbers its own.
+void StepModel::linears(Mats mys, const float* x, int64_t m, bool tokens) {
   const int64_t k = mys.begin()->first->k;
+  if (int8) {
+    MatRef refs[4];
+    int count = 0;
+    for (const auto& my : mys) refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype,
+                                                      my.second};
+    if (!tokens) {
+      qmatmul8_multi(act_, 0, m, x, refs, count);
+    } else {
+      for (const Rows& run : runs_) {
+        MatRef part[4];
+        for (int c = 0; c < count; ++c) part[c] = refs[c], part[c].y += run.lo * refs[c].n;
+        qmatmul8_multi(act_, run.lo, run.hi - run.lo, x + run.lo * k, part, count, run.prompt);
+      }
+    }
+    add_biases(mys, m);
+    return;
+  }
   const Rows all{0, m, false};
   const Rows* runs = tokens ? runs_.data() : &all;
   const size_t n_runs = tokens ? runs_.size() : 1;
@@ -252,10 +272,41 @@ void StepModel::linears(std::initializer_list<std::pair<const Mat*, float*>> mys
     if (run.prompt) qgemm_multi(x + run.lo * k, run.hi - run.lo, k, refs, count);
     else qmatmul_multi(x + run.lo * k, run.hi - run.lo, k, refs, count, xsum2_.data());
   }
+  add_biases(mys, m);
+}
+
+void StepModel::add_biases(Mats mys, int64_t m) {
   for (const auto& my : mys)
     if (my.first->bias != nullptr)
       for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < my.first->n; ++i) my.second[r * my.first->n + i] += my.first->bias[i];
+}
+
+// fn(r) for rows [0, m), over the threads when there is enough of it (m rows of `width` values); rows independent,
+// so the result is the same either way
+template <typename Fn>
+static void each_row(int64_t m, int64_t width, Fn fn) {
+  if (m * width < (int64_t(1) << 16)) {
+    for (int64_t r = 0; r < m; ++r) fn(r);
+    return;
+  }
+  at::parallel_for(0, m, std::max<int64_t>(1, 8192 / width), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) fn(r);
+  });
+}
+
+// act_ shaped for m rows of k values in the forms mys's matrices read (int8 only; a no-op otherwise)
+void StepModel::shape_for(Mats mys, int64_t m, int64_t k) {
+  if (!int8) return;
+  bool blocks = false, supers = false;
+  for (const auto& my : mys) blocks |= reads_blocks(my.first->qtype), supers |= reads_supers(my.first->qtype);
+  act_.shape(m, k, blocks, supers);
+}
+
+void StepModel::quantize_for(Mats mys, const float* x, int64_t m, int64_t k) {
+  if (!int8) return;
+  shape_for(mys, m, k);
+  each_row(m, k, [&](int64_t r) { act_.quantize(r, x + r * k); });
 }
 
 // o_ (T, H, hd): row t of sequence b, query head h attends softmax(cap(scale q k^T)) v over positions
@@ -378,9 +429,18 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
   for (int64_t t = 0; t < T; ++t) dequant_row(emb.qtype, emb.w + bv.tokens[t] * emb.row_bytes, d, x + t * d);
   if (embed_scale != 1.f)
     for (int64_t c = 0; c < T * d; ++c) x[c] *= embed_scale;
+  // y = rms_norm(x rows) with w, each row's 8-bit form made as it is written (int8) for the matrices that read it
+  const auto norm_rows = [&](const float* w, Mats next) {
+    shape_for(next, T, d);
+    each_row(T, d, [&](int64_t t) {
+      rms_norm_row(x + t * d, w, y + t * d, d, eps);
+      if (int8) act_.quantize(t, y + t * d);
+    });
+  };
+  const bool avx2 = path() >= PATH_AVX2;
   for (int64_t i = 0; i < n_layers; ++i) {
     const Layer& L = layers[i];
-    for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.attn_norm, y + t * d, d, eps);
+    norm_rows(L.attn_norm, {{&L.wq, q}, {&L.wk, k}, {&L.wv, v}});
     linears({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, y, T, true);
     const bool local = L.local_rope && cos_l != nullptr;
     for (int64_t t = 0; t < T; ++t) {
@@ -402,21 +462,37 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
       std::memcpy(kv.v[i] + bv.slots[t] * kvd, v + t * kvd, kvd * sizeof(float));
     }
     attend(bv, kv.k[i], kv.v[i], kv.page_size, L.window);
+    quantize_for({{&L.wo, out}}, o, T, qd);
     linears({{&L.wo, out}}, o, T, true);
     if (L.attn_post_norm != nullptr)
       for (int64_t t = 0; t < T; ++t) rms_norm_row(out + t * d, L.attn_post_norm, out + t * d, d, eps);
     for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
-    for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * d, L.ffn_norm, y + t * d, d, eps);
+    norm_rows(L.ffn_norm, {{&L.w1, g}, {&L.w3, u}});
     linears({{&L.w1, g}, {&L.w3, u}}, y, T, true);
-    const bool avx2 = path() >= PATH_AVX2;
-    if (gelu) avx2 ? gelu_mul_avx2(g, u, T * ffn) : gelu_mul_scalar(g, u, T * ffn);
-    else avx2 ? silu_mul_avx2(g, u, T * ffn) : silu_mul_scalar(g, u, T * ffn);
+    if (int8) {
+      shape_for({{&L.w2, out}}, T, ffn);
+      each_row(T, ffn, [&](int64_t t) {  // g = act(g) * u a row at a time, and its 8-bit form while in cache
+        float* gt = g + t * ffn;
+        const float* ut = u + t * ffn;
+        if (gelu) avx2 ? gelu_mul_avx2(gt, ut, ffn) : gelu_mul_scalar(gt, ut, ffn);
+        else avx2 ? silu_mul_avx2(gt, ut, ffn) : silu_mul_scalar(gt, ut, ffn);
+        act_.quantize(t, gt);
+      });
+    } else if (gelu) {
+      avx2 ? gelu_mul_avx2(g, u, T * ffn) : gelu_mul_scalar(g, u, T * ffn);
+    } else {
+      avx2 ? silu_mul_avx2(g, u, T * ffn) : silu_mul_scalar(g, u, T * ffn);
+    }
     linears({{&L.w2, out}}, g, T, true);
     if (L.ffn_post_norm != nullptr)
       for (int64_t t = 0; t < T; ++t) rms_norm_row(out + t * d, L.ffn_post_norm, out + t * d, d, eps);
     for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
   }
-  for (int64_t r = 0; r < bv.r; ++r) rms_norm_row(x + bv.logit_rows[r] * d, final_norm, y + r * d, d, eps);
+  shape_for({{&head, logits}}, bv.r, d);
+  for (int64_t r = 0; r < bv.r; ++r) {
+    rms_norm_row(x + bv.logit_rows[r] * d, final_norm, y + r * d, d, eps);
+    if (int8) act_.quantize(r, y + r * d);
+  }
   linears({{&head, logits}}, y, bv.r, false);
 }
 

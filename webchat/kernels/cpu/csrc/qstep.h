@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "qint8.h"
+
 namespace wq {
 
 struct Mat {  // an (n, k) matrix: n rows of row_bytes, ggml type qtype (F32: float rows); bias (n) or nullptr
@@ -57,6 +59,7 @@ struct StepModel {
   float attn_scale = 0.f;    // the score scale; 0: 1 / sqrt(head_dim)
   float attn_softcap = 0.f;  // Gemma 2: scores = cap * tanh(scores / cap); 0: none
   bool gelu = false;         // Gemma: gelu_tanh(w1 y) * w3 y instead of silu
+  bool int8 = false;         // the quantized matrices' inputs at 8 bits (qint8.h); false: float32 (exact)
   Mat emb, head;
   const float* final_norm = nullptr;
   std::vector<Layer> layers;
@@ -75,7 +78,12 @@ struct StepModel {
     bool prompt;
   };
   std::vector<Rows> runs_;  // this forward's token rows in runs of prompt rows and other rows
-  void linears(std::initializer_list<std::pair<const Mat*, float*>> mys, const float* x, int64_t m, bool tokens);
+  Act8 act_;                // int8: the next matmul's input rows at 8 bits
+  using Mats = std::initializer_list<std::pair<const Mat*, float*>>;
+  void linears(Mats mys, const float* x, int64_t m, bool tokens);
+  void shape_for(Mats mys, int64_t m, int64_t k);                     // act_ for m rows of k, mys's forms
+  void quantize_for(Mats mys, const float* x, int64_t m, int64_t k);  // ... and filled from m rows of x
+  void add_biases(Mats mys, int64_t m);
   void attend(const BatchView& bv, const float* kc, const float* vc, int64_t page_size, int64_t window);
 };
 

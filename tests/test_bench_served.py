@@ -1,0 +1,88 @@
+"""bench/bench_served.py end to end against stand-in servers (tests/bench_standin.py): several files in one run, both
+webchat precisions where the checkout has `--exact`, a plain note where it has not, and the weights a token reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+STANDIN = Path(__file__).resolve().parent / "bench_standin.py"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from served_files import matrix_bytes  # noqa: E402
+
+
+def tiny_gguf(path: Path, tied: bool) -> Path:
+    """A GGUF with what the bench reads of one: the end-of-sequence id, an embedding, a matrix, a head unless tied."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float16))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((128, 64), dtype=np.float32))
+    if not tied:
+        w.add_tensor("output.weight", np.zeros((100, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_matrix_bytes_counts_the_head_not_the_embedding_rows(tmp_path: Path) -> None:
+    untied = tiny_gguf(tmp_path / "untied.gguf", tied=False)
+    tied = tiny_gguf(tmp_path / "tied.gguf", tied=True)
+    assert matrix_bytes(untied) == 128 * 64 * 4 + 100 * 64 * 4  # ffn_up + output; the embedding is read by the row
+    assert matrix_bytes(tied) == 128 * 64 * 4 + 100 * 64 * 2  # ffn_up + the float16 embedding as the head
+
+
+def standin_checkout(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder whose `python -m webchat.cli` is the stand-in, and a stand-in llama-server binary."""
+    src = tmp_path / "checkout"
+    (src / "webchat").mkdir(parents=True)
+    (src / "webchat" / "__init__.py").write_text("")
+    (src / "webchat" / "cli.py").write_text(f"import runpy\nrunpy.run_path({str(STANDIN)!r}, run_name='__main__')\n")
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {STANDIN} llama \"$@\"\n")
+    binary.chmod(0o755)
+    return src, binary
+
+
+def run_bench(tmp_path: Path, exact: bool, *extra: str) -> subprocess.CompletedProcess[str]:
+    src, binary = standin_checkout(tmp_path)
+    files = [tiny_gguf(tmp_path / "a.gguf", tied=False), tiny_gguf(tmp_path / "b.gguf", tied=True)]
+    argv = [sys.executable, str(ROOT / "bench" / "bench_served.py"), "--src", str(src), "--llama-server", str(binary),
+            "--rounds", "1", "--tokens", "4", "--clients", "1,2", *extra]
+    for f in files:
+        argv += ["--gguf", str(f)]
+    env = {"PATH": "/usr/bin:/bin", "STANDIN_EXACT": "1" if exact else "0", "HOME": str(tmp_path)}
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_both_precisions_and_llama_server_per_file(tmp_path: Path) -> None:
+    out = run_bench(tmp_path, exact=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    header = ("| section | webchat (int8) | webchat --exact (exact) | llama-server | webchat / llama "
+              "| webchat --exact / llama |")
+    assert out.stdout.count(header) == 2, out.stdout  # one table per file
+    assert "a.gguf" in out.stdout and "b.gguf" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 client(s): aggregate |")]
+    assert len(rows) == 2 and all(len(r.split("|")) == 2 + 5 + 1 for r in rows), rows  # title, 3 servers, 2 ratios
+    weights = [line for line in out.stdout.splitlines() if line.startswith("weights read a token")]
+    assert len(weights) == 2 and all("webchat --exact" in w and "llama-server" in w for w in weights), weights
+
+
+def test_a_checkout_without_exact_says_so_and_runs_its_default(tmp_path: Path) -> None:
+    out = run_bench(tmp_path, exact=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "has no --exact" in out.stdout and "webchat --exact" not in out.stdout
+    assert out.stdout.count("| section | webchat (not reported) | llama-server | webchat / llama |") == 2
+
+
+def test_asking_for_exact_alone_without_the_flag_is_refused_by_name(tmp_path: Path) -> None:
+    out = run_bench(tmp_path, False, "--precision", "exact")
+    assert out.returncode != 0 and "has no --exact" in out.stderr, out.stderr[-2000:]

@@ -1,0 +1,226 @@
+// Activations quantized to 8 bits (Act8, qint8.h) and the int8 matmul's threading (qmatmul8_multi).
+//
+// The scalar and AVX2 quantizers give the same bytes: max |x| is exact in any order, the scale 127 / a one division,
+// each x times it one multiplication (times 2^e first for the super-blocks: exact), rounded half to even
+// (std::nearbyint in the default rounding mode, as _mm256_cvtps_epi32 rounds). |x| <= a makes |q| <= 127.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "qint8.h"
+
+namespace wq {
+
+namespace {
+
+constexpr int EMAX = 7;  // a sub-block 2^7 times smaller than its super-block's largest keeps 7 more bits, no more
+
+// ---------------------------------------------------------------- scalar
+float amax_scalar(const float* x, int n) {
+  float a = 0.f;
+  for (int i = 0; i < n; ++i) a = std::max(a, std::fabs(x[i]));
+  return a;
+}
+
+// q = round(x * scale * id) for n values; returns sum(q)
+int32_t round_scalar(const float* x, int n, float scale, float id, int8_t* q) {
+  int32_t sum = 0;
+  for (int i = 0; i < n; ++i) {
+    const int v = static_cast<int>(std::nearbyint((x[i] * scale) * id));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  return sum;
+}
+
+// ---------------------------------------------------------------- AVX2: 32 values at a time
+#define QA_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+QA_AVX2 inline float amax32_avx2(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+  a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8)));
+  a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 16)));
+  a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 24)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+QA_AVX2 inline int32_t round32_avx2(const float* x, float scale, float id, int8_t* q) {
+  const __m256 vs = _mm256_set1_ps(scale), vi = _mm256_set1_ps(id);
+  __m256i i[4];
+  for (int c = 0; c < 4; ++c) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * c), vs), vi));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  // int32 -> int16 -> int8 packs work per 128-bit half: (0-3, 8-11, 16-19, 24-27 | 4-7, ...), put back in order
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+using Amax = float (*)(const float*);
+using Round = int32_t (*)(const float*, float, float, int8_t*);
+float amax32_scalar(const float* x) { return amax_scalar(x, 32); }
+int32_t round32_scalar(const float* x, float scale, float id, int8_t* q) { return round_scalar(x, 32, scale, id, q); }
+float amax8_scalar(const float* x) { return amax_scalar(x, 8); }
+int32_t round8_scalar(const float* x, float scale, float id, int8_t* q) { return round_scalar(x, 8, scale, id, q); }
+
+// 8 values at a time
+QA_AVX2 inline float amax8_avx2(const float* x) {
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(x));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+QA_AVX2 inline int32_t round8_avx2(const float* x, float scale, float id, int8_t* q) {
+  const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(scale)),
+                                                     _mm256_set1_ps(id)));
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));  // in order
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packs_epi16(w, w));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// one row of k values into the blocks form: a scale per 8 values
+void blocks_row(const float* x, int64_t k, int8_t* q, float* d8, float* s, Amax amax, Round round) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    float part[4];
+    for (int c = 0; c < 4; ++c) {
+      const float* xc = x + 32 * b + 8 * c;
+      const float a = amax(xc);
+      const float d = a / 127.f;
+      d8[8 * b + 2 * c] = d8[8 * b + 2 * c + 1] = d;
+      part[c] = d * static_cast<float>(round(xc, 1.f, a > 0.f ? 127.f / a : 0.f, q + 32 * b + 8 * c));
+    }
+    s[b] = (part[0] + part[1]) + (part[2] + part[3]);
+  }
+}
+
+// ... and into the super-blocks form
+void supers_row(const float* x, int64_t k, int8_t* q, float* dk, int16_t* p, int32_t* pq, Amax amax, Round round) {
+  for (int64_t i = 0; i < k / 256; ++i) {
+    const float* xs = x + 256 * i;
+    float a[8], top = 0.f;
+    for (int j = 0; j < 8; ++j) top = std::max(top, a[j] = amax(xs + 32 * j));
+    const float id = top > 0.f ? 127.f / top : 0.f;
+    dk[i] = top / 127.f / 128.f;
+    for (int j = 0; j < 8; ++j) {
+      int e = 0;
+      while (e < EMAX && a[j] * static_cast<float>(2 << e) <= top) ++e;  // a_j 2^(e+1) <= A: one more bit fits
+      p[8 * i + j] = static_cast<int16_t>(1 << (EMAX - e));
+      pq[8 * i + j] = p[8 * i + j] * round(xs + 32 * j, static_cast<float>(1 << e), id, q + 256 * i + 32 * j);
+    }
+  }
+}
+
+// rows [row0, row0 + m) of a (x: the same rows as floats) against rows [n0, n1) of one matrix, by the row kernels
+void rows_of(const Act8& a, int64_t row0, int m, const float* x, const MatRef& mr, int64_t n0, int64_t n1, int p) {
+  if (mr.qtype == F32) {
+    const Job j{x, a.k, nullptr, mr.w, mr.row_bytes, m, a.k, F32, mr.y, mr.n};
+    return float_rows(j, n0, n1, p);
+  }
+  const Job8 j{&a, static_cast<int>(row0), m, mr.w, mr.row_bytes, a.k, mr.qtype, mr.y, mr.n};
+  reads_supers(mr.qtype) ? supers8_rows(j, n0, n1, p) : blocks8_rows(j, n0, n1, p);
+}
+
+}  // namespace
+
+void Act8::shape(int64_t rows, int64_t cols, bool want_blocks, bool want_supers) {
+  TORCH_CHECK(cols % 32 == 0, "int8 activations need whole blocks of 32 values, got ", cols);
+  TORCH_CHECK(!want_supers || cols % 256 == 0, "K-quant activations need whole super-blocks of 256, got ", cols);
+  m = rows, k = cols, blocks = want_blocks, supers = want_supers;
+  ldb = (cols / 32 + 7) / 8 * 8, nsb = cols / 256;
+  if (blocks) qb.resize(rows * cols), d8.resize(rows * cols / 4), s.assign(rows * ldb, 0.f);  // padding stays zero
+  if (supers) qs.resize(rows * cols), dk.resize(rows * nsb), p.resize(rows * nsb * 8), pq.resize(rows * nsb * 8);
+}
+
+void Act8::quantize(int64_t r, const float* x) {
+  const bool vec = path() >= PATH_AVX2;
+  const Amax amax = vec ? amax32_avx2 : amax32_scalar;
+  const Round round = vec ? round32_avx2 : round32_scalar;
+  if (blocks)
+    blocks_row(x, k, qb.data() + r * k, d8.data() + r * k / 4, s.data() + r * ldb, vec ? amax8_avx2 : amax8_scalar,
+               vec ? round8_avx2 : round8_scalar);
+  if (supers)
+    supers_row(x, k, qs.data() + r * k, dk.data() + r * nsb, p.data() + r * nsb * 8, pq.data() + r * nsb * 8, amax,
+               round);
+}
+
+void Act8::quantize_rows(const float* x, int64_t ldx) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));  // a task of >= ~16K values
+  if (m <= grain) {
+    for (int64_t r = 0; r < m; ++r) quantize(r, x + r * ldx);
+    return;
+  }
+  at::parallel_for(0, m, grain, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) quantize(r, x + r * ldx);
+  });
+}
+
+void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, const MatRef* mats, int count,
+                    bool prompt) {
+  int64_t total = 0, max_row_bytes = 0;
+  bool kquant = false;
+  for (int i = 0; i < count; ++i) {
+    TORCH_CHECK(mats[i].qtype == F32 || (reads_blocks(mats[i].qtype) && a.blocks) ||
+                    (reads_supers(mats[i].qtype) && a.supers),
+                "int8 activations have no kernel for ggml type ", mats[i].qtype, " (or its form was not made)");
+    total += mats[i].n;
+    max_row_bytes = std::max(max_row_bytes, mats[i].row_bytes);
+    kquant |= reads_supers(mats[i].qtype);
+  }
+  TORCH_CHECK(row0 >= 0 && row0 + m <= a.m, "rows [", row0, ", ", row0 + m, ") are outside the ", a.m, " quantized");
+  const int p = path();
+  const int64_t k = a.k;
+  if (prompt && kquant) {  // the GEMM: every row of the call at once, weight rows over the threads
+    thread_local Panel8 mine;  // the calling thread's; the workers read it through `panel`
+    const Panel8& panel = mine;
+    if (p >= PATH_AVX2) mine.build(a, row0, m);
+    at::parallel_for(0, (total + 15) / 16, 1, [&](int64_t b, int64_t e) {
+      int64_t base = 0;
+      for (int i = 0; i < count; ++i) {
+        const MatRef& mr = mats[i];
+        const int64_t lo = std::max(16 * b, base), hi = std::min(16 * e, base + mr.n);
+        if (lo < hi) {
+          if (reads_supers(mr.qtype)) {
+            gemm8_rows(a, panel, row0, m, mr.w, mr.row_bytes, mr.qtype, lo - base, hi - base, mr.y, mr.n, p);
+          } else {
+            rows_of(a, row0, static_cast<int>(m), x, mr, lo - base, hi - base, p);
+          }
+        }
+        base += mr.n;
+      }
+    });
+    return;
+  }
+  for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time stay in L2 while w streams
+    const int mm = static_cast<int>(std::min<int64_t>(64, m - m0));
+    const int64_t grain = std::max<int64_t>(8, 16384 / (max_row_bytes * std::min(mm, 4)));
+    at::parallel_for(0, total, grain, [&](int64_t b, int64_t e) {
+      int64_t base = 0;
+      for (int i = 0; i < count; ++i) {
+        const MatRef& mr = mats[i];
+        const int64_t lo = std::max(b, base), hi = std::min(e, base + mr.n);
+        if (lo < hi) {
+          const MatRef part{mr.w, mr.n, mr.row_bytes, mr.qtype, mr.y + m0 * mr.n};
+          rows_of(a, row0 + m0, mm, x + m0 * k, part, lo - base, hi - base, p);
+        }
+        base += mr.n;
+      }
+    });
+  }
+}
+
+}  // namespace wq

@@ -1,0 +1,243 @@
+// A prompt's rows against the K-quants with int8 activations, as a GEMM (docs/quant.md, "int8 activations"):
+//
+//   y[r, n] = sum_i [ sum_j fma-chain of I_j(r, n) * (d_n dk_r) ] - msum_i(r, n) * (dmin_n dk_r)
+//   I_j = S_j sum_{t in sub-block j} w_t q_t (exact int32; Q6_K: sum over its two groups of 16, w = q - 32)
+//
+// The row kernels (qint8k.cpp) take one x row against one weight row, a vector of 32 values of one sub-block at a time,
+// and pay a vpmaddwd and a scale shuffle for every vpmaddubsw. Here 8 rows of x lie side by side, 4 bytes each
+// (Panel8): one 4-byte word of a weight row, broadcast, meets 8 x rows in one vpmaddubsw, and a sub-block's 8 words
+// add up in int16 before one vpmaddwd by the scale (|pair| <= 2 * 15 * 127, 8 of them fit; Q5_K's 4, Q6_K's 4 with
+// the sign trick), so a lane holds one (x row, weight row) pair and no horizontal sum is left. The weights stay in
+// ggml's layout: nothing is repacked, the same bytes serve the exact path, the row kernels and this.
+//
+// Each output is one chain over its own row of x and of W: the same bits however the prompt is chunked or grouped
+// (tests/test_int8.py). Every path takes the float steps in the order of gemm_scalar (std::fma).
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "qint8.h"
+#include "qkblocks.h"
+
+namespace wq {
+
+namespace {
+
+// ---------------------------------------------------------------- scalar: the order every path follows
+template <int QT>
+void gemm_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0,
+                 int64_t n1, float* y, int64_t ldy) {
+  const int64_t nsb = a.k / QK_K;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t xr = row0 + r;
+      float acc = 0.f;
+      for (int64_t i = 0; i < nsb; ++i) {
+        const uint8_t* blk = wm + n * row_bytes + i * kbytes<QT>();
+        const int8_t* q = a.qs.data() + xr * a.k + i * QK_K;
+        const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
+        int w[QK_K], sc[16], mn[8];
+        super_ints<QT>(blk, w, sc, mn);
+        const float dk = a.dk[xr * nsb + i];
+        const float dd = half_to_float(blk + (QT == Q6_K ? 208 : 0)) * dk;
+        for (int j = 0; j < 8; ++j) {
+          int32_t isum = 0;
+          for (int t = 0; t < 32; ++t) isum += sc[2 * j + t / 16] * p[j] * w[32 * j + t] * q[32 * j + t];
+          acc = std::fma(static_cast<float>(isum), dd, acc);
+        }
+        if (QT != Q6_K) {
+          int32_t msum = 0;
+          for (int j = 0; j < 8; ++j) msum += mn[j] * a.pq[(xr * nsb + i) * 8 + j];
+          acc = std::fma(-static_cast<float>(msum), half_to_float(blk + 2) * dk, acc);
+        }
+      }
+      y[r * ldy + n] = acc;
+    }
+}
+
+// ---------------------------------------------------------------- AVX2 on the panel
+#define G8_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// the 4 bytes at p in every 32-bit lane (vbroadcastss: a load, no shuffle)
+G8_AVX2 inline __m256i bcast4(const int8_t* p) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
+
+// one weight row's super-block as the GEMM reads it: its 256 integers a byte each (Q6_K: q - 32, and |q - 32| for
+// the sign trick), its scales and mins as ints, d and dmin
+struct Decoded {
+  alignas(32) int8_t w[QK_K];
+  alignas(32) int8_t a[QK_K];
+  alignas(32) int16_t sc[16][16];  // each group's scale in all 16 lanes (the vpmullw operand)
+  alignas(32) float d[8];          // d in all 8 lanes
+  int mn[8];
+  float dmin;
+};
+
+template <int QT>
+G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  if (QT == Q6_K) {
+    for (int h = 0; h < 2; ++h) {
+      __m256i q[4];
+      q6_quarters(blk + 64 * h, blk + 128 + 32 * h, q);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i wv = _mm256_sub_epi8(q[c], _mm256_set1_epi8(32));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 128 * h + 32 * c), wv);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o->a + 128 * h + 32 * c), _mm256_sign_epi8(wv, wv));
+      }
+    }
+    for (int g = 0; g < 16; ++g)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o->sc[g]), _mm256_set1_epi16(static_cast<int8_t>(blk[192 + g])));
+    _mm256_store_ps(o->d, _mm256_set1_ps(half_f16c(blk + 208)));
+    o->dmin = 0.f;
+    return;
+  }
+  const uint8_t* qs = blk + (QT == Q4_K ? 16 : 48);
+  const __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+    if (QT == Q5_K) {
+      const __m256i one = _mm256_set1_epi8(1);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 64 * c), lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 64 * c + 32), hi);
+  }
+  uint8_t s8[8], m8[8];
+  scales_mins_k4(blk + 4, s8, m8);
+  for (int v = 0; v < 8; ++v) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o->sc[2 * v]), _mm256_set1_epi16(s8[v]));
+    o->mn[v] = m8[v];
+  }
+  _mm256_store_ps(o->d, _mm256_set1_ps(half_f16c(blk)));
+  o->dmin = half_f16c(blk + 2);
+}
+
+// Q4_K / Q5_K / Q6_K: NR weight rows from n0 against every group of the panel. Per super-block the NR rows are
+// decoded once (Decoded) and each group's x words, loaded once, meet all NR rows; the groups' accumulators wait in
+// acc (groups x NR vectors) between super-blocks.
+template <int QT, int NR>
+G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, float* y,
+                       int64_t ldy, float* acc) {
+  constexpr int64_t BB = kbytes<QT>();
+  constexpr int STEPS = QT == Q4_K ? 8 : 4;  // words a sub-block's int16 sums take before they must widen
+  const int64_t nsb = P.nsb, groups = P.groups;
+  std::fill(acc, acc + groups * NR * 8, 0.f);
+  Decoded dec[NR];
+  for (int64_t i = 0; i < nsb; ++i) {
+    for (int n = 0; n < NR; ++n) decode<QT>(wm + (n0 + n) * row_bytes + i * BB, &dec[n]);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t pb = g * nsb + i;
+      const int8_t* xq = P.q.data() + pb * 2048;
+      const int16_t* xp = P.p.data() + pb * 128;
+      const __m256 dk = _mm256_loadu_ps(P.dk.data() + pb * 8);
+      __m256 a[NR], dd[NR];
+      for (int n = 0; n < NR; ++n)
+        a[n] = _mm256_loadu_ps(acc + (g * NR + n) * 8), dd[n] = _mm256_mul_ps(_mm256_load_ps(dec[n].d), dk);
+      for (int j = 0; j < 8; ++j) {
+        const __m256i pw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * 16));
+        __m256i isum[NR];
+        for (int n = 0; n < NR; ++n) isum[n] = _mm256_setzero_si256();
+        for (int t0 = 0; t0 < 8; t0 += STEPS) {
+          __m256i s16[NR];
+          for (int n = 0; n < NR; ++n) s16[n] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+          for (int t = t0; t < t0 + STEPS; ++t) {  // (unrolled whole, the compiler kept every product in a spilled tree)
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * 256 + 32 * t));
+            for (int n = 0; n < NR; ++n) {
+              const int8_t* wt = dec[n].w + 32 * j + 4 * t;
+              const __m256i pr = QT == Q6_K
+                  ? _mm256_maddubs_epi16(bcast4(dec[n].a + 32 * j + 4 * t), _mm256_sign_epi8(xv, bcast4(wt)))
+                  : _mm256_maddubs_epi16(bcast4(wt), xv);
+              s16[n] = _mm256_add_epi16(s16[n], pr);
+            }
+          }
+          for (int n = 0; n < NR; ++n) {  // times the half's scale and each row's power of two (int16 pairs)
+            const int16_t* s = dec[n].sc[QT == Q6_K ? 2 * j + t0 / 4 : 2 * j];
+            const __m256i sp = _mm256_mullo_epi16(pw, _mm256_load_si256(reinterpret_cast<const __m256i*>(s)));
+            isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(s16[n], sp));
+          }
+        }
+        for (int n = 0; n < NR; ++n) a[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), dd[n], a[n]);
+      }
+      if (QT != Q6_K) {
+        const int32_t* pq = P.pq.data() + pb * 64;
+        for (int n = 0; n < NR; ++n) {
+          __m256i ms = _mm256_setzero_si256();
+          for (int v = 0; v < 8; ++v)
+            ms = _mm256_add_epi32(ms, _mm256_mullo_epi32(_mm256_set1_epi32(dec[n].mn[v]),
+                                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pq + 8 * v))));
+          a[n] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_set1_ps(dec[n].dmin), dk), a[n]);
+        }
+      }
+      for (int n = 0; n < NR; ++n) _mm256_storeu_ps(acc + (g * NR + n) * 8, a[n]);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int n = 0; n < NR; ++n) {
+      const float* out = acc + (g * NR + n) * 8;
+      for (int r = 0; r < 8 && 8 * g + r < m; ++r) y[(8 * g + r) * ldy + n0 + n] = out[r];
+    }
+}
+
+template <int QT>
+void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  constexpr int NR = 4;
+  thread_local std::vector<float> acc;  // (groups, NR, 8)
+  acc.resize(P.groups * NR * 8);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) gemm_rows<QT, NR>(P, m, wm, row_bytes, n, y, ldy, acc.data());
+  for (; n < n1; ++n) gemm_rows<QT, 1>(P, m, wm, row_bytes, n, y, ldy, acc.data());
+}
+
+}  // namespace
+
+void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
+  TORCH_CHECK(a.supers, "the prompt GEMM reads the super-blocks form, which was not made");
+  TORCH_CHECK(row0 >= 0 && row0 + m <= a.m, "rows [", row0, ", ", row0 + m, ") are outside the ", a.m, " quantized");
+  groups = (m + 7) / 8, nsb = a.nsb;
+  q.assign(groups * nsb * 2048, 0), p.assign(groups * nsb * 128, 0);
+  pq.assign(groups * nsb * 64, 0), dk.assign(groups * nsb * 8, 0.f);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t g = r / 8, l = r % 8, xr = row0 + r;
+    for (int64_t i = 0; i < nsb; ++i) {
+      const int64_t pb = g * nsb + i;
+      const int8_t* src = a.qs.data() + xr * a.k + i * QK_K;
+      for (int w = 0; w < 64; ++w) std::memcpy(q.data() + pb * 2048 + w * 32 + 4 * l, src + 4 * w, 4);
+      for (int j = 0; j < 8; ++j) {
+        p[pb * 128 + j * 16 + 2 * l] = p[pb * 128 + j * 16 + 2 * l + 1] = a.p[(xr * nsb + i) * 8 + j];
+        pq[pb * 64 + j * 8 + l] = a.pq[(xr * nsb + i) * 8 + j];
+      }
+      dk[pb * 8 + l] = a.dk[xr * nsb + i];
+    }
+  }
+}
+
+void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
+                int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p) {
+  const bool vec = p >= PATH_AVX2;
+  switch (qtype) {
+    case Q4_K:
+      return vec ? gemm_vector<Q4_K>(P, m, w, row_bytes, n0, n1, y, ldy)
+                 : gemm_scalar<Q4_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy);
+    case Q5_K:
+      return vec ? gemm_vector<Q5_K>(P, m, w, row_bytes, n0, n1, y, ldy)
+                 : gemm_scalar<Q5_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy);
+    case Q6_K:
+      return vec ? gemm_vector<Q6_K>(P, m, w, row_bytes, n0, n1, y, ldy)
+                 : gemm_scalar<Q6_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy);
+    default: TORCH_CHECK(false, "the int8 prompt GEMM takes Q4_K, Q5_K and Q6_K, got ggml type ", qtype);
+  }
+}
+
+}  // namespace wq

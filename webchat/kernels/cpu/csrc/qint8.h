@@ -1,0 +1,85 @@
+// int8 activations (docs/quant.md, "Two precisions"): each row of a matrix's input quantized to 8 bits once, the
+// weights' integers multiplied with it in integer arithmetic (maddubs + madd on AVX2, vpdpbusd where VNNI exists),
+// float32 only per block.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qcommon.h"
+
+namespace wq {
+
+// m rows of k activations at 8 bits, in the forms the kernels read (each filled where a matrix of its family needs it).
+//
+// blocks (the 32-value formats): a scale for every 8 values, where llama.cpp's Q8_0/Q8_1 give 32 one (a float16):
+//   per 8 values a = max |x|, d = a / 127, q = round(x * (127 / a)) (half to even); x ~ d q. Each block of 32 keeps
+//   its four d twice over, in the order the kernels' int32 lanes hold the products (d0 d0 d1 d1 d2 d2 d3 d3: lane l
+//   sums values 4l .. 4l + 3), and s = (d0 sum q0 + d1 sum q1) + (d2 sum q2 + d3 sum q3) for Q4_1/Q5_1's zero point.
+//   On the default model, a scale per 8 against one per 32 halves the largest logit error of the int8 path
+//   (docs/quant.md), at no cost in the kernels: a block's scales are one vector either way.
+// supers (the K-quants): per super-block of 256, A = max |x| and per sub-block j of 32 the largest e_j <= 7 with
+//   a_j 2^e_j <= A; q = round((x 2^e_j) * (127 / A)), dk = A / 127 / 128, p_j = 2^(7 - e_j), pq_j = p_j * sum_j(q);
+//   x ~ dk p_j q. llama.cpp's Q8_K gives all 256 values one scale; here a sub-block 2^e times smaller than the largest
+//   keeps e more bits, and the power of two folds into the weights' integer sub-block scales (sc_j p_j fits int16).
+// Rows of s are padded to whole groups of 8 blocks with zeros (the kernels read 8 at a time).
+struct Act8 {
+  int64_t m = 0, k = 0, ldb = 0, nsb = 0;  // ldb: s entries a row (k / 32 rounded up to 8); nsb = k / 256
+  bool blocks = false, supers = false;
+  std::vector<int8_t> qb, qs;   // (m, k): the blocks' q and the super-blocks' q
+  std::vector<float> d8;        // (m, k / 32, 8): each block's four scales of 8 values, twice each
+  std::vector<float> s;         // (m, ldb)
+  std::vector<float> dk;        // (m, nsb)
+  std::vector<int16_t> p;       // (m, nsb, 8)
+  std::vector<int32_t> pq;      // (m, nsb, 8)
+
+  // room for rows x cols in the forms asked for (supers needs cols % 256 == 0)
+  void shape(int64_t rows, int64_t cols, bool want_blocks, bool want_supers);
+  void quantize(int64_t r, const float* x);  // row r from k floats, every form asked for, on the calling thread
+  void quantize_rows(const float* x, int64_t ldx);  // every row, rows split over the threads (each row as alone)
+};
+
+// which forms a matrix of this type reads (F32 matrices read the float rows); false for types with no int8 kernel
+inline bool reads_blocks(int qtype) { return block_bytes(qtype) > 0; }
+inline bool reads_supers(int qtype) { return is_kquant(qtype); }
+inline bool has_int8(int qtype) { return reads_blocks(qtype) || reads_supers(qtype); }
+
+// one call's share: y[r, n] for x rows [r0, r0 + m) of a, weight rows [n0, n1)
+struct Job8 {
+  const Act8* a;
+  int r0, m;
+  const uint8_t* w;
+  int64_t row_bytes, k;
+  int qtype;
+  float* y;  // row r of this job at y + r * ldy
+  int64_t ldy;
+};
+
+void blocks8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qint8.cpp
+void supers8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qint8k.cpp
+bool vnni();                                                       // vpdpbusd in use (qint8.cpp)
+int set_vnni(int on);  // -1: where the CPU has it, 0: off, 1: on (the CPU must have it); returns the setting in use
+
+// Rows of Act8's super-blocks form 8 to a group, 4 bytes of each row side by side, for the prompt GEMM (qgemm8.cpp):
+// per group and super-block, q (64 words x 8 rows x 4 bytes), p (8 sub-blocks x 8 rows x the power of two twice: an
+// int16 pair per row), pq (8 sub-blocks x 8 rows), dk (8 rows); a last group's missing rows are zeros
+struct Panel8 {
+  int64_t groups = 0, nsb = 0;
+  std::vector<int8_t> q;
+  std::vector<int16_t> p;
+  std::vector<int32_t> pq;
+  std::vector<float> dk;
+  void build(const Act8& a, int64_t row0, int64_t m);  // rows [row0, row0 + m) of a
+};
+
+// rows [row0, row0 + m) of a (the panel P built from them on the vector paths) against K-quant weight rows [n0, n1)
+void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
+                int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p);
+
+// y_i (m, n_i) = rows [row0, row0 + m) of a @ W_i^T for matrices sharing their input: one parallel region over all
+// their output rows. An F32 matrix takes x (those rows as floats, rows of a.k) through the float kernel. prompt: the
+// rows are a prompt's, and the K-quants take the GEMM (gemm8_rows) instead of the row kernels.
+void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, const MatRef* mats, int count,
+                    bool prompt = false);
+
+}  // namespace wq
