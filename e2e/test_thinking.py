@@ -47,7 +47,7 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_server(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(qwen3_dir, tmp_path_factory.mktemp("logs") / "qwen3-server.log",
-                          "--reasoning-budget", str(BUDGET))
+                          "--reasoning-budget", str(BUDGET), "--stream-interval-ms", "0")  # a chunk a step
     yield server
     server.stop()
 

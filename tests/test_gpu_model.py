@@ -152,7 +152,7 @@ def emulated_model(path: Path) -> Any:
     from webchat.kernels.cuda import CudaOps
     from webchat.kernels.cuda.emulator import EmulatorUnavailable, emulated_launcher
 
-    model = load_model(path)
+    model = load_model(path, precision="exact")  # a GPU's activations are float (int8 is the CPU's path)
     model.runner = None  # else the C++ forward (webchat.kernels.cpu.step) runs the CPU model and no kernel runs
     try:
         model.ops = CudaOps("cpu", launcher=emulated_launcher(), n_sm=132)

@@ -63,11 +63,11 @@ class Transcript:
     done: dict[str, Any] = field(default_factory=dict)
 
 
-async def converse(ws_url: str, rid: str, content: str, max_new_tokens: int) -> Transcript:
+async def converse(ws_url: str, rid: str, content: str, max_new_tokens: int, **extra: Any) -> Transcript:
     out = Transcript()
     async with websockets.connect(ws_url) as ws:
         assert json.loads(await ws.recv())["type"] == "hello"
-        await ws.send(gen_msg(rid, content, max_new_tokens))
+        await ws.send(gen_msg(rid, content, max_new_tokens, **extra))
         while True:
             msg = json.loads(await asyncio.wait_for(ws.recv(), 60))
             if msg["type"] == "chunk":
@@ -83,12 +83,14 @@ def test_eight_concurrent_connections_complete_correctly_and_interleave(config: 
     expected = [direct_greedy(runtime, prompt, 32) for prompt in prompts]
 
     async def all_clients(ws_url: str) -> list[Transcript]:
-        return await asyncio.gather(*(converse(ws_url, f"c{i}", prompt, 32) for i, prompt in enumerate(prompts)))
+        return await asyncio.gather(*(converse(ws_url, f"c{i}", prompt, 32, speculative="none")
+                                      for i, prompt in enumerate(prompts)))
 
     # 5 ms a step: eight websockets' chunks are sent (and read, by this process) between steps; at 2 ms the loop fell
     # behind the tiny model's steps often enough to merge a stream into 9 chunks (merging is what a lagging reader
     # gets, by design) in one of five full runs this session, its steps made faster by the C++ sampler scans likely
-    # every step sent (no stream interval: tests/test_stream_interval.py), so the interleaving is seen step by step
+    # every step sent (no stream interval: tests/test_stream_interval.py), so the interleaving is seen step by step;
+    # one token a step (speculation off: the auto mode's accepted drafts put several tokens in a step's chunk)
     with serve(replace(config, stream_interval=0.0), runtime, delay=0.005) as live:
         results = asyncio.run(all_clients(live.ws_url))
     for i, (res, want) in enumerate(zip(results, expected, strict=True)):

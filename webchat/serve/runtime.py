@@ -118,6 +118,7 @@ def load_runtime(config: ServerConfig) -> Runtime:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = Tokenizer.from_dir(config.model_dir)  # checked before the weights load
+    thinking.wire(tokenizer)  # the template's thinking probed once here, off the event loop (then cached)
     check_model_folder(config.model_dir)
     precision = "exact" if config.exact else None  # None: the faster for the file (webchat.model.precision)
     model = load_model(config.model_dir, device, dtype, weights=config.weights, quantize=config.quantize,

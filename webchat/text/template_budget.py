@@ -139,6 +139,17 @@ def budget(spend: Budget = FULL) -> Iterator[None]:
         _LOCAL.open = None
 
 
+@contextmanager
+def own(spend: Budget = FULL) -> Iterator[None]:
+    """A budget of its own for work that is no request's (a model's thinking probed once and cached for every
+    request): a request's open budget is set aside meanwhile, neither spent nor able to end the probe early."""
+    saved, _LOCAL.open = _LOCAL.open, _Open(spend)
+    try:
+        yield
+    finally:
+        _LOCAL.open = saved
+
+
 def active() -> Budget | None:
     return None if _LOCAL.open is None else _LOCAL.open.budget
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jinja2
-from jinja2 import meta
 
 from webchat.text.reasoning import Markers, PartSplitter
+from webchat.text.template_budget import FULL, own
 from webchat.text.tokenizer import compile_chat_template
 
 if TYPE_CHECKING:
@@ -74,14 +74,17 @@ def _markers(tok: Tokenizer, source: str) -> Markers:
 
 
 def _variables(source: str) -> frozenset[str]:
-    """The template's free variables (what a render may be given): undeclared names, less those it sets itself
-    (jinja reports a name `{% set %}` inside a loop as undeclared) and those webchat sets."""
+    """The template's free variables (what a render may be given): the names it reads and never sets itself (a
+    `{% set %}`, a loop's or a macro's names), less those webchat sets. Read from the syntax tree alone: jinja's
+    meta.find_undeclared_variables runs its code generator with constant folding, which would build a hostile
+    template's `''|center(10**9)` here, outside any budget."""
     try:
         tree = compile_chat_template(source).environment.parse(source)
     except jinja2.TemplateError:
         return frozenset()
-    assigned = set(re.findall(r"\{%-?\s*set\s+(\w+)", source))
-    return frozenset(meta.find_undeclared_variables(tree) - RESERVED - assigned)
+    names = list(tree.find_all(jinja2.nodes.Name))
+    stored = {n.name for n in names if n.ctx in ("store", "param")}
+    return frozenset({n.name for n in names if n.ctx == "load"} - stored - RESERVED)
 
 
 def _close_text(tok: Tokenizer, markers: Markers) -> str:
@@ -89,13 +92,20 @@ def _close_text(tok: Tokenizer, markers: Markers) -> str:
     "\\n</think>\\n\\n"), or the end marker between newlines where the template does not render thinking."""
     think, answer = "\ue000thinking", "\ue000answer"
     chat = [*PROBE_USER, {"role": "assistant", "content": answer, "reasoning_content": think}]
-    try:
-        text = tok.apply_chat_template(chat, add_generation_prompt=False)
-    except (jinja2.TemplateError, ValueError, TypeError, ArithmeticError, LookupError, AttributeError):
-        text = ""
+    text = _probe(tok, chat, False) or ""
     a, b = text.find(think), text.find(answer)
     between = text[a + len(think): b] if 0 <= a < b else ""
     return between if markers.end in between else f"\n{markers.end}\n\n"
+
+
+def _probe(tok: Tokenizer, chat: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str | None:
+    """A probe chat rendered under a budget of its own (the template is the model file's: it may be hostile); None
+    where the template fails on it."""
+    try:
+        with own(FULL):
+            return tok.apply_chat_template(chat, add_generation_prompt, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError, ArithmeticError, LookupError, AttributeError, RecursionError):
+        return None
 
 
 @functools.lru_cache(maxsize=16)
@@ -120,8 +130,9 @@ def check_kwargs(kwargs: dict[str, Any]) -> None:
 @functools.lru_cache(maxsize=64)
 def _generation_prompt(tok: Tokenizer, kwargs_json: str) -> str:
     kwargs = json.loads(kwargs_json)
-    full = tok.apply_chat_template(PROBE_USER, True, **kwargs)
-    base = tok.apply_chat_template(PROBE_USER, False, **kwargs)
+    full, base = _probe(tok, PROBE_USER, True, **kwargs), _probe(tok, PROBE_USER, False, **kwargs)
+    if full is None or base is None:
+        return ""  # a template that cannot render a one-question chat: the request's own render says why
     if full.startswith(base):
         return full[len(base):]
     probe = PROBE_USER[0]["content"]
