@@ -249,7 +249,9 @@ class Connection:
                                        template_kwargs=ask.kwargs)
             history = [m.model_dump() for m in msg.messages]
             fitted = await encode_text_work(fit_history, encode, history, budget, chars=text_chars(history))
-            reasoning = thinking.reasoning_for(rt.tokenizer, history, msg.continue_, ask)
+            # its generation prompt under these template variables is rendered once (cached): a template's work too
+            reasoning = await encode_text_work(thinking.reasoning_for, rt.tokenizer, history, msg.continue_, ask,
+                                               chars=text_chars(history))
         except (jinja2.TemplateError, ContentRewritten) as exc:
             field = "continue" if msg.continue_ and isinstance(exc, ContentRewritten) else "messages"
             raise p.ProtocolError("bad_message", f"field '{field}': the chat template failed on them: {exc}",

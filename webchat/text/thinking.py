@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from webchat.text.reasoning import Markers, PartSplitter
-from webchat.text.template_budget import FULL, own
+from webchat.text.template_budget import FULL, INLINE, InlineExhausted, active, own
 from webchat.text.tokenizer import compile_chat_template
 
 if TYPE_CHECKING:
@@ -99,11 +99,15 @@ def _close_text(tok: Tokenizer, markers: Markers) -> str:
 
 
 def _probe(tok: Tokenizer, chat: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str | None:
-    """A probe chat rendered under a budget of its own (the template is the model file's: it may be hostile); None
-    where the template fails on it."""
+    """A probe chat rendered under a budget of its own (the template is the model file's: it may be hostile), as
+    small as the request's where that one is the event loop's (InlineExhausted then sends the request's work off the
+    loop, webchat.serve.runtime.encode_text_work: nothing is cached); None where the template fails on it."""
+    request = active()
     try:
-        with own(FULL):
+        with own(INLINE if request is not None and request.inline else FULL):
             return tok.apply_chat_template(chat, add_generation_prompt, **kwargs)
+    except InlineExhausted:
+        raise
     except (jinja2.TemplateError, ValueError, TypeError, ArithmeticError, LookupError, AttributeError, RecursionError):
         return None
 

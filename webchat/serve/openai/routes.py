@@ -138,7 +138,8 @@ class OpenAIApi:
             ids = [] if rt.tokenizer is None else await encode_text_work(
                 self._tokenize_chat, rt, messages, req.add_generation_prompt is not False, cont, ask.kwargs,
                 template_tools, chars=text_chars(messages))
-            reasoning = None if rt.tokenizer is None else thinking.reasoning_for(rt.tokenizer, messages, cont, ask)
+            reasoning = None if rt.tokenizer is None else await encode_text_work(
+                thinking.reasoning_for, rt.tokenizer, messages, cont, ask, chars=text_chars(messages))
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None
