@@ -243,13 +243,15 @@ def report(modes: list[str], sets: list[str], clients: list[int], best: dict[str
             print(f"  {name}: " + "; ".join(row))
     print("\nidentical text to none, every prompt of every round (greedy: alone and among the streams; seeded):")
     for m in others:
-        same, total = 0, 0
-        for mine, base in zip(rounds[m], rounds["none"], strict=True):
+        same, total, where = 0, 0, []
+        for r, (mine, base) in enumerate(zip(rounds[m], rounds["none"], strict=True)):
             for key, sec in mine.items():
                 pairs = list(zip(sec.texts, base[key].texts, strict=True))
                 same += sum(a == b for a, b in pairs)
                 total += len(pairs)
-        print(f"  {m}: {same} of {total} replies identical" + ("" if same == total else "  <-- DIFFERENT"))
+                where += [f"round {r + 1} {key} #{i}" for i, (a, b) in enumerate(pairs) if a != b]
+        print(f"  {m}: {same} of {total} replies identical" + ("" if same == total else "  <-- DIFFERENT: "
+                                                                + ", ".join(where)))
     if curve.get("cost"):
         cost = curve["cost"]
         points = ", ".join(f"{t}: {float(ms):.2f}" for t, ms in cost["forward_ms"].items())
