@@ -165,9 +165,9 @@ def run_mode(server: Server, sets: list[str], clients: list[int], args: argparse
         for n in clients:
             if n == 1:
                 runs = [section(server, [chat(at + k)], body) for k in range(C1_RUNS)]
-                runs.sort(key=lambda s: s.tps)
-                median = runs[len(runs) // 2]
-                median.texts = [t for r in runs for t in r.texts]  # every prompt's text, for the identity check
+                texts = [t for r in runs for t in r.texts]  # in prompt order, for the identity check
+                median = sorted(runs, key=lambda s: s.tps)[len(runs) // 2]
+                median.texts = texts  # (in speed order, the check compared one prompt's reply with another's)
                 out[f"{name} c1"] = median
                 at += C1_RUNS
             else:
