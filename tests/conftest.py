@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,3 +27,15 @@ def real_gguf_path(real_model_dir: Path) -> Path:
     from webchat.pull import default_gguf_path
 
     return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def kernels() -> Any:
+    """The C++ kernels (webchat.kernels.cpu), built or loaded once; a test that needs them is skipped, naming why,
+    where no toolchain can build them."""
+    from webchat.kernels.cpu import build as qkernels
+
+    try:
+        return qkernels.load()
+    except qkernels.KernelsUnavailable as exc:
+        pytest.skip(f"no C++ toolchain here: {exc}")

@@ -24,12 +24,9 @@ from webchat.tiny import make_tiny_weights, tiny_config
 PAGE = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def kernels() -> object:
-    try:
-        return qkernels.load()
-    except qkernels.KernelsUnavailable as exc:
-        pytest.skip(f"no C++ toolchain here: {exc}")
+@pytest.fixture(autouse=True)
+def _needs_kernels(kernels: object) -> None:
+    """Every test here runs the C++ forward (conftest's `kernels` skips them all without a toolchain)."""
 
 
 @pytest.fixture(params=qkernels.PATHS, autouse=False)

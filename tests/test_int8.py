@@ -28,14 +28,6 @@ SHAPES = [(1, 1, 32), (3, 7, 96), (5, 33, 160), (9, 40, 1536), (17, 19, 2080)]
 K_SHAPES = [(1, 1, 256), (3, 7, 512), (9, 33, 768), (17, 12, 2048)]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> Any:
-    try:
-        return qkernels.load()
-    except qkernels.KernelsUnavailable as exc:
-        pytest.skip(f"no C++ toolchain here: {exc}")
-
-
 @pytest.fixture(params=["scalar", "avx2", "avx2+vnni", "avx512", "avx512+vnni"])
 def path(request: pytest.FixtureRequest, kernels: Any) -> Iterator[str]:
     """Every code path, and the int8 kernels' vpdpbusd form where the CPU has VNNI; the others skipped by name."""

@@ -128,14 +128,6 @@ def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.Mo
     assert step.calls > 0 and len(runs) >= 1
 
 
-@pytest.fixture(scope="module")
-def kernels() -> object:
-    mod = qkernels.try_load()
-    if mod is None:
-        pytest.skip("the C++ kernels could not be built here (no compiler or ninja)")
-    return mod
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_cpp_matmul_against_the_dequantized_weights(kernels: object, fmt: str, m: int) -> None:

@@ -23,14 +23,6 @@ SHAPES = [(1, 1, 32), (1, 192, 576), (3, 7, 96), (5, 33, 160), (4, 16, 64), (9, 
           (7, 19, 2080)]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> Any:
-    try:
-        return qkernels.load()
-    except qkernels.KernelsUnavailable as exc:
-        pytest.skip(f"no C++ toolchain here: {exc}")
-
-
 @pytest.fixture(params=["scalar", "avx2", "avx512"])
 def path(request: pytest.FixtureRequest, kernels: Any) -> Iterator[str]:
     name = str(request.param)
