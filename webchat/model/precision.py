@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from webchat.model.quant import QLinear
+from webchat.model.quant import K_QTYPES, QTYPES, QLinear
 from webchat.model.weights import PRECISIONS
 
 if TYPE_CHECKING:
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # the code paths on which int8 activations run faster than float32 for every format they cover (docs/quant.md: the
 # measurements); on the scalar path neither has vector arithmetic and the float kernels stay the default
 INT8_FASTER_ON = ("avx2", "avx512")
+QTYPE_IDS = {name: spec[0] for name, spec in {**QTYPES, **K_QTYPES}.items()}
 
 
 def default_precision(qtypes: Collection[str], path: str) -> str:
@@ -29,22 +30,40 @@ def default_precision(qtypes: Collection[str], path: str) -> str:
     return "int8"
 
 
-def set_precision(model: Transformer, precision: str, kernels: QKernels | None) -> str:
+def set_precision(model: Transformer, precision: str, kernels: QKernels | None, pack: bool = True) -> str:
     """Make the model's quantized matrices multiply at `precision` (the C++ forward and the PyTorch path alike);
-    returns it. "int8" on a model without quantized matrices or without the kernels is an error naming why."""
+    returns it. "int8" on a model without quantized matrices or without the kernels is an error naming why. With int8,
+    the matrices whose format has a packed form (Q4_0, Q4_1, Q4_K) are packed in place unless `pack` is False (the
+    bench's comparison); "exact" unpacks them."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     linears = [m for m in model.modules() if isinstance(m, QLinear)]
     if precision == "int8" and (not linears or kernels is None):
         why = "the C++ kernels could not be built" if kernels is None else "the model has no quantized matrices"
         raise ValueError(f"int8 activations need quantized matrices and the C++ kernels: {why}")
+    embedding = getattr(model.tok_embeddings, "weight", None)
     for m in linears:
         m.int8 = precision == "int8"
+        # a tied head is the embedding's table, which the lookup reads in ggml's layout: it stays unpacked
+        tied = embedding is not None and m.weight.data_ptr() == embedding.data_ptr()
+        _pack(m, m.int8 and pack and not tied, kernels)
     set_int8 = getattr(model.runner, "set_int8", None)  # webchat.kernels.cpu.step.CpuStep
     if set_int8 is not None:
-        set_int8(precision == "int8")
+        set_int8(precision == "int8", pack)
     model.precision = precision
     return precision
+
+
+def _pack(m: QLinear, on: bool, kernels: QKernels | None) -> None:
+    """m's rows packed 8 to a group (on: where its format has the form) or back in ggml's layout, in place
+    (kernels/cpu/csrc/qpack8.cpp: the int8 kernels read the packed form, everything else the file's)."""
+    if on == m.packed or kernels is None:
+        return
+    qt = QTYPE_IDS[m.qtype]
+    if on and not kernels.packs8(qt, m.out_features):
+        return
+    kernels.repack8(m.weight.data, qt, on)
+    m.packed = on
 
 
 def quantized_formats(model: nn.Module) -> set[str]:

@@ -61,13 +61,14 @@ class QLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernels = kernels
         self.int8 = False  # x's rows at 8 bits and the int8 kernels, every row alike (webchat.model.precision)
+        self.packed = False  # weight rows packed 8 to a group for the int8 kernels (kernels/cpu/csrc/qpack8.cpp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
         if self.int8:
             qt = ({**QTYPES, **K_QTYPES})[self.qtype][0]
             y8 = _compiled(self.kernels, self.qtype).qmatmul(x2, self.weight, qt, self.in_features, self.bias,
-                                                             int8=True)
+                                                             int8=True, packed=self.packed)
             return y8.view(*lead, self.out_features)
         if x2.shape[0] >= GEMM_ROWS:  # prefill: torch's sgemm on dequantized rows (float32, exact)
             return self._gemm(x2).view(*lead, self.out_features)
@@ -80,6 +81,9 @@ class QLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            raise RuntimeError("this matrix's rows are packed for the int8 kernels; set_precision(model, 'exact') "
+                               "puts them back in ggml's layout")
         if self.qtype in K_QTYPES:
             deq: torch.Tensor = torch.ops.webchat_kq.dequantize(rows, K_QTYPES[self.qtype][0], self.in_features)
             return deq

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp", "qact.cpp", "qint8.cpp",
-           "qint8k.cpp", "qgemm8.cpp")
+           "qint8k.cpp", "qgemm8.cpp", "qpack8.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
@@ -38,7 +38,7 @@ class StepHandle(Protocol):
 
     def forward_rows(self, *args: Any) -> torch.Tensor: ...
 
-    def set_int8(self, on: bool) -> None: ...
+    def set_int8(self, on: bool, pack: bool = True) -> None: ...
 
 
 class QKernels(Protocol):
@@ -46,7 +46,11 @@ class QKernels(Protocol):
     extension handle."""
 
     def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
-                gemm: bool = False, int8: bool = False) -> torch.Tensor: ...  # fmt: skip
+                gemm: bool = False, int8: bool = False, packed: bool = False) -> torch.Tensor: ...  # fmt: skip
+
+    def repack8(self, w: torch.Tensor, qtype: int, pack: bool) -> None: ...
+
+    def packs8(self, qtype: int, n: int) -> bool: ...
 
     def dequantize(self, w: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor: ...
 

@@ -87,9 +87,10 @@ class CpuStep:
         self.calls = 0
         self.int8 = False
 
-    def set_int8(self, on: bool) -> None:
-        """The quantized matrices' inputs at 8 bits (int8 activations) or float32."""
-        self.step.set_int8(on)
+    def set_int8(self, on: bool, pack: bool = True) -> None:
+        """The quantized matrices' inputs at 8 bits (int8 activations) or float32; pack: the matrices that have a
+        packed form read it (webchat.model.precision packs their bytes first)."""
+        self.step.set_int8(on, pack)
         self.int8 = on
 
     def __call__(self, model: Transformer, batch: Batch, kv: PagedKV) -> torch.Tensor | None:

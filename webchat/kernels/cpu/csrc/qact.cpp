@@ -132,8 +132,13 @@ void rows_of(const Act8& a, int64_t row0, int m, const float* x, const MatRef& m
     return float_rows(j, n0, n1, p);
   }
   const Job8 j{&a, static_cast<int>(row0), m, mr.w, mr.row_bytes, a.k, mr.qtype, mr.y, mr.n};
+  if (mr.packed) return packed8_rows(j, n0, n1, p);
   reads_supers(mr.qtype) ? supers8_rows(j, n0, n1, p) : blocks8_rows(j, n0, n1, p);
 }
+
+// a thread's share [lo, hi) of matrix rows (split anywhere) moved to whole groups of 8 where the matrix is packed:
+// every boundary rounds down alike, so the threads still cover each row once
+inline int64_t group_edge(const MatRef& mr, int64_t edge) { return mr.packed && edge < mr.n ? edge / 8 * 8 : edge; }
 
 }  // namespace
 
@@ -172,14 +177,16 @@ void Act8::quantize_rows(const float* x, int64_t ldx) {
 void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, const MatRef* mats, int count,
                     bool prompt) {
   int64_t total = 0, max_row_bytes = 0;
-  bool kquant = false;
+  bool kquant = false;  // a K-quant matrix in ggml's layout (the prompt GEMM reads it; packed rows take their kernel)
   for (int i = 0; i < count; ++i) {
     TORCH_CHECK(mats[i].qtype == F32 || (reads_blocks(mats[i].qtype) && a.blocks) ||
                     (reads_supers(mats[i].qtype) && a.supers),
                 "int8 activations have no kernel for ggml type ", mats[i].qtype, " (or its form was not made)");
     total += mats[i].n;
     max_row_bytes = std::max(max_row_bytes, mats[i].row_bytes);
-    kquant |= reads_supers(mats[i].qtype);
+    kquant |= reads_supers(mats[i].qtype) && !mats[i].packed;
+    TORCH_CHECK(!mats[i].packed || packs8(mats[i].qtype, mats[i].n), "matrix ", i, " is marked packed but ggml type ",
+                mats[i].qtype, " with ", mats[i].n, " rows has no packed form");
   }
   TORCH_CHECK(row0 >= 0 && row0 + m <= a.m, "rows [", row0, ", ", row0 + m, ") are outside the ", a.m, " quantized");
   const int p = path();
@@ -192,9 +199,10 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
       int64_t base = 0;
       for (int i = 0; i < count; ++i) {
         const MatRef& mr = mats[i];
-        const int64_t lo = std::max(16 * b, base), hi = std::min(16 * e, base + mr.n);
+        const int64_t lo = group_edge(mr, std::max(16 * b, base) - base) + base;
+        const int64_t hi = group_edge(mr, std::min(16 * e, base + mr.n) - base) + base;
         if (lo < hi) {
-          if (reads_supers(mr.qtype)) {
+          if (reads_supers(mr.qtype) && !mr.packed) {
             gemm8_rows(a, panel, row0, m, mr.w, mr.row_bytes, mr.qtype, lo - base, hi - base, mr.y, mr.n, p);
           } else {
             rows_of(a, row0, static_cast<int>(m), x, mr, lo - base, hi - base, p);
@@ -212,9 +220,10 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
       int64_t base = 0;
       for (int i = 0; i < count; ++i) {
         const MatRef& mr = mats[i];
-        const int64_t lo = std::max(b, base), hi = std::min(e, base + mr.n);
+        const int64_t lo = group_edge(mr, std::max(b, base) - base) + base;
+        const int64_t hi = group_edge(mr, std::min(e, base + mr.n) - base) + base;
         if (lo < hi) {
-          const MatRef part{mr.w, mr.n, mr.row_bytes, mr.qtype, mr.y + m0 * mr.n};
+          const MatRef part{mr.w, mr.n, mr.row_bytes, mr.qtype, mr.y + m0 * mr.n, mr.packed};
           rows_of(a, row0 + m0, mm, x + m0 * k, part, lo - base, hi - base, p);
         }
         base += mr.n;

@@ -30,6 +30,14 @@ inline void prefetch_ahead(const uint8_t* row, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) + PREFETCH_AHEAD + o), _MM_HINT_T0);
 }
 
+// The same distance ahead, asked for a unit (a block, a super-block) at a time as the kernel reads it: a row's or a
+// packed group's whole span at once queues more misses than a core keeps in flight, and the int8 kernels (fast enough
+// to wait on memory) streamed at half the rate (bench/README.md, issue 38's second round)
+inline void prefetch_span(const uint8_t* unit, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(unit) + PREFETCH_AHEAD + o), _MM_HINT_T0);
+}
+
 inline int64_t block_bytes(int64_t qtype) {  // the 32-value blocks; 0 for any other type
   return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : qtype == Q5_1 ? 24 : qtype == Q8_0 ? 34 : 0;
 }
@@ -135,6 +143,7 @@ struct MatRef {  // one matrix of a qmatmul_multi call and where its output goes
   int64_t n, row_bytes;
   int qtype;
   float* y;
+  bool packed = false;  // rows packed 8 to a group for the int8 kernels (qpack8.cpp)
 };
 // y_i (m, n_i) = x (m, k) @ W_i^T for matrices sharing x and k (q/k/v, gate/up): one parallel region over all
 // their output rows; xsum2 scratch (m, k/32, 2)

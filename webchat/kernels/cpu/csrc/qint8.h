@@ -44,6 +44,11 @@ inline bool reads_blocks(int qtype) { return block_bytes(qtype) > 0; }
 inline bool reads_supers(int qtype) { return is_kquant(qtype); }
 inline bool has_int8(int qtype) { return reads_blocks(qtype) || reads_supers(qtype); }
 
+// Weight rows packed 8 to a group (qpack8.cpp): which matrices have the form, the packing in place both ways, and the
+// int8 rows against them (n0, n1 multiples of 8)
+bool packs8(int qtype, int64_t n);
+void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack);
+
 // one call's share: y[r, n] for x rows [r0, r0 + m) of a, weight rows [n0, n1)
 struct Job8 {
   const Act8* a;
@@ -57,6 +62,7 @@ struct Job8 {
 
 void blocks8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qint8.cpp
 void supers8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qint8k.cpp
+void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qpack8.cpp
 bool vnni();                                                       // vpdpbusd in use (qint8.cpp)
 int set_vnni(int on);  // -1: where the CPU has it, 0: off, 1: on (the CPU must have it); returns the setting in use
 

@@ -78,12 +78,12 @@ K8_AVX2 void rows_q45k(const Job8& j, int r0, int64_t n0, int64_t n1) {
   const int64_t xr0 = j.r0 + r0;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
-    prefetch_ahead(row, j.row_bytes);
     __m256 acc[R];
     float macc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = 0.f;
     for (int64_t i = 0; i < nsb; ++i) {
       const uint8_t* blk = row + i * BB;
+      prefetch_span(blk, BB);
       uint8_t s8[8], m8[8];
       scales_mins_k4(blk + 4, s8, m8);
       int64_t sv, mv;
@@ -140,11 +140,11 @@ K8_AVX2 void rows_q6k(const Job8& j, int r0, int64_t n0, int64_t n1) {
   const int64_t xr0 = j.r0 + r0;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
-    prefetch_ahead(row, j.row_bytes);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nsb; ++i) {
       const uint8_t* blk = row + i * 210;
+      prefetch_span(blk, 210);
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
       __m256i lo8[R], hi8[R], sumi[R];  // S_g for g < 8 in both lanes, likewise g >= 8
       for (int r = 0; r < R; ++r) {

@@ -27,7 +27,7 @@ inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
 // y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]: the row kernels, or (gemm) the prompt rows' GEMM,
 // or (int8) x's rows quantized to 8 bits and the int8 kernels (qint8.h)
 torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
-                      const c10::optional<torch::Tensor>& bias, bool gemm, bool int8) {
+                      const c10::optional<torch::Tensor>& bias, bool gemm, bool int8, bool packed) {
   if (is_kquant(qtype)) {  // the C++ forward's K-quant rows (kq_rows), the op its tests call
     const int64_t bb = kq_block_bytes(static_cast<int>(qtype));
     TORCH_CHECK(k > 0 && k % 256 == 0, "K must be a positive multiple of 256 for Q4_K/Q5_K/Q6_K, got ", k);
@@ -45,12 +45,15 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qt
   const int64_t m = xc.size(0), n = w.size(0);
   torch::Tensor y = torch::empty({m, n}, xc.options());
   if (m == 0 || n == 0) return y;
+  TORCH_CHECK(!packed || (int8 && packs8(static_cast<int>(qtype), n)), "packed rows are read by the int8 kernels of ",
+              "Q4_0, Q4_1 and Q4_K matrices with rows a multiple of 8 (got int8=", int8, ", ggml type ", qtype, ", ", n,
+              " rows)");
   if (int8) {
     const int qt = static_cast<int>(qtype);
     Act8 a;
     a.shape(m, k, reads_blocks(qt), reads_supers(qt));
     a.quantize_rows(xc.data_ptr<float>(), k);
-    const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), qt, y.data_ptr<float>()};
+    const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), qt, y.data_ptr<float>(), packed};
     qmatmul8_multi(a, 0, m, xc.data_ptr<float>(), &r, 1, gemm);
   } else if (gemm) {
     const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype), y.data_ptr<float>()};
@@ -62,6 +65,13 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qt
   }
   if (bias.has_value()) y.add_(*bias);
   return y;
+}
+
+// w's rows packed 8 to a group or back, in place (qpack8.cpp)
+void repack8_op(torch::Tensor& w, int64_t qtype, bool pack) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous(),
+              "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
+  repack8(w.data_ptr<uint8_t>(), w.size(0), w.size(1), static_cast<int>(qtype), pack);
 }
 
 // (len(ids), K) float32 rows ids of w; ids None: every row (the whole matrix)
@@ -222,7 +232,15 @@ class Step {
     }
   }
 
-  void set_int8(bool on) { m_.int8 = on; }
+  // int8 activations on or off; with them, the matrices that have a packed form read it (the caller packs their bytes
+  // in place first, webchat.model.precision; a head that is the embedding stays as it is: the lookup reads it)
+  void set_int8(bool on, bool pack) {
+    m_.int8 = on;
+    pack = pack && on;
+    for (Layer& L : m_.layers)
+      for (Mat* mt : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w1, &L.w3, &L.w2}) mt->packed = pack && packs8(mt->qtype, mt->n);
+    m_.head.packed = pack && m_.head.w != m_.emb.w && packs8(m_.head.qtype, m_.head.n);
+  }
 
   // logits (R, vocab) of a webchat.model.batch.Batch through the first n_layers layers, k/v written into the pool;
   // prompt_ends (B) int64, or empty: rows of b at positions below prompt_ends[b] are prompt rows (qgemm.cpp)
@@ -390,7 +408,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &wq::qmatmul,
         "y = x @ dequant(w).T (+ bias), float32; gemm: as the forward computes prompt rows; int8: x's rows at 8 bits",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none(),
-        py::arg("gemm") = false, py::arg("int8") = false);
+        py::arg("gemm") = false, py::arg("int8") = false, py::arg("packed") = false);
+  m.def("repack8", &wq::repack8_op,
+        "w's rows packed 8 to a group for the int8 kernels (pack) or back to ggml's layout, in place (Q4_0, Q4_1, Q4_K)",
+        py::arg("w"), py::arg("qtype"), py::arg("pack"));
+  m.def("packs8", &wq::packs8, "whether a matrix of this ggml type and row count has the packed form",
+        py::arg("qtype"), py::arg("n"));
   m.def("set_vnni", &wq::set_vnni, "the int8 kernels' vpdpbusd: -1 where the CPU has it, 0 off, 1 on; returns in use");
   m.def("vnni", &wq::vnni, "whether the int8 kernels use vpdpbusd");
   m.def("dequantize", &wq::dequantize, "float32 rows of a quantized matrix", py::arg("w"), py::arg("qtype"),
@@ -408,7 +431,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<double>>())
-      .def("set_int8", &wq::Step::set_int8, "int8 activations for the quantized matrices (False: float32)")
+      .def("set_int8", &wq::Step::set_int8,
+           "int8 activations for the quantized matrices (False: float32); pack: the packed rows where a type has them",
+           py::arg("on"), py::arg("pack") = true)
       .def("forward", &wq::Step::forward)
       .def("forward_rows", &wq::Step::forward_rows);
 }

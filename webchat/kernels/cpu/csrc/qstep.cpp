@@ -246,7 +246,7 @@ void StepModel::linears(Mats mys, const float* x, int64_t m, bool tokens) {
     MatRef refs[4];
     int count = 0;
     for (const auto& my : mys) refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype,
-                                                      my.second};
+                                                      my.second, my.first->packed};
     if (!tokens) {
       qmatmul8_multi(act_, 0, m, x, refs, count);
     } else {

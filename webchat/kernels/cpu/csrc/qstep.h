@@ -16,6 +16,7 @@ struct Mat {  // an (n, k) matrix: n rows of row_bytes, ggml type qtype (F32: fl
   int64_t n = 0, k = 0, row_bytes = 0;
   int qtype = 0;
   const float* bias = nullptr;
+  bool packed = false;  // rows packed 8 to a group (qpack8.cpp): with int8 activations, where the type has the form
 };
 
 struct Layer {

@@ -1,0 +1,328 @@
+// Weight rows packed 8 to a group for the int8 kernels (docs/quant.md, "Packed rows"): Q4_0, Q4_1 and Q4_K.
+//
+// The row kernels (qint8.cpp, qint8k.cpp) take one weight row at a time: every 32 weights pay a scale shuffle, a
+// vpmaddwd and a float step of their own, and every row a horizontal sum. Here 8 rows lie side by side, 4 bytes of
+// each (ggml's Q4_0x8 / Q4_Kx8 idea, ggml-cpu/repack.cpp, with 4-byte words): one 4-byte word of the activation row,
+// broadcast, meets the same word of 8 weight rows in one vpmaddubsw, the products add up in int16 over a scale's whole
+// group, and a lane is one weight row to the end: the scales, the mins and the float steps go 8 rows a vector, and the
+// 8 outputs leave in one store.
+//
+// The packing moves bytes and nothing else, in place (a group's 8 rows keep the bytes they had, in another order):
+//   Q4_0 / Q4_1, per group and block of 32: the 8 rows' d (8 halves), Q4_1's m (8 halves), then for word c = 0..3 the
+//     8 rows' bytes qs[4c .. 4c + 3] (low nibbles: values 4c .. 4c + 3, high: 16 + 4c ..)
+//   Q4_K, per group and super-block: d (8 halves), dmin (8 halves), the 12 scale bytes as 3 words x 8 rows, then for
+//     chunk c = 0..3 and word t = 0..7 the 8 rows' qs[32c + 4t .. + 3] (low nibbles: sub-block 2c, high: 2c + 1)
+// so a packed matrix is as large as the file's, and unpacking gives the file's bytes back (tests/test_int8.py).
+//
+// Arithmetic (every path in this order, the scalar one with std::fma; the integers exact):
+//   Q4_0 / Q4_1, per block b: for each 8-value group g of x (its scale d_x,g):
+//     acc = fma(float(sum_g q_w q_x), d_w * d_x,g, acc) with q_w the unsigned nibble; then macc = fma(m_w, s_x,b, macc)
+//     with m_w = Q4_1's m or Q4_0's -8 d_w (w = q - 8); y = acc + macc
+//   Q4_K, per super-block: for each half (sub-blocks 4h .. 4h + 3) I = sum_j sc_j p_j sum w q (int32: at most
+//     4 * 63 * 128 * 32 * 15 * 127 < 2^31), acc = fma(float(I), d_w * dk, acc); msum = sum_j mn_j pq_j,
+//     macc = fma(float(msum), dmin_w * dk, macc); y = acc - macc
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "qint8.h"
+#include "qkblocks.h"
+
+namespace wq {
+
+namespace {
+
+struct Field {  // a run of each row's unit: `bytes` from `offset`, packed `word` bytes at a time, 8 rows a word
+  int offset, bytes, word;
+};
+
+// a unit: the bytes of one row per block (32 values) or super-block (256)
+int unit_bytes(int qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 144; }
+
+int fields(int qtype, Field f[4]) {
+  switch (qtype) {
+    case Q4_0: f[0] = {0, 2, 2}, f[1] = {2, 16, 4}; return 2;
+    case Q4_1: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 16, 4}; return 3;
+    case Q4_K: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 12, 4}, f[3] = {16, 128, 4}; return 4;
+    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1 and Q4_K have)");
+  }
+}
+
+// one group's unit u: 8 rows of `ub` bytes at stride `stride` (rows) <-> 8 * ub packed bytes
+void move_unit(const Field* f, int nf, uint8_t* rows, int64_t stride, uint8_t* packed, bool pack) {
+  int64_t pos = 0;
+  for (int i = 0; i < nf; ++i)
+    for (int w = 0; w < f[i].bytes; w += f[i].word)
+      for (int r = 0; r < 8; ++r, pos += f[i].word) {
+        uint8_t* row = rows + r * stride + f[i].offset + w;
+        pack ? std::memcpy(packed + pos, row, f[i].word) : std::memcpy(row, packed + pos, f[i].word);
+      }
+}
+
+// the file's bytes of row r (0..7) of a packed group's unit u into out (ub bytes)
+void row_unit(int qtype, const uint8_t* packed_unit, int r, uint8_t* out) {
+  Field f[4];
+  const int nf = fields(qtype, f);
+  int64_t pos = 0;
+  for (int i = 0; i < nf; ++i)
+    for (int w = 0; w < f[i].bytes; w += f[i].word, pos += 8 * f[i].word)
+      std::memcpy(out + f[i].offset + w, packed_unit + pos + r * f[i].word, f[i].word);
+}
+
+// ---------------------------------------------------------------- scalar: the order every path follows
+template <int QT>
+void blocks_scalar(const Job8& j, int64_t g0, int64_t g1) {
+  constexpr int BB = QT == Q4_0 ? 18 : 20;
+  const int64_t nb = j.k / 32, ldb = j.a->ldb;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int n = 0; n < 8; ++n)
+      for (int r = 0; r < j.m; ++r) {
+        const int64_t xr = j.r0 + r;
+        const int8_t* q = j.a->qb.data() + xr * j.k;
+        const float* d8 = j.a->d8.data() + xr * j.k / 4;
+        float acc = 0.f, macc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t blk[BB];
+          row_unit(QT, j.w + g * 8 * j.row_bytes + b * 8 * BB, n, blk);
+          const float dw = half_to_float(blk);
+          const uint8_t* qs = blk + (QT == Q4_0 ? 2 : 4);
+          for (int gi = 0; gi < 4; ++gi) {
+            int32_t isum = 0;
+            for (int v = 8 * gi; v < 8 * gi + 8; ++v) isum += (v < 16 ? qs[v] & 15 : qs[v - 16] >> 4) * q[32 * b + v];
+            acc = std::fma(static_cast<float>(isum), dw * d8[8 * b + 2 * gi], acc);
+          }
+          const float mw = QT == Q4_1 ? half_to_float(blk + 2) : dw * -8.f;
+          macc = std::fma(mw, j.a->s[xr * ldb + b], macc);
+        }
+        j.y[r * j.ldy + 8 * g + n] = acc + macc;
+      }
+}
+
+void q4k_scalar(const Job8& j, int64_t g0, int64_t g1) {
+  const int64_t nsb = j.k / QK_K;
+  const Act8& a = *j.a;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int n = 0; n < 8; ++n)
+      for (int r = 0; r < j.m; ++r) {
+        const int64_t xr = j.r0 + r;
+        float acc = 0.f, macc = 0.f;
+        for (int64_t i = 0; i < nsb; ++i) {
+          uint8_t blk[144];
+          row_unit(Q4_K, j.w + g * 8 * j.row_bytes + i * 8 * 144, n, blk);
+          int w[QK_K], sc[16], mn[8];
+          super_ints<Q4_K>(blk, w, sc, mn);
+          const int8_t* q = a.qs.data() + xr * j.k + i * QK_K;
+          const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
+          const float dk = a.dk[xr * nsb + i];
+          for (int h = 0; h < 2; ++h) {
+            int32_t isum = 0;
+            for (int v = 4 * h; v < 4 * h + 4; ++v) {
+              int32_t s = 0;
+              for (int t = 0; t < 32; ++t) s += w[32 * v + t] * q[32 * v + t];
+              isum += sc[2 * v] * p[v] * s;
+            }
+            acc = std::fma(static_cast<float>(isum), half_to_float(blk) * dk, acc);
+          }
+          int32_t msum = 0;
+          for (int v = 0; v < 8; ++v) msum += mn[v] * a.pq[(xr * nsb + i) * 8 + v];
+          macc = std::fma(static_cast<float>(msum), half_to_float(blk + 2) * dk, macc);
+        }
+        j.y[r * j.ldy + 8 * g + n] = acc - macc;
+      }
+}
+
+// ---------------------------------------------------------------- AVX2
+#define P8_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// the 4 bytes at p in every 32-bit lane
+P8_AVX2 inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int QT, int R>
+P8_AVX2 void blocks_avx2(const Job8& j, int r0, int64_t g) {
+  constexpr int BB = QT == Q4_0 ? 18 : 20, UNIT = 8 * BB, QOFF = QT == Q4_0 ? 16 : 32;
+  const int64_t nb = j.k / 32, ldb = j.a->ldb;
+  const uint8_t* base = j.w + g * 8 * j.row_bytes;
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = j.r0 + r0 + r;
+    xq[r] = j.a->qb.data() + row * j.k, xd[r] = j.a->d8.data() + row * j.k / 4, xs[r] = j.a->s.data() + row * ldb;
+  }
+  __m256 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* u = base + b * UNIT;
+    prefetch_span(u, UNIT);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));
+    const __m256 mw = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16)))
+                                 : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+    __m256i w[8];  // word t: values 4t .. 4t + 3 of the 8 rows
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + QOFF + 32 * c));
+      w[c] = _mm256_and_si256(v, m4), w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq[r] + 32 * b;
+      for (int gi = 0; gi < 4; ++gi) {
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * gi], bcast4(x + 8 * gi)),
+                                             _mm256_maddubs_epi16(w[2 * gi + 1], bcast4(x + 8 * gi + 4)));
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+        acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(xd[r][8 * b + 2 * gi])), acc[r]);
+      }
+      macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r][b]), macc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(j.y + (r0 + r) * j.ldy + 8 * g, _mm256_add_ps(acc[r], macc[r]));
+}
+
+// vpshufb patterns: byte e of each 32-bit lane zero-extended into both of its int16 halves (PAIRS[e]: a sub-block's
+// scale as the vpmaddwd operand) or into the whole int32 (ONE[e]: a min); tables, so a loop over e loads them
+struct Picks {
+  alignas(32) int8_t pairs[4][32];
+  alignas(32) int8_t one[4][32];
+  Picks() {
+    for (int e = 0; e < 4; ++e)
+      for (int b = 0; b < 32; ++b) {
+        const int lane = (b % 16) / 4, at = b % 4;
+        pairs[e][b] = at % 2 == 0 ? static_cast<int8_t>(4 * lane + e) : -128;
+        one[e][b] = at == 0 ? static_cast<int8_t>(4 * lane + e) : -128;
+      }
+  }
+};
+const Picks PICKS;
+
+P8_AVX2 inline __m256i pick_pairs(int e) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(PICKS.pairs[e])); }
+P8_AVX2 inline __m256i pick_one(int e) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(PICKS.one[e])); }
+
+template <int R>
+P8_AVX2 void q4k_avx2(const Job8& j, int r0, int64_t g) {
+  const int64_t nsb = j.k / QK_K;
+  const Act8& a = *j.a;
+  const uint8_t* base = j.w + g * 8 * j.row_bytes;
+  const __m256i m4 = _mm256_set1_epi8(15);
+  const int64_t xr0 = j.r0 + r0;
+  __m256 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* u = base + i * 1152;
+    prefetch_span(u, 1152);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16)));
+    // ggml's 12 scale bytes, 8 rows a vector (scales_mins_k4 lane by lane): sc of sub-blocks 0-3 / 4-7, mn likewise
+    const __m256i k1 = _mm256_set1_epi32(0x3f3f3f3f), k2 = _mm256_set1_epi32(0x0f0f0f0f),
+                  k3 = _mm256_set1_epi32(0x03030303);
+    const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32));
+    const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64));
+    const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 96));
+    const __m256i sc[2] = {
+        _mm256_and_si256(u0, k1),
+        _mm256_or_si256(_mm256_and_si256(u2, k2),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4))};
+    const __m256i mn[2] = {
+        _mm256_and_si256(u1, k1),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4))};
+    const uint8_t* qs = u + 128;
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) {  // the mins first: msum = sum_v mn_v pq_v, 8 rows a vector
+      const int32_t* pq = a.pq.data() + ((xr0 + r) * nsb + i) * 8;
+      __m256i ms = _mm256_setzero_si256();
+      for (int v = 0; v < 8; ++v)
+        ms = _mm256_add_epi32(ms, _mm256_mullo_epi32(_mm256_shuffle_epi8(mn[v / 4], pick_one(v % 4)),
+                                                     _mm256_set1_epi32(pq[v])));
+      const __m256 dk = _mm256_set1_ps(a.dk[(xr0 + r) * nsb + i]);
+      macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dmin, dk), macc[r]);
+      isum[r] = _mm256_setzero_si256();
+    }
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      __m256i slo[R], shi[R];
+      for (int r = 0; r < R; ++r) slo[r] = _mm256_setzero_si256(), shi[r] = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (8 * c + t) * 32));
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.qs.data() + (xr0 + r) * j.k + i * QK_K + 64 * c + 4 * t;
+          slo[r] = _mm256_add_epi16(slo[r], _mm256_maddubs_epi16(lo, bcast4(x)));
+          shi[r] = _mm256_add_epi16(shi[r], _mm256_maddubs_epi16(hi, bcast4(x + 32)));
+        }
+      }
+      const __m256i slo_s = _mm256_shuffle_epi8(sc[c / 2], pick_pairs((2 * c) % 4));
+      const __m256i shi_s = _mm256_shuffle_epi8(sc[c / 2], pick_pairs((2 * c + 1) % 4));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* p = a.p.data() + ((xr0 + r) * nsb + i) * 8;
+        const __m256i sl = _mm256_mullo_epi16(slo_s, _mm256_set1_epi16(p[2 * c]));
+        const __m256i sh = _mm256_mullo_epi16(shi_s, _mm256_set1_epi16(p[2 * c + 1]));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(slo[r], sl),
+                                                             _mm256_madd_epi16(shi[r], sh)));
+      }
+      if (c % 2 == 1)  // a half done: into float
+        for (int r = 0; r < R; ++r) {
+          const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(a.dk[(xr0 + r) * nsb + i]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), dd, acc[r]);
+          isum[r] = _mm256_setzero_si256();
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(j.y + (r0 + r) * j.ldy + 8 * g, _mm256_sub_ps(acc[r], macc[r]));
+}
+
+using Group8 = void (*)(const Job8&, int, int64_t);
+
+}  // namespace
+
+bool packs8(int qtype, int64_t n) { return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K) && n > 0 && n % 8 == 0; }
+
+void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack) {
+  TORCH_CHECK(packs8(qtype, n), "ggml type ", qtype, " with ", n, " rows has no packed form (Q4_0, Q4_1 and Q4_K ",
+              "with rows a multiple of 8 have)");
+  Field f[4];
+  const int nf = fields(qtype, f);
+  const int ub = unit_bytes(qtype);
+  TORCH_CHECK(row_bytes % ub == 0, "rows of ", row_bytes, " bytes are not whole units of ", ub);
+  const int64_t units = row_bytes / ub;
+  at::parallel_for(0, n / 8, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> tmp(8 * row_bytes);
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* group = w + g * 8 * row_bytes;
+      std::memcpy(tmp.data(), group, tmp.size());
+      for (int64_t u = 0; u < units; ++u)
+        pack ? move_unit(f, nf, tmp.data() + u * ub, row_bytes, group + u * 8 * ub, true)
+             : move_unit(f, nf, group + u * ub, row_bytes, tmp.data() + u * 8 * ub, false);
+    }
+  });
+}
+
+void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
+  TORCH_CHECK(n0 % 8 == 0 && n1 % 8 == 0, "packed rows go 8 at a time, got [", n0, ", ", n1, ")");
+  const int64_t g0 = n0 / 8, g1 = n1 / 8;
+  if (p < PATH_AVX2) {
+    switch (j.qtype) {
+      case Q4_0: return blocks_scalar<Q4_0>(j, g0, g1);
+      case Q4_1: return blocks_scalar<Q4_1>(j, g0, g1);
+      case Q4_K: return q4k_scalar(j, g0, g1);
+      default: TORCH_CHECK(false, "ggml type ", j.qtype, " has no packed kernel");
+    }
+  }
+  static constexpr Group8 Q40[4] = {blocks_avx2<Q4_0, 1>, blocks_avx2<Q4_0, 2>, blocks_avx2<Q4_0, 3>,
+                                    blocks_avx2<Q4_0, 4>};
+  static constexpr Group8 Q41[4] = {blocks_avx2<Q4_1, 1>, blocks_avx2<Q4_1, 2>, blocks_avx2<Q4_1, 3>,
+                                    blocks_avx2<Q4_1, 4>};
+  static constexpr Group8 Q4K[4] = {q4k_avx2<1>, q4k_avx2<2>, q4k_avx2<3>, q4k_avx2<4>};
+  const Group8* fns = j.qtype == Q4_0 ? Q40 : j.qtype == Q4_1 ? Q41 : j.qtype == Q4_K ? Q4K : nullptr;
+  TORCH_CHECK(fns != nullptr, "ggml type ", j.qtype, " has no packed kernel");
+  for (int64_t g = g0; g < g1; ++g)  // a group's 8 rows stay in L1 while every 4 x rows pass
+    for (int r0 = 0; r0 < j.m; r0 += 4) fns[(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, g);
+}
+
+}  // namespace wq
