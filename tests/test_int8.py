@@ -190,7 +190,8 @@ def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:
         wp = packed(kernels, wq, qtype)
         assert not torch.equal(wp, wq) and wp.shape == wq.shape
         for g in range(3):  # each group keeps its own bytes
-            assert torch.equal(wp[8 * g : 8 * g + 8].flatten().sort().values, wq[8 * g : 8 * g + 8].flatten().sort().values)
+            rows = slice(8 * g, 8 * g + 8)
+            assert torch.equal(wp[rows].flatten().sort().values, wq[rows].flatten().sort().values)
         kernels.repack8(wp, qtype_number(qtype), False)
         assert torch.equal(wp, wq), qtype
     q80, _ = weights("q8_0", 8, 64, seed=0)

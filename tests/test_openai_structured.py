@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 from live_server import Live, serve  # tests/ is on sys.path under pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from test_grammar import SCHEMAS
 
 from webchat.serve.config import ServerConfig
@@ -109,6 +109,10 @@ def test_json_object_replies_are_objects(client: openai.OpenAI, model: str) -> N
 
 
 class Person(BaseModel):
+    # extra keys forbidden (the schema's additionalProperties: false): otherwise the grammar lets the 135M model add
+    # keys of its own, and a sampled reply may run past max_tokens with them, valid JSON and all
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(max_length=20)
     age: int = Field(ge=0, le=120)
     hobbies: list[Literal["chess", "music", "hiking"]] = Field(min_length=1, max_length=2)
