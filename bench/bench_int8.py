@@ -2,9 +2,11 @@
 precisions alternating (A, B, A, B, ...) so a shared machine's load falls on both alike:
 
   matrices  one matrix of each format the model holds, one thread, CPU time (min of 5): 1 and 4 rows of x through
-            the row kernels, 256 prompt rows (the GEMM)
+            the row kernels, 256 prompt rows (the GEMM); int8 on the file's rows and, where the format has the form,
+            on rows packed 8 to a group (qpack8.cpp: what int8 runs)
   forward   the bare C++ forward: a decode step of 1 and 4 sequences at position 300, and a ~1,000-token prompt fed
-            in the engine's 256-token chunks (wall time, the machine's threads)
+            in the engine's 256-token chunks (wall time, the machine's threads); int8 packed (the default), int8 on
+            the file's rows (int8-rows) and exact
 
     .venv/bin/python bench/bench_int8.py --model ~/.cache/webchat/bench-files/tinyllama-shape-q4_k_m.gguf
     .venv/bin/python bench/bench_int8.py --only matrices          # the default model
@@ -25,12 +27,13 @@ from webchat.kernels.cpu import build
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import PageTable
 from webchat.model.loader import load_model
-from webchat.model.precision import set_precision
+from webchat.model.precision import QTYPE_IDS, set_precision
 from webchat.model.quant import K_QTYPES, QTYPES, QLinear
 from webchat.model.transformer import Transformer
 
 PAGE = 16
-PRECISIONS = ("exact", "int8")
+# name: (precision, pack)
+PRECISIONS = {"exact": ("exact", False), "int8": ("int8", True), "int8-rows": ("int8", False)}
 
 
 def cpu_ms(fn: Callable[[], object], reps: int) -> float:
@@ -52,16 +55,24 @@ def matrices(model: Transformer) -> None:
     for m in model.modules():
         if isinstance(m, QLinear) and m.qtype not in seen:
             seen[m.qtype] = m
-    print(f"{'matrix':>22} {'rows':>4} {'exact ms':>9} {'int8 ms':>8} {'int8 GMAC/s':>11}")
+    print(f"{'matrix':>22} {'rows':>4} {'exact ms':>9} {'int8 ms':>8} {'packed ms':>9} {'int8 GMAC/s':>11}")
     for qtype, lin in sorted(seen.items()):
         qt, k, n = {**QTYPES, **K_QTYPES}[qtype][0], lin.in_features, lin.out_features
+        w = lin.weight.detach().clone()
+        if lin.packed:  # the model's copy is packed: the file's rows for the first two columns
+            kernels.repack8(w, qt, False)
+        packed = None
+        if kernels.packs8(qt, n):
+            packed = w.clone()
+            kernels.repack8(packed, qt, True)
         for rows, gemm in ((1, False), (4, False), (256, True)):
             x = torch.randn(rows, k)
             reps = max(2, int(3e7 / (rows * n * k)))
-            times = [cpu_ms(partial(kernels.qmatmul, x, lin.weight, qt, k, None, gemm, int8), reps)
-                     for int8 in (False, True)]
-            print(f"{f'{n}x{k} {qtype}':>22} {rows:>4} {times[0]:>9.3f} {times[1]:>8.3f} "
-                  f"{rows * n * k / times[1] / 1e6:>11.1f}")
+            times = [cpu_ms(partial(kernels.qmatmul, x, w, qt, k, None, gemm, int8), reps) for int8 in (False, True)]
+            if packed is not None:
+                times.append(cpu_ms(partial(kernels.qmatmul, x, packed, qt, k, None, gemm, True, True), reps))
+            cells = " ".join(f"{t:>{width}.3f}" for t, width in zip(times, (9, 8, 9), strict=False))
+            print(f"{f'{n}x{k} {qtype}':>22} {rows:>4} {cells:<28} {rows * n * k / min(times[1:]) / 1e6:>11.1f}")
     torch.set_num_threads(threads)
 
 
@@ -72,15 +83,17 @@ def forward(model: Transformer, reps: int, prompt: int) -> None:
     for t in tables:
         t.ensure(400)
     set_precision(model, "exact", kernels)
+    names = [p for p, (_, pack) in PRECISIONS.items() if not pack or any(
+        kernels.packs8(QTYPE_IDS[m.qtype], m.out_features) for m in model.modules() if isinstance(m, QLinear))]
     for t in tables:  # 300 positions of context each
         for s in range(0, 300, 64):
             model(make_batch([(list(range(100 + s, 164 + s)), s, t.pages, [-1])], PAGE, prompt_ends=[300]), pool)
     for rows in (1, 4):
         batch = make_batch([([5], 300, tables[i].pages, [-1]) for i in range(rows)], PAGE, prompt_ends=[300] * rows)
-        times: dict[str, list[float]] = {p: [] for p in PRECISIONS}
+        times: dict[str, list[float]] = {p: [] for p in names}
         for _ in range(reps):
-            for p in PRECISIONS:
-                set_precision(model, p, kernels)
+            for p in names:
+                set_precision(model, PRECISIONS[p][0], kernels, pack=PRECISIONS[p][1])
                 t0 = time.perf_counter()
                 model(batch, pool)
                 times[p].append(time.perf_counter() - t0)
@@ -88,8 +101,8 @@ def forward(model: Transformer, reps: int, prompt: int) -> None:
             f"{p} {statistics.median(v) * 1000:.1f} ms (min {min(v) * 1000:.1f})" for p, v in times.items()))
     ids = torch.randint(3, model.args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     for _ in range(2):
-        for p in PRECISIONS:
-            set_precision(model, p, kernels)
+        for p in names:
+            set_precision(model, PRECISIONS[p][0], kernels, pack=PRECISIONS[p][1])
             table = PageTable(pool)
             table.ensure(prompt)
             t0 = time.perf_counter()

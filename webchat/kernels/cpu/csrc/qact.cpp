@@ -177,14 +177,14 @@ void Act8::quantize_rows(const float* x, int64_t ldx) {
 void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, const MatRef* mats, int count,
                     bool prompt) {
   int64_t total = 0, max_row_bytes = 0;
-  bool kquant = false;  // a K-quant matrix in ggml's layout (the prompt GEMM reads it; packed rows take their kernel)
+  bool kquant = false;  // a K-quant matrix: a prompt's rows take the GEMM (packed Q4_K rows gathered as it decodes)
   for (int i = 0; i < count; ++i) {
     TORCH_CHECK(mats[i].qtype == F32 || (reads_blocks(mats[i].qtype) && a.blocks) ||
                     (reads_supers(mats[i].qtype) && a.supers),
                 "int8 activations have no kernel for ggml type ", mats[i].qtype, " (or its form was not made)");
     total += mats[i].n;
     max_row_bytes = std::max(max_row_bytes, mats[i].row_bytes);
-    kquant |= reads_supers(mats[i].qtype) && !mats[i].packed;
+    kquant |= reads_supers(mats[i].qtype);
     TORCH_CHECK(!mats[i].packed || packs8(mats[i].qtype, mats[i].n), "matrix ", i, " is marked packed but ggml type ",
                 mats[i].qtype, " with ", mats[i].n, " rows has no packed form");
   }
@@ -202,8 +202,9 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
         const int64_t lo = group_edge(mr, std::max(16 * b, base) - base) + base;
         const int64_t hi = group_edge(mr, std::min(16 * e, base + mr.n) - base) + base;
         if (lo < hi) {
-          if (reads_supers(mr.qtype) && !mr.packed) {
-            gemm8_rows(a, panel, row0, m, mr.w, mr.row_bytes, mr.qtype, lo - base, hi - base, mr.y, mr.n, p);
+          if (reads_supers(mr.qtype)) {
+            gemm8_rows(a, panel, row0, m, mr.w, mr.row_bytes, mr.qtype, lo - base, hi - base, mr.y, mr.n, p,
+                       mr.packed);
           } else {
             rows_of(a, row0, static_cast<int>(m), x, mr, lo - base, hi - base, p);
           }

@@ -30,16 +30,26 @@ namespace wq {
 namespace {
 
 // ---------------------------------------------------------------- scalar: the order every path follows
+// row n's super-block i in ggml's layout: where it lies, or (packed rows, qpack8.cpp) gathered into tmp
+template <int QT>
+inline const uint8_t* super_block(const uint8_t* wm, int64_t row_bytes, int64_t n, int64_t i, bool packed,
+                                  uint8_t* tmp) {
+  if (!packed) return wm + n * row_bytes + i * kbytes<QT>();
+  packed_row_unit(QT, wm, row_bytes, n, i, tmp);
+  return tmp;
+}
+
 template <int QT>
 void gemm_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0,
-                 int64_t n1, float* y, int64_t ldy) {
+                 int64_t n1, float* y, int64_t ldy, bool packed) {
   const int64_t nsb = a.k / QK_K;
+  uint8_t tmp[kbytes<QT>()];
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t r = 0; r < m; ++r) {
       const int64_t xr = row0 + r;
       float acc = 0.f;
       for (int64_t i = 0; i < nsb; ++i) {
-        const uint8_t* blk = wm + n * row_bytes + i * kbytes<QT>();
+        const uint8_t* blk = super_block<QT>(wm, row_bytes, n, i, packed, tmp);
         const int8_t* q = a.qs.data() + xr * a.k + i * QK_K;
         const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
         int w[QK_K], sc[16], mn[8];
@@ -127,14 +137,17 @@ G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
 // acc (groups x NR vectors) between super-blocks.
 template <int QT, int NR>
 G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, float* y,
-                       int64_t ldy, float* acc) {
+                       int64_t ldy, float* acc, bool packed) {
   constexpr int64_t BB = kbytes<QT>();
   constexpr int STEPS = QT == Q4_K ? 8 : 4;  // words a sub-block's int16 sums take before they must widen
   const int64_t nsb = P.nsb, groups = P.groups;
   std::fill(acc, acc + groups * NR * 8, 0.f);
   Decoded dec[NR];
   for (int64_t i = 0; i < nsb; ++i) {
-    for (int n = 0; n < NR; ++n) decode<QT>(wm + (n0 + n) * row_bytes + i * BB, &dec[n]);
+    for (int n = 0; n < NR; ++n) {
+      uint8_t tmp[BB];
+      decode<QT>(super_block<QT>(wm, row_bytes, n0 + n, i, packed, tmp), &dec[n]);
+    }
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t pb = g * nsb + i;
       const int8_t* xq = P.q.data() + pb * 2048;
@@ -191,13 +204,13 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
 
 template <int QT>
 void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, int64_t n1, float* y,
-                 int64_t ldy) {
+                 int64_t ldy, bool packed) {
   constexpr int NR = 4;
   thread_local std::vector<float> acc;  // (groups, NR, 8)
   acc.resize(P.groups * NR * 8);
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) gemm_rows<QT, NR>(P, m, wm, row_bytes, n, y, ldy, acc.data());
-  for (; n < n1; ++n) gemm_rows<QT, 1>(P, m, wm, row_bytes, n, y, ldy, acc.data());
+  for (; n + NR <= n1; n += NR) gemm_rows<QT, NR>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
+  for (; n < n1; ++n) gemm_rows<QT, 1>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
 }
 
 }  // namespace
@@ -224,18 +237,19 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
 }
 
 void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
-                int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p) {
+                int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p, bool packed) {
   const bool vec = p >= PATH_AVX2;
+  TORCH_CHECK(!packed || qtype == Q4_K, "the prompt GEMM reads packed rows of Q4_K only, got ggml type ", qtype);
   switch (qtype) {
     case Q4_K:
-      return vec ? gemm_vector<Q4_K>(P, m, w, row_bytes, n0, n1, y, ldy)
-                 : gemm_scalar<Q4_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy);
+      return vec ? gemm_vector<Q4_K>(P, m, w, row_bytes, n0, n1, y, ldy, packed)
+                 : gemm_scalar<Q4_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, packed);
     case Q5_K:
-      return vec ? gemm_vector<Q5_K>(P, m, w, row_bytes, n0, n1, y, ldy)
-                 : gemm_scalar<Q5_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy);
+      return vec ? gemm_vector<Q5_K>(P, m, w, row_bytes, n0, n1, y, ldy, false)
+                 : gemm_scalar<Q5_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, false);
     case Q6_K:
-      return vec ? gemm_vector<Q6_K>(P, m, w, row_bytes, n0, n1, y, ldy)
-                 : gemm_scalar<Q6_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy);
+      return vec ? gemm_vector<Q6_K>(P, m, w, row_bytes, n0, n1, y, ldy, false)
+                 : gemm_scalar<Q6_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, false);
     default: TORCH_CHECK(false, "the int8 prompt GEMM takes Q4_K, Q5_K and Q6_K, got ggml type ", qtype);
   }
 }

@@ -48,6 +48,8 @@ inline bool has_int8(int qtype) { return reads_blocks(qtype) || reads_supers(qty
 // int8 rows against them (n0, n1 multiples of 8)
 bool packs8(int qtype, int64_t n);
 void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack);
+// the file's bytes of row n's unit u (block or super-block) of a packed matrix into out
+void packed_row_unit(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t u, uint8_t* out);
 
 // one call's share: y[r, n] for x rows [r0, r0 + m) of a, weight rows [n0, n1)
 struct Job8 {
@@ -80,7 +82,7 @@ struct Panel8 {
 
 // rows [row0, row0 + m) of a (the panel P built from them on the vector paths) against K-quant weight rows [n0, n1)
 void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
-                int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p);
+                int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p, bool packed = false);
 
 // y_i (m, n_i) = rows [row0, row0 + m) of a @ W_i^T for matrices sharing their input: one parallel region over all
 // their output rows. An F32 matrix takes x (those rows as floats, rows of a.k) through the float kernel. prompt: the

@@ -281,6 +281,10 @@ using Group8 = void (*)(const Job8&, int, int64_t);
 
 }  // namespace
 
+void packed_row_unit(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t u, uint8_t* out) {
+  row_unit(qtype, w + (n / 8) * 8 * row_bytes + u * 8 * unit_bytes(qtype), static_cast<int>(n % 8), out);
+}
+
 bool packs8(int qtype, int64_t n) { return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K) && n > 0 && n % 8 == 0; }
 
 void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack) {
