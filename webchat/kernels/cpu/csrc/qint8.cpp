@@ -30,10 +30,6 @@ int cpu_vnni() {
   return 0;
 }
 
-int vnni_kind() {
-  if (g_vnni < 0) g_vnni = cpu_vnni();
-  return g_vnni;
-}
 
 // ---------------------------------------------------------------- scalar: the order every path follows
 // block b's weights as signed integers in value order
@@ -184,6 +180,11 @@ void rows_vector(const Job8& j, int64_t n0, int64_t n1) {
 }
 
 }  // namespace
+
+int vnni_kind() {
+  if (g_vnni < 0) g_vnni = cpu_vnni();
+  return g_vnni;
+}
 
 bool vnni() { return vnni_kind() > 0; }
 

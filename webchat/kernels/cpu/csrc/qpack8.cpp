@@ -146,45 +146,30 @@ P8_AVX2 inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-template <int QT, int R>
-P8_AVX2 void blocks_avx2(const Job8& j, int r0, int64_t g) {
-  constexpr int BB = QT == Q4_0 ? 18 : 20, UNIT = 8 * BB, QOFF = QT == Q4_0 ? 16 : 32;
-  const int64_t nb = j.k / 32, ldb = j.a->ldb;
-  const uint8_t* base = j.w + g * 8 * j.row_bytes;
-  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xs[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = j.r0 + r0 + r;
-    xq[r] = j.a->qb.data() + row * j.k, xd[r] = j.a->d8.data() + row * j.k / 4, xs[r] = j.a->s.data() + row * ldb;
-  }
-  __m256 acc[R], macc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* u = base + b * UNIT;
-    prefetch_span(u, UNIT);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));
-    const __m256 mw = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16)))
-                                 : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
-    __m256i w[8];  // word t: values 4t .. 4t + 3 of the 8 rows
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + QOFF + 32 * c));
-      w[c] = _mm256_and_si256(v, m4), w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* x = xq[r] + 32 * b;
-      for (int gi = 0; gi < 4; ++gi) {
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * gi], bcast4(x + 8 * gi)),
-                                             _mm256_maddubs_epi16(w[2 * gi + 1], bcast4(x + 8 * gi + 4)));
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-        acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(xd[r][8 * b + 2 * gi])), acc[r]);
-      }
-      macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r][b]), macc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(j.y + (r0 + r) * j.ldy + 8 * g, _mm256_add_ps(acc[r], macc[r]));
-}
+#define P8_NAME blocks_avx2
+#define P8_TARGET P8_AVX2
+#define P8_DOT2(w0, x0, w1, x1) \
+  _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)), ones)
+#include "qpack8_blocks.inc"
+#undef P8_NAME
+#undef P8_TARGET
+#undef P8_DOT2
+
+#define P8_NAME blocks_avxvnni
+#define P8_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define P8_DOT2(w0, x0, w1, x1) _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, x0), w1, x1)
+#include "qpack8_blocks.inc"
+#undef P8_NAME
+#undef P8_TARGET
+#undef P8_DOT2
+
+#define P8_NAME blocks_avx512vnni
+#define P8_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define P8_DOT2(w0, x0, w1, x1) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w0, x0), w1, x1)
+#include "qpack8_blocks.inc"
+#undef P8_NAME
+#undef P8_TARGET
+#undef P8_DOT2
 
 // vpshufb patterns: byte e of each 32-bit lane zero-extended into both of its int16 halves (PAIRS[e]: a sub-block's
 // scale as the vpmaddwd operand) or into the whole int32 (ONE[e]: a min); tables, so a loop over e loads them
@@ -318,12 +303,18 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
       default: TORCH_CHECK(false, "ggml type ", j.qtype, " has no packed kernel");
     }
   }
-  static constexpr Group8 Q40[4] = {blocks_avx2<Q4_0, 1>, blocks_avx2<Q4_0, 2>, blocks_avx2<Q4_0, 3>,
-                                    blocks_avx2<Q4_0, 4>};
-  static constexpr Group8 Q41[4] = {blocks_avx2<Q4_1, 1>, blocks_avx2<Q4_1, 2>, blocks_avx2<Q4_1, 3>,
-                                    blocks_avx2<Q4_1, 4>};
+  // [vnni_kind()]: the AVX2 form, AVX-VNNI, AVX-512 VNNI (256-bit)
+  static constexpr Group8 Q40[3][4] = {
+      {blocks_avx2<Q4_0, 1>, blocks_avx2<Q4_0, 2>, blocks_avx2<Q4_0, 3>, blocks_avx2<Q4_0, 4>},
+      {blocks_avxvnni<Q4_0, 1>, blocks_avxvnni<Q4_0, 2>, blocks_avxvnni<Q4_0, 3>, blocks_avxvnni<Q4_0, 4>},
+      {blocks_avx512vnni<Q4_0, 1>, blocks_avx512vnni<Q4_0, 2>, blocks_avx512vnni<Q4_0, 3>, blocks_avx512vnni<Q4_0, 4>}};
+  static constexpr Group8 Q41[3][4] = {
+      {blocks_avx2<Q4_1, 1>, blocks_avx2<Q4_1, 2>, blocks_avx2<Q4_1, 3>, blocks_avx2<Q4_1, 4>},
+      {blocks_avxvnni<Q4_1, 1>, blocks_avxvnni<Q4_1, 2>, blocks_avxvnni<Q4_1, 3>, blocks_avxvnni<Q4_1, 4>},
+      {blocks_avx512vnni<Q4_1, 1>, blocks_avx512vnni<Q4_1, 2>, blocks_avx512vnni<Q4_1, 3>, blocks_avx512vnni<Q4_1, 4>}};
   static constexpr Group8 Q4K[4] = {q4k_avx2<1>, q4k_avx2<2>, q4k_avx2<3>, q4k_avx2<4>};
-  const Group8* fns = j.qtype == Q4_0 ? Q40 : j.qtype == Q4_1 ? Q41 : j.qtype == Q4_K ? Q4K : nullptr;
+  const int vk = vnni_kind();  // Q4_K's int16 sums over a scale's group keep vpmaddubsw on every CPU
+  const Group8* fns = j.qtype == Q4_0 ? Q40[vk] : j.qtype == Q4_1 ? Q41[vk] : j.qtype == Q4_K ? Q4K : nullptr;
   TORCH_CHECK(fns != nullptr, "ggml type ", j.qtype, " has no packed kernel");
   for (int64_t g = g0; g < g1; ++g)  // a group's 8 rows stay in L1 while every 4 x rows pass
     for (int r0 = 0; r0 < j.m; r0 += 4) fns[(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, g);
