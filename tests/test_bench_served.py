@@ -46,6 +46,10 @@ def standin_checkout(tmp_path: Path) -> tuple[Path, Path]:
     (src / "webchat").mkdir(parents=True)
     (src / "webchat" / "__init__.py").write_text("")
     (src / "webchat" / "cli.py").write_text(f"import runpy\nrunpy.run_path({str(STANDIN)!r}, run_name='__main__')\n")
+    (src / "webchat" / "gguf_path.py").write_text(  # the conversion the bench asks for before its rounds, noted
+        "def model_folder(path):\n"
+        f"    with open({str(src / 'converted.txt')!r}, 'a') as f:\n"
+        "        f.write(path.name + '\\n')\n")
     binary = tmp_path / "llama-server"
     binary.write_text(f"#!/bin/sh\nexec {sys.executable} {STANDIN} llama \"$@\"\n")
     binary.chmod(0o755)
@@ -74,6 +78,7 @@ def test_both_precisions_and_llama_server_per_file(tmp_path: Path) -> None:
     assert len(rows) == 2 and all(len(r.split("|")) == 2 + 5 + 1 for r in rows), rows  # title, 3 servers, 2 ratios
     weights = [line for line in out.stdout.splitlines() if line.startswith("weights read a token")]
     assert len(weights) == 2 and all("webchat --exact" in w and "llama-server" in w for w in weights), weights
+    assert (tmp_path / "checkout" / "converted.txt").read_text().split() == ["a.gguf", "b.gguf"]  # each once
 
 
 def test_a_checkout_without_exact_says_so_and_runs_its_default(tmp_path: Path) -> None:
