@@ -184,6 +184,12 @@ class ChatPage:
     def wait_connected(self) -> None:
         self.page.wait_for_selector("[data-testid=status][data-state=open]", timeout=15_000)
 
+    def reload(self) -> None:
+        """The page reloaded once its IndexedDB writes have committed (a reload aborts a write in flight: the page
+        counts them in body[data-saving])."""
+        self.page.wait_for_selector("body:not([data-saving]), body[data-saving='0']", state="attached", timeout=15_000)
+        self.page.reload()
+
     def set_settings(self, **values: str) -> None:
         if self.page.get_by_test_id("settings-panel").is_hidden():
             self.page.get_by_test_id("settings-open").click()

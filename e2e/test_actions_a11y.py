@@ -48,7 +48,7 @@ def test_presets_built_in_and_saved(chat: ChatPage) -> None:
     page.get_by_test_id("preset-save").click()
     page.get_by_test_id("preset").select_option(label="Balanced")
     expect(page.get_by_test_id("setting-temperature")).to_have_value("0.7")
-    page.reload()
+    chat.reload()
     chat.wait_connected()
     page.get_by_test_id("settings-open").click()
     page.get_by_test_id("preset").select_option(label="mine (yours)")

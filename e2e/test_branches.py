@@ -98,7 +98,7 @@ def test_regenerate_an_earlier_reply_and_delete_messages(chat: ChatPage) -> None
     expect(replies).to_have_count(1)
     chat.page.get_by_test_id("user-message").last.get_by_test_id("delete").click()
     expect(chat.page.get_by_test_id("user-message")).to_have_count(1)
-    chat.page.reload()
+    chat.reload()
     chat.wait_connected()
     expect(chat.page.get_by_test_id("user-message").get_by_test_id("message-body")).to_have_text(["First"])
     expect(replies.first.get_by_test_id("version")).to_have_text("1/2")

@@ -82,7 +82,7 @@ def test_reload_restores_the_conversation(chat: ChatPage) -> None:
     chat.send("Second question")
     chat.wait_done()
     second = chat.reply_text()
-    chat.page.reload()
+    chat.reload()
     chat.wait_connected()
     bodies = chat.page.get_by_test_id("messages").get_by_test_id("message-body")
     expect(bodies).to_have_count(4)

@@ -53,7 +53,7 @@ def test_a_crafted_file_is_refused_whole_and_the_page_stays_usable(tiny_server: 
     expect(status).to_contain_text(field)
     expect(status).to_contain_text("nothing was imported")
     expect(page.page.get_by_test_id("conversation").filter(has_text="chat a")).to_have_count(0)  # not even the good one
-    page.page.reload()
+    page.reload()
     page.wait_connected()
     expect(page.page.locator("body[data-ready=true]")).to_have_count(1)
     for cid in ("a", "b"):
@@ -82,7 +82,7 @@ def test_a_bad_conversation_in_storage_is_marked_and_the_others_load(tiny_server
         });
         db.close();
     }""", [bad, good])
-    page.page.reload()
+    page.reload()
     page.wait_connected()
     expect(page.page.locator("body[data-ready=true]")).to_have_count(1)
     items = page.page.get_by_test_id("conversation")
@@ -99,7 +99,7 @@ def test_a_bad_conversation_in_storage_is_marked_and_the_others_load(tiny_server
     page.set_settings(max_new_tokens="4")
     page.send("and now?")
     page.wait_done()
-    page.page.reload()
+    page.reload()
     page.wait_connected()
     expect(page.page.locator("body[data-ready=true]")).to_have_count(1)
     repaired = page.page.get_by_test_id("conversation").filter(has_text="chat bad")

@@ -131,7 +131,7 @@ def test_markdown_streams_renders_and_survives_reload(scripted: tuple[ChatPage, 
     chat.page.wait_for_timeout(400)  # the sidebar slides out of a narrow viewport (a 0.15 s transition)
     chat.page.screenshot(path=str(artifacts / "markdown-done-phone.png"))
     chat.page.set_viewport_size({"width": 1280, "height": 900})
-    chat.page.reload()
+    chat.reload()
     chat.wait_connected()
     chat.page.get_by_test_id("heatmap-toggle").wait_for()
     expect(chat.last_reply()).to_have_attribute("data-state", "done")

@@ -63,7 +63,7 @@ def test_pick_a_model_chat_switch_and_reload(two_models: Server, new_page: Calla
     expect(options.nth(1)).to_have_text("tiny-b · Llama · float32 · 0.5 MB")
     chat.page.screenshot(path=str(artifacts / "model-picker.png"))
 
-    chat.page.reload()
+    chat.reload()
     chat.wait_connected()
     expect(chat.page.get_by_test_id("model-picker")).to_have_value("tiny-b")  # the chat remembers its model
     expect(chat.last_reply().get_by_test_id("reply-model")).to_have_text("tiny-b")

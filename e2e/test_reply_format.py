@@ -68,7 +68,7 @@ def test_a_json_schema_in_settings_gives_valid_highlighted_json(chat: ChatPage, 
         expect(barred.first.get_by_test_id("alt-forbidden")).to_have_text("forbidden")
         assert barred.first.get_by_test_id("alt-pick").count() == 0  # no branch from a forbidden token
         page.screenshot(path=str(artifacts / "reply-format.png"))
-    page.reload()
+    chat.reload()
     chat.wait_connected()
     page.get_by_test_id("settings-open").click()
     expect(page.get_by_test_id("setting-reply_format")).to_have_value("json_schema")  # kept with the chat

@@ -88,7 +88,7 @@ def test_score_a_user_message_then_rank_bins(chat: ChatPage, artifacts: Path) ->
     assert chat.page.get_by_test_id("popover").get_by_test_id("alt-pick").count() == 0  # a score branches nothing
     chat.page.screenshot(path=str(artifacts / f"score-rank-bins-{chat.server.engine}.png"))
 
-    chat.page.reload()  # kept with the chat
+    chat.reload()  # kept with the chat
     chat.wait_connected()
     panel = user_message(chat).get_by_test_id("score-panel")
     expect(panel).to_be_visible()
@@ -115,7 +115,7 @@ def test_score_a_pasted_text(chat: ChatPage, artifacts: Path) -> None:
     panel.locator("[data-testid=score-token]").nth(3).hover()
     expect(chat.page.get_by_test_id("score-popover")).to_be_visible()
     chat.page.screenshot(path=str(artifacts / f"score-text-{chat.server.engine}.png"))
-    chat.page.reload()
+    chat.reload()
     chat.wait_connected()
     chat.page.get_by_test_id("score-text-open").click()
     expect(chat.page.get_by_test_id("score-input")).to_have_value(text)

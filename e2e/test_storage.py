@@ -43,7 +43,7 @@ def snapshot(chat: ChatPage) -> list[dict[str, Any]]:
 
 def test_localstorage_chats_move_to_indexeddb_once(chat: ChatPage) -> None:
     chat.page.evaluate("(v) => localStorage.setItem('webchat.conversations.v1', v)", json.dumps(OLD))
-    chat.page.reload()
+    chat.reload()
     chat.wait_connected()
     chat.page.get_by_test_id("conversation").filter(has_text="An old question").get_by_role("button").first.click()
     chat.page.get_by_test_id("heatmap-toggle").check()
@@ -52,7 +52,7 @@ def test_localstorage_chats_move_to_indexeddb_once(chat: ChatPage) -> None:
                                                       ("assistant-message", "Old reply")]
     assert got[1]["ps"] == [0.5, 0.25], "the heatmap data did not survive the move"
     assert chat.page.evaluate("localStorage.getItem('webchat.conversations.v1')") is None
-    chat.page.reload()
+    chat.reload()
     chat.wait_connected()
     expect(chat.page.get_by_test_id("conversation").filter(has_text="An old question")).to_have_count(1)
 
@@ -76,7 +76,9 @@ def test_rename_and_search(chat: ChatPage) -> None:
     expect(chat.page.get_by_test_id("conversation")).to_have_count(1)
     expect(chat.page.get_by_test_id("conversation").first).to_contain_text("beta question")
     chat.page.get_by_test_id("search").fill("")
-    chat.page.reload()
+    # the page counts its IndexedDB writes in flight (chat.reload waits for none): after these, all committed
+    expect(chat.page.locator("body[data-saving='0']")).to_have_count(1)
+    chat.reload()
     chat.wait_connected()
     expect(chat.page.get_by_test_id("conversation").filter(has_text="My renamed chat")).to_have_count(1)
 

@@ -163,7 +163,7 @@ def test_the_think_switch_is_kept_per_chat_and_sent_as_enable_thinking(qwen3_ser
     expect(toggle).to_be_checked()  # a new chat thinks
     chat.page.get_by_test_id("conversation").filter(has_text="No thinking").get_by_role("button").first.click()
     expect(toggle).not_to_be_checked()
-    chat.page.reload()
+    chat.reload()
     chat.wait_connected()
     expect(toggle).not_to_be_checked()
 

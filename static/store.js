@@ -88,19 +88,32 @@ let dbPromise = null;
 /** @returns {Promise<IDBDatabase>} */
 const db = () => (dbPromise = dbPromise ?? openDb());
 
+/** Writes not yet committed, shown as `body[data-saving]` (a reload before a commit loses that write). */
+let pending = 0;
+/** @param {number} change */
+function countPending(change) {
+  pending += change;
+  if (typeof document !== "undefined" && document.body) document.body.dataset.saving = String(pending);
+}
+
 /**
  * Runs one read-write transaction over the store; resolves once it committed.
  * @param {(store: IDBObjectStore) => void} work
  * @returns {Promise<void>}
  */
 async function writeTx(work) {
-  const tx = (await db()).transaction(STORE, "readwrite");
-  work(tx.objectStore(STORE));
-  await new Promise((resolve, reject) => {
-    tx.oncomplete = () => resolve(undefined);
-    tx.onerror = () => reject(tx.error);
-    tx.onabort = () => reject(tx.error);
-  });
+  countPending(1);
+  try {
+    const tx = (await db()).transaction(STORE, "readwrite");
+    work(tx.objectStore(STORE));
+    await new Promise((resolve, reject) => {
+      tx.oncomplete = () => resolve(undefined);
+      tx.onerror = () => reject(tx.error);
+      tx.onabort = () => reject(tx.error);
+    });
+  } finally {
+    countPending(-1);
+  }
 }
 
 /**
