@@ -210,10 +210,11 @@ function applyHello(hello) {
   } else {
     info.textContent = `${hello.device} · ${quantized} · context ${hello.context_length}`;
     info.dataset.precision = hello.precision ?? "exact";
-    info.title = hello.precision === "int8"
+    // the line in full first: a narrow header cuts it with an ellipsis
+    info.title = `${info.textContent}\n` + (hello.precision === "int8"
       ? "int8 activations: each matrix input quantized to 8 bits, a scale per 8 values (per 32 in a K-quant; "
         + "faster; docs/quant.md)"
-      : "float32 activations (within float rounding of the float32 model on these weights)";
+      : "float32 activations (within float rounding of the float32 model on these weights)");
   }
   settings.setServerLimits(hello);
   defaultThinking = hello.thinking ?? null;
