@@ -30,7 +30,6 @@ int cpu_vnni() {
   return 0;
 }
 
-
 // ---------------------------------------------------------------- scalar: the order every path follows
 // block b's weights as signed integers in value order
 template <int QT>

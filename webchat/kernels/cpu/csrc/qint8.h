@@ -81,9 +81,10 @@ struct Panel8 {
   void build(const Act8& a, int64_t row0, int64_t m);  // rows [row0, row0 + m) of a
 };
 
-// rows [row0, row0 + m) of a (the panel P built from them on the vector paths) against K-quant weight rows [n0, n1)
+// rows [row0, row0 + m) of a (the panel P built from them on the vector paths) against K-quant weight rows [n0, n1);
+// packed: w is Q4_K packed 8 rows to a group (qpack8.cpp), each super-block gathered back as it is decoded
 void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
-                int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p, bool packed = false);
+                int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p, bool packed);
 
 // y_i (m, n_i) = rows [row0, row0 + m) of a @ W_i^T for matrices sharing their input: one parallel region over all
 // their output rows. An F32 matrix takes x (those rows as floats, rows of a.k) through the float kernel. prompt: the
