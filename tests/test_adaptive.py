@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.engine.adaptive import MAX_AUTO_DRAFT, PROBE_MAX, PROBE_MIN, AutoSpec, Proposal, SeqDrafter
+from webchat.engine.adaptive import MAX_AUTO_DRAFT, PAYOFF_RANGE, PROBE_MAX, PROBE_MIN, AutoSpec, Proposal, SeqDrafter
 from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
@@ -201,6 +201,31 @@ def test_estimates_that_run_high_are_pulled_down() -> None:
     assert spec.realistic("context", [0.5, 0.9]) == [pytest.approx(0.625), 0.99]
 
 
+def test_plans_that_do_not_come_true_stop_drafting_at_that_batch_size_until_forgotten() -> None:
+    spec = planner(slope=6.0)  # forward ms = 10 + 6 (rows - 1)
+    draft = [0.9, 0.85, 0.8]  # (1 + 2.55) tokens / 28 ms against 1 / 10: granted, 1.23x the step without drafts
+    assert spec.plan([offer(draft)], 1, 1, 63) == [3]
+    spec.outcome(4, 28.0)  # all 3 accepted: better than planned, which raises the plans (within the range)
+    assert 1.0 < spec.payoff_factor(1) <= PAYOFF_RANGE[1]
+    for _ in range(12):  # then every grant emits 1 token in a forward twice the curve's: a loss each time
+        if spec.plan([offer(draft)], 1, 1, 63) == [0]:
+            break
+        spec.outcome(1, 56.0)
+    else:
+        pytest.fail("a batch size whose drafts keep losing went on drafting")
+    assert spec.payoff_factor(1) < 0.8
+    four = [offer([0.99, 0.98, 0.97])] + [None] * 3  # another batch size keeps its own evidence (none yet)
+    assert spec.payoff_factor(4) == 1.0 and spec.plan(four, 4, 4, 60) == planner(slope=6.0).plan(four, 4, 4, 60)
+    steps = 0
+    while spec.plan([offer(draft)], 1, 1, 63) == [0]:  # planned and not granted: the evidence fades, drafting resumes
+        steps += 1
+        assert steps < 1000, "a batch size that stopped drafting never tried again"
+    assert steps > 20  # ... not at once
+    spec.discard_plan()
+    spec.outcome(0, 1000.0)  # a discarded plan (its step never ran) teaches nothing
+    assert spec.plan([offer(draft)], 1, 1, 63) == [3]
+
+
 # ---------------------------------------------------------------- one sequence's drafting
 class Script:
     """A sequence whose model writes `script`, verified the engine's way: accepted drafts, then the model's token."""
@@ -297,6 +322,33 @@ def test_drafts_never_evict_an_idle_session(tiny_model_dir: Path, monkeypatch: p
         assert out == plain
         assert engine.cached_ids(idle) == held and len(held) >= 40
         assert (stats.drafted > 0) is drafting, stats
+
+
+def test_the_engine_reports_how_each_plan_came_true(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step whose plan granted drafts reports the tokens it emitted and its forward's time: drafts that are
+    never accepted bring that batch size's payoff down."""
+    model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+
+    prompt = list(range(40, 60))
+    plain, _ = run(Generator(model, tok), GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=6,
+                                                            stop_token_ids=[]))
+
+    def wrong(self: SeqDrafter, context: list[int], room: int, sampled: bool = False) -> Proposal:
+        miss = (plain[len(context) - len(prompt)] + 1) % model.args.vocab_size  # not the token that comes next
+        return Proposal("context", 0, [0.9] * 8, tokens=[miss] * 8, at=len(context))
+
+    monkeypatch.setattr(SeqDrafter, "offer", wrong)
+    engine = Engine(model, tok, max_seq_len=96)
+    engine.auto.cost = VerifyCost.flat()
+    outcomes: list[int] = []
+    monkeypatch.setattr(engine.auto, "outcome", lambda emitted, ms, real=engine.auto.outcome: (
+        outcomes.append(emitted), real(emitted, ms))[1])
+    out, stats = run(Generator(model, tok, engine=engine),
+                     GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=6, stop_token_ids=[],
+                                       speculative="auto"))
+    assert out == plain and stats.drafted > 0 and stats.accepted == 0
+    assert outcomes and set(outcomes) == {1}  # each drafted step emitted its one verified token
+    assert engine.auto.payoff_factor(1) < 0.5
 
 
 def run(gen: Generator, req: GenerationRequest) -> tuple[list[int], Any]:

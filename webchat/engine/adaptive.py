@@ -16,6 +16,13 @@ model's forwards + the sampling of rows verified one by one), the forward from t
 (webchat.engine.verify_cost). Nothing is granted unless that beats the step without drafts by MARGIN. SmartSpec (Liu et
 al., 2024) plans vLLM's speculation lengths by the same measure ("goodput").
 
+The plans are checked too. After each step with grants, the tokens it emitted over its measured forward (plus the
+time between forwards and the draft-side extra) against what the plan expected: the log of that ratio, decayed over
+the last steps, per batch size (`payoff`). Its exponent scales the expected rates of later plans at that batch size,
+so where drafting has lost (a cost curve measured alone that a busy batch outruns, estimates that run high together)
+the planner asks for that much more before it drafts, and where it paid more than planned, a little less. A batch size
+that stops drafting forgets its evidence step by step (PAYOFF_FORGET) and tries again.
+
 Every proposal is checked against what the sequence emitted next, drafted or not: a shadow check, free for the
 suffix sources. A source that keeps failing loses its grants as its rate falls, and wins them back when its
 proposals match again. A draft model's proposal costs a forward a token, so once its rate has fallen it is probed
@@ -24,6 +31,7 @@ with one token at growing intervals (PROBE_MIN steps, doubled after each miss, u
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,6 +54,15 @@ REALISM_RANGE = (0.25, 1.25)
 MARGIN = 0.03  # drafts must promise this many more tokens per ms than the step without them
 SHARED_TOKENS = 1 << 16  # output tokens the engine-wide index keeps (the oldest outputs dropped first)
 PROBE_MIN, PROBE_MAX = 8, 128
+PAYOFF_DECAY = 0.9  # a batch size's payoff: weight of the past per step with grants (about the last 10)
+PAYOFF_PRIOR = 3.0  # steps the start value (plans come true: log 1 = 0) counts as
+PAYOFF_FORGET = 0.995  # per step a batch size plans and grants nothing: its evidence fades (halved in ~140 steps)
+PAYOFF_RANGE = (0.25, 1.25)
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch sizes whose plans share a payoff: 1, 2, 3, 4, 5-7, 8-15, 16+ decode rows."""
+    return rows if rows <= 4 else 5 if rows < 8 else 8 if rows < 16 else 16
 
 
 class ModelDrafts(Protocol):
@@ -123,6 +140,29 @@ class AutoSpec:
         self.sampled_row_ms = 0.0  # sampling one verify row of a sampled sequence (rows verified one by one)
         self.draft_token_ms = 0.0  # one draft model forward
         self.counts = Counts()
+        self.payoff: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (sum of log(got / planned), steps)
+        self._planned: tuple[int, float, float, float] | None = None  # the last plan: bucket, tokens, ms, extra ms
+
+    def payoff_factor(self, key: int) -> float:
+        """How the plans at this batch bucket came true lately: exp(mean log(got / planned)), within PAYOFF_RANGE."""
+        total, steps = self.payoff.get(key, (0.0, 0.0))
+        return min(PAYOFF_RANGE[1], max(PAYOFF_RANGE[0], math.exp(total / (steps + PAYOFF_PRIOR))))
+
+    def discard_plan(self) -> None:
+        """The last plan's grants were not run (a new step begins, or its pages were short)."""
+        self._planned = None
+
+    def outcome(self, emitted: int, forward_ms: float) -> None:
+        """The step the last plan granted drafts to has run: it emitted `emitted` tokens in a forward of forward_ms."""
+        if self._planned is None:
+            return
+        key, tokens, planned_ms, extra = self._planned
+        self._planned = None
+        overhead = self.cycles.overhead_ms
+        got = emitted / max(1e-6, forward_ms + overhead + extra)
+        log_ratio = math.log(max(1e-3, got / (tokens / max(1e-6, planned_ms + overhead + extra))))
+        total, steps = self.payoff.get(key, (0.0, 0.0))
+        self.payoff[key] = (total * PAYOFF_DECAY + log_ratio, steps * PAYOFF_DECAY + 1)
 
     def rate(self, source: str, b: int) -> float:
         r = self.rates.get((source, b))
@@ -171,16 +211,23 @@ class AutoSpec:
         ranked = sorted(((q, j, i) for i, p in enumerate(offers) if p is not None for j, q in enumerate(p.q)),
                         key=lambda c: (-c[0], c[1]))[: max(0, room)]
         overhead, fwd = self.cycles.overhead_ms, self.cost.forward_ms
+        key = batch_bucket(base_rows)
+        payoff = self.payoff_factor(key)
         best = base_tokens / (fwd(base_rows) + overhead) * (1 + MARGIN) if base_rows else 0.0
         best_n, tokens, extra = 0, float(base_tokens), 0.0
+        self._planned = None
         for n, (q, _, i) in enumerate(ranked, 1):
             p = offers[i]
             assert p is not None
             tokens += q
             extra += p.extra_ms
-            rate = tokens / (fwd(base_rows + n) + overhead + extra)
+            rate = payoff * tokens / (fwd(base_rows + n) + overhead + extra)
             if rate > best:
                 best, best_n = rate, n
+                self._planned = (key, tokens, fwd(base_rows + n), extra)
+        if not best_n and key in self.payoff:  # nothing granted: this bucket's evidence fades
+            total, steps = self.payoff[key]
+            self.payoff[key] = (total * PAYOFF_FORGET, steps * PAYOFF_FORGET)
         grants = [0] * len(offers)
         for _, _, i in ranked[:best_n]:
             grants[i] += 1
@@ -200,7 +247,8 @@ class AutoSpec:
                 "shadow_checked": dict(c.checked), "shadow_matched": dict(c.matched),
                 "rates": {f"{s}/{b}": round(self.rate(s, b), 3) for s, b in sorted(self.rates)},
                 "realism": {s: round((a + REALISM_WEIGHT) / (e + REALISM_WEIGHT), 3)
-                            for s, (e, a) in sorted(self.realism.items())}}
+                            for s, (e, a) in sorted(self.realism.items())},
+                "payoff": {str(k): round(self.payoff_factor(k), 3) for k in sorted(self.payoff)}}
 
 
 class SeqDrafter:

@@ -375,6 +375,7 @@ class Engine:
     def _plan_drafts(self, rows: list[_Row]) -> None:
         """The auto sequences' drafts for this step: as many as pay for their verify rows (webchat.engine.adaptive),
         and none where the pool's free pages could not hold them without evicting anyone."""
+        self.auto.discard_plan()
         planned = [r for r in rows if r.plan]
         if not planned or (self.auto.cost is None and not self.calibrate()):
             return
@@ -387,6 +388,7 @@ class Engine:
                                 sum(1 + len(r.drafts) * r.forced for r in base if r.sample),
                                 MAX_STEP_ROWS - sum(len(r.feed) for r in rows))
         if not self._pages_free(rows, planned, grants):
+            self.auto.discard_plan()
             return
         for r, p, n in zip(planned, offers, grants, strict=True):
             if n and p is not None:
@@ -444,8 +446,9 @@ class Engine:
         ends = [r.seq.stats.prompt_tokens for r in rows]
         began = time.perf_counter()
         logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends), self.pool)  # (R, vocab)
+        ended = time.perf_counter()
         decode_only = not any(r.seq.prefilling for r in rows)
-        self.auto.timed(began, time.perf_counter(), sum(len(r.feed) for r in rows) if decode_only else 0)
+        self.auto.timed(began, ended, sum(len(r.feed) for r in rows) if decode_only else 0)
         at, todo = 0, []  # (row, its first sampling logits row, how many it samples, its results)
         for r in rows:
             seq, out = r.seq, StreamResult()
@@ -472,12 +475,16 @@ class Engine:
         picked = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when every row is asked
             torch.tensor(at_rows, dtype=torch.long, device=logits.device)]
         choices = iter(sample_batch(picked, asks, self.model.row_scan) if asks else [])
+        before = sum(len(r.seq.tokens) for r in rows)
         for r, first, n, out in todo:
             if n:
                 k = n if self._batch_verify(r.seq) else 1
                 self._verify(r.seq, out, r.drafts, logits, [next(choices) for _ in range(k)], first, not r.forced)
             r.seq.table.register(r.seq.tokens, r.seq.n_cached)
             self._post(r.seq, out)
+        if decode_only:  # how the step's plan came true (its prompt rows, where it has some, were not planned for)
+            self.auto.outcome(sum(len(r.seq.tokens) for r in rows) - before, (ended - began) * 1000)
+        self.auto.discard_plan()
 
     @staticmethod
     def _batch_verify(seq: Sequence) -> bool:
