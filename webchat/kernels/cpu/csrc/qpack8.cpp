@@ -53,6 +53,11 @@ int fields(int qtype, Field f[4]) {
   }
 }
 
+// a word of 2 or 4 bytes (a constant size each, so the copy is one move, not a call to memmove)
+inline void copy_word(uint8_t* dst, const uint8_t* src, int word) {
+  word == 4 ? std::memcpy(dst, src, 4) : std::memcpy(dst, src, 2);
+}
+
 // one group's unit u: 8 rows of `ub` bytes at stride `stride` (rows) <-> 8 * ub packed bytes
 void move_unit(const Field* f, int nf, uint8_t* rows, int64_t stride, uint8_t* packed, bool pack) {
   int64_t pos = 0;
@@ -60,18 +65,19 @@ void move_unit(const Field* f, int nf, uint8_t* rows, int64_t stride, uint8_t* p
     for (int w = 0; w < f[i].bytes; w += f[i].word)
       for (int r = 0; r < 8; ++r, pos += f[i].word) {
         uint8_t* row = rows + r * stride + f[i].offset + w;
-        pack ? std::memcpy(packed + pos, row, f[i].word) : std::memcpy(row, packed + pos, f[i].word);
+        pack ? copy_word(packed + pos, row, f[i].word) : copy_word(row, packed + pos, f[i].word);
       }
 }
 
-// the file's bytes of row r (0..7) of a packed group's unit u into out (ub bytes)
+// the file's bytes of row r (0..7) of a packed group's unit u into out (ub bytes); the prompt GEMM gathers every
+// super-block of packed Q4_K this way (qgemm8.cpp)
 void row_unit(int qtype, const uint8_t* packed_unit, int r, uint8_t* out) {
   Field f[4];
   const int nf = fields(qtype, f);
   int64_t pos = 0;
   for (int i = 0; i < nf; ++i)
     for (int w = 0; w < f[i].bytes; w += f[i].word, pos += 8 * f[i].word)
-      std::memcpy(out + f[i].offset + w, packed_unit + pos + r * f[i].word, f[i].word);
+      copy_word(out + f[i].offset + w, packed_unit + pos + r * f[i].word, f[i].word);
 }
 
 // ---------------------------------------------------------------- scalar: the order every path follows
