@@ -13,7 +13,7 @@ Printed: each set and client count's aggregate tok/s per mode and against none; 
 (sequence-steps granted drafts / sequence-steps planned) and what share of the drafted tokens were accepted, from the
 server's /api/info (`speculation`, read before and after each section); whether every mode's text equals none's, for
 the same prompt (greedy alone and among the streams, and seeded); and the verify-cost curve the auto server measured
-at its warm-up.
+at its warm-up, with how its plans came true (the payoff factor per batch size) by the end of its first round.
 """
 
 from __future__ import annotations
@@ -260,3 +260,7 @@ def report(modes: list[str], sets: list[str], clients: list[int], best: dict[str
         print(f"\nthe auto server's verify-cost curve (rows -> forward ms, measured at its warm-up): {points}; past "
               f"the last point +{float(cost['slope_ms_per_row']):.2f} ms a row; a 5-row verify ~ {five / one:.2f} "
               f"one-row steps; time between steps {float(curve.get('between_steps_ms', 0)):.2f} ms (its last median)")
+    if curve.get("payoff"):  # webchat.engine.adaptive: got / planned per batch size, scaling that size's later plans
+        print("how its plans came true by the end of its first round (payoff per batch size of decode rows, the "
+              "factor on later plans' expected rates): " + ", ".join(f"{k}: {float(v):.2f}"
+                                                                       for k, v in curve["payoff"].items()))

@@ -1,5 +1,6 @@
 """bench/bench_served.py end to end against stand-in servers (tests/bench_standin.py): several files in one run, both
-webchat precisions where the checkout has `--exact`, a plain note where it has not, and the weights a token reads."""
+webchat precisions where the checkout has `--exact`, a plain note where it has not, and the weights a token reads; and
+what the speculation comparison (bench/served_speculation.py) prints from an auto server's /api/info."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "bench_standin.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
 from served_files import matrix_bytes  # noqa: E402
+from served_speculation import Section, report  # noqa: E402
 
 
 def tiny_gguf(path: Path, tied: bool) -> Path:
@@ -91,3 +94,20 @@ def test_a_checkout_without_exact_says_so_and_runs_its_default(tmp_path: Path) -
 def test_asking_for_exact_alone_without_the_flag_is_refused_by_name(tmp_path: Path) -> None:
     out = run_bench(tmp_path, False, "--precision", "exact")
     assert out.returncode != 0 and "has no --exact" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_speculation_report_prints_the_curve_and_how_the_plans_came_true(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def sec(tps: float) -> dict[str, Section]:
+        return {"copy c1": Section(int(tps), 1.0, ["same"], {"offers": 10, "granted": 4, "drafted": 20,
+                                                              "accepted": 15})}
+
+    curve = {"cost": {"forward_ms": {"1": 5.0, "4": 8.0, "6": 12.0}, "slope_ms_per_row": 1.8, "scale": 1.0},
+             "between_steps_ms": 0.4, "payoff": {"1": 0.7, "4": 0.873}}
+    report(["none", "auto"], ["copy"], [1], {"none": sec(100), "auto": sec(150)}, {"none": [sec(100)],
+                                                                                   "auto": [sec(150)]}, curve)
+    out = capsys.readouterr().out
+    assert "| copy | 1 | 100.0 | 150.0 | 1.50x | 1.50 |" in out
+    assert "drafted in 40% of 10, accepted 15/20 (75%)" in out
+    assert "a 5-row verify ~ 2.00 one-row steps" in out
+    assert "(payoff per batch size of decode rows, the factor on later plans' expected rates): 1: 0.70, 4: 0.87" in out
