@@ -9,6 +9,7 @@ drafter copy the earlier reply) and every mode answers the same prompts.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 SUBJECTS = ["the sky", "the ocean", "a forest", "a city", "a desert", "the moon", "a river", "a mountain", "a garden",
@@ -56,9 +57,15 @@ def open_chat(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": ask.format(s=SUBJECTS[i % len(SUBJECTS)])}]
 
 
+COMBOS = list(itertools.combinations(range(len(SENTENCES)), 4))
+
+
 def copy_chat(i: int) -> list[dict[str, str]]:
     n = len(SENTENCES)
-    picked = [SENTENCES[(i * 5 + k * (1 + i % 4)) % n] for k in range(4)]
+    if i < 36:  # the first 36 as the served benchmark has always asked them
+        picked = [SENTENCES[(i * 5 + k * (1 + i % 4)) % n] for k in range(4)]
+    else:  # then other sets of four (bench_served.py --speculation --spec-paired asks for more)
+        picked = [SENTENCES[j] for j in COMBOS[(i * 2654435761) % len(COMBOS)]]
     picked[i % 4] = typo(picked[i % 4], i)
     paragraph = " ".join(picked)
     return [{"role": "user", "content": "Fix the spelling mistake in this paragraph and write the whole corrected "

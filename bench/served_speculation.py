@@ -14,6 +14,13 @@ Printed: each set and client count's aggregate tok/s per mode and against none; 
 server's /api/info (`speculation`, read before and after each section); whether every mode's text equals none's, for
 the same prompt (greedy alone and among the streams, and seeded); and the verify-cost curve the auto server measured
 at its warm-up, with how its plans came true (the payoff factor per batch size) by the end of its first round.
+
+`--spec-paired N` measures auto against none inside one `--speculative auto` server instead: per set and client
+count, N pairs of a none section and an auto section back to back, each request naming its mode, the order alternating
+and every section new prompts (a repeated prompt is refused: auto would copy the earlier reply). Both sides of each
+ratio share the process and the minute, so the spread between server processes (0.77-1.30 on open questions where
+nothing was drafted, bench/README.md) leaves the ratio; printed per section: the median ratio, its quartiles, the
+pairs at or above 0.97, and what auto drafted.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-rounds", type=int, default=2)
     g.add_argument("--spec-max-tokens", type=int, default=320, help="cap on copy and code replies (default 320)")
     g.add_argument("--spec-seeded", type=int, default=4, help="seeded sampled streams per set (0: none)")
+    g.add_argument("--spec-paired", type=int, default=0, metavar="N",
+                   help="instead: one auto server, N pairs per set and client count of a none section and an auto "
+                        "section back to back (each request names its mode), the ratio of each pair")
 
 
 @dataclass
@@ -157,10 +167,7 @@ def run_mode(server: Server, sets: list[str], clients: list[int], args: argparse
     ask(server, [{"role": "user", "content": "Hello!"}], {"max_tokens": 8, "temperature": 0})  # warm-up
     for name in sets:
         chat = SETS[name]
-        if name == "open":
-            body = {"max_tokens": args.tokens, "temperature": 0, "logit_bias": {str(t): -100 for t in stops}}
-        else:
-            body = {"max_tokens": args.spec_max_tokens, "temperature": 0}
+        body = set_body(name, args, stops)
         at = 0
         for n in clients:
             if n == 1:
@@ -182,6 +189,61 @@ def run_mode(server: Server, sets: list[str], clients: list[int], args: argparse
     return out
 
 
+def set_body(name: str, args: argparse.Namespace, stops: list[int]) -> dict[str, Any]:
+    """A set's request body: open questions run --tokens long (end of turn biased away), copies and edits end where
+    the model ends them."""
+    if name == "open":
+        return {"max_tokens": args.tokens, "temperature": 0, "logit_bias": {str(t): -100 for t in stops}}
+    return {"max_tokens": args.spec_max_tokens, "temperature": 0}
+
+
+def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[int], stops: list[int]) -> None:
+    """--spec-paired N: one `--speculative auto` server; per set and client count, N pairs of a `none` section and an
+    `auto` section back to back, each request naming its mode (the order alternates pair by pair, every section new
+    prompts), so both sides of a ratio share the server process, its warm state and the minute: the spread between
+    server processes, larger than speculation's effect on a shared 2-core machine, leaves the ratio."""
+    server = spec_server(gguf, free_port(), args.src.resolve(), "auto")
+    print(f"{gguf.name}: auto against none in one auto server, {args.spec_paired} pairs per section, the order "
+          f"alternating; sets {', '.join(sets)}; clients {clients}", flush=True)
+    print("\n| set | clients | auto / none: median | quartiles | pairs >= 0.97 | none tok/s (median) | auto drafted "
+          "in / accepted |")
+    print("|---|---:|---:|---|---:|---:|---|")
+    try:
+        server.wait_ready()
+        ask(server, [{"role": "user", "content": "Hello!"}], {"max_tokens": 8, "temperature": 0})  # warm-up
+        at, asked = 0, set()
+        for name in sets:
+            for n in clients:
+                ratios, base, drafted = [], [], {"offers": 0.0, "granted": 0.0, "drafted": 0.0, "accepted": 0.0}
+                for p in range(args.spec_paired):
+                    order = ("none", "auto") if p % 2 == 0 else ("auto", "none")
+                    got: dict[str, Section] = {}
+                    for mode in order:
+                        chats = [SETS[name](at + i) for i in range(n)]
+                        at += n
+                        for c in chats:  # a repeated prompt would let auto copy the earlier reply
+                            key = json.dumps(c)
+                            if key in asked:
+                                raise SystemExit(f"the {name} set ran out of distinct prompts at {at}: fewer "
+                                                 "--spec-paired pairs or clients")
+                            asked.add(key)
+                        got[mode] = section(server, chats, dict(set_body(name, args, stops), speculative=mode))
+                    ratios.append(got["auto"].tps / got["none"].tps)
+                    base.append(got["none"].tps)
+                    for k in drafted:
+                        drafted[k] += got["auto"].decisions.get(k, 0.0)
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+                share = f"{100 * drafted['granted'] / drafted['offers']:.0f}%" if drafted["offers"] else "-"
+                print(f"| {name} | {n} | {statistics.median(ratios):.2f}x | {q[0]:.2f}-{q[2]:.2f} | "
+                      f"{sum(r >= 0.97 for r in ratios)}/{len(ratios)} | {statistics.median(base):.1f} | {share} / "
+                      f"{drafted['accepted']:.0f} of {drafted['drafted']:.0f} |", flush=True)
+        payoff = info(server).get("payoff") or {}
+        print("\nthe server's payoff per batch size at the end (the factor on later plans' expected rates): "
+              + (", ".join(f"{k}: {float(v):.2f}" for k, v in payoff.items()) or "none yet"))
+    finally:
+        server.stop()
+
+
 def main(args: argparse.Namespace, gguf: Path) -> None:
     modes = args.spec_modes.split(",")
     sets = args.spec_sets.split(",")
@@ -189,6 +251,10 @@ def main(args: argparse.Namespace, gguf: Path) -> None:
     if modes[0] != "none" or any(s not in SETS for s in sets):
         raise SystemExit(f"--spec-modes must start with none (got {modes}); --spec-sets from {list(SETS)} (got {sets})")
     stops = stop_token_ids(gguf)
+    if args.spec_paired:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        paired(args, gguf, sets, clients, stops)
+        return
     src = args.src.resolve()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the server it started too (`finally`)
     print(f"{gguf.name}: speculative modes {', '.join(modes)} served, {args.spec_rounds} rounds (best kept), the "
