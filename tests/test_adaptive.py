@@ -201,16 +201,22 @@ def test_estimates_that_run_high_are_pulled_down() -> None:
     assert spec.realistic("context", [0.5, 0.9]) == [pytest.approx(0.625), 0.99]
 
 
+def ran(spec: AutoSpec, emitted: int, ms: float) -> None:
+    """The planned step ran: `emitted` tokens, and the next forward began ms after its own."""
+    spec.outcome(emitted, 100.0, 100.0 + ms / 2000)
+    spec.next_forward(100.0 + ms / 1000)
+
+
 def test_plans_that_do_not_come_true_stop_drafting_at_that_batch_size_until_forgotten() -> None:
     spec = planner(slope=6.0)  # forward ms = 10 + 6 (rows - 1)
     draft = [0.9, 0.85, 0.8]  # (1 + 2.55) tokens / 28 ms against 1 / 10: granted, 1.23x the step without drafts
     assert spec.plan([offer(draft)], 1, 1, 63) == [3]
-    spec.outcome(4, 28.0)  # all 3 accepted: better than planned, which raises the plans (within the range)
+    ran(spec, 4, 28.0)  # all 3 accepted: better than planned, which raises the plans (within the range)
     assert 1.0 < spec.payoff_factor(1) <= PAYOFF_RANGE[1]
     for _ in range(12):  # then every grant emits 1 token in a forward twice the curve's: a loss each time
         if spec.plan([offer(draft)], 1, 1, 63) == [0]:
             break
-        spec.outcome(1, 56.0)
+        ran(spec, 1, 56.0)
     else:
         pytest.fail("a batch size whose drafts keep losing went on drafting")
     assert spec.payoff_factor(1) < 0.8
@@ -222,7 +228,10 @@ def test_plans_that_do_not_come_true_stop_drafting_at_that_batch_size_until_forg
         assert steps < 1000, "a batch size that stopped drafting never tried again"
     assert steps > 20  # ... not at once
     spec.discard_plan()
-    spec.outcome(0, 1000.0)  # a discarded plan (its step never ran) teaches nothing
+    ran(spec, 0, 1000.0)  # a discarded plan (its step never ran) teaches nothing
+    assert spec.plan([offer(draft)], 1, 1, 63) == [3]
+    spec.outcome(0, 100.0, 100.028)
+    spec.next_forward(101.0)  # an idle second before the next forward: the step's cost is not known
     assert spec.plan([offer(draft)], 1, 1, 63) == [3]
 
 
@@ -325,8 +334,8 @@ def test_drafts_never_evict_an_idle_session(tiny_model_dir: Path, monkeypatch: p
 
 
 def test_the_engine_reports_how_each_plan_came_true(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every step whose plan granted drafts reports the tokens it emitted and its forward's time: drafts that are
-    never accepted bring that batch size's payoff down."""
+    """Every step whose plan granted drafts reports the tokens it emitted and when its forward began, and the next
+    forward closes its cycle: drafts that are never accepted bring that batch size's payoff down."""
     model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
 
     prompt = list(range(40, 60))
@@ -341,14 +350,14 @@ def test_the_engine_reports_how_each_plan_came_true(tiny_model_dir: Path, monkey
     engine = Engine(model, tok, max_seq_len=96)
     engine.auto.cost = VerifyCost.flat()
     outcomes: list[int] = []
-    monkeypatch.setattr(engine.auto, "outcome", lambda emitted, ms, real=engine.auto.outcome: (
-        outcomes.append(emitted), real(emitted, ms))[1])
+    monkeypatch.setattr(engine.auto, "outcome", lambda emitted, began, ended, real=engine.auto.outcome: (
+        outcomes.append(emitted), real(emitted, began, ended))[1])
     out, stats = run(Generator(model, tok, engine=engine),
                      GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=6, stop_token_ids=[],
                                        speculative="auto"))
     assert out == plain and stats.drafted > 0 and stats.accepted == 0
     assert outcomes and set(outcomes) == {1}  # each drafted step emitted its one verified token
-    assert engine.auto.payoff_factor(1) < 0.5
+    assert engine.auto.payoff_factor(1) < 0.75  # from 1: each step got 1 token where it planned 1 + 0.9 a draft
 
 
 def run(gen: Generator, req: GenerationRequest) -> tuple[list[int], Any]:

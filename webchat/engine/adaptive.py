@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from webchat.engine.suffix import SuffixIndex
-from webchat.engine.verify_cost import Cycles, VerifyCost
+from webchat.engine.verify_cost import IDLE_GAP_S, Cycles, VerifyCost
 
 SOURCES = ("context", "shared", "model")  # own prompt and output; other sequences' outputs; the draft model
 BUCKETS = (4, 8, 16)  # match lengths 2-3, 4-7, 8-15, 16+: a longer match continues more often
@@ -142,6 +142,7 @@ class AutoSpec:
         self.counts = Counts()
         self.payoff: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (sum of log(got / planned), steps)
         self._planned: tuple[int, float, float, float] | None = None  # the last plan: bucket, tokens, ms, extra ms
+        self._ran: tuple[int, float, float, float, int, float, float] | None = None  # ... and its step: emitted, times
 
     def payoff_factor(self, key: int) -> float:
         """How the plans at this batch bucket came true lately: exp(mean log(got / planned)), within PAYOFF_RANGE."""
@@ -152,15 +153,26 @@ class AutoSpec:
         """The last plan's grants were not run (a new step begins, or its pages were short)."""
         self._planned = None
 
-    def outcome(self, emitted: int, forward_ms: float) -> None:
-        """The step the last plan granted drafts to has run: it emitted `emitted` tokens in a forward of forward_ms."""
-        if self._planned is None:
-            return
-        key, tokens, planned_ms, extra = self._planned
+    def outcome(self, emitted: int, began: float, ended: float) -> None:
+        """The step the last plan granted drafts to has run: its forward began at `began` and the step emitted
+        `emitted` tokens; the step's cost is known when the next forward begins (`next_forward`)."""
+        if self._planned is not None:
+            self._ran = (*self._planned, emitted, began, ended)
         self._planned = None
-        overhead = self.cycles.overhead_ms
-        got = emitted / max(1e-6, forward_ms + overhead + extra)
-        log_ratio = math.log(max(1e-3, got / (tokens / max(1e-6, planned_ms + overhead + extra))))
+
+    def next_forward(self, now: float) -> None:
+        """A forward begins at `now`: the last drafted step's whole cycle (its forward, its sampling, the delivery of
+        what it emitted and the planning of this one, as a served stream pays them) against the plan's (its forward
+        from the curve and the median time between forwards); an idle gap after it tells nothing."""
+        if self._ran is None:
+            return
+        key, tokens, planned_ms, extra, emitted, began, ended = self._ran
+        self._ran = None
+        if now - ended >= IDLE_GAP_S:
+            return
+        got = emitted / max(1e-6, (now - began) * 1000)
+        planned = tokens / max(1e-6, planned_ms + self.cycles.overhead_ms + extra)
+        log_ratio = math.log(max(1e-3, got / planned))
         total, steps = self.payoff.get(key, (0.0, 0.0))
         self.payoff[key] = (total * PAYOFF_DECAY + log_ratio, steps * PAYOFF_DECAY + 1)
 
@@ -191,6 +203,7 @@ class AutoSpec:
     def timed(self, began: float, ended: float, rows: int) -> None:
         """A forward ran from began to ended (perf_counter seconds); rows: its decode/verify rows, 0 when it had prompt
         rows too (the curve's scale follows the former only)."""
+        self.next_forward(began)
         self.cycles.forward_began(began)
         self.cycles.forward_ended(ended)
         if rows and self.cost is not None:

@@ -483,7 +483,7 @@ class Engine:
             r.seq.table.register(r.seq.tokens, r.seq.n_cached)
             self._post(r.seq, out)
         if decode_only:  # how the step's plan came true (its prompt rows, where it has some, were not planned for)
-            self.auto.outcome(sum(len(r.seq.tokens) for r in rows) - before, (ended - began) * 1000)
+            self.auto.outcome(sum(len(r.seq.tokens) for r in rows) - before, began, ended)
         self.auto.discard_plan()
 
     @staticmethod
