@@ -161,10 +161,14 @@ def section(server: Server, chats: list[list[dict[str, str]]], body: dict[str, A
     return Section(sum(r.tokens for r in replies), wall, [r.text for r in replies], decisions(before, info(server)))
 
 
+def warm_up(server: Server) -> None:
+    ask(server, [{"role": "user", "content": "Hello!"}], {"max_tokens": 8, "temperature": 0})
+
+
 def run_mode(server: Server, sets: list[str], clients: list[int], args: argparse.Namespace,
              stops: list[int]) -> dict[str, Section]:
     out: dict[str, Section] = {}
-    ask(server, [{"role": "user", "content": "Hello!"}], {"max_tokens": 8, "temperature": 0})  # warm-up
+    warm_up(server)
     for name in sets:
         chat = SETS[name]
         body = set_body(name, args, stops)
@@ -210,7 +214,7 @@ def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[
     print("|---|---:|---:|---|---:|---:|---|")
     try:
         server.wait_ready()
-        ask(server, [{"role": "user", "content": "Hello!"}], {"max_tokens": 8, "temperature": 0})  # warm-up
+        warm_up(server)
         at, asked = 0, set()
         for name in sets:
             for n in clients:
@@ -250,13 +254,14 @@ def main(args: argparse.Namespace, gguf: Path) -> None:
     clients = [int(c) for c in args.spec_clients.split(",")]
     if modes[0] != "none" or any(s not in SETS for s in sets):
         raise SystemExit(f"--spec-modes must start with none (got {modes}); --spec-sets from {list(SETS)} (got {sets})")
+    if args.spec_paired < 0:
+        raise SystemExit(f"--spec-paired must be 0 (off) or a number of pairs, got {args.spec_paired}")
     stops = stop_token_ids(gguf)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the server it started too (`finally`)
     if args.spec_paired:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         paired(args, gguf, sets, clients, stops)
         return
     src = args.src.resolve()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the server it started too (`finally`)
     print(f"{gguf.name}: speculative modes {', '.join(modes)} served, {args.spec_rounds} rounds (best kept), the "
           f"modes alternating, one server at a time; sets {', '.join(sets)}; clients {clients}", flush=True)
     best: dict[str, dict[str, Section]] = {m: {} for m in modes}

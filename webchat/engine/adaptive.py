@@ -16,12 +16,13 @@ model's forwards + the sampling of rows verified one by one), the forward from t
 (webchat.engine.verify_cost). Nothing is granted unless that beats the step without drafts by MARGIN. SmartSpec (Liu et
 al., 2024) plans vLLM's speculation lengths by the same measure ("goodput").
 
-The plans are checked too. After each step with grants, the tokens it emitted over its measured forward (plus the
-time between forwards and the draft-side extra) against what the plan expected: the log of that ratio, decayed over
-the last steps, per batch size (`payoff`). Its exponent scales the expected rates of later plans at that batch size,
-so where drafting has lost (a cost curve measured alone that a busy batch outruns, estimates that run high together)
-the planner asks for that much more before it drafts, and where it paid more than planned, a little less. A batch size
-that stops drafting forgets its evidence step by step (PAYOFF_FORGET) and tries again.
+The plans are checked too. After each step with grants, the tokens it emitted over its whole cycle (from its forward's
+start to the next forward's: the sampling and the delivery of its tokens included, as a served stream pays them) against
+what the plan expected: the log of that ratio, decayed over the last steps, per batch size (`payoff`). Its exponent
+scales the expected rates of later plans at that batch size, so where drafting has lost (a cost curve measured alone
+that a busy batch outruns, estimates that run high together) the planner asks for that much more before it drafts, and
+where it paid more than planned, a little less. A batch size that stops drafting forgets its evidence step by step
+(PAYOFF_FORGET) and tries again.
 
 Every proposal is checked against what the sequence emitted next, drafted or not: a shadow check, free for the
 suffix sources. A source that keeps failing loses its grants as its rate falls, and wins them back when its
@@ -149,6 +150,11 @@ class AutoSpec:
         total, steps = self.payoff.get(key, (0.0, 0.0))
         return min(PAYOFF_RANGE[1], max(PAYOFF_RANGE[0], math.exp(total / (steps + PAYOFF_PRIOR))))
 
+    @property
+    def planned(self) -> bool:
+        """Whether the last plan granted drafts that a step is about to run (its outcome is wanted)."""
+        return self._planned is not None
+
     def discard_plan(self) -> None:
         """The last plan's grants were not run (a new step begins, or its pages were short)."""
         self._planned = None
@@ -234,10 +240,11 @@ class AutoSpec:
             assert p is not None
             tokens += q
             extra += p.extra_ms
-            rate = payoff * tokens / (fwd(base_rows + n) + overhead + extra)
+            ms = fwd(base_rows + n)
+            rate = payoff * tokens / (ms + overhead + extra)
             if rate > best:
                 best, best_n = rate, n
-                self._planned = (key, tokens, fwd(base_rows + n), extra)
+                self._planned = (key, tokens, ms, extra)
         if not best_n and key in self.payoff:  # nothing granted: this bucket's evidence fades
             total, steps = self.payoff[key]
             self.payoff[key] = (total * PAYOFF_FORGET, steps * PAYOFF_FORGET)

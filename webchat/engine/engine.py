@@ -475,16 +475,16 @@ class Engine:
         picked = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when every row is asked
             torch.tensor(at_rows, dtype=torch.long, device=logits.device)]
         choices = iter(sample_batch(picked, asks, self.model.row_scan) if asks else [])
-        before = sum(len(r.seq.tokens) for r in rows)
+        judged = decode_only and self.auto.planned  # how the plan came true (a step with prompt rows: not planned for)
+        before = sum(len(r.seq.tokens) for r in rows) if judged else 0
         for r, first, n, out in todo:
             if n:
                 k = n if self._batch_verify(r.seq) else 1
                 self._verify(r.seq, out, r.drafts, logits, [next(choices) for _ in range(k)], first, not r.forced)
             r.seq.table.register(r.seq.tokens, r.seq.n_cached)
             self._post(r.seq, out)
-        if decode_only:  # how the step's plan came true (its prompt rows, where it has some, were not planned for)
+        if judged:
             self.auto.outcome(sum(len(r.seq.tokens) for r in rows) - before, began, ended)
-        self.auto.discard_plan()
 
     @staticmethod
     def _batch_verify(seq: Sequence) -> bool:
