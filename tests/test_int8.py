@@ -181,6 +181,27 @@ def test_packed_rows_on_every_path(kernels: Any, path: str, case: tuple[str, tup
     assert torch.equal(got, kernels.qmatmul(x, wp, qt, k, gemm=gemm, int8=True, packed=True)), path
 
 
+@pytest.mark.parametrize("m", [1, 7, 13, 40])
+def test_packed_q4_k_prompt_tiles_give_the_decode_rows_bits(kernels: Any, m: int) -> None:
+    """Where the CPU has VNNI a prompt's rows against packed Q4_K take tiles of vpdpbusd (qpack8_gemm.inc: up to 6 x
+    rows by 2 groups of 8 weight rows), each sum in q4k_scalar's order: the bits the packed row kernels give decode
+    rows, for whole tiles, a tile's leftover rows and a lone last group (40 rows: 5 groups)."""
+    try:
+        kernels.set_vnni(1)
+    except RuntimeError:
+        pytest.skip("this CPU has neither AVX-VNNI nor AVX-512 VNNI: packed Q4_K prompts take gemm8_rows here")
+    try:
+        k, n = 768, 40
+        wq, wd = weights("q4_k", n, k, seed=m)
+        wp, qt = packed(kernels, wq, "q4_k"), qtype_number("q4_k")
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+        prompt = kernels.qmatmul(x, wp, qt, k, gemm=True, int8=True, packed=True)
+        check_close(prompt, x, wd, "q4_k")
+        assert torch.equal(prompt, kernels.qmatmul(x, wp, qt, k, gemm=False, int8=True, packed=True))
+    finally:
+        kernels.set_vnni(-1)
+
+
 def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:
     """Packing is a permutation of each group's bytes, in place; unpacking restores the file's bytes. A format or a
     row count without the packed form is refused by name, and so is reading packed rows without int8."""

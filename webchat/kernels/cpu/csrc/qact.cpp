@@ -177,7 +177,7 @@ void Act8::quantize_rows(const float* x, int64_t ldx) {
 void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, const MatRef* mats, int count,
                     bool prompt) {
   int64_t total = 0, max_row_bytes = 0;
-  bool kquant = false;  // a K-quant matrix: a prompt's rows take the GEMM (packed Q4_K rows gathered as it decodes)
+  bool kquant = false;  // a K-quant matrix: a prompt's rows take a GEMM (packed8_gemm's tiles or gemm8_rows)
   for (int i = 0; i < count; ++i) {
     TORCH_CHECK(mats[i].qtype == F32 || (reads_blocks(mats[i].qtype) && a.blocks) ||
                     (reads_supers(mats[i].qtype) && a.supers),
@@ -194,7 +194,10 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
   if (prompt && kquant) {  // the GEMM: every row of the call at once, weight rows over the threads
     thread_local Panel8 mine;  // the calling thread's; the workers read it through `panel`
     const Panel8& panel = mine;
-    if (p >= PATH_AVX2) mine.build(a, row0, m);
+    const bool tiles = vnni();  // packed Q4_K takes packed8_gemm's tiles, which read no panel
+    bool panel_read = false;
+    for (int i = 0; i < count; ++i) panel_read |= reads_supers(mats[i].qtype) && !(mats[i].packed && tiles);
+    if (p >= PATH_AVX2 && panel_read) mine.build(a, row0, m);
     at::parallel_for(0, (total + 15) / 16, 1, [&](int64_t b, int64_t e) {
       int64_t base = 0;
       for (int i = 0; i < count; ++i) {
@@ -202,7 +205,11 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
         const int64_t lo = group_edge(mr, std::max(16 * b, base) - base) + base;
         const int64_t hi = group_edge(mr, std::min(16 * e, base + mr.n) - base) + base;
         if (lo < hi) {
-          if (reads_supers(mr.qtype)) {
+          if (mr.packed && tiles && reads_supers(mr.qtype)) {
+            const Job8 j{&a, static_cast<int>(row0), static_cast<int>(m), mr.w, mr.row_bytes, a.k, mr.qtype, mr.y,
+                         mr.n};
+            packed8_gemm(j, lo - base, hi - base, p);
+          } else if (reads_supers(mr.qtype)) {
             gemm8_rows(a, panel, row0, m, mr.w, mr.row_bytes, mr.qtype, lo - base, hi - base, mr.y, mr.n, p,
                        mr.packed);
           } else {

@@ -65,6 +65,10 @@ struct Job8 {
 void blocks8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qint8.cpp
 void supers8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qint8k.cpp
 void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qpack8.cpp
+// a prompt's rows against packed Q4_K where the CPU has VNNI: tiles of vpdpbusd (qpack8_gemm.inc) on the vector paths,
+// q4k_scalar on the scalar one; the bits of packed8_rows either way (n0, n1 multiples of 8). Without VNNI such rows
+// take gemm8_rows, which gathers each super-block back to ggml's order.
+void packed8_gemm(const Job8& j, int64_t n0, int64_t n1, int p);
 bool vnni();                                                       // vpdpbusd in use (qint8.cpp)
 int vnni_kind();  // which vpdpbusd: 0 none (vpmaddubsw + vpmaddwd), 1 AVX-VNNI, 2 AVX-512 VNNI (256-bit forms)
 int set_vnni(int on);  // -1: where the CPU has it, 0: off, 1: on (the CPU must have it); returns the setting in use

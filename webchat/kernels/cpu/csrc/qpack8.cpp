@@ -25,6 +25,7 @@
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -69,8 +70,8 @@ void move_unit(const Field* f, int nf, uint8_t* rows, int64_t stride, uint8_t* p
       }
 }
 
-// the file's bytes of row r (0..7) of a packed group's unit u into out (ub bytes); the prompt GEMM gathers every
-// super-block of packed Q4_K this way (qgemm8.cpp)
+// the file's bytes of row r (0..7) of a packed group's unit u into out (ub bytes); without VNNI the prompt GEMM gathers
+// every super-block of packed Q4_K this way (qgemm8.cpp)
 void row_unit(int qtype, const uint8_t* packed_unit, int r, uint8_t* out) {
   Field f[4];
   const int nf = fields(qtype, f);
@@ -196,6 +197,22 @@ const Picks PICKS;
 P8_AVX2 inline __m256i pick_pairs(int e) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(PICKS.pairs[e])); }
 P8_AVX2 inline __m256i pick_one(int e) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(PICKS.one[e])); }
 
+#define PG_NAME gemm_avx512vnni
+#define PG_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define PG_DPBUSD _mm256_dpbusd_epi32
+#include "qpack8_gemm.inc"
+#undef PG_NAME
+#undef PG_TARGET
+#undef PG_DPBUSD
+
+#define PG_NAME gemm_avxvnni
+#define PG_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define PG_DPBUSD _mm256_dpbusd_avx_epi32
+#include "qpack8_gemm.inc"
+#undef PG_NAME
+#undef PG_TARGET
+#undef PG_DPBUSD
+
 template <int R>
 P8_AVX2 void q4k_avx2(const Job8& j, int r0, int64_t g) {
   const int64_t nsb = j.k / QK_K;
@@ -269,6 +286,7 @@ P8_AVX2 void q4k_avx2(const Job8& j, int r0, int64_t g) {
 }
 
 using Group8 = void (*)(const Job8&, int, int64_t);
+using Tile8 = void (*)(const Job8&, int, const uint8_t*, int64_t, float*, bool);
 
 }  // namespace
 
@@ -324,6 +342,31 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
   TORCH_CHECK(fns != nullptr, "ggml type ", j.qtype, " has no packed kernel");
   for (int64_t g = g0; g < g1; ++g)  // a group's 8 rows stay in L1 while every 4 x rows pass
     for (int r0 = 0; r0 < j.m; r0 += 4) fns[(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, g);
+}
+
+void packed8_gemm(const Job8& j, int64_t n0, int64_t n1, int p) {
+  TORCH_CHECK(j.qtype == Q4_K, "the packed GEMM takes Q4_K, got ggml type ", j.qtype);
+  TORCH_CHECK(n0 % 8 == 0 && n1 % 8 == 0, "packed rows go 8 at a time, got [", n0, ", ", n1, ")");
+  TORCH_CHECK(vnni(), "the packed GEMM's tiles need VNNI (without it packed Q4_K prompts take gemm8_rows)");
+  if (p < PATH_AVX2) return packed8_rows(j, n0, n1, p);  // q4k_scalar: the tiles' bits
+  // [G - 1][R - 1]: AVX-512 VNNI's 32 registers hold 6 x rows by 2 groups (24 sums); AVX-VNNI's 16, 2 by 2
+  static constexpr Tile8 WIDE[2][6] = {
+      {gemm_avx512vnni<1, 1>, gemm_avx512vnni<2, 1>, gemm_avx512vnni<3, 1>, gemm_avx512vnni<4, 1>,
+       gemm_avx512vnni<5, 1>, gemm_avx512vnni<6, 1>},
+      {gemm_avx512vnni<1, 2>, gemm_avx512vnni<2, 2>, gemm_avx512vnni<3, 2>, gemm_avx512vnni<4, 2>,
+       gemm_avx512vnni<5, 2>, gemm_avx512vnni<6, 2>}};
+  static constexpr Tile8 NARROW[2][2] = {{gemm_avxvnni<1, 1>, gemm_avxvnni<2, 1>},
+                                         {gemm_avxvnni<1, 2>, gemm_avxvnni<2, 2>}};
+  const bool wide = vnni_kind() == 2;
+  const int rmax = wide ? 6 : 2;
+  const int64_t ldg = 8 * j.row_bytes;
+  for (int64_t g = n0 / 8; g < n1 / 8; g += 2) {  // a pair of groups stays in L1 while every rmax x rows pass
+    const int G = n1 / 8 - g >= 2 ? 2 : 1;
+    for (int r0 = 0; r0 < j.m; r0 += rmax) {
+      const int R = std::min(rmax, j.m - r0);
+      (wide ? WIDE[G - 1][R - 1] : NARROW[G - 1][R - 1])(j, r0, j.w + g * ldg, ldg, j.y + 8 * g, r0 == 0);
+    }
+  }
 }
 
 }  // namespace wq
