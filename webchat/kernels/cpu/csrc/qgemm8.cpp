@@ -84,6 +84,8 @@ G8_AVX2 inline __m256i bcast4(const int8_t* p) {
 struct Decoded {
   alignas(32) int8_t w[QK_K];
   alignas(32) int8_t a[QK_K];
+  alignas(32) uint8_t u[QK_K];     // the weights unsigned (Q6_K: q, not q - 32): vpdpbusd's operand
+  int sci[16];                     // each group's scale as an int (the VNNI tiles' vpmulld operand)
   alignas(32) int16_t sc[16][16];  // each group's scale in all 16 lanes (the vpmullw operand)
   alignas(32) float d[8];          // d in all 8 lanes
   int mn[8];
@@ -101,10 +103,13 @@ G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
         const __m256i wv = _mm256_sub_epi8(q[c], _mm256_set1_epi8(32));
         _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 128 * h + 32 * c), wv);
         _mm256_store_si256(reinterpret_cast<__m256i*>(o->a + 128 * h + 32 * c), _mm256_sign_epi8(wv, wv));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o->u + 128 * h + 32 * c), q[c]);
       }
     }
-    for (int g = 0; g < 16; ++g)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(o->sc[g]), _mm256_set1_epi16(static_cast<int8_t>(blk[192 + g])));
+    for (int g = 0; g < 16; ++g) {
+      o->sci[g] = static_cast<int8_t>(blk[192 + g]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o->sc[g]), _mm256_set1_epi16(static_cast<int16_t>(o->sci[g])));
+    }
     _mm256_store_ps(o->d, _mm256_set1_ps(half_f16c(blk + 208)));
     o->dmin = 0.f;
     return;
@@ -121,11 +126,14 @@ G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
     }
     _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 64 * c), lo);
     _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 64 * c + 32), hi);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o->u + 64 * c), lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o->u + 64 * c + 32), hi);
   }
   uint8_t s8[8], m8[8];
   scales_mins_k4(blk + 4, s8, m8);
   for (int v = 0; v < 8; ++v) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(o->sc[2 * v]), _mm256_set1_epi16(s8[v]));
+    o->sci[2 * v] = o->sci[2 * v + 1] = s8[v];
     o->mn[v] = m8[v];
   }
   _mm256_store_ps(o->d, _mm256_set1_ps(half_f16c(blk)));
@@ -202,6 +210,50 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
     }
 }
 
+// ---------------------------------------------------------------- VNNI: tiles of vpdpbusd (qgemm8_vnni.inc)
+#define G8V_NAME tile_avx512vnni
+#define G8V_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define G8V_DPBUSD _mm256_dpbusd_epi32
+#include "qgemm8_vnni.inc"
+#undef G8V_NAME
+#undef G8V_TARGET
+#undef G8V_DPBUSD
+
+#define G8V_NAME tile_avxvnni
+#define G8V_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define G8V_DPBUSD _mm256_dpbusd_avx_epi32
+#include "qgemm8_vnni.inc"
+#undef G8V_NAME
+#undef G8V_TARGET
+#undef G8V_DPBUSD
+
+// NR weight rows from n0 against every group of the panel, GX groups a tile (AVX-512 VNNI: 4 by 2, 8 sums and their
+// 8 scaled sums and 8 float accumulators in 32 registers; AVX-VNNI: 2 by 2)
+template <int QT, int NR, bool WIDE>
+void gemm_rows_vnni(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, float* y,
+                    int64_t ldy, float* acc, bool packed) {
+  constexpr int GX = 2;
+  const int64_t nsb = P.nsb, groups = P.groups;
+  std::fill(acc, acc + groups * NR * 8, 0.f);
+  Decoded dec[NR];
+  for (int64_t i = 0; i < nsb; ++i) {
+    for (int n = 0; n < NR; ++n) {
+      uint8_t tmp[kbytes<QT>()];
+      decode<QT>(super_block<QT>(wm, row_bytes, n0 + n, i, packed, tmp), &dec[n]);
+    }
+    int64_t g = 0;
+    for (; g + GX <= groups; g += GX)
+      WIDE ? tile_avx512vnni<QT, NR, GX>(P, dec, i, g, acc) : tile_avxvnni<QT, NR, GX>(P, dec, i, g, acc);
+    for (; g < groups; ++g)
+      WIDE ? tile_avx512vnni<QT, NR, 1>(P, dec, i, g, acc) : tile_avxvnni<QT, NR, 1>(P, dec, i, g, acc);
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int n = 0; n < NR; ++n) {
+      const float* out = acc + (g * NR + n) * 8;
+      for (int r = 0; r < 8 && 8 * g + r < m; ++r) y[(8 * g + r) * ldy + n0 + n] = out[r];
+    }
+}
+
 template <int QT>
 void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, bool packed) {
@@ -209,6 +261,17 @@ void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_byte
   thread_local std::vector<float> acc;  // (groups, NR, 8)
   acc.resize(P.groups * NR * 8);
   int64_t n = n0;
+  const int vk = vnni_kind();
+  if (vk == 2) {
+    for (; n + 4 <= n1; n += 4) gemm_rows_vnni<QT, 4, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
+    for (; n < n1; ++n) gemm_rows_vnni<QT, 1, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
+    return;
+  }
+  if (vk == 1) {
+    for (; n + 2 <= n1; n += 2) gemm_rows_vnni<QT, 2, false>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
+    for (; n < n1; ++n) gemm_rows_vnni<QT, 1, false>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
+    return;
+  }
   for (; n + NR <= n1; n += NR) gemm_rows<QT, NR>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
   for (; n < n1; ++n) gemm_rows<QT, 1>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
 }
@@ -221,6 +284,7 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
   groups = (m + 7) / 8, nsb = a.nsb;
   q.assign(groups * nsb * 2048, 0), p.assign(groups * nsb * 128, 0);
   pq.assign(groups * nsb * 64, 0), dk.assign(groups * nsb * 8, 0.f);
+  sh.assign(groups * nsb * 64, 0), c6.assign(groups * nsb * 128, 0);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t g = r / 8, l = r % 8, xr = row0 + r;
     for (int64_t i = 0; i < nsb; ++i) {
@@ -230,6 +294,13 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
       for (int j = 0; j < 8; ++j) {
         p[pb * 128 + j * 16 + 2 * l] = p[pb * 128 + j * 16 + 2 * l + 1] = a.p[(xr * nsb + i) * 8 + j];
         pq[pb * 64 + j * 8 + l] = a.pq[(xr * nsb + i) * 8 + j];
+        const int pj = a.p[(xr * nsb + i) * 8 + j];
+        sh[pb * 64 + j * 8 + l] = __builtin_ctz(static_cast<unsigned>(pj));  // p_j is a power of two
+        for (int h = 0; h < 2; ++h) {  // Q6_K's 16-value groups: 32 p_j sum q
+          int32_t sum = 0;
+          for (int t = 0; t < 16; ++t) sum += src[32 * j + 16 * h + t];
+          c6[pb * 128 + (2 * j + h) * 8 + l] = 32 * pj * sum;
+        }
       }
       dk[pb * 8 + l] = a.dk[xr * nsb + i];
     }
