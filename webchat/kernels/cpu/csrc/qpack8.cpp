@@ -327,6 +327,9 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
       default: TORCH_CHECK(false, "ggml type ", j.qtype, " has no packed kernel");
     }
   }
+  // Q4_K rows from 5 up (verify rows, several decoding sequences) take the prompt's tiles where VNNI is: the same bits
+  // (1.15x at 5 rows, 1.37x at 16 over the 1.1B Q4_K_M's packed matrices); up to 4 rows wait on memory, not arithmetic
+  if (j.qtype == Q4_K && j.m > 4 && vnni()) return packed8_gemm(j, n0, n1, p);
   // [vnni_kind()]: the AVX2 form, AVX-VNNI, AVX-512 VNNI (256-bit)
   static constexpr Group8 Q40[3][4] = {
       {blocks_avx2<Q4_0, 1>, blocks_avx2<Q4_0, 2>, blocks_avx2<Q4_0, 3>, blocks_avx2<Q4_0, 4>},
