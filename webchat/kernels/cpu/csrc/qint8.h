@@ -91,6 +91,22 @@ struct Panel8 {
 void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
                 int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p, bool packed);
 
+// Rows of Act8's blocks form 8 to a group for the Q8_0 GEMM (qgemm8b.cpp): per group and block, q (8 words x 8 rows x
+// 4 bytes), c (4 groups of 8 values x 8 rows: 128 sum q) and d (4 x 8 rows: the group's scale)
+struct PanelB {
+  int64_t groups = 0, nb = 0;
+  std::vector<int8_t> q;
+  std::vector<int32_t> c;
+  std::vector<float> d;
+  void build(const Act8& a, int64_t row0, int64_t m);  // rows [row0, row0 + m) of a
+};
+
+// whether a prompt's Q8_0 rows take q8_gemm_rows (the CPU has VNNI), and rows [row0, row0 + m) of a (the panel P built
+// from them on the vector paths) against Q8_0 weight rows [n0, n1)
+bool q8_gemm_runs();
+void q8_gemm_rows(const Act8& a, const PanelB& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
+                  int64_t n0, int64_t n1, float* y, int64_t ldy, int p);
+
 // y_i (m, n_i) = rows [row0, row0 + m) of a @ W_i^T for matrices sharing their input: one parallel region over all
 // their output rows. An F32 matrix takes x (those rows as floats, rows of a.k) through the float kernel. prompt: the
 // rows are a prompt's, and the K-quants take the GEMM (gemm8_rows) instead of the row kernels.
