@@ -284,7 +284,8 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
   groups = (m + 7) / 8, nsb = a.nsb;
   q.assign(groups * nsb * 2048, 0), p.assign(groups * nsb * 128, 0);
   pq.assign(groups * nsb * 64, 0), dk.assign(groups * nsb * 8, 0.f);
-  sh.assign(groups * nsb * 64, 0), c6.assign(groups * nsb * 128, 0);
+  const bool tiles = vnni();  // the VNNI tiles' fields, made only where they run
+  sh.assign(tiles ? groups * nsb * 64 : 0, 0), c6.assign(tiles ? groups * nsb * 128 : 0, 0);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t g = r / 8, l = r % 8, xr = row0 + r;
     for (int64_t i = 0; i < nsb; ++i) {
@@ -294,6 +295,7 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
       for (int j = 0; j < 8; ++j) {
         p[pb * 128 + j * 16 + 2 * l] = p[pb * 128 + j * 16 + 2 * l + 1] = a.p[(xr * nsb + i) * 8 + j];
         pq[pb * 64 + j * 8 + l] = a.pq[(xr * nsb + i) * 8 + j];
+        if (!tiles) continue;
         const int pj = a.p[(xr * nsb + i) * 8 + j];
         sh[pb * 64 + j * 8 + l] = __builtin_ctz(static_cast<unsigned>(pj));  // p_j is a power of two
         for (int h = 0; h < 2; ++h) {  // Q6_K's 16-value groups: 32 p_j sum q
