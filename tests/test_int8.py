@@ -202,6 +202,31 @@ def test_packed_q4_k_prompt_tiles_give_the_decode_rows_bits(kernels: Any, m: int
         kernels.set_vnni(-1)
 
 
+@pytest.mark.parametrize("m", [1, 13, 40])
+def test_q8_0_prompt_rows_are_their_own_however_grouped(kernels: Any, m: int) -> None:
+    """Where the CPU has VNNI a prompt's Q8_0 rows take qgemm8b.cpp's GEMM, 8 rows a vector: each row's sums its own
+    (the same bits alone, in a call of any size, a group's missing rows included), close to float64 on the quantized
+    activations, and the scalar path's bits."""
+    try:
+        kernels.set_vnni(1)
+    except RuntimeError:
+        pytest.skip("this CPU has neither AVX-VNNI nor AVX-512 VNNI: a prompt's Q8_0 rows take the row kernels here")
+    try:
+        k, n = 320, 21
+        wq, wd = weights("q8_0", n, k, seed=m)
+        qt = qtype_number("q8_0")
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+        got = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
+        check_close(got, x, wd, "q8_0")
+        alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, qt, k, gemm=True, int8=True) for i in range(m)])
+        assert torch.equal(got, alone)
+        kernels.set_path(0)
+        assert torch.equal(got, kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True))
+    finally:
+        kernels.set_path(-1)
+        kernels.set_vnni(-1)
+
+
 def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:
     """Packing is a permutation of each group's bytes, in place; unpacking restores the file's bytes. A format or a
     row count without the packed form is refused by name, and so is reading packed rows without int8."""
