@@ -181,50 +181,47 @@ def test_packed_rows_on_every_path(kernels: Any, path: str, case: tuple[str, tup
     assert torch.equal(got, kernels.qmatmul(x, wp, qt, k, gemm=gemm, int8=True, packed=True)), path
 
 
+@pytest.fixture
+def vnni_on(kernels: Any) -> Iterator[None]:
+    """vpdpbusd in use, or the test skipped by name where the CPU has no VNNI; the default path and setting after."""
+    try:
+        kernels.set_vnni(1)
+    except RuntimeError:
+        pytest.skip("this CPU has neither AVX-VNNI nor AVX-512 VNNI: the VNNI GEMMs are not run here")
+    yield
+    kernels.set_path(-1)
+    kernels.set_vnni(-1)
+
+
 @pytest.mark.parametrize("m", [1, 7, 13, 40])
-def test_packed_q4_k_prompt_tiles_give_the_decode_rows_bits(kernels: Any, m: int) -> None:
+def test_packed_q4_k_prompt_tiles_give_the_decode_rows_bits(kernels: Any, vnni_on: None, m: int) -> None:
     """Where the CPU has VNNI a prompt's rows against packed Q4_K take tiles of vpdpbusd (qpack8_gemm.inc: up to 6 x
     rows by 2 groups of 8 weight rows), each sum in q4k_scalar's order: the bits the packed row kernels give decode
     rows, for whole tiles, a tile's leftover rows and a lone last group (40 rows: 5 groups)."""
-    try:
-        kernels.set_vnni(1)
-    except RuntimeError:
-        pytest.skip("this CPU has neither AVX-VNNI nor AVX-512 VNNI: packed Q4_K prompts take gemm8_rows here")
-    try:
-        k, n = 768, 40
-        wq, wd = weights("q4_k", n, k, seed=m)
-        wp, qt = packed(kernels, wq, "q4_k"), qtype_number("q4_k")
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
-        prompt = kernels.qmatmul(x, wp, qt, k, gemm=True, int8=True, packed=True)
-        check_close(prompt, x, wd, "q4_k")
-        assert torch.equal(prompt, kernels.qmatmul(x, wp, qt, k, gemm=False, int8=True, packed=True))
-    finally:
-        kernels.set_vnni(-1)
+    k, n = 768, 40
+    wq, wd = weights("q4_k", n, k, seed=m)
+    wp, qt = packed(kernels, wq, "q4_k"), qtype_number("q4_k")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+    prompt = kernels.qmatmul(x, wp, qt, k, gemm=True, int8=True, packed=True)
+    check_close(prompt, x, wd, "q4_k")
+    assert torch.equal(prompt, kernels.qmatmul(x, wp, qt, k, gemm=False, int8=True, packed=True))
 
 
 @pytest.mark.parametrize("m", [1, 13, 40])
-def test_q8_0_prompt_rows_are_their_own_however_grouped(kernels: Any, m: int) -> None:
+def test_q8_0_prompt_rows_are_their_own_however_grouped(kernels: Any, vnni_on: None, m: int) -> None:
     """Where the CPU has VNNI a prompt's Q8_0 rows take qgemm8b.cpp's GEMM, 8 rows a vector: each row's sums its own
     (the same bits alone, in a call of any size, a group's missing rows included), close to float64 on the quantized
     activations, and the scalar path's bits."""
-    try:
-        kernels.set_vnni(1)
-    except RuntimeError:
-        pytest.skip("this CPU has neither AVX-VNNI nor AVX-512 VNNI: a prompt's Q8_0 rows take the row kernels here")
-    try:
-        k, n = 320, 21
-        wq, wd = weights("q8_0", n, k, seed=m)
-        qt = qtype_number("q8_0")
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
-        got = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
-        check_close(got, x, wd, "q8_0")
-        alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, qt, k, gemm=True, int8=True) for i in range(m)])
-        assert torch.equal(got, alone)
-        kernels.set_path(0)
-        assert torch.equal(got, kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True))
-    finally:
-        kernels.set_path(-1)
-        kernels.set_vnni(-1)
+    k, n = 320, 21
+    wq, wd = weights("q8_0", n, k, seed=m)
+    qt = qtype_number("q8_0")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+    got = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
+    check_close(got, x, wd, "q8_0")
+    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, qt, k, gemm=True, int8=True) for i in range(m)])
+    assert torch.equal(got, alone)
+    kernels.set_path(0)
+    assert torch.equal(got, kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True))
 
 
 def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:

@@ -84,7 +84,7 @@ G8_AVX2 inline __m256i bcast4(const int8_t* p) {
 struct Decoded {
   alignas(32) int8_t w[QK_K];
   alignas(32) int8_t a[QK_K];
-  alignas(32) uint8_t u[QK_K];     // the weights unsigned (Q6_K: q, not q - 32): vpdpbusd's operand
+  alignas(32) uint8_t u[QK_K];     // Q6_K's weights unsigned (q, not q - 32): vpdpbusd's operand
   int sci[16];                     // each group's scale as an int (the VNNI tiles' vpmulld operand)
   alignas(32) int16_t sc[16][16];  // each group's scale in all 16 lanes (the vpmullw operand)
   alignas(32) float d[8];          // d in all 8 lanes
@@ -126,8 +126,6 @@ G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
     }
     _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 64 * c), lo);
     _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 64 * c + 32), hi);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o->u + 64 * c), lo);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o->u + 64 * c + 32), hi);
   }
   uint8_t s8[8], m8[8];
   scales_mins_k4(blk + 4, s8, m8);
@@ -254,26 +252,21 @@ void gemm_rows_vnni(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_b
     }
 }
 
+using Rows = void (*)(const Panel8&, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t, float*, bool);
+
 template <int QT>
 void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, bool packed) {
-  constexpr int NR = 4;
+  // [vnni_kind()]: NR weight rows a pass and the passes of NR and of 1 row
+  static constexpr int NRS[3] = {4, 2, 4};
+  static constexpr Rows WIDE[3] = {gemm_rows<QT, 4>, gemm_rows_vnni<QT, 2, false>, gemm_rows_vnni<QT, 4, true>};
+  static constexpr Rows ONE[3] = {gemm_rows<QT, 1>, gemm_rows_vnni<QT, 1, false>, gemm_rows_vnni<QT, 1, true>};
+  const int vk = vnni_kind(), nr = NRS[vk];
   thread_local std::vector<float> acc;  // (groups, NR, 8)
-  acc.resize(P.groups * NR * 8);
+  acc.resize(P.groups * nr * 8);
   int64_t n = n0;
-  const int vk = vnni_kind();
-  if (vk == 2) {
-    for (; n + 4 <= n1; n += 4) gemm_rows_vnni<QT, 4, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
-    for (; n < n1; ++n) gemm_rows_vnni<QT, 1, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
-    return;
-  }
-  if (vk == 1) {
-    for (; n + 2 <= n1; n += 2) gemm_rows_vnni<QT, 2, false>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
-    for (; n < n1; ++n) gemm_rows_vnni<QT, 1, false>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
-    return;
-  }
-  for (; n + NR <= n1; n += NR) gemm_rows<QT, NR>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
-  for (; n < n1; ++n) gemm_rows<QT, 1>(P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
+  for (; n + nr <= n1; n += nr) WIDE[vk](P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
+  for (; n < n1; ++n) ONE[vk](P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
 }
 
 }  // namespace

@@ -104,20 +104,20 @@ Q8_TILE(q8_avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))), _mm256_dpb
 
 using TileB = void (*)(const PanelB&, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
 
-// [NR - 1][GX - 1]: AVX-512 VNNI up to 4 weight rows by 2 groups; AVX-VNNI (16 registers) 2 by 2
+// NR weight rows a pass by GX panel groups a tile (their tails: fewer), [NR - 1][GX - 1]: AVX-512 VNNI 4 by 2,
+// AVX-VNNI (16 registers) 2 by 2
 template <int NRMAX, int GXMAX, bool WIDE>
 void q8_vector(const PanelB& P, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, float* y,
                int64_t ldy) {
   static constexpr TileB T[4][2] = {
-      {WIDE ? q8_avx512vnni<1, 1> : q8_avxvnni<1, 1>, WIDE ? q8_avx512vnni<1, 2> : q8_avxvnni<1, 2>},
-      {WIDE ? q8_avx512vnni<2, 1> : q8_avxvnni<2, 1>, WIDE ? q8_avx512vnni<2, 2> : q8_avxvnni<2, 2>},
-      {WIDE ? q8_avx512vnni<3, 1> : q8_avxvnni<2, 1>, WIDE ? q8_avx512vnni<3, 2> : q8_avxvnni<2, 2>},
-      {WIDE ? q8_avx512vnni<4, 1> : q8_avxvnni<2, 1>, WIDE ? q8_avx512vnni<4, 2> : q8_avxvnni<2, 2>}};
+      {q8_avx512vnni<1, 1>, q8_avx512vnni<1, 2>}, {q8_avx512vnni<2, 1>, q8_avx512vnni<2, 2>},
+      {q8_avx512vnni<3, 1>, q8_avx512vnni<3, 2>}, {q8_avx512vnni<4, 1>, q8_avx512vnni<4, 2>}};
+  static constexpr TileB N[2][2] = {{q8_avxvnni<1, 1>, q8_avxvnni<1, 2>}, {q8_avxvnni<2, 1>, q8_avxvnni<2, 2>}};
   for (int64_t n = n0; n < n1; n += NRMAX) {  // NR weight rows stay in L1 while every panel group passes
     const int nr = static_cast<int>(std::min<int64_t>(NRMAX, n1 - n));
     for (int64_t g = 0; g < P.groups; g += GXMAX) {
       const int gx = static_cast<int>(std::min<int64_t>(GXMAX, P.groups - g));
-      T[nr - 1][gx - 1](P, w, row_bytes, n, g, y, ldy, m);
+      (WIDE ? T[nr - 1][gx - 1] : N[nr - 1][gx - 1])(P, w, row_bytes, n, g, y, ldy, m);
     }
   }
 }
@@ -145,11 +145,9 @@ void PanelB::build(const Act8& a, int64_t row0, int64_t m) {
   }
 }
 
-bool q8_gemm_runs() { return vnni(); }
-
 void q8_gemm_rows(const Act8& a, const PanelB& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, float* y, int64_t ldy, int p) {
-  TORCH_CHECK(q8_gemm_runs(), "the Q8_0 GEMM needs VNNI (without it a prompt's Q8_0 rows take the row kernels)");
+  TORCH_CHECK(vnni(), "the Q8_0 GEMM needs VNNI (without it a prompt's Q8_0 rows take the row kernels)");
   if (p < PATH_AVX2) return q8_scalar(a, row0, m, w, row_bytes, n0, n1, y, ldy);
   vnni_kind() == 2 ? q8_vector<4, 2, true>(P, m, w, row_bytes, n0, n1, y, ldy)
                    : q8_vector<2, 2, false>(P, m, w, row_bytes, n0, n1, y, ldy);

@@ -102,9 +102,8 @@ struct PanelB {
   void build(const Act8& a, int64_t row0, int64_t m);  // rows [row0, row0 + m) of a
 };
 
-// whether a prompt's Q8_0 rows take q8_gemm_rows (the CPU has VNNI), and rows [row0, row0 + m) of a (the panel P built
-// from them on the vector paths) against Q8_0 weight rows [n0, n1)
-bool q8_gemm_runs();
+// rows [row0, row0 + m) of a (the panel P built from them on the vector paths) against Q8_0 weight rows [n0, n1): a
+// prompt's Q8_0 rows where the CPU has VNNI (vnni())
 void q8_gemm_rows(const Act8& a, const PanelB& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, float* y, int64_t ldy, int p);
 

@@ -197,6 +197,22 @@ const Picks PICKS;
 P8_AVX2 inline __m256i pick_pairs(int e) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(PICKS.pairs[e])); }
 P8_AVX2 inline __m256i pick_one(int e) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(PICKS.one[e])); }
 
+// a packed Q4_K unit's 12 scale bytes of 8 rows (3 words x 8 rows at u + 32) as vectors of 8 rows, scales_mins_k4
+// lane by lane: sc[0] the scales of sub-blocks 0-3 (a byte each in every int32 lane), sc[1] of 4-7, mn likewise
+P8_AVX2 inline void scales_mins8(const uint8_t* u, __m256i sc[2], __m256i mn[2]) {
+  const __m256i k1 = _mm256_set1_epi32(0x3f3f3f3f), k2 = _mm256_set1_epi32(0x0f0f0f0f),
+                k3 = _mm256_set1_epi32(0x03030303);
+  const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32));
+  const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64));
+  const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 96));
+  sc[0] = _mm256_and_si256(u0, k1);
+  sc[1] = _mm256_or_si256(_mm256_and_si256(u2, k2),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4));
+  mn[0] = _mm256_and_si256(u1, k1);
+  mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
+}
+
 #define PG_NAME gemm_avx512vnni
 #define PG_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define PG_DPBUSD _mm256_dpbusd_epi32
@@ -227,20 +243,8 @@ P8_AVX2 void q4k_avx2(const Job8& j, int r0, int64_t g) {
     prefetch_span(u, 1152);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16)));
-    // ggml's 12 scale bytes, 8 rows a vector (scales_mins_k4 lane by lane): sc of sub-blocks 0-3 / 4-7, mn likewise
-    const __m256i k1 = _mm256_set1_epi32(0x3f3f3f3f), k2 = _mm256_set1_epi32(0x0f0f0f0f),
-                  k3 = _mm256_set1_epi32(0x03030303);
-    const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32));
-    const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64));
-    const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 96));
-    const __m256i sc[2] = {
-        _mm256_and_si256(u0, k1),
-        _mm256_or_si256(_mm256_and_si256(u2, k2),
-                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4))};
-    const __m256i mn[2] = {
-        _mm256_and_si256(u1, k1),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
-                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4))};
+    __m256i sc[2], mn[2];
+    scales_mins8(u, sc, mn);
     const uint8_t* qs = u + 128;
     __m256i isum[R];
     for (int r = 0; r < R; ++r) {  // the mins first: msum = sum_v mn_v pq_v, 8 rows a vector
