@@ -9,6 +9,9 @@ passes: the machine is shared and its noise only slows), as ms and as one-row st
   all B     B sequences each verifying k drafts
   gemm      the same k+1 rows as prompt rows (the GEMM path, qgemm.cpp), for comparison only: a verify row must give
             the bits of a lone decode row, which the row kernels do and the GEMM does not
+and the ceiling of speculation at B = 1, 4, 16 sequences: tokens per ms if every sequence verified k drafts a step
+and all were accepted (the `all B` shapes at their best k, rows at most the step's 64), over B decoding sequences'
+tokens per ms. No draft source, however good, gets decode past it on this model and CPU.
 and the cost curve the auto mode's planner would measure here (webchat.engine.verify_cost, as at the server's warm-up).
 The marginal row (ms per extra row) against the one-row step is what a drafted token must beat: at ratio x a draft
 of k tokens pays only when its expected accepted tokens exceed k * x.
@@ -30,6 +33,7 @@ from webchat.model.kv_cache import KVPool, PageTable
 from webchat.model.transformer import Transformer
 
 KS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+ALL_KS = {4: (1, 2, 4, 7, 11, 15), 16: (1, 2, 3)}  # every sequence k drafts: up to the step's 64 rows
 
 
 class Shapes:
@@ -77,7 +81,7 @@ def shapes() -> list[Shape]:
         out.append(Shape(f"gemm k={k}", [k + 1], "gemm k=0", prompt=True))
     for b in (4, 16):
         out += [Shape(f"batch {b} k={k}", [k + 1] + [1] * (b - 1), f"batch {b} k=0") for k in KS]
-        out += [Shape(f"all {b} k={k}", [k + 1] * b, f"batch {b} k=0") for k in (1, 2, 4)]
+        out += [Shape(f"all {b} k={k}", [k + 1] * b, f"batch {b} k=0") for k in ALL_KS[b]]
     return out
 
 
@@ -116,6 +120,14 @@ def main() -> None:
         extra = x.total - by_name[x.base].total
         marginal = f"{(fast - got[x.base][0]) / extra:.2f}" if extra else "-"
         print(f"{x.name:<16} {x.total:>4} {fast:>10.2f} {med:>9.2f} {fast / step:>12.2f} {marginal:>14}")
+    print("\nthe ceiling (every draft accepted): the best k's tokens per ms over the same sequences' without drafts")
+    for b in (1, 4, 16):
+        base = "alone k=0" if b == 1 else f"batch {b} k=0"
+        runs = [(k, x.total / got[x.name][0]) for x in todo for k in [int(x.name.split("k=")[1])]
+                if x.name.startswith("alone k=" if b == 1 else f"all {b} k=")]
+        k, best = max(runs, key=lambda r: r[1])
+        print(f"  {b:>2} sequence{'s' if b > 1 else ' '}: {best * got[base][0] / b:.2f}x at k={k} ("
+              f"{best * 1000:.0f} against {b / got[base][0] * 1000:.0f} tok/s)")
     pool = model.new_pool(2048)
     t = time.perf_counter()
     cost = verify_cost.VerifyCost(verify_cost.measure(model, pool, positions=model.args.max_seq_len))

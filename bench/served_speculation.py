@@ -20,7 +20,9 @@ count, N pairs of a none section and an auto section back to back, each request 
 and every section new prompts (a repeated prompt is refused: auto would copy the earlier reply). Both sides of each
 ratio share the process and the minute, so the spread between server processes (0.77-1.30 on open questions where
 nothing was drafted, bench/README.md) leaves the ratio; printed per section: the median ratio, its quartiles, the
-pairs at or above 0.97, and what auto drafted.
+pairs at or above 0.97, and what auto drafted; beside them the decode alone (first token to last, against none's) and
+the ceiling: what auto would reach if every stream drafted as long as pays and every draft were accepted, from the
+server's own verify-cost curve, its time between steps and the section's time to first token (`ceiling`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from typing import Any, TypeVar
 
 from bench_served import Server, free_port, stop_token_ids
 from served_prompts import SETS
+
+from webchat.engine.adaptive import MAX_AUTO_DRAFT, MAX_STEP_ROWS
+from webchat.engine.verify_cost import VerifyCost
 
 C1_RUNS = 3
 T = TypeVar("T")
@@ -66,6 +71,7 @@ class Reply:
     text: str
     tokens: int
     end: float  # perf_counter of the last content chunk
+    first: float  # ... and of the first
 
 
 @dataclass
@@ -74,10 +80,16 @@ class Section:
     wall_s: float
     texts: list[str]
     decisions: dict[str, float] = field(default_factory=dict)
+    ttft_s: float = 0.0  # the streams' mean time to their first token
 
     @property
     def tps(self) -> float:
         return self.tokens / self.wall_s
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens over the time after the first token (the streams' mean): the decode alone."""
+        return self.tokens / max(1e-9, self.wall_s - self.ttft_s)
 
 
 def spec_server(gguf: Path, port: int, src: Path, mode: str) -> Server:
@@ -95,7 +107,7 @@ def ask(server: Server, messages: list[dict[str, str]], body: dict[str, Any]) ->
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"{server.name}: HTTP {resp.status}: {resp.read()[:300]!r}")
-    text, end, usage = "", 0.0, {}
+    text, end, first, usage = "", 0.0, 0.0, {}
     for raw in resp:
         line = raw.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -107,8 +119,9 @@ def ask(server: Server, messages: list[dict[str, str]], body: dict[str, Any]) ->
         if piece:
             text += piece
             end = time.perf_counter()
+            first = first or end
     conn.close()
-    return Reply(text, int(usage.get("completion_tokens", 0)), end)
+    return Reply(text, int(usage.get("completion_tokens", 0)), end, first)
 
 
 def info(server: Server) -> dict[str, Any]:
@@ -158,7 +171,23 @@ def section(server: Server, chats: list[list[dict[str, str]]], body: dict[str, A
     t0 = time.perf_counter()
     replies = parallel([lambda c=c: ask(server, c, body) for c in chats])
     wall = max(r.end for r in replies) - t0
-    return Section(sum(r.tokens for r in replies), wall, [r.text for r in replies], decisions(before, info(server)))
+    return Section(sum(r.tokens for r in replies), wall, [r.text for r in replies], decisions(before, info(server)),
+                   statistics.fmean(r.first - t0 for r in replies))
+
+
+def ceiling(curve: dict[str, Any], clients: int) -> float:
+    """Decode speed against none's if each of `clients` streams drafted k tokens a step and every one were accepted,
+    at the best k (at most MAX_AUTO_DRAFT, the step at most MAX_STEP_ROWS rows): the per-token cost of a step of
+    clients (1 + k) rows over that of clients rows, each step a forward on the server's measured curve plus its time
+    between steps. What a verify row costs against a decode row bounds speculation whatever the drafts. The curve is
+    one sequence's rows, exact for one client; several sequences each read their own k/v (bench_verify_cost.py's
+    `all B` shapes measure that ceiling)."""
+    cost = VerifyCost({int(t): float(ms) for t, ms in curve["cost"]["forward_ms"].items()})
+    gap = float(curve.get("between_steps_ms", 0.0))
+    base = (cost.forward_ms(clients) + gap) / clients
+    best = min((cost.forward_ms(clients * (1 + k)) + gap) / (clients * (1 + k))
+               for k in range(MAX_AUTO_DRAFT + 1) if clients * (1 + k) <= max(MAX_STEP_ROWS, clients))
+    return base / best
 
 
 def warm_up(server: Server) -> None:
@@ -210,8 +239,8 @@ def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[
     print(f"{gguf.name}: auto against none in one auto server, {args.spec_paired} pairs per section, the order "
           f"alternating; sets {', '.join(sets)}; clients {clients}", flush=True)
     print("\n| set | clients | auto / none: median | quartiles | pairs >= 0.97 | none tok/s (median) | auto drafted "
-          "in / accepted |")
-    print("|---|---:|---:|---|---:|---:|---|")
+          "in / accepted | decode alone: auto / none | ceiling: decode / aggregate |")
+    print("|---|---:|---:|---|---:|---:|---|---:|---|")
     try:
         server.wait_ready()
         warm_up(server)
@@ -219,6 +248,7 @@ def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[
         for name in sets:
             for n in clients:
                 ratios, base, drafted = [], [], {"offers": 0.0, "granted": 0.0, "drafted": 0.0, "accepted": 0.0}
+                decode, ceil = [], []
                 for p in range(args.spec_paired):
                     order = ("none", "auto") if p % 2 == 0 else ("auto", "none")
                     got: dict[str, Section] = {}
@@ -234,13 +264,19 @@ def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[
                         got[mode] = section(server, chats, dict(set_body(name, args, stops), speculative=mode))
                     ratios.append(got["auto"].tps / got["none"].tps)
                     base.append(got["none"].tps)
+                    decode.append(got["auto"].decode_tps / got["none"].decode_tps)
+                    if n == 1:  # none's decode at the ceiling, its first token as it came
+                        none, top = got["none"], ceiling(info(server), 1)
+                        ceil.append(none.wall_s / (none.ttft_s + (none.wall_s - none.ttft_s) / top))
                     for k in drafted:
                         drafted[k] += got["auto"].decisions.get(k, 0.0)
                 q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
                 share = f"{100 * drafted['granted'] / drafted['offers']:.0f}%" if drafted["offers"] else "-"
                 print(f"| {name} | {n} | {statistics.median(ratios):.2f}x | {q[0]:.2f}-{q[2]:.2f} | "
                       f"{sum(r >= 0.97 for r in ratios)}/{len(ratios)} | {statistics.median(base):.1f} | {share} / "
-                      f"{drafted['accepted']:.0f} of {drafted['drafted']:.0f} |", flush=True)
+                      f"{drafted['accepted']:.0f} of {drafted['drafted']:.0f} | {statistics.median(decode):.2f}x | "
+                      + (f"{top:.2f}x / {statistics.median(ceil):.2f}x |" if ceil else "bench_verify_cost.py |"),
+                      flush=True)
         payoff = info(server).get("payoff") or {}
         print("\nthe server's payoff per batch size at the end (the factor on later plans' expected rates): "
               + (", ".join(f"{k}: {float(v):.2f}" for k, v in payoff.items()) or "none yet"))
@@ -331,6 +367,8 @@ def report(modes: list[str], sets: list[str], clients: list[int], best: dict[str
         print(f"\nthe auto server's verify-cost curve (rows -> forward ms, measured at its warm-up): {points}; past "
               f"the last point +{float(cost['slope_ms_per_row']):.2f} ms a row; a 5-row verify ~ {five / one:.2f} "
               f"one-row steps; time between steps {float(curve.get('between_steps_ms', 0)):.2f} ms (its last median)")
+        print(f"on that curve one client's decode reaches at most {ceiling(curve, 1):.2f}x of none's, every draft "
+              "accepted (`ceiling`; several clients: bench_verify_cost.py)")
     if curve.get("payoff"):  # webchat.engine.adaptive: got / planned per batch size, scaling that size's later plans
         print("how its plans came true by the end of its first round (payoff per batch size of decode rows, the "
               "factor on later plans' expected rates): " + ", ".join(f"{k}: {float(v):.2f}"

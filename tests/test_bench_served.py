@@ -17,7 +17,7 @@ STANDIN = Path(__file__).resolve().parent / "bench_standin.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
 from served_files import matrix_bytes  # noqa: E402
-from served_speculation import Section, report  # noqa: E402
+from served_speculation import Section, ceiling, report  # noqa: E402
 
 
 def tiny_gguf(path: Path, tied: bool) -> Path:
@@ -110,4 +110,16 @@ def test_the_speculation_report_prints_the_curve_and_how_the_plans_came_true(
     assert "| copy | 1 | 100.0 | 150.0 | 1.50x | 1.50 |" in out
     assert "drafted in 40% of 10, accepted 15/20 (75%)" in out
     assert "a 5-row verify ~ 2.00 one-row steps" in out
+    assert f"one client's decode reaches at most {ceiling(curve, 1):.2f}x of none's" in out
     assert "(payoff per batch size of decode rows, the factor on later plans' expected rates): 1: 0.70, 4: 0.87" in out
+
+
+def test_the_ceiling_is_a_verify_rows_cost_against_a_decode_rows() -> None:
+    """Every draft accepted: one client's tokens per ms at the best draft length over its tokens per ms without."""
+    linear = {"cost": {"forward_ms": {"1": 4.0, "17": 20.0}}, "between_steps_ms": 0.0}  # a verify row costs 1 ms
+    assert ceiling(linear, 1) == pytest.approx(4.0 / (20.0 / 17))  # 16 drafts (MAX_AUTO_DRAFT) pay best
+    gap = {"cost": {"forward_ms": {"1": 4.0, "17": 20.0}}, "between_steps_ms": 2.0}  # time between steps, per step
+    assert ceiling(gap, 1) == pytest.approx(6.0 / (22.0 / 17))
+    rows_alike = {"cost": {"forward_ms": {"1": 4.0, "64": 256.0}}, "between_steps_ms": 0.0}  # a row costs 4 ms
+    assert ceiling(rows_alike, 1) == pytest.approx(1.0)  # compute-bound from the first row: drafts cannot pay
+    assert ceiling(rows_alike, 16) == pytest.approx(1.0)
