@@ -342,6 +342,10 @@ def parse_args() -> argparse.Namespace:
                              "checkout has --exact), or one of them")
     parser.add_argument("--bandwidth", action="store_true",
                         help="measure the read bandwidth before every file (default: files past 1 GiB of matrices)")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: both servers as on a Zen 3-class CPU on this one: webchat with WEBCHAT_QPATH=avx2 "
+                             "WEBCHAT_VNNI=0, llama-server built without AVX-512 or VNNI (LLAMA_ISA=avx2 "
+                             "bench/build_llama_server.sh, its own build tree)")
     parser.add_argument("--src", type=Path, default=HERE, help="the webchat checkout to serve from")
     parser.add_argument("--bare", action="store_true",
                         help="each round, bench_cpu.py's bare webchat decode too (the default model; needs clients 1)")
@@ -392,6 +396,10 @@ def convert_first(gguf: Path, src: Path) -> None:
 def main() -> None:
     args = parse_args()
     src = args.src.resolve()
+    if args.isa == "avx2":  # inherited by every server and build this run starts; the table names what each took
+        os.environ.update(WEBCHAT_QPATH="avx2", WEBCHAT_VNNI="0", LLAMA_ISA="avx2")
+        print("--isa avx2: webchat's kernels forced to AVX2 without VNNI, llama-server built without AVX-512 or "
+              "VNNI (an AVX2-class CPU's code on this one; its memory and cores stay this machine's)", flush=True)
     if args.speculation:
         import served_speculation  # bench/ (it imports this module's helpers)
 

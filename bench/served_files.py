@@ -68,9 +68,14 @@ def has_exact_flag(src: Path) -> bool:
 
 
 def precision_of(info: dict[str, object]) -> str:
-    """/api/info's `precision` ("exact" or "int8"), or what its absence means."""
+    """/api/info's `precision` ("exact" or "int8"), or what its absence means; then its CPU kernels where it names
+    them ("int8, avx2 kernels without VNNI": what --isa avx2 asked for, as the server took it)."""
     value = info.get("precision")
-    return str(value) if value is not None else "not reported"
+    out = str(value) if value is not None else "not reported"
+    kernels = info.get("cpu_kernels")
+    if isinstance(kernels, dict):
+        out += f", {kernels.get('path')} kernels {'with' if kernels.get('vnni') else 'without'} VNNI"
+    return out
 
 
 def weights_line(gguf: Path, decode: dict[str, float], gbps: float | None) -> str:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "bench_standin.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
-from served_files import matrix_bytes  # noqa: E402
+from served_files import matrix_bytes, precision_of  # noqa: E402
 from served_speculation import Section, ceiling, report  # noqa: E402
 
 
@@ -123,3 +123,13 @@ def test_the_ceiling_is_a_verify_rows_cost_against_a_decode_rows() -> None:
     rows_alike = {"cost": {"forward_ms": {"1": 4.0, "64": 256.0}}, "between_steps_ms": 0.0}  # a row costs 4 ms
     assert ceiling(rows_alike, 1) == pytest.approx(1.0)  # compute-bound from the first row: drafts cannot pay
     assert ceiling(rows_alike, 16) == pytest.approx(1.0)
+
+
+def test_the_precision_label_names_the_kernels_the_server_took() -> None:
+    """--isa avx2 forces webchat's kernels through the environment: the table's label is what /api/info says ran."""
+    assert precision_of({"precision": "int8"}) == "int8"
+    assert precision_of({}) == "not reported"
+    took = {"precision": "int8", "cpu_kernels": {"path": "avx2", "vnni": False}}
+    assert precision_of(took) == "int8, avx2 kernels without VNNI"
+    assert precision_of({"precision": "exact", "cpu_kernels": {"path": "avx512", "vnni": True}}) == (
+        "exact, avx512 kernels with VNNI")

@@ -519,3 +519,24 @@ def test_speculation_never_changes_the_int8_output(real_model_dir: Path, mode: s
         return out + res.token_ids
 
     assert run(mode) == run("none")
+
+
+@pytest.mark.parametrize("value", ["0", "1", "yes"])
+def test_webchat_vnni_turns_vpdpbusd_off_or_on_and_names_a_wrong_value(kernels: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                      value: str) -> None:
+    """WEBCHAT_VNNI=0 gives the kernels of a CPU without VNNI (with WEBCHAT_QPATH=avx2, a Zen 3's: the bench's AVX2
+    class on an AVX-512 machine); 1 asks for vpdpbusd and is refused by name where the CPU has none."""
+    monkeypatch.setenv("WEBCHAT_VNNI", value)
+    try:
+        if value == "yes":
+            with pytest.raises(qkernels.KernelsUnavailable, match="WEBCHAT_VNNI must be 0 or 1, got 'yes'"):
+                qkernels.apply_environment(kernels)
+            return
+        try:
+            qkernels.apply_environment(kernels)
+        except qkernels.KernelsUnavailable as exc:
+            assert value == "1" and str(exc).startswith("WEBCHAT_VNNI=1: ") and "VNNI" in str(exc)[16:]
+            return
+        assert kernels.vnni() is (value == "1")
+    finally:
+        kernels.set_vnni(-1)

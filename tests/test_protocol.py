@@ -140,6 +140,12 @@ def test_hello_and_info_describe_the_model(client: TestClient, runtime: Runtime)
     info = client.get("/api/info").json()
     assert info["model"] == hello.model and info["speculative"] == hello.speculative
     assert info["precision"] == "exact"
+    from webchat.kernels.cpu import build as qkernels  # the code path the C++ kernels run, where they are loaded
+
+    assert info["cpu_kernels"] == qkernels.running()
+    if info["cpu_kernels"] is not None:
+        kernels = info["cpu_kernels"]
+        assert kernels["path"] in qkernels.available_paths() and isinstance(kernels["vnni"], bool)
     assert info["max_sessions"] == 2 and info["default_speculative"] == "auto"
     spec = info["speculation"]  # the auto mode's cost curve (measured at warm-up or its first step) and decisions
     assert {"cost", "between_steps_ms", "steps", "offers", "granted", "drafted", "accepted"} <= set(spec)

@@ -419,6 +419,10 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         if rt.engine is not None:
             body["kv_pool"] = rt.engine.pool_info()
             body["speculation"] = rt.engine.auto.info()  # the auto mode's cost curve and decisions
+        if rt.device == "cpu":
+            from webchat.kernels.cpu.build import running
+
+            body["cpu_kernels"] = running()  # {"path": "avx2", "vnni": false}; None: float32 PyTorch ops
         return JSONResponse(body)
 
     async def healthz(request: Request) -> Response:

@@ -122,12 +122,28 @@ def load(verbose: bool = False) -> QKernels:
     except (OSError, RuntimeError, ImportError) as exc:  # a compiler error, a failed link
         last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise KernelsUnavailable(f"building the C++ kernels in {out} failed: {last}") from exc
+    apply_environment(mod)
+    return cast(QKernels, mod)
+
+
+
+def apply_environment(mod: Any) -> None:
+    """What the environment forces on the module: WEBCHAT_QPATH a code path (scalar, avx2, avx512), WEBCHAT_VNNI=0
+    or 1 the int8 kernels' vpdpbusd (with WEBCHAT_QPATH=avx2 and WEBCHAT_VNNI=0, the kernels a Zen 3 runs: the
+    bench's AVX2 class on an AVX-512 machine). A wrong value is refused by name."""
     forced = os.environ.get("WEBCHAT_QPATH", "").strip()
     if forced:
         if forced not in PATHS:
             raise KernelsUnavailable(f"WEBCHAT_QPATH must be one of {', '.join(PATHS)}, got {forced!r}")
         mod.set_path(PATHS[forced])
-    return cast(QKernels, mod)
+    vnni = os.environ.get("WEBCHAT_VNNI", "").strip()
+    if vnni:
+        if vnni not in ("0", "1"):
+            raise KernelsUnavailable(f"WEBCHAT_VNNI must be 0 or 1, got {vnni!r}")
+        try:
+            mod.set_vnni(int(vnni))
+        except RuntimeError as exc:  # 1 on a CPU without AVX-VNNI or AVX-512 VNNI
+            raise KernelsUnavailable(f"WEBCHAT_VNNI=1: {str(exc).splitlines()[0]}") from exc
 
 
 def try_load() -> QKernels | None:
@@ -137,6 +153,16 @@ def try_load() -> QKernels | None:
     except KernelsUnavailable as exc:
         print(f"webchat: C++ kernels unavailable, using float32 PyTorch ops: {exc}", file=sys.stderr, flush=True)
         return None
+
+
+def running() -> dict[str, object] | None:
+    """The code path and vpdpbusd the kernels run ({"path": "avx512", "vnni": true}), None where they are not loaded
+    (the server's /api/info; a bench that forces the AVX2 class checks it took)."""
+    if load.cache_info().currsize == 0:  # never loaded (or its build failed: nothing cached)
+        return None
+    mod = load()
+    names = {v: k for k, v in PATHS.items()}
+    return {"path": names[int(mod.path())], "vnni": bool(mod.vnni())}
 
 
 def available_paths() -> list[str]:

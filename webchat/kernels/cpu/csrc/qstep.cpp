@@ -118,6 +118,7 @@ static float exp_sum_scalar(float* x, int64_t n, float shift) {
 template <int NV>
 AVX2_FN static void score_keys_avx2(const float* q, const float* kp, int64_t kvd, int64_t n, float scale, float* s) {
   __m256 qv[NV];
+  #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
   const __m128 vscale = _mm_set1_ps(scale);
   int64_t i = 0;
@@ -127,6 +128,7 @@ AVX2_FN static void score_keys_avx2(const float* q, const float* kp, int64_t kvd
     __m256 a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + kvd));
     __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 2 * kvd));
     __m256 a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 3 * kvd));
+    #pragma GCC unroll 16
     for (int c = 1; c < NV; ++c) {
       a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
       a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + kvd + 8 * c), a1);
@@ -139,6 +141,7 @@ AVX2_FN static void score_keys_avx2(const float* q, const float* kp, int64_t kvd
   for (; i < n; ++i) {
     const float* k0 = kp + i * kvd;
     __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+    #pragma GCC unroll 16
     for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a);
     s[i] = hsum256(a) * scale;
   }
@@ -148,11 +151,14 @@ AVX2_FN static void score_keys_avx2(const float* q, const float* kp, int64_t kvd
 template <int NV>
 AVX2_FN static void accumulate_avx2(float* o, const float* w, const float* vp, int64_t kvd, int64_t n) {
   __m256 ov[NV];
+  #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) ov[c] = _mm256_loadu_ps(o + 8 * c);
   for (int64_t i = 0; i < n; ++i) {
     const __m256 bw = _mm256_broadcast_ss(w + i);
+    #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) ov[c] = _mm256_fmadd_ps(bw, _mm256_loadu_ps(vp + i * kvd + 8 * c), ov[c]);
   }
+  #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + 8 * c, ov[c]);
 }
 
@@ -167,6 +173,7 @@ AVX512_FN static inline __m256 halves(__m512 a) {  // the two 8-lane halves adde
 template <int NV>
 AVX512_FN static void score_keys_avx512(const float* q, const float* kp, int64_t kvd, int64_t n, float scale, float* s) {
   __m512 qv[NV];
+  #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   const __m128 vscale = _mm_set1_ps(scale);
   int64_t i = 0;
@@ -176,6 +183,7 @@ AVX512_FN static void score_keys_avx512(const float* q, const float* kp, int64_t
     __m512 a1 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + kvd));
     __m512 a2 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + 2 * kvd));
     __m512 a3 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + 3 * kvd));
+    #pragma GCC unroll 16
     for (int c = 1; c < NV; ++c) {
       a0 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 16 * c), a0);
       a1 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kvd + 16 * c), a1);
@@ -188,6 +196,7 @@ AVX512_FN static void score_keys_avx512(const float* q, const float* kp, int64_t
   for (; i < n; ++i) {
     const float* k0 = kp + i * kvd;
     __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0));
+    #pragma GCC unroll 16
     for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 16 * c), a);
     s[i] = hsum256(halves(a)) * scale;
   }
@@ -196,10 +205,12 @@ AVX512_FN static void score_keys_avx512(const float* q, const float* kp, int64_t
 template <int NV>
 AVX512_FN static void accumulate_avx512(float* o, const float* w, const float* vp, int64_t kvd, int64_t n) {
   __m512 ov[NV], ow[NV];
+  #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) ov[c] = _mm512_loadu_ps(o + 16 * c), ow[c] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 2 <= n; i += 2) {
     const __m512 b0 = _mm512_set1_ps(w[i]), b1 = _mm512_set1_ps(w[i + 1]);
+    #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) {
       ov[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(vp + i * kvd + 16 * c), ov[c]);
       ow[c] = _mm512_fmadd_ps(b1, _mm512_loadu_ps(vp + (i + 1) * kvd + 16 * c), ow[c]);
@@ -207,8 +218,10 @@ AVX512_FN static void accumulate_avx512(float* o, const float* w, const float* v
   }
   if (i < n) {
     const __m512 b0 = _mm512_set1_ps(w[i]);
+    #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) ov[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(vp + i * kvd + 16 * c), ov[c]);
   }
+  #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(ov[c], ow[c]));
 }
 
