@@ -19,6 +19,11 @@ Peak RSS of each server process over its round is printed too.
     .venv/bin/python bench/bench_served.py --only webchat --clients 1 --rounds 6 --bare   # served against bare
     .venv/bin/python bench/bench_served.py --paired 15 --rounds 2                           # the same, paired
     .venv/bin/python bench/bench_served.py --speculation    # each speculative mode against none (served_speculation)
+    .venv/bin/python bench/bench_served.py --isa avx2 --set issue38   # both servers as on an AVX2-only CPU (Zen 3)
+
+`--isa avx2` runs webchat with WEBCHAT_QPATH=avx2 WEBCHAT_VNNI=0 (its table label says what /api/info reported) and a
+llama-server built without AVX-512 or VNNI (LLAMA_ISA=avx2 bench/build_llama_server.sh): the code an AVX2-only CPU
+runs, on this machine's memory and cores (so not that CPU's figures: its vector units and caches differ).
 
 `--bare` also runs bench/bench_cpu.py's webchat child (the bare forward on the main thread, no server) after the
 servers in every round, and prints each round's single-client served aggregate against that bare decode, and the

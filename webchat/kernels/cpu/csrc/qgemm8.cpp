@@ -92,6 +92,19 @@ struct Decoded {
   float dmin;
 };
 
+// a Q4_K/Q5_K super-block's scales and mins (its first 16 bytes: d, dmin, 12 scale bytes)
+G8_AVX2 inline void decode_meta(const uint8_t* blk, Decoded* o) {
+  uint8_t s8[8], m8[8];
+  scales_mins_k4(blk + 4, s8, m8);
+  for (int v = 0; v < 8; ++v) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o->sc[2 * v]), _mm256_set1_epi16(s8[v]));
+    o->sci[2 * v] = o->sci[2 * v + 1] = s8[v];
+    o->mn[v] = m8[v];
+  }
+  _mm256_store_ps(o->d, _mm256_set1_ps(half_f16c(blk)));
+  o->dmin = half_f16c(blk + 2);
+}
+
 template <int QT>
 G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
   const __m256i m4 = _mm256_set1_epi8(15);
@@ -127,32 +140,51 @@ G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 64 * c), lo);
     _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 64 * c + 32), hi);
   }
-  uint8_t s8[8], m8[8];
-  scales_mins_k4(blk + 4, s8, m8);
-  for (int v = 0; v < 8; ++v) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o->sc[2 * v]), _mm256_set1_epi16(s8[v]));
-    o->sci[2 * v] = o->sci[2 * v + 1] = s8[v];
-    o->mn[v] = m8[v];
+  decode_meta(blk, o);
+}
+
+// packed Q4_K (qpack8.cpp): rows r0..r0 + 3 of a group's super-block i, decoded straight from its interleaved unit.
+// Their nibbles go to wp as the unit holds them, a word's 4 rows side by side (wp[j][t]: 4 bytes of each row), so no
+// row is gathered back into ggml's layout first; scales, mins, d and dmin into dec as decode() gives them.
+G8_AVX2 void decode_packed4(const uint8_t* unit, int r0, int8_t (*wp)[8][16], Decoded* dec) {
+  const __m128i m4 = _mm_set1_epi8(15);
+  for (int c = 0; c < 4; ++c)
+    for (int t = 0; t < 8; ++t) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 128 + (8 * c + t) * 32 + 4 * r0));
+      _mm_store_si128(reinterpret_cast<__m128i*>(wp[2 * c][t]), _mm_and_si128(v, m4));
+      _mm_store_si128(reinterpret_cast<__m128i*>(wp[2 * c + 1][t]), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    }
+  for (int n = 0; n < 4; ++n) {
+    const int r = r0 + n;
+    uint8_t hdr[16];  // the row's d, dmin and 12 scale bytes in ggml's order
+    std::memcpy(hdr, unit + 2 * r, 2), std::memcpy(hdr + 2, unit + 16 + 2 * r, 2);
+    for (int w = 0; w < 3; ++w) std::memcpy(hdr + 4 + 4 * w, unit + 32 + 32 * w + 4 * r, 4);
+    decode_meta(hdr, &dec[n]);
   }
-  _mm256_store_ps(o->d, _mm256_set1_ps(half_f16c(blk)));
-  o->dmin = half_f16c(blk + 2);
 }
 
 // Q4_K / Q5_K / Q6_K: NR weight rows from n0 against every group of the panel. Per super-block the NR rows are
 // decoded once (Decoded) and each group's x words, loaded once, meet all NR rows; the groups' accumulators wait in
 // acc (groups x NR vectors) between super-blocks.
-template <int QT, int NR>
+// PK: packed Q4_K, 4 rows of one group (decode_packed4; their nibbles in wp, not in dec[n].w).
+template <int QT, int NR, bool PK = false>
 G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, float* y,
                        int64_t ldy, float* acc, bool packed) {
+  static_assert(!PK || (QT == Q4_K && NR == 4), "packed rows are read 4 of a group's 8 at a time, Q4_K only");
   constexpr int64_t BB = kbytes<QT>();
   constexpr int STEPS = QT == Q4_K ? 8 : 4;  // words a sub-block's int16 sums take before they must widen
   const int64_t nsb = P.nsb, groups = P.groups;
   std::fill(acc, acc + groups * NR * 8, 0.f);
   Decoded dec[NR];
+  alignas(32) int8_t wp[PK ? 8 : 1][8][16];
   for (int64_t i = 0; i < nsb; ++i) {
-    for (int n = 0; n < NR; ++n) {
-      uint8_t tmp[BB];
-      decode<QT>(super_block<QT>(wm, row_bytes, n0 + n, i, packed, tmp), &dec[n]);
+    if (PK) {
+      decode_packed4(wm + (n0 / 8) * 8 * row_bytes + i * 8 * BB, static_cast<int>(n0 % 8), wp, dec);
+    } else {
+      for (int n = 0; n < NR; ++n) {
+        uint8_t tmp[BB];
+        decode<QT>(super_block<QT>(wm, row_bytes, n0 + n, i, packed, tmp), &dec[n]);
+      }
     }
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t pb = g * nsb + i;
@@ -173,7 +205,7 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
           for (int t = t0; t < t0 + STEPS; ++t) {  // (unrolled whole, the compiler kept every product in a spilled tree)
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * 256 + 32 * t));
             for (int n = 0; n < NR; ++n) {
-              const int8_t* wt = dec[n].w + 32 * j + 4 * t;
+              const int8_t* wt = PK ? &wp[PK ? j : 0][t][4 * n] : dec[n].w + 32 * j + 4 * t;
               const __m256i pr = QT == Q6_K
                   ? _mm256_maddubs_epi16(bcast4(dec[n].a + 32 * j + 4 * t), _mm256_sign_epi8(xv, bcast4(wt)))
                   : _mm256_maddubs_epi16(bcast4(wt), xv);
@@ -265,6 +297,11 @@ void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_byte
   thread_local std::vector<float> acc;  // (groups, NR, 8)
   acc.resize(P.groups * nr * 8);
   int64_t n = n0;
+  if (QT == Q4_K && packed && vk == 0) {  // whole groups (packed8_rows' edges): half a group a pass
+    TORCH_CHECK(n0 % 8 == 0 && n1 % 8 == 0, "packed rows go 8 at a time, got [", n0, ", ", n1, ")");
+    for (; n < n1; n += 4) gemm_rows<Q4_K, 4, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
+    return;
+  }
   for (; n + nr <= n1; n += nr) WIDE[vk](P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
   for (; n < n1; ++n) ONE[vk](P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
 }
