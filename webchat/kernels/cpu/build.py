@@ -126,7 +126,6 @@ def load(verbose: bool = False) -> QKernels:
     return cast(QKernels, mod)
 
 
-
 def apply_environment(mod: Any) -> None:
     """What the environment forces on the module: WEBCHAT_QPATH a code path (scalar, avx2, avx512), WEBCHAT_VNNI=0
     or 1 the int8 kernels' vpdpbusd (with WEBCHAT_QPATH=avx2 and WEBCHAT_VNNI=0, the kernels a Zen 3 runs: the
