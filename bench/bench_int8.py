@@ -124,8 +124,7 @@ def main() -> None:
 
     folder = model_folder(args.model) if args.model else ensure_default_model()
     model = load_model(folder)
-    names = {v: k for k, v in build.PATHS.items()}
-    print(f"{folder.name}: default precision {model.precision}, path {names[int(build.load().path())]}, "
+    print(f"{folder.name}: default precision {model.precision}, path {build.path_name(build.load())}, "
           f"{torch.get_num_threads()} threads")
     if args.only != "forward":
         matrices(model)

@@ -17,6 +17,7 @@ import pytest
 from live_server import Probe  # tests/ is on sys.path under pytest
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
+from webchat.kernels.cpu import build as qkernels
 from webchat.serve import protocol as p
 from webchat.serve.app import create_app
 from webchat.serve.config import ServerConfig
@@ -140,9 +141,7 @@ def test_hello_and_info_describe_the_model(client: TestClient, runtime: Runtime)
     info = client.get("/api/info").json()
     assert info["model"] == hello.model and info["speculative"] == hello.speculative
     assert info["precision"] == "exact"
-    from webchat.kernels.cpu import build as qkernels  # the code path the C++ kernels run, where they are loaded
-
-    assert info["cpu_kernels"] == qkernels.running()
+    assert info["cpu_kernels"] == qkernels.running()  # the code path the C++ kernels run, where they are loaded
     if info["cpu_kernels"] is not None:
         kernels = info["cpu_kernels"]
         assert kernels["path"] in qkernels.available_paths() and isinstance(kernels["vnni"], bool)

@@ -152,8 +152,7 @@ def load_model(
         enable_cpu_step(model, kernels)
         model.row_scan = kernels  # the sampler's argmax and heatmap numbers in C++ (webchat.engine.sampling.RowScan)
     if precision is None:
-        names = {v: k for k, v in qkernels.PATHS.items()}
-        here = names[int(kernels.path())] if kernels is not None else "none"
+        here = qkernels.path_name(kernels) if kernels is not None else "none"
         precision = default_precision(quantized_formats(model), here)
     set_precision(model, precision, kernels)
     return model

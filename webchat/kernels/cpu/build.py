@@ -160,8 +160,12 @@ def running() -> dict[str, object] | None:
     if load.cache_info().currsize == 0:  # never loaded (or its build failed: nothing cached)
         return None
     mod = load()
-    names = {v: k for k, v in PATHS.items()}
-    return {"path": names[int(mod.path())], "vnni": bool(mod.vnni())}
+    return {"path": path_name(mod), "vnni": bool(mod.vnni())}
+
+
+def path_name(mod: QKernels) -> str:
+    """The name in PATHS of the code path the module runs now ("avx2")."""
+    return next(name for name, p in PATHS.items() if p == int(mod.path()))
 
 
 def available_paths() -> list[str]:
@@ -172,5 +176,4 @@ def available_paths() -> list[str]:
 
 if __name__ == "__main__":
     mod = load(verbose="-v" in sys.argv)
-    names = {v: k for k, v in PATHS.items()}
-    print(f"webchat kernels built in {build_dir()}; code path here: {names[int(mod.path())]}")
+    print(f"webchat kernels built in {build_dir()}; code path here: {path_name(mod)}")
