@@ -208,20 +208,26 @@ def test_packed_q4_k_prompt_tiles_give_the_decode_rows_bits(kernels: Any, vnni_o
 
 
 @pytest.mark.parametrize("m", [1, 13, 40])
-def test_q8_0_prompt_rows_are_their_own_however_grouped(kernels: Any, vnni_on: None, m: int) -> None:
-    """Where the CPU has VNNI a prompt's Q8_0 rows take qgemm8b.cpp's GEMM, 8 rows a vector: each row's sums its own
-    (the same bits alone, in a call of any size, a group's missing rows included), close to float64 on the quantized
-    activations, and the scalar path's bits."""
+def test_q8_0_prompt_rows_are_their_own_however_grouped(kernels: Any, path: str, m: int) -> None:
+    """A prompt's Q8_0 rows take qgemm8b.cpp's GEMM, 8 rows a vector (vpdpbusd where VNNI is in use, the sign trick's
+    vpmaddubsw + vpmaddwd otherwise): each row's sums its own (the same bits alone, in a call of any size, a group's
+    missing rows included), close to float64 on the quantized activations, and the scalar path's bits, with VNNI or
+    without. Weights of -128 (|w| = 128 in vpmaddubsw, the pair's bound) included."""
     k, n = 320, 21
     wq, wd = weights("q8_0", n, k, seed=m)
+    wq = wq.clone()
+    wq[0, 2:34] = torch.tensor([128] * 16 + [127] * 16, dtype=torch.uint8)  # -128 and 127 against x's extremes
+    wd = wd.clone()
+    wd[0, :32] = dequantize(wq[:1, :34], "q8_0").double()[0]
     qt = qtype_number("q8_0")
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+    x[:, :32] = torch.where(torch.arange(32) < 16, -1.0, 1.0)  # q = -127 and 127: every pair at its largest
     got = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
     check_close(got, x, wd, "q8_0")
     alone = torch.cat([kernels.qmatmul(x[i : i + 1], wq, qt, k, gemm=True, int8=True) for i in range(m)])
-    assert torch.equal(got, alone)
+    assert torch.equal(got, alone), path
     kernels.set_path(0)
-    assert torch.equal(got, kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True))
+    assert torch.equal(got, kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)), path
 
 
 def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:

@@ -243,9 +243,9 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
   TORCH_CHECK(row0 >= 0 && row0 + m <= a.m, "rows [", row0, ", ", row0 + m, ") are outside the ", a.m, " quantized");
   const int p = path();
   const int64_t k = a.k;
-  const bool tiles = vnni();  // packed Q4_K takes packed8_gemm's tiles, which read no panel; Q8_0 its GEMM
-  bool q8 = false;
-  for (int i = 0; i < count; ++i) q8 |= mats[i].qtype == Q8_0 && tiles;
+  const bool tiles = vnni();  // packed Q4_K takes packed8_gemm's tiles, which read no panel
+  bool q8 = false;            // Q8_0 takes its GEMM on every path
+  for (int i = 0; i < count; ++i) q8 |= mats[i].qtype == Q8_0;
   if (prompt && (kquant || q8)) {  // the GEMM: every row of the call at once, weight rows over the threads
     thread_local Panel8 mine;  // the calling thread's; the workers read it through `panel`
     thread_local PanelB mine_b;
@@ -262,7 +262,7 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
         const int64_t lo = group_edge(mr, std::max(16 * b, base) - base) + base;
         const int64_t hi = group_edge(mr, std::min(16 * e, base + mr.n) - base) + base;
         if (lo < hi) {
-          if (mr.qtype == Q8_0 && tiles) {
+          if (mr.qtype == Q8_0) {
             q8_gemm_rows(a, panel_b, row0, m, mr.w, mr.row_bytes, lo - base, hi - base, mr.y, mr.n, p);
           } else if (mr.packed && tiles && reads_supers(mr.qtype)) {
             const Job8 j{&a, static_cast<int>(row0), static_cast<int>(m), mr.w, mr.row_bytes, a.k, mr.qtype, mr.y,

@@ -1,4 +1,4 @@
-// A prompt's rows against Q8_0 with int8 activations as a GEMM, where the CPU has VNNI (docs/quant.md, "qgemm8b.cpp"):
+// A prompt's rows against Q8_0 with int8 activations as a GEMM (docs/quant.md, "qgemm8b.cpp"):
 //
 //   y[r, n] = one fma chain over blocks b and their 8-value groups c: acc = fma(float(I), d_w,b * d_x,c, acc),
 //   I = sum_{i in c} w_i q_i (exact int32)
@@ -7,9 +7,11 @@
 // 4 values of every (x row, weight row) pair; here a lane is an x row (PanelB: 8 rows side by side, 4 bytes each), a
 // weight row's word is broadcast to all of them, and the float steps come once per 8 values. vpdpbusd multiplies
 // unsigned by signed bytes: the weights go in as w + 128 (one xor of the broadcast word) and each group takes back
-// 128 sum_c q (the panel's c), so I is exact. The sums run in this file's order on every path (the scalar one with
-// std::fma): a prompt's rows get the same bits however the prompt is chunked (tests/test_int8.py). Without VNNI a
-// prompt's Q8_0 rows stay on the row kernels.
+// 128 sum_c q (the panel's c), so I is exact. Without VNNI the same tile takes llama.cpp's sign trick instead: |w|
+// (unsigned, the broadcast word's abs once a weight row) times x with w's sign, vpmaddubsw (a pair at most
+// 2 * 128 * 127 < 2^15: exact) and vpmaddwd by ones, the same I with nothing to take back. The sums run in this
+// file's order on every path (the scalar one with std::fma): a prompt's rows get the same bits however the prompt is
+// chunked, with or without VNNI (tests/test_int8.py).
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -102,22 +104,70 @@ Q8_TILE(q8_avx512vnni, __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx
 Q8_TILE(q8_avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))), _mm256_dpbusd_avx_epi32)
 #undef Q8_TILE
 
+// the tile without VNNI: NR weight rows by GX groups of 8 x rows as above, each word's 4 products a pair of vpmaddubsw
+// lanes summed by vpmaddwd
+template <int NR, int GX>
+__attribute__((target("avx2,fma,f16c"))) void q8_avx2(const PanelB& P, const uint8_t* w, int64_t row_bytes,
+                                                      int64_t n0, int64_t g0, float* y, int64_t ldy, int64_t m) {
+  const int64_t nb = P.nb;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][GX];
+  for (int n = 0; n < NR; ++n)
+    for (int gx = 0; gx < GX; ++gx) acc[n][gx] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    float dw[NR];
+    for (int n = 0; n < NR; ++n) dw[n] = half_to_float(w + (n0 + n) * row_bytes + b * Q8_BYTES);
+    for (int c = 0; c < 4; ++c) {
+      __m256i x0[GX], x1[GX];
+      __m256 dx[GX];
+      for (int gx = 0; gx < GX; ++gx) {
+        const int64_t pb = (g0 + gx) * nb + b;
+        x0[gx] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.q.data() + pb * 256 + (2 * c) * 32));
+        x1[gx] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.q.data() + pb * 256 + (2 * c + 1) * 32));
+        dx[gx] = _mm256_loadu_ps(P.d.data() + pb * 32 + c * 8);
+      }
+      for (int n = 0; n < NR; ++n) {
+        const uint8_t* wq = w + (n0 + n) * row_bytes + b * Q8_BYTES + 2 + 8 * c;
+        int32_t v0, v1;
+        std::memcpy(&v0, wq, 4), std::memcpy(&v1, wq + 4, 4);
+        const __m256i w0 = _mm256_set1_epi32(v0), w1 = _mm256_set1_epi32(v1);
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);  // -128 -> 0x80: 128 unsigned
+        const __m256 dwv = _mm256_set1_ps(dw[n]);
+        for (int gx = 0; gx < GX; ++gx) {
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0[gx], w0)), ones);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1[gx], w1)), ones);
+          acc[n][gx] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_mul_ps(dwv, dx[gx]),
+                                       acc[n][gx]);
+        }
+      }
+    }
+  }
+  for (int gx = 0; gx < GX; ++gx)
+    for (int n = 0; n < NR; ++n) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[n][gx]);
+      for (int r = 0; r < 8 && 8 * (g0 + gx) + r < m; ++r) y[(8 * (g0 + gx) + r) * ldy + n0 + n] = out[r];
+    }
+}
+
 using TileB = void (*)(const PanelB&, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
 
 // NR weight rows a pass by GX panel groups a tile (their tails: fewer), [NR - 1][GX - 1]: AVX-512 VNNI 4 by 2,
-// AVX-VNNI (16 registers) 2 by 2
-template <int NRMAX, int GXMAX, bool WIDE>
+// AVX-VNNI and AVX2 (16 registers) 2 by 2
+template <int NRMAX, int GXMAX, int KIND>
 void q8_vector(const PanelB& P, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, float* y,
                int64_t ldy) {
   static constexpr TileB T[4][2] = {
       {q8_avx512vnni<1, 1>, q8_avx512vnni<1, 2>}, {q8_avx512vnni<2, 1>, q8_avx512vnni<2, 2>},
       {q8_avx512vnni<3, 1>, q8_avx512vnni<3, 2>}, {q8_avx512vnni<4, 1>, q8_avx512vnni<4, 2>}};
   static constexpr TileB N[2][2] = {{q8_avxvnni<1, 1>, q8_avxvnni<1, 2>}, {q8_avxvnni<2, 1>, q8_avxvnni<2, 2>}};
+  static constexpr TileB A[2][2] = {{q8_avx2<1, 1>, q8_avx2<1, 2>}, {q8_avx2<2, 1>, q8_avx2<2, 2>}};
   for (int64_t n = n0; n < n1; n += NRMAX) {  // NR weight rows stay in L1 while every panel group passes
     const int nr = static_cast<int>(std::min<int64_t>(NRMAX, n1 - n));
     for (int64_t g = 0; g < P.groups; g += GXMAX) {
       const int gx = static_cast<int>(std::min<int64_t>(GXMAX, P.groups - g));
-      (WIDE ? T[nr - 1][gx - 1] : N[nr - 1][gx - 1])(P, w, row_bytes, n, g, y, ldy, m);
+      (KIND == 2 ? T[nr - 1][gx - 1] : KIND == 1 ? N[nr - 1][gx - 1] : A[nr - 1][gx - 1])(P, w, row_bytes, n, g, y,
+                                                                                           ldy, m);
     }
   }
 }
@@ -147,10 +197,12 @@ void PanelB::build(const Act8& a, int64_t row0, int64_t m) {
 
 void q8_gemm_rows(const Act8& a, const PanelB& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, float* y, int64_t ldy, int p) {
-  TORCH_CHECK(vnni(), "the Q8_0 GEMM needs VNNI (without it a prompt's Q8_0 rows take the row kernels)");
   if (p < PATH_AVX2) return q8_scalar(a, row0, m, w, row_bytes, n0, n1, y, ldy);
-  vnni_kind() == 2 ? q8_vector<4, 2, true>(P, m, w, row_bytes, n0, n1, y, ldy)
-                   : q8_vector<2, 2, false>(P, m, w, row_bytes, n0, n1, y, ldy);
+  switch (vnni_kind()) {
+    case 2: return q8_vector<4, 2, 2>(P, m, w, row_bytes, n0, n1, y, ldy);
+    case 1: return q8_vector<2, 2, 1>(P, m, w, row_bytes, n0, n1, y, ldy);
+    default: return q8_vector<2, 2, 0>(P, m, w, row_bytes, n0, n1, y, ldy);
+  }
 }
 
 }  // namespace wq

@@ -103,7 +103,7 @@ struct PanelB {
 };
 
 // rows [row0, row0 + m) of a (the panel P built from them on the vector paths) against Q8_0 weight rows [n0, n1): a
-// prompt's Q8_0 rows where the CPU has VNNI (vnni())
+// prompt's Q8_0 rows, vpdpbusd where the CPU has VNNI (vnni()), vpmaddubsw + vpmaddwd otherwise, the same bits
 void q8_gemm_rows(const Act8& a, const PanelB& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, float* y, int64_t ldy, int p);
 
