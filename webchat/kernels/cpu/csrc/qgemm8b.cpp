@@ -52,15 +52,15 @@ void q8_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* w, int64_t
     }
 }
 
-// ---------------------------------------------------------------- VNNI tiles
-// NR weight rows by GX groups of 8 x rows, every block: each group's 2 words of the NR rows, broadcast and made
-// unsigned once, meet the GX panel words in 2 vpdpbusd per (row, group); 8 float sums in registers throughout
-#define Q8_TILE(NAME, TARGET, DPBUSD)                                                                                 \
+// ---------------------------------------------------------------- the tiles
+// NR weight rows by GX groups of 8 x rows, every block: each group's 2 words of the NR rows, broadcast once, meet the
+// GX panel words; SUMS(w0, w1, x0, x1, cx) gives the group's exact I in each lane (8 int32); 8 float sums in registers
+// throughout
+#define Q8_TILE(NAME, TARGET, SUMS)                                                                                   \
   template <int NR, int GX>                                                                                           \
   TARGET void NAME(const PanelB& P, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t g0, float* y,           \
                    int64_t ldy, int64_t m) {                                                                          \
     const int64_t nb = P.nb;                                                                                          \
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));                                                   \
     __m256 acc[NR][GX];                                                                                               \
     for (int n = 0; n < NR; ++n)                                                                                      \
       for (int gx = 0; gx < GX; ++gx) acc[n][gx] = _mm256_setzero_ps();                                               \
@@ -81,14 +81,11 @@ void q8_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* w, int64_t
           const uint8_t* wq = w + (n0 + n) * row_bytes + b * Q8_BYTES + 2 + 8 * c;                                    \
           int32_t v0, v1;                                                                                             \
           std::memcpy(&v0, wq, 4), std::memcpy(&v1, wq + 4, 4);                                                       \
-          const __m256i w0 = _mm256_xor_si256(_mm256_set1_epi32(v0), flip);                                          \
-          const __m256i w1 = _mm256_xor_si256(_mm256_set1_epi32(v1), flip);                                          \
+          const __m256i w0 = _mm256_set1_epi32(v0), w1 = _mm256_set1_epi32(v1);                                      \
           const __m256 dwv = _mm256_set1_ps(dw[n]);                                                                   \
-          for (int gx = 0; gx < GX; ++gx) {                                                                           \
-            const __m256i s = DPBUSD(DPBUSD(_mm256_setzero_si256(), w0, x0[gx]), w1, x1[gx]);                         \
-            acc[n][gx] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, cx[gx])),                             \
+          for (int gx = 0; gx < GX; ++gx)                                                                             \
+            acc[n][gx] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(SUMS(w0, w1, x0[gx], x1[gx], cx[gx])),                    \
                                          _mm256_mul_ps(dwv, dx[gx]), acc[n][gx]);                                     \
-          }                                                                                                           \
         }                                                                                                             \
       }                                                                                                               \
     }                                                                                                                 \
@@ -100,55 +97,28 @@ void q8_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* w, int64_t
       }                                                                                                               \
   }
 
-Q8_TILE(q8_avx512vnni, __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"))), _mm256_dpbusd_epi32)
-Q8_TILE(q8_avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))), _mm256_dpbusd_avx_epi32)
-#undef Q8_TILE
+// vpdpbusd: the weights made unsigned (w + 128, an xor of the broadcast word) and 128 sum q (cx) taken back
+#define Q8_FLIP(v) _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)))
+#define Q8_VNNI(DPBUSD, w0, w1, x0, x1, cx) \
+  _mm256_sub_epi32(DPBUSD(DPBUSD(_mm256_setzero_si256(), Q8_FLIP(w0), x0), Q8_FLIP(w1), x1), cx)
+#define Q8_AVX512VNNI(w0, w1, x0, x1, cx) Q8_VNNI(_mm256_dpbusd_epi32, w0, w1, x0, x1, cx)
+#define Q8_AVXVNNI(w0, w1, x0, x1, cx) Q8_VNNI(_mm256_dpbusd_avx_epi32, w0, w1, x0, x1, cx)
+// without VNNI, llama.cpp's sign trick: |w| (-128 -> 0x80: 128 unsigned) times x with w's sign, a word's 4 products a
+// pair of vpmaddubsw lanes (at most 2 * 128 * 127 < 2^15) summed by vpmaddwd; nothing to take back (cx unused)
+#define Q8_WORD(v, x) _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(x, v)), \
+                                        _mm256_set1_epi16(1))
+#define Q8_SIGNED(w0, w1, x0, x1, cx) _mm256_add_epi32(Q8_WORD(w0, x0), Q8_WORD(w1, x1))
 
-// the tile without VNNI: NR weight rows by GX groups of 8 x rows as above, each word's 4 products a pair of vpmaddubsw
-// lanes summed by vpmaddwd
-template <int NR, int GX>
-__attribute__((target("avx2,fma,f16c"))) void q8_avx2(const PanelB& P, const uint8_t* w, int64_t row_bytes,
-                                                      int64_t n0, int64_t g0, float* y, int64_t ldy, int64_t m) {
-  const int64_t nb = P.nb;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NR][GX];
-  for (int n = 0; n < NR; ++n)
-    for (int gx = 0; gx < GX; ++gx) acc[n][gx] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    float dw[NR];
-    for (int n = 0; n < NR; ++n) dw[n] = half_to_float(w + (n0 + n) * row_bytes + b * Q8_BYTES);
-    for (int c = 0; c < 4; ++c) {
-      __m256i x0[GX], x1[GX];
-      __m256 dx[GX];
-      for (int gx = 0; gx < GX; ++gx) {
-        const int64_t pb = (g0 + gx) * nb + b;
-        x0[gx] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.q.data() + pb * 256 + (2 * c) * 32));
-        x1[gx] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.q.data() + pb * 256 + (2 * c + 1) * 32));
-        dx[gx] = _mm256_loadu_ps(P.d.data() + pb * 32 + c * 8);
-      }
-      for (int n = 0; n < NR; ++n) {
-        const uint8_t* wq = w + (n0 + n) * row_bytes + b * Q8_BYTES + 2 + 8 * c;
-        int32_t v0, v1;
-        std::memcpy(&v0, wq, 4), std::memcpy(&v1, wq + 4, 4);
-        const __m256i w0 = _mm256_set1_epi32(v0), w1 = _mm256_set1_epi32(v1);
-        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);  // -128 -> 0x80: 128 unsigned
-        const __m256 dwv = _mm256_set1_ps(dw[n]);
-        for (int gx = 0; gx < GX; ++gx) {
-          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0[gx], w0)), ones);
-          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1[gx], w1)), ones);
-          acc[n][gx] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_mul_ps(dwv, dx[gx]),
-                                       acc[n][gx]);
-        }
-      }
-    }
-  }
-  for (int gx = 0; gx < GX; ++gx)
-    for (int n = 0; n < NR; ++n) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, acc[n][gx]);
-      for (int r = 0; r < 8 && 8 * (g0 + gx) + r < m; ++r) y[(8 * (g0 + gx) + r) * ldy + n0 + n] = out[r];
-    }
-}
+Q8_TILE(q8_avx512vnni, __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"))), Q8_AVX512VNNI)
+Q8_TILE(q8_avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))), Q8_AVXVNNI)
+Q8_TILE(q8_avx2, __attribute__((target("avx2,fma,f16c"))), Q8_SIGNED)
+#undef Q8_TILE
+#undef Q8_FLIP
+#undef Q8_VNNI
+#undef Q8_AVX512VNNI
+#undef Q8_AVXVNNI
+#undef Q8_WORD
+#undef Q8_SIGNED
 
 using TileB = void (*)(const PanelB&, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
 
