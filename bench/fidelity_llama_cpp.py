@@ -16,6 +16,12 @@ continuations equal the reference token for token, how many texts are equal, the
 largest |p - p_ref| over the tokens in both top-5 lists at the first generated token and over the agreed prefix (every
 step whose context both share: up to and including the first divergence).
 
+`--more N` asks N further held-out prompts (bench/served_prompts.py's open questions) after the 8 and prints a second
+table over all of them: with 8 prompts one near-tie flipped by a rounding moves a side's count by one (the AVX2 class
+went 3/8 -> 2/8 when a prompt's Q8_0 rows changed summation order, nothing else changed), so beside the counts it
+gives the mean number of greedy tokens each side keeps before its first divergence, and the first token's |Δp| as a
+median and a maximum over the prompts.
+
 A checkout without `serve --exact` (before issue 38's precision choice lands) runs its one default server, whose
 activations are float32, and says the int8 side is absent.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import io
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a pack
 from bench_served import HERE, THREADS, find_llama_server, llama_server, webchat_server  # noqa: E402
 from served_client import Server, free_port  # noqa: E402
 from served_files import bench_files_dir, has_exact_flag, precision_of  # noqa: E402
+from served_prompts import open_chat  # noqa: E402
 
 TOP = 5
 PROMPTS = [  # held out: none is a prompt of tests/test_fidelity.py
@@ -155,6 +163,17 @@ def row(name: str, precision: str, marks: list[Agreement]) -> str:
             f"| {firsts} | {fmt(dp_first)} | {fmt(dp_prefix)} |")
 
 
+def wide_row(name: str, precision: str, marks: list[Agreement], tokens: int) -> str:
+    """Over many prompts: greedy equal, the mean tokens kept before the first divergence, the first token's |Δp|
+    median and max, the agreed prefixes' largest."""
+    kept = statistics.mean(tokens if a.first_div is None else a.first_div for a in marks)
+    firsts = [a.dp_first for a in marks if a.dp_first is not None]
+    prefix = max((a.dp_prefix for a in marks if a.dp_prefix is not None), default=None)
+    median = statistics.median(firsts) if firsts else None
+    return (f"| {name} | {precision} | {sum(a.first_div is None for a in marks)}/{len(marks)} | {kept:.1f} "
+            f"| {fmt(median)} / {fmt(max(firsts, default=None))} | {fmt(prefix)} |")
+
+
 def weight_check(model: Any, folder: Path) -> str:
     """The reference's weights (gguf-py's dequantization) against webchat's converter's model.safetensors."""
     from safetensors.torch import load_file
@@ -172,7 +191,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--llama-server", type=Path, default=None)
     ap.add_argument("--src", type=Path, default=HERE, help="the webchat checkout to serve from")
+    ap.add_argument("--more", type=int, default=0, help="further held-out prompts for a second, wider table")
     args = ap.parse_args()
+    if args.more < 0:
+        raise SystemExit(f"--more must be 0 or more, got {args.more}")
     from webchat.gguf_path import model_folder
     from webchat.text.tokenizer import Tokenizer
 
@@ -181,10 +203,11 @@ def main() -> None:
         raise SystemExit(f"{gguf} does not exist: write it with `bash bench/make_bench_files.sh`")
     folder = model_folder(gguf, out=io.StringIO())
     tok = Tokenizer.from_dir(folder)
-    ids = [tok.encode_chat(m) for m in PROMPTS]
+    prompts = PROMPTS + [open_chat(i) for i in range(args.more)]
+    ids = [tok.encode_chat(m) for m in prompts]
     banned = tok.stop_token_ids
-    print(f"{gguf.name}: {len(PROMPTS)} chat prompts, {args.tokens} greedy tokens (end of turn banned: {banned}), "
-          f"against transformers float32 on the file's dequantized weights", flush=True)
+    print(f"{gguf.name}: {len(PROMPTS)} chat prompts (and {args.more} more), {args.tokens} greedy tokens (end of turn "
+          f"banned: {banned}), against transformers float32 on the file's dequantized weights", flush=True)
     ref, model = reference_runs(gguf, ids, banned, args.tokens)
     print(f"reference weights (gguf-py) against webchat's converter: {weight_check(model, folder)}", flush=True)
     del model
@@ -193,19 +216,22 @@ def main() -> None:
     if not exact_flag:
         print(f"note: `webchat serve` in {src} has no --exact (issue 38's precision choice has not landed): its one "
               "default server runs float32 activations (exact); the int8 side is absent", flush=True)
-    rows = []
+    rows, wide = [], []
+    n = len(PROMPTS)
     for exact in sides:  # one at a time: each starts when the last has stopped
         server = webchat_server(gguf, free_port(), [], src, exact=exact)
         name = server.name
         try:
             server.wait_ready()
-            runs = webchat_runs(server, PROMPTS, [len(i) for i in ids], banned, args.tokens)
+            runs = webchat_runs(server, prompts, [len(i) for i in ids], banned, args.tokens)
         finally:
             server.stop()
         precision = precision_of(server.info)
         if name == "webchat" and exact_flag and server.info.get("precision") != "int8":  # the label adds kernels
             print(f"note: webchat's default precision for {gguf.name} is {precision!r}: the int8 side is absent")
-        rows.append(row(name, precision, [agree(r, g, tok.decode) for r, g in zip(ref, runs, strict=True)]))
+        marks = [agree(r, g, tok.decode) for r, g in zip(ref, runs, strict=True)]
+        rows.append(row(name, precision, marks[:n]))
+        wide.append(wide_row(name, precision, marks, args.tokens))
     binary = find_llama_server(args.llama_server)
     server = llama_server(binary, gguf, free_port(), 4096, 1)
     try:
@@ -213,12 +239,19 @@ def main() -> None:
         runs = llama_runs(server, ids, args.tokens)
     finally:
         server.stop()
-    rows.append(row("llama-server", f"its own ({THREADS} threads)", [agree(r, g, tok.decode)
-                                                                      for r, g in zip(ref, runs, strict=True)]))
+    marks = [agree(r, g, tok.decode) for r, g in zip(ref, runs, strict=True)]
+    rows.append(row("llama-server", f"its own ({THREADS} threads)", marks[:n]))
+    wide.append(wide_row("llama-server", f"its own ({THREADS} threads)", marks, args.tokens))
     print(f"\n| side | precision | greedy {args.tokens} tokens = reference | text = reference | first divergence "
           "per prompt (token; = none) | top-5 max |Δp|, first token | top-5 max |Δp|, agreed prefix |")
     print("|---|---|---:|---:|---|---:|---:|")
     print("\n".join(rows))
+    if args.more:
+        print(f"\nall {len(prompts)} prompts (the 8 and {args.more} open questions):\n")
+        print(f"| side | precision | greedy {args.tokens} tokens = reference | mean tokens before the first divergence "
+              "| top-5 max |Δp|, first token: median / max | top-5 max |Δp|, agreed prefix |")
+        print("|---|---|---:|---:|---:|---:|")
+        print("\n".join(wide))
 
 
 if __name__ == "__main__":
