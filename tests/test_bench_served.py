@@ -133,3 +133,13 @@ def test_the_precision_label_names_the_kernels_the_server_took() -> None:
     assert precision_of(took) == "int8, avx2 kernels without VNNI"
     assert precision_of({"precision": "exact", "cpu_kernels": {"path": "avx512", "vnni": True}}) == (
         "exact, avx512 kernels with VNNI")
+
+
+def test_the_fidelity_scripts_wide_table_counts_what_each_side_kept() -> None:
+    """bench/fidelity_llama_cpp.py --more: continuations kept whole, the mean tokens before the first divergence (a
+    whole one counts all its tokens), the first token's |Δp| median and max, the agreed prefixes' largest."""
+    from fidelity_llama_cpp import Agreement, wide_row
+
+    marks = [Agreement(None, True, 0.01, 0.02), Agreement(4, False, 0.03, 0.2), Agreement(0, False, None, 0.05)]
+    cells = [c.strip() for c in wide_row("webchat", "int8", marks, 32).split("|")[1:-1]]
+    assert cells == ["webchat", "int8", "1/3", "12.0", "2.0e-02 / 3.0e-02", "2.0e-01"]
