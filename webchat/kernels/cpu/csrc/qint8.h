@@ -109,7 +109,8 @@ void q8_gemm_rows(const Act8& a, const PanelB& P, int64_t row0, int64_t m, const
 
 // y_i (m, n_i) = rows [row0, row0 + m) of a @ W_i^T for matrices sharing their input: one parallel region over all
 // their output rows. An F32 matrix takes x (those rows as floats, rows of a.k) through the float kernel. prompt: the
-// rows are a prompt's, and the K-quants take the GEMM (gemm8_rows) instead of the row kernels.
+// rows are a prompt's, and the K-quants and Q8_0 take a GEMM (packed8_gemm, gemm8_rows, q8_gemm_rows) instead of the
+// row kernels.
 void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, const MatRef* mats, int count,
                     bool prompt = false);
 
