@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a pack
 from bench_served import HERE, THREADS, find_llama_server, llama_server, webchat_server  # noqa: E402
 from served_client import Server, free_port  # noqa: E402
 from served_files import bench_files_dir, has_exact_flag, precision_of  # noqa: E402
-from served_prompts import open_chat  # noqa: E402
+from served_prompts import ASKS, SUBJECTS, open_chat  # noqa: E402
 
 TOP = 5
 PROMPTS = [  # held out: none is a prompt of tests/test_fidelity.py
@@ -191,10 +191,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--llama-server", type=Path, default=None)
     ap.add_argument("--src", type=Path, default=HERE, help="the webchat checkout to serve from")
-    ap.add_argument("--more", type=int, default=0, help="further held-out prompts for a second, wider table")
+    open_questions = len(ASKS) * len(SUBJECTS)  # open_chat(i) repeats itself past these
+    ap.add_argument("--more", type=int, default=0,
+                    help=f"further held-out prompts for a second, wider table (0 to {open_questions})")
     args = ap.parse_args()
-    if args.more < 0:
-        raise SystemExit(f"--more must be 0 or more, got {args.more}")
+    if not 0 <= args.more <= open_questions:
+        raise SystemExit(f"--more must be 0 to {open_questions} (the distinct open questions), got {args.more}")
     from webchat.gguf_path import model_folder
     from webchat.text.tokenizer import Tokenizer
 

@@ -143,3 +143,18 @@ def test_the_fidelity_scripts_wide_table_counts_what_each_side_kept() -> None:
     marks = [Agreement(None, True, 0.01, 0.02), Agreement(4, False, 0.03, 0.2), Agreement(0, False, None, 0.05)]
     cells = [c.strip() for c in wide_row("webchat", "int8", marks, 32).split("|")[1:-1]]
     assert cells == ["webchat", "int8", "1/3", "12.0", "2.0e-02 / 3.0e-02", "2.0e-01"]
+
+
+@pytest.mark.parametrize("past", [-1, 1])
+def test_the_fidelity_script_refuses_more_prompts_than_it_has(past: int) -> None:
+    """--more past the distinct open questions would count repeated prompts as new ones: refused by name, before any
+    server or model starts."""
+    from served_prompts import ASKS, SUBJECTS, open_chat
+
+    distinct = len(ASKS) * len(SUBJECTS)
+    assert len({open_chat(i)[0]["content"] for i in range(distinct)}) == distinct  # ... and no more than that
+    more = -1 if past < 0 else distinct + 1
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "fidelity_llama_cpp.py"), "--more", str(more)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"--more must be 0 to {distinct} (the distinct open questions), got {more}" in done.stderr
