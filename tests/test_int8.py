@@ -181,30 +181,23 @@ def test_packed_rows_on_every_path(kernels: Any, path: str, case: tuple[str, tup
     assert torch.equal(got, kernels.qmatmul(x, wp, qt, k, gemm=gemm, int8=True, packed=True)), path
 
 
-@pytest.fixture
-def vnni_on(kernels: Any) -> Iterator[None]:
-    """vpdpbusd in use, or the test skipped by name where the CPU has no VNNI; the default path and setting after."""
-    try:
-        kernels.set_vnni(1)
-    except RuntimeError:
-        pytest.skip("this CPU has neither AVX-VNNI nor AVX-512 VNNI: the VNNI GEMMs are not run here")
-    yield
-    kernels.set_path(-1)
-    kernels.set_vnni(-1)
-
-
 @pytest.mark.parametrize("m", [1, 7, 13, 40])
-def test_packed_q4_k_prompt_tiles_give_the_decode_rows_bits(kernels: Any, vnni_on: None, m: int) -> None:
-    """Where the CPU has VNNI a prompt's rows against packed Q4_K take tiles of vpdpbusd (qpack8_gemm.inc: up to 6 x
-    rows by 2 groups of 8 weight rows), each sum in q4k_scalar's order: the bits the packed row kernels give decode
-    rows, for whole tiles, a tile's leftover rows and a lone last group (40 rows: 5 groups)."""
+def test_packed_q4_k_prompt_rows_give_the_decode_rows_bits(kernels: Any, path: str, m: int) -> None:
+    """A prompt's rows against packed Q4_K take a GEMM: with VNNI tiles of vpdpbusd (qpack8_gemm.inc: up to 6 x rows
+    by 2 groups of 8 weight rows), without it qgemm8.cpp's panel of 8 x rows (4 weight rows a pass), on the scalar
+    path its reference loop. Each sums in q4k_scalar's order, so on every path they give the bits the packed row
+    kernels give decode rows (whole tiles, a tile's leftover rows and a lone last group: 40 rows, 5 groups), and the
+    same bits with VNNI or without."""
     k, n = 768, 40
     wq, wd = weights("q4_k", n, k, seed=m)
     wp, qt = packed(kernels, wq, "q4_k"), qtype_number("q4_k")
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
     prompt = kernels.qmatmul(x, wp, qt, k, gemm=True, int8=True, packed=True)
     check_close(prompt, x, wd, "q4_k")
-    assert torch.equal(prompt, kernels.qmatmul(x, wp, qt, k, gemm=False, int8=True, packed=True))
+    assert torch.equal(prompt, kernels.qmatmul(x, wp, qt, k, gemm=False, int8=True, packed=True)), path
+    kernels.set_path(0)
+    kernels.set_vnni(0)
+    assert torch.equal(prompt, kernels.qmatmul(x, wp, qt, k, gemm=True, int8=True, packed=True)), path
 
 
 @pytest.mark.parametrize("m", [1, 13, 40])

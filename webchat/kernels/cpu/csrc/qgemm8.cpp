@@ -11,7 +11,11 @@
 // ggml's layout: nothing is repacked, the same bytes serve the exact path, the row kernels and this.
 //
 // Each output is one chain over its own row of x and of W: the same bits however the prompt is chunked or grouped
-// (tests/test_int8.py). Every path takes the float steps in the order of gemm_scalar (std::fma).
+// (tests/test_int8.py). Every path takes the float steps in the order of gemm_scalar (std::fma). Packed Q4_K rows
+// (int8's layout of the file's Q4_K matrices, qpack8.cpp) take them in q4k_scalar's order instead: a half super-block's
+// sub-blocks add up in int32 before one fma, and the mins run a chain of their own, subtracted at the end. That is the
+// order of the packed row kernels and of the VNNI tiles (qpack8_gemm.inc), so a prompt's rows give the same bits on a
+// CPU with VNNI or without, and the same as its decode rows.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -47,7 +51,7 @@ void gemm_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* wm, int6
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t r = 0; r < m; ++r) {
       const int64_t xr = row0 + r;
-      float acc = 0.f;
+      float acc = 0.f, macc = 0.f;
       for (int64_t i = 0; i < nsb; ++i) {
         const uint8_t* blk = super_block<QT>(wm, row_bytes, n, i, packed, tmp);
         const int8_t* q = a.qs.data() + xr * a.k + i * QK_K;
@@ -56,18 +60,27 @@ void gemm_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* wm, int6
         super_ints<QT>(blk, w, sc, mn);
         const float dk = a.dk[xr * nsb + i];
         const float dd = half_to_float(blk + (QT == Q6_K ? 208 : 0)) * dk;
+        int32_t half = 0;  // packed: a half super-block's sum (q4k_scalar's order)
         for (int j = 0; j < 8; ++j) {
           int32_t isum = 0;
           for (int t = 0; t < 32; ++t) isum += sc[2 * j + t / 16] * p[j] * w[32 * j + t] * q[32 * j + t];
-          acc = std::fma(static_cast<float>(isum), dd, acc);
+          if (!packed) {
+            acc = std::fma(static_cast<float>(isum), dd, acc);
+            continue;
+          }
+          half += isum;
+          if (j % 4 == 3) acc = std::fma(static_cast<float>(half), dd, acc), half = 0;
         }
         if (QT != Q6_K) {
           int32_t msum = 0;
           for (int j = 0; j < 8; ++j) msum += mn[j] * a.pq[(xr * nsb + i) * 8 + j];
-          acc = std::fma(-static_cast<float>(msum), half_to_float(blk + 2) * dk, acc);
+          if (packed)
+            macc = std::fma(static_cast<float>(msum), half_to_float(blk + 2) * dk, macc);
+          else
+            acc = std::fma(-static_cast<float>(msum), half_to_float(blk + 2) * dk, acc);
         }
       }
-      y[r * ldy + n] = acc;
+      y[r * ldy + n] = packed ? acc - macc : acc;
     }
 }
 
@@ -174,7 +187,8 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
   constexpr int64_t BB = kbytes<QT>();
   constexpr int STEPS = QT == Q4_K ? 8 : 4;  // words a sub-block's int16 sums take before they must widen
   const int64_t nsb = P.nsb, groups = P.groups;
-  std::fill(acc, acc + groups * NR * 8, 0.f);
+  std::fill(acc, acc + groups * NR * 8 * (PK ? 2 : 1), 0.f);
+  float* const macc = acc + groups * NR * 8;  // PK: the mins' chains (q4k_scalar's order: acc - macc at the end)
   Decoded dec[NR];
   alignas(32) int8_t wp[PK ? 8 : 1][8][16];
   for (int64_t i = 0; i < nsb; ++i) {
@@ -194,10 +208,11 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
       __m256 a[NR], dd[NR];
       for (int n = 0; n < NR; ++n)
         a[n] = _mm256_loadu_ps(acc + (g * NR + n) * 8), dd[n] = _mm256_mul_ps(_mm256_load_ps(dec[n].d), dk);
+      __m256i isum[NR];
       for (int j = 0; j < 8; ++j) {
         const __m256i pw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * 16));
-        __m256i isum[NR];
-        for (int n = 0; n < NR; ++n) isum[n] = _mm256_setzero_si256();
+        if (!PK || j % 4 == 0)  // PK: a half super-block's sums add up in int32 first (at most 2^31 - 1, as the tiles)
+          for (int n = 0; n < NR; ++n) isum[n] = _mm256_setzero_si256();
         for (int t0 = 0; t0 < 8; t0 += STEPS) {
           __m256i s16[NR];
           for (int n = 0; n < NR; ++n) s16[n] = _mm256_setzero_si256();
@@ -218,7 +233,8 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
             isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(s16[n], sp));
           }
         }
-        for (int n = 0; n < NR; ++n) a[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), dd[n], a[n]);
+        if (!PK || j % 4 == 3)
+          for (int n = 0; n < NR; ++n) a[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), dd[n], a[n]);
       }
       if (QT != Q6_K) {
         const int32_t* pq = P.pq.data() + pb * 64;
@@ -227,7 +243,13 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
           for (int v = 0; v < 8; ++v)
             ms = _mm256_add_epi32(ms, _mm256_mullo_epi32(_mm256_set1_epi32(dec[n].mn[v]),
                                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pq + 8 * v))));
-          a[n] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_set1_ps(dec[n].dmin), dk), a[n]);
+          const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(dec[n].dmin), dk);
+          if (PK) {
+            float* mo = macc + (g * NR + n) * 8;
+            _mm256_storeu_ps(mo, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), dm, _mm256_loadu_ps(mo)));
+          } else {
+            a[n] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), dm, a[n]);
+          }
         }
       }
       for (int n = 0; n < NR; ++n) _mm256_storeu_ps(acc + (g * NR + n) * 8, a[n]);
@@ -236,7 +258,8 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
   for (int64_t g = 0; g < groups; ++g)
     for (int n = 0; n < NR; ++n) {
       const float* out = acc + (g * NR + n) * 8;
-      for (int r = 0; r < 8 && 8 * g + r < m; ++r) y[(8 * g + r) * ldy + n0 + n] = out[r];
+      const float* mo = macc + (g * NR + n) * 8;
+      for (int r = 0; r < 8 && 8 * g + r < m; ++r) y[(8 * g + r) * ldy + n0 + n] = PK ? out[r] - mo[r] : out[r];
     }
 }
 
@@ -294,8 +317,8 @@ void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_byte
   static constexpr Rows WIDE[3] = {gemm_rows<QT, 4>, gemm_rows_vnni<QT, 2, false>, gemm_rows_vnni<QT, 4, true>};
   static constexpr Rows ONE[3] = {gemm_rows<QT, 1>, gemm_rows_vnni<QT, 1, false>, gemm_rows_vnni<QT, 1, true>};
   const int vk = vnni_kind(), nr = NRS[vk];
-  thread_local std::vector<float> acc;  // (groups, NR, 8)
-  acc.resize(P.groups * nr * 8);
+  thread_local std::vector<float> acc;  // (groups, NR, 8); packed Q4_K: twice, its mins' chains after
+  acc.resize(P.groups * nr * 8 * 2);
   int64_t n = n0;
   if (QT == Q4_K && packed && vk == 0) {  // whole groups (packed8_rows' edges): half a group a pass
     TORCH_CHECK(n0 % 8 == 0 && n1 % 8 == 0, "packed rows go 8 at a time, got [", n0, ", ", n1, ")");
