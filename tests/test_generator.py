@@ -374,6 +374,8 @@ def test_chat_ctrl_c_stops_the_reply_not_the_program(tiny: tuple[Any, Tokenizer]
     model, tok = tiny
     gen = Generator(model, tok)
     args = argparse.Namespace(system=None, max_new_tokens=60, speculative="none", stats=True)
+    # Python's own handler, or SIG_IGN where the process started with SIGINT ignored (a shell's background job)
+    before = signal.getsignal(signal.SIGINT)
     out = InterruptingOut()
     inp = io.StringIO("Hello there\nAgain\n/quit\n")
     settings = SamplingSettings(temperature=0, token_bias={i: -100.0 for i in tok.stop_token_ids})
@@ -381,7 +383,7 @@ def test_chat_ctrl_c_stops_the_reply_not_the_program(tiny: tuple[Any, Tokenizer]
     text = out.getvalue()
     assert text.count("[cancelled]") == 1  # the first reply stopped at Ctrl-C ...
     assert text.count("[max_new_tokens]") == 1  # ... and the program went on to the second one
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the reply's handler taken back out
 
 
 # ---------------------------------------------------------------- the real default model
