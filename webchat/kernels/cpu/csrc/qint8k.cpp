@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "qint8.h"
 #include "qkblocks.h"
@@ -131,12 +132,29 @@ K8_AVX2 void rows_q45k(const Job8& j, int r0, int64_t n0, int64_t n1) {
   }
 }
 
-// Q6_K: R rows of x against weight rows [n0, n1); q - 32 by the sign trick (|w| unsigned times x with w's sign)
+// Q6_K: R rows of x against weight rows [n0, n1), as llama.cpp's ggml_vec_dot_q6_K_q8_K: the unsigned q (0..63) times
+// x in vpmaddubsw (a pair at most 2 * 63 * 127, no saturation), less 32 (x_2i + x_2i+1), the x row's pair sums made
+// once a call (x32, below), so each int16 pair is (q - 32) x exactly and the int32 lanes are those of the sign trick
+// on q - 32 that this replaced (|w| and sign(x, w): two operations more per weight vector and one per x row).
+// x32: for rows j.r0 .. j.r0 + j.m of the call, k / 2 int16 each
+thread_local const int16_t* tl_x32 = nullptr;
+
+K8_AVX2 void pair_sums32(const Job8& j, std::vector<int16_t>& out) {
+  const __m256i m32 = _mm256_set1_epi8(32);
+  out.resize(static_cast<size_t>(j.m) * j.k / 2);
+  for (int r = 0; r < j.m; ++r) {
+    const int8_t* x = j.a->qs.data() + (j.r0 + r) * j.k;
+    int16_t* o = out.data() + static_cast<int64_t>(r) * j.k / 2;
+    for (int64_t t = 0; t < j.k; t += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + t / 2),
+                          _mm256_maddubs_epi16(m32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t))));
+  }
+}
+
 template <int R>
 K8_AVX2 void rows_q6k(const Job8& j, int r0, int64_t n0, int64_t n1) {
   const int64_t nsb = j.k / QK_K;
   const Act8& a = *j.a;
-  const __m256i m32 = _mm256_set1_epi8(32);
   const int64_t xr0 = j.r0 + r0;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
@@ -158,13 +176,14 @@ K8_AVX2 void rows_q6k(const Job8& j, int r0, int64_t n0, int64_t n1) {
         __m256i q[4];
         q6_quarters(blk + 64 * h, blk + 128 + 32 * h, q);
         for (int c = 0; c < 4; ++c) {  // sub-block v = 4h + c: groups 2v (values 0-15) and 2v + 1 (16-31)
-          const __m256i wv = _mm256_sub_epi8(q[c], m32), ax = _mm256_sign_epi8(wv, wv);
           const __m256i pick = _mm256_set_m128i(_mm256_castsi256_si128(pick16(2 * c + 1)),
                                                 _mm256_castsi256_si128(pick16(2 * c)));
+          const int64_t at = i * QK_K + 128 * h + 32 * c;
           for (int r = 0; r < R; ++r) {
-            const __m256i xv = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(a.qs.data() + (xr0 + r) * j.k + i * QK_K + 128 * h + 32 * c));
-            const __m256i pr = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(xv, wv));
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs.data() + (xr0 + r) * j.k + at));
+            const __m256i x32 =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tl_x32 + (r0 + r) * j.k / 2 + at / 2));
+            const __m256i pr = _mm256_sub_epi16(_mm256_maddubs_epi16(q[c], xv), x32);
             const __m256i s = _mm256_shuffle_epi8(h ? hi8[r] : lo8[r], pick);
             sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(pr, s));
           }
@@ -197,7 +216,13 @@ void supers8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
   switch (j.qtype) {
     case Q4_K: return vec ? tiles(j, n0, n1, Q4K) : rows_scalar<Q4_K>(j, n0, n1);
     case Q5_K: return vec ? tiles(j, n0, n1, Q5K) : rows_scalar<Q5_K>(j, n0, n1);
-    case Q6_K: return vec ? tiles(j, n0, n1, Q6K) : rows_scalar<Q6_K>(j, n0, n1);
+    case Q6_K: {
+      if (!vec) return rows_scalar<Q6_K>(j, n0, n1);
+      thread_local std::vector<int16_t> x32;  // the call's x pair sums, made once for all its weight rows
+      pair_sums32(j, x32);
+      tl_x32 = x32.data();
+      return tiles(j, n0, n1, Q6K);
+    }
     default: TORCH_CHECK(false, "no int8 kernel for ggml type ", j.qtype, " among the K-quants");
   }
 }
