@@ -6,8 +6,10 @@
 // The row kernels (qint8k.cpp) take one x row against one weight row, a vector of 32 values of one sub-block at a time,
 // and pay a vpmaddwd and a scale shuffle for every vpmaddubsw. Here 8 rows of x lie side by side, 4 bytes each
 // (Panel8): one 4-byte word of a weight row, broadcast, meets 8 x rows in one vpmaddubsw, and a sub-block's 8 words
-// add up in int16 before one vpmaddwd by the scale (|pair| <= 2 * 15 * 127, 8 of them fit; Q5_K's 4, Q6_K's 4 with
-// the sign trick), so a lane holds one (x row, weight row) pair and no horizontal sum is left. The weights stay in
+// add up in int16 before one vpmaddwd by the scale (|pair| <= 2 * 15 * 127, 8 of them fit; Q5_K's 4; Q6_K's 4 words
+// of its unsigned q, whose int16 sums may wrap and come back exact, |sum| <= 4 * 2 * 32 * 127, once the panel's
+// 32 (x_2i + x_2i+1) over the group is taken off: llama.cpp's q6_K x q8_K form), so a lane holds one (x row, weight row)
+// pair and no horizontal sum is left. The weights stay in
 // ggml's layout: nothing is repacked, the same bytes serve the exact path, the row kernels and this.
 //
 // Each output is one chain over its own row of x and of W: the same bits however the prompt is chunked or grouped
@@ -92,12 +94,11 @@ G8_AVX2 inline __m256i bcast4(const int8_t* p) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
 }
 
-// one weight row's super-block as the GEMM reads it: its 256 integers a byte each (Q6_K: q - 32, and |q - 32| for
-// the sign trick), its scales and mins as ints, d and dmin
+// one weight row's super-block as the GEMM reads it: its 256 integers a byte each (Q4_K, Q5_K), or Q6_K's unsigned q
+// (0..63, not q - 32: the panel's pair sums take the 32 back), its scales and mins as ints, d and dmin
 struct Decoded {
   alignas(32) int8_t w[QK_K];
-  alignas(32) int8_t a[QK_K];
-  alignas(32) uint8_t u[QK_K];     // Q6_K's weights unsigned (q, not q - 32): vpdpbusd's operand
+  alignas(32) uint8_t u[QK_K];     // Q6_K's weights unsigned (q, not q - 32): vpmaddubsw's and vpdpbusd's operand
   int sci[16];                     // each group's scale as an int (the VNNI tiles' vpmulld operand)
   alignas(32) int16_t sc[16][16];  // each group's scale in all 16 lanes (the vpmullw operand)
   alignas(32) float d[8];          // d in all 8 lanes
@@ -126,9 +127,6 @@ G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
       __m256i q[4];
       q6_quarters(blk + 64 * h, blk + 128 + 32 * h, q);
       for (int c = 0; c < 4; ++c) {
-        const __m256i wv = _mm256_sub_epi8(q[c], _mm256_set1_epi8(32));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o->w + 128 * h + 32 * c), wv);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o->a + 128 * h + 32 * c), _mm256_sign_epi8(wv, wv));
         _mm256_store_si256(reinterpret_cast<__m256i*>(o->u + 128 * h + 32 * c), q[c]);
       }
     }
@@ -220,12 +218,16 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
           for (int t = t0; t < t0 + STEPS; ++t) {  // (unrolled whole, the compiler kept every product in a spilled tree)
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * 256 + 32 * t));
             for (int n = 0; n < NR; ++n) {
-              const int8_t* wt = PK ? &wp[PK ? j : 0][t][4 * n] : dec[n].w + 32 * j + 4 * t;
-              const __m256i pr = QT == Q6_K
-                  ? _mm256_maddubs_epi16(bcast4(dec[n].a + 32 * j + 4 * t), _mm256_sign_epi8(xv, bcast4(wt)))
-                  : _mm256_maddubs_epi16(bcast4(wt), xv);
-              s16[n] = _mm256_add_epi16(s16[n], pr);
+              const int8_t* wt = QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) + 32 * j + 4 * t
+                                 : PK       ? &wp[PK ? j : 0][t][4 * n]
+                                            : dec[n].w + 32 * j + 4 * t;
+              s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(bcast4(wt), xv));
             }
+          }
+          if (QT == Q6_K) {  // less 32 (x_2i + x_2i+1) over the group: each pair (q - 32) x, the int16 sums exact
+            const __m256i x32 =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.x32.data() + (pb * 16 + 2 * j + t0 / 4) * 16));
+            for (int n = 0; n < NR; ++n) s16[n] = _mm256_sub_epi16(s16[n], x32);
           }
           for (int n = 0; n < NR; ++n) {  // times the half's scale and each row's power of two (int16 pairs)
             const int16_t* s = dec[n].sc[QT == Q6_K ? 2 * j + t0 / 4 : 2 * j];
@@ -337,8 +339,9 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
   groups = (m + 7) / 8, nsb = a.nsb;
   q.assign(groups * nsb * 2048, 0), p.assign(groups * nsb * 128, 0);
   pq.assign(groups * nsb * 64, 0), dk.assign(groups * nsb * 8, 0.f);
-  const bool tiles = vnni();  // the VNNI tiles' fields, made only where they run
+  const bool tiles = vnni();  // the VNNI tiles' fields, made only where they run; x32 only where they do not
   sh.assign(tiles ? groups * nsb * 64 : 0, 0), c6.assign(tiles ? groups * nsb * 128 : 0, 0);
+  x32.assign(tiles ? 0 : groups * nsb * 256, 0);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t g = r / 8, l = r % 8, xr = row0 + r;
     for (int64_t i = 0; i < nsb; ++i) {
@@ -358,6 +361,13 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
         }
       }
       dk[pb * 8 + l] = a.dk[xr * nsb + i];
+      if (tiles) continue;
+      for (int g16 = 0; g16 < 16; ++g16)  // Q6_K's groups of 16: the pairs' sums over its 4 words, times 32
+        for (int h = 0; h < 2; ++h) {
+          int32_t sum = 0;
+          for (int t = 0; t < 4; ++t) sum += src[16 * g16 + 4 * t + 2 * h] + src[16 * g16 + 4 * t + 2 * h + 1];
+          x32[(pb * 16 + g16) * 16 + 2 * l + h] = static_cast<int16_t>(32 * sum);
+        }
     }
   }
 }

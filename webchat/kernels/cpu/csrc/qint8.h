@@ -83,6 +83,7 @@ struct Panel8 {
   std::vector<int8_t> q;
   std::vector<int16_t> p;
   std::vector<int32_t> pq, sh, c6;
+  std::vector<int16_t> x32;  // without VNNI: per group of 16 values, 32 (x_2i + x_2i+1) summed over its 4 words
   std::vector<float> dk;
   void build(const Act8& a, int64_t row0, int64_t m);  // rows [row0, row0 + m) of a
 };
