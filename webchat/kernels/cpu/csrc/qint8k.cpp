@@ -134,11 +134,10 @@ K8_AVX2 void rows_q45k(const Job8& j, int r0, int64_t n0, int64_t n1) {
 
 // Q6_K: R rows of x against weight rows [n0, n1), as llama.cpp's ggml_vec_dot_q6_K_q8_K: the unsigned q (0..63) times
 // x in vpmaddubsw (a pair at most 2 * 63 * 127, no saturation), less 32 (x_2i + x_2i+1), the x row's pair sums made
-// once a call (x32, below), so each int16 pair is (q - 32) x exactly and the int32 lanes are those of the sign trick
+// once a call (pair_sums32), so each int16 pair is (q - 32) x exactly and the int32 lanes are those of the sign trick
 // on q - 32 that this replaced (|w| and sign(x, w): two operations more per weight vector and one per x row).
-// x32: for rows j.r0 .. j.r0 + j.m of the call, k / 2 int16 each
-thread_local const int16_t* tl_x32 = nullptr;
 
+// 32 (x_2i + x_2i+1) for rows j.r0 .. j.r0 + j.m of the call, k / 2 int16 a row
 K8_AVX2 void pair_sums32(const Job8& j, std::vector<int16_t>& out) {
   const __m256i m32 = _mm256_set1_epi8(32);
   out.resize(static_cast<size_t>(j.m) * j.k / 2);
@@ -152,7 +151,7 @@ K8_AVX2 void pair_sums32(const Job8& j, std::vector<int16_t>& out) {
 }
 
 template <int R>
-K8_AVX2 void rows_q6k(const Job8& j, int r0, int64_t n0, int64_t n1) {
+K8_AVX2 void rows_q6k(const Job8& j, const int16_t* x32s, int r0, int64_t n0, int64_t n1) {
   const int64_t nsb = j.k / QK_K;
   const Act8& a = *j.a;
   const int64_t xr0 = j.r0 + r0;
@@ -182,7 +181,7 @@ K8_AVX2 void rows_q6k(const Job8& j, int r0, int64_t n0, int64_t n1) {
           for (int r = 0; r < R; ++r) {
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs.data() + (xr0 + r) * j.k + at));
             const __m256i x32 =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tl_x32 + (r0 + r) * j.k / 2 + at / 2));
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x32s + (r0 + r) * j.k / 2 + at / 2));
             const __m256i pr = _mm256_sub_epi16(_mm256_maddubs_epi16(q[c], xv), x32);
             const __m256i s = _mm256_shuffle_epi8(h ? hi8[r] : lo8[r], pick);
             sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(pr, s));
@@ -198,11 +197,13 @@ K8_AVX2 void rows_q6k(const Job8& j, int r0, int64_t n0, int64_t n1) {
 }
 
 using Rows8 = void (*)(const Job8&, int, int64_t, int64_t);
+using Rows6 = void (*)(const Job8&, const int16_t*, int, int64_t, int64_t);  // Q6_K: with the call's pair sums
 
-void tiles(const Job8& j, int64_t n0, int64_t n1, const Rows8 (&fns)[4]) {
+template <typename Fn, typename... Extra>
+void tiles(const Job8& j, int64_t n0, int64_t n1, const Fn (&fns)[4], Extra... extra) {
   for (int64_t t0 = n0; t0 < n1; t0 += 16) {  // 16 weight rows stay in L1 while every group of 4 x rows passes
     const int64_t t1 = t0 + 16 < n1 ? t0 + 16 : n1;
-    for (int r0 = 0; r0 < j.m; r0 += 4) fns[(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, t0, t1);
+    for (int r0 = 0; r0 < j.m; r0 += 4) fns[(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, extra..., r0, t0, t1);
   }
 }
 
@@ -211,7 +212,7 @@ void tiles(const Job8& j, int64_t n0, int64_t n1, const Rows8 (&fns)[4]) {
 void supers8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
   static constexpr Rows8 Q4K[4] = {rows_q45k<Q4_K, 1>, rows_q45k<Q4_K, 2>, rows_q45k<Q4_K, 3>, rows_q45k<Q4_K, 4>};
   static constexpr Rows8 Q5K[4] = {rows_q45k<Q5_K, 1>, rows_q45k<Q5_K, 2>, rows_q45k<Q5_K, 3>, rows_q45k<Q5_K, 4>};
-  static constexpr Rows8 Q6K[4] = {rows_q6k<1>, rows_q6k<2>, rows_q6k<3>, rows_q6k<4>};
+  static constexpr Rows6 Q6K[4] = {rows_q6k<1>, rows_q6k<2>, rows_q6k<3>, rows_q6k<4>};
   const bool vec = p >= PATH_AVX2;
   switch (j.qtype) {
     case Q4_K: return vec ? tiles(j, n0, n1, Q4K) : rows_scalar<Q4_K>(j, n0, n1);
@@ -220,8 +221,7 @@ void supers8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
       if (!vec) return rows_scalar<Q6_K>(j, n0, n1);
       thread_local std::vector<int16_t> x32;  // the call's x pair sums, made once for all its weight rows
       pair_sums32(j, x32);
-      tl_x32 = x32.data();
-      return tiles(j, n0, n1, Q6K);
+      return tiles(j, n0, n1, Q6K, static_cast<const int16_t*>(x32.data()));
     }
     default: TORCH_CHECK(false, "no int8 kernel for ggml type ", j.qtype, " among the K-quants");
   }
