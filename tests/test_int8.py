@@ -149,10 +149,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Any, path:
         assert torch.equal(tail, alone[m:]), f"{path}: rows from {m}"
 
 
-PACKED = ["q4_0", "q4_1", "q4_k"]
+PACKED = ["q4_0", "q4_1", "q8_0", "q4_k"]
 # (M, N, K) with N whole groups of 8 rows: one group, a tail of blocks past a multiple of 8, long rows
 PACKED_SHAPES = {"q4_0": [(1, 8, 32), (3, 16, 96), (5, 40, 160), (9, 40, 1536), (17, 24, 2080)],
                  "q4_1": [(1, 8, 32), (3, 16, 96), (5, 40, 160), (9, 40, 1536), (17, 24, 2080)],
+                 "q8_0": [(1, 8, 32), (3, 16, 96), (5, 40, 160), (9, 40, 1536), (17, 24, 2080)],
                  "q4_k": [(1, 8, 256), (3, 16, 512), (9, 40, 768), (17, 16, 2048)]}
 
 
@@ -223,6 +224,27 @@ def test_q8_0_prompt_rows_are_their_own_however_grouped(kernels: Any, path: str,
     assert torch.equal(got, kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)), path
 
 
+@pytest.mark.parametrize("m", [1, 4, 13])
+def test_packed_q8_0_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: int) -> None:
+    """Packed Q8_0 (a lane a weight row: the sign trick without VNNI, w + 128 and 128 sum q taken back with it) sums
+    in qgemm8b.cpp's order, so decode rows, verify rows and a prompt's rows against it all give the bits of the
+    unpacked matrix's prompt GEMM; weights of -128 and 127 against x at +-127 included."""
+    k, n = 320, 24
+    wq, _ = weights("q8_0", n, k, seed=m)
+    wq = wq.clone()
+    wq[0, 2:34] = torch.tensor([128] * 16 + [127] * 16, dtype=torch.uint8)  # -128 and 127
+    wq[9, 36:68] = torch.tensor([128] * 32, dtype=torch.uint8)
+    qt = qtype_number("q8_0")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+    x[:, :32] = torch.where(torch.arange(32) < 16, -1.0, 1.0)
+    want = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
+    wp = packed(kernels, wq, "q8_0")
+    for gemm in (False, True):
+        assert torch.equal(kernels.qmatmul(x, wp, qt, k, gemm=gemm, int8=True, packed=True), want), (path, gemm)
+    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wp, qt, k, int8=True, packed=True) for i in range(m)])
+    assert torch.equal(alone, want), path
+
+
 def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:
     """Packing is a permutation of each group's bytes, in place; unpacking restores the file's bytes. A format or a
     row count without the packed form is refused by name, and so is reading packed rows without int8."""
@@ -236,9 +258,9 @@ def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:
             assert torch.equal(wp[rows].flatten().sort().values, wq[rows].flatten().sort().values)
         kernels.repack8(wp, qtype_number(qtype), False)
         assert torch.equal(wp, wq), qtype
-    q80, _ = weights("q8_0", 8, 64, seed=0)
+    q50, _ = weights("q5_0", 8, 64, seed=0)
     with pytest.raises(RuntimeError, match="has no packed form"):
-        kernels.repack8(q80.clone(), qtype_number("q8_0"), True)
+        kernels.repack8(q50.clone(), qtype_number("q5_0"), True)
     q41, _ = weights("q4_1", 12, 64, seed=0)
     with pytest.raises(RuntimeError, match="with 12 rows has no packed form"):
         kernels.repack8(q41.clone(), qtype_number("q4_1"), True)
@@ -246,9 +268,46 @@ def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:
         kernels.qmatmul(torch.randn(1, 64), q41[:8].contiguous(), qtype_number("q4_1"), 64, packed=True)
 
 
+def test_a_tied_head_packs_and_the_lookup_gathers_its_rows(kernels: Any, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """A tied head (SmolLM2's) packs with the embedding's table at int8: the lookup, in PyTorch and in the C++
+    forward, gathers each row back, so the embeddings are the file's and the logits those of the unpacked table but
+    for the head's summation order; "exact" puts the file's bytes back."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_quant_model import prefill
+
+    from webchat.model.precision import set_precision
+
+    tied_dir = tmp_path / "tied"
+    shutil.copytree(tiny_model_dir, tied_dir)
+    cfg = json.loads((tied_dir / "config.json").read_text())
+    (tied_dir / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    weights = load_file(str(tied_dir / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(tied_dir / "model.safetensors"), metadata={"format": "pt"})
+    ids = list(range(3, 20))
+    model = load_model(tied_dir, quantize="q4_1", precision="exact")
+    assert model.output.weight is model.tok_embeddings.weight and model.output.qtype == "q8_0"
+    table = model.output.weight.clone()
+    looked_up = model.tok_embeddings(torch.tensor([ids]))
+    set_precision(model, "int8", kernels, pack=False)
+    unpacked = prefill(model, ids)
+    set_precision(model, "int8", kernels)
+    assert model.output.packed and model.tok_embeddings.packed and not torch.equal(model.output.weight, table)
+    assert torch.equal(model.tok_embeddings(torch.tensor([ids])), looked_up)
+    got = prefill(model, ids)
+    assert model.runner is not None and model.runner.calls > 0  # the C++ forward ran it
+    assert (got - unpacked).abs().max() < 1e-4 * unpacked.abs().max(), (got - unpacked).abs().max()
+    set_precision(model, "exact", kernels)
+    assert not model.tok_embeddings.packed and torch.equal(model.output.weight, table)
+
+
 def test_a_model_packs_at_int8_and_unpacks_at_exact(kernels: Any, tiny_model_dir: Path) -> None:
-    """set_precision packs the matrices that have the form (a tied head, the embedding's table, stays), and "exact"
-    gives the file's bytes back: the exact forward's logits are those of a model never packed."""
+    """set_precision packs the matrices that have the form, and "exact" gives the file's bytes back: the exact
+    forward's logits are those of a model never packed."""
     from test_quant_model import prefill
 
     from webchat.model.precision import set_precision
@@ -258,9 +317,8 @@ def test_a_model_packs_at_int8_and_unpacks_at_exact(kernels: Any, tiny_model_dir
     want = prefill(model, list(range(3, 20)))
     set_precision(model, "int8", kernels)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
-    tied = model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
     for name, m in linears.items():
-        should = kernels.packs8(qtype_number(m.qtype), m.out_features) and not (tied and name == "output")
+        should = kernels.packs8(qtype_number(m.qtype), m.out_features)
         assert m.packed == should and (torch.equal(m.weight, before[name]) != should), name
     assert any(m.packed for m in linears.values())
     with pytest.raises(RuntimeError, match="packed for the int8 kernels"):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from webchat.model.quant import K_QTYPES, QTYPES, QLinear
+from webchat.model.quant import K_QTYPES, QTYPES, QEmbedding, QLinear
 from webchat.model.weights import PRECISIONS
 
 if TYPE_CHECKING:
@@ -33,20 +33,22 @@ def default_precision(qtypes: Collection[str], path: str) -> str:
 def set_precision(model: Transformer, precision: str, kernels: QKernels | None, pack: bool = True) -> str:
     """Make the model's quantized matrices multiply at `precision` (the C++ forward and the PyTorch path alike);
     returns it. "int8" on a model without quantized matrices or without the kernels is an error naming why. With int8,
-    the matrices whose format has a packed form (Q4_0, Q4_1, Q4_K) are packed in place unless `pack` is False (the
-    bench's comparison); "exact" unpacks them."""
+    the matrices whose format has a packed form (Q4_0, Q4_1, Q8_0, Q4_K) are packed in place unless `pack` is False
+    (the bench's comparison); "exact" unpacks them. A tied head packs with the embedding's table, whose lookup then
+    gathers each row back (QEmbedding.packed)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     linears = [m for m in model.modules() if isinstance(m, QLinear)]
     if precision == "int8" and (not linears or kernels is None):
         why = "the C++ kernels could not be built" if kernels is None else "the model has no quantized matrices"
         raise ValueError(f"int8 activations need quantized matrices and the C++ kernels: {why}")
-    embedding = getattr(model.tok_embeddings, "weight", None)
+    embedding = model.tok_embeddings
+    table = getattr(embedding, "weight", None)
     for m in linears:
         m.int8 = precision == "int8"
-        # a tied head is the embedding's table, which the lookup reads in ggml's layout: it stays unpacked
-        tied = embedding is not None and m.weight.data_ptr() == embedding.data_ptr()
-        _pack(m, m.int8 and pack and not tied, kernels)
+        _pack(m, m.int8 and pack, kernels)
+        if isinstance(embedding, QEmbedding) and table is not None and m.weight.data_ptr() == table.data_ptr():
+            embedding.packed = m.packed  # a tied head: the embedding's lookup reads the layout the head has
     set_int8 = getattr(model.runner, "set_int8", None)  # webchat.kernels.cpu.step.CpuStep
     if set_int8 is not None:
         set_int8(precision == "int8", pack)

@@ -117,8 +117,17 @@ class QEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.qtype = num_embeddings, dim, qtype
         self.weight = _uint8_param(num_embeddings, row_bytes(qtype, dim))
         self.kernels = kernels
+        self.packed = False  # the table is a tied head's, packed 8 rows to a group for the int8 kernels
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed:  # the looked-up rows gathered back into the file's layout, then dequantized as below
+            qt = {**QTYPES, **K_QTYPES}[self.qtype][0]
+            rows = _compiled(self.kernels, self.qtype).unpacked_rows(self.weight, qt, ids.reshape(-1))
+            if self.qtype in K_QTYPES:
+                deq: torch.Tensor = torch.ops.webchat_kq.dequantize(rows, qt, self.embedding_dim)
+            else:
+                deq = _compiled(self.kernels, self.qtype).dequantize(rows, qt, self.embedding_dim)
+            return deq.view(*ids.shape, self.embedding_dim)
         if self.qtype in K_QTYPES:
             blocks = self.weight.index_select(0, ids.reshape(-1))
             k_rows: torch.Tensor = torch.ops.webchat_kq.dequantize(blocks, K_QTYPES[self.qtype][0], self.embedding_dim)

@@ -94,7 +94,7 @@ QA_AVX2 inline int32_t round8_avx2(const float* x, float scale, float id, int8_t
 }
 
 // one row of k values into the blocks form: a scale per 8 values
-void blocks_row(const float* x, int64_t k, int8_t* q, float* d8, float* s, Amax amax, Round round) {
+void blocks_row(const float* x, int64_t k, int8_t* q, float* d8, float* s, int32_t* c8, Amax amax, Round round) {
   for (int64_t b = 0; b < k / 32; ++b) {
     float part[4];
     for (int c = 0; c < 4; ++c) {
@@ -102,7 +102,9 @@ void blocks_row(const float* x, int64_t k, int8_t* q, float* d8, float* s, Amax 
       const float a = amax(xc);
       const float d = a / 127.f;
       d8[8 * b + 2 * c] = d8[8 * b + 2 * c + 1] = d;
-      part[c] = d * static_cast<float>(round(xc, 1.f, a > 0.f ? 127.f / a : 0.f, q + 32 * b + 8 * c));
+      const int32_t sum = round(xc, 1.f, a > 0.f ? 127.f / a : 0.f, q + 32 * b + 8 * c);
+      c8[4 * b + c] = 128 * sum;
+      part[c] = d * static_cast<float>(sum);
     }
     s[b] = (part[0] + part[1]) + (part[2] + part[3]);
   }
@@ -125,7 +127,7 @@ QA_AVX2 inline __m256i lane_sums(const __m256i v[8]) {
 // reductions and 16 scalar divisions. The same bytes and floats (max and integer sums are exact, and every float
 // operation is the one blocks_row takes, lane by lane), so its results are blocks_row's. Returns the blocks done (an odd
 // row's last is the caller's: blocks_row inlined here, where FMA is enabled, would have its sums contracted).
-QA_AVX2 int64_t blocks_row_avx2(const float* x, int64_t k, int8_t* q, float* d8, float* s) {
+QA_AVX2 int64_t blocks_row_avx2(const float* x, int64_t k, int8_t* q, float* d8, float* s, int32_t* c8) {
   const int64_t nb = k / 32;
   const __m256 sign = _mm256_set1_ps(-0.f), zero = _mm256_setzero_ps();
   int64_t b = 0;
@@ -147,7 +149,9 @@ QA_AVX2 int64_t blocks_row_avx2(const float* x, int64_t k, int8_t* q, float* d8,
       const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(iv[g]), _mm256_extracti128_si256(iv[g], 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 32 * b + 8 * g), _mm_packs_epi16(w, w));
     }
-    const __m256 part = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lane_sums(iv)));
+    const __m256i sums8 = lane_sums(iv);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c8 + 4 * b), _mm256_slli_epi32(sums8, 7));
+    const __m256 part = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sums8));
     const __m256 pairs = _mm256_hadd_ps(part, part);  // (p0 + p1), (p2 + p3), .. | (p4 + p5), (p6 + p7), ..
     const __m256 sums = _mm256_hadd_ps(pairs, pairs);  // (p0 + p1) + (p2 + p3) | (p4 + p5) + (p6 + p7)
     s[b] = _mm256_cvtss_f32(sums);
@@ -195,7 +199,8 @@ void Act8::shape(int64_t rows, int64_t cols, bool want_blocks, bool want_supers)
   TORCH_CHECK(!want_supers || cols % 256 == 0, "K-quant activations need whole super-blocks of 256, got ", cols);
   m = rows, k = cols, blocks = want_blocks, supers = want_supers;
   ldb = (cols / 32 + 7) / 8 * 8, nsb = cols / 256;
-  if (blocks) qb.resize(rows * cols), d8.resize(rows * cols / 4), s.assign(rows * ldb, 0.f);  // padding stays zero
+  if (blocks)  // s's padding stays zero
+    qb.resize(rows * cols), d8.resize(rows * cols / 4), s.assign(rows * ldb, 0.f), c8.resize(rows * cols / 8);
   if (supers) qs.resize(rows * cols), dk.resize(rows * nsb), p.resize(rows * nsb * 8), pq.resize(rows * nsb * 8);
 }
 
@@ -206,9 +211,10 @@ void Act8::quantize(int64_t r, const float* x) {
   if (blocks) {
     int8_t* q = qb.data() + r * k;
     float *d = d8.data() + r * k / 4, *sr = s.data() + r * ldb;
-    const int64_t done = vec ? blocks_row_avx2(x, k, q, d, sr) : 0;
-    blocks_row(x + done * 32, k - done * 32, q + done * 32, d + done * 8, sr + done, vec ? amax8_avx2 : amax8_scalar,
-               vec ? round8_avx2 : round8_scalar);
+    int32_t* cr = c8.data() + r * k / 8;
+    const int64_t done = vec ? blocks_row_avx2(x, k, q, d, sr, cr) : 0;
+    blocks_row(x + done * 32, k - done * 32, q + done * 32, d + done * 8, sr + done, cr + done * 4,
+               vec ? amax8_avx2 : amax8_scalar, vec ? round8_avx2 : round8_scalar);
   }
   if (supers)
     supers_row(x, k, qs.data() + r * k, dk.data() + r * nsb, p.data() + r * nsb * 8, pq.data() + r * nsb * 8, amax,
@@ -244,8 +250,8 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
   const int p = path();
   const int64_t k = a.k;
   const bool tiles = vnni();  // packed Q4_K takes packed8_gemm's tiles, which read no panel
-  bool q8 = false;            // Q8_0 takes its GEMM on every path
-  for (int i = 0; i < count; ++i) q8 |= mats[i].qtype == Q8_0;
+  bool q8 = false;            // Q8_0 takes its GEMM on every path; packed Q8_0 its row kernels (the same order)
+  for (int i = 0; i < count; ++i) q8 |= mats[i].qtype == Q8_0 && !mats[i].packed;
   if (prompt && (kquant || q8)) {  // the GEMM: every row of the call at once, weight rows over the threads
     thread_local Panel8 mine;  // the calling thread's; the workers read it through `panel`
     thread_local PanelB mine_b;
@@ -262,7 +268,7 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
         const int64_t lo = group_edge(mr, std::max(16 * b, base) - base) + base;
         const int64_t hi = group_edge(mr, std::min(16 * e, base + mr.n) - base) + base;
         if (lo < hi) {
-          if (mr.qtype == Q8_0) {
+          if (mr.qtype == Q8_0 && !mr.packed) {
             q8_gemm_rows(a, panel_b, row0, m, mr.w, mr.row_bytes, lo - base, hi - base, mr.y, mr.n, p);
           } else if (mr.packed && tiles && reads_supers(mr.qtype)) {
             const Job8 j{&a, static_cast<int>(row0), static_cast<int>(m), mr.w, mr.row_bytes, a.k, mr.qtype, mr.y,

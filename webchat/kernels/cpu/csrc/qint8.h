@@ -16,6 +16,7 @@ namespace wq {
 //   per 8 values a = max |x|, d = a / 127, q = round(x * (127 / a)) (half to even); x ~ d q. Each block of 32 keeps
 //   its four d twice over, in the order the kernels' int32 lanes hold the products (d0 d0 d1 d1 d2 d2 d3 d3: lane l
 //   sums values 4l .. 4l + 3), and s = (d0 sum q0 + d1 sum q1) + (d2 sum q2 + d3 sum q3) for Q4_1/Q5_1's zero point.
+//   c8 = 128 sum q per 8 values: what a weight made unsigned (w + 128, packed Q8_0 with VNNI) adds to the group's sum.
 //   On the default model, a scale per 8 against one per 32 halves the largest logit error of the int8 path
 //   (docs/quant.md), at no cost in the kernels: a block's scales are one vector either way.
 // supers (the K-quants): per super-block of 256, A = max |x| and per sub-block j of 32 the largest e_j <= 7 with
@@ -29,6 +30,7 @@ struct Act8 {
   std::vector<int8_t> qb, qs;   // (m, k): the blocks' q and the super-blocks' q
   std::vector<float> d8;        // (m, k / 32, 8): each block's four scales of 8 values, twice each
   std::vector<float> s;         // (m, ldb)
+  std::vector<int32_t> c8;      // (m, k / 8)
   std::vector<float> dk;        // (m, nsb)
   std::vector<int16_t> p;       // (m, nsb, 8)
   std::vector<int32_t> pq;      // (m, nsb, 8)
@@ -50,6 +52,8 @@ bool packs8(int qtype, int64_t n);
 void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack);
 // the file's bytes of row n's unit u (block or super-block) of a packed matrix into out
 void packed_row_unit(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t u, uint8_t* out);
+// the file's bytes of row n of a packed matrix into out (row_bytes): a tied head's row read as the embedding's
+void packed_row(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, uint8_t* out);
 
 // one call's share: y[r, n] for x rows [r0, r0 + m) of a, weight rows [n0, n1)
 struct Job8 {

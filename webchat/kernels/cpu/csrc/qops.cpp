@@ -74,6 +74,25 @@ void repack8_op(torch::Tensor& w, int64_t qtype, bool pack) {
   repack8(w.data_ptr<uint8_t>(), w.size(0), w.size(1), static_cast<int>(qtype), pack);
 }
 
+// (len(ids), row bytes) uint8: rows ids of a matrix packed 8 to a group, in the file's layout (a tied head's rows read
+// as the embedding's)
+torch::Tensor unpacked_rows(const torch::Tensor& w, int64_t qtype, const torch::Tensor& ids) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.device().is_cpu() && w.is_contiguous(),
+              "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(packs8(static_cast<int>(qtype), w.size(0)), "ggml type ", qtype, " with ", w.size(0),
+              " rows has no packed form");
+  const torch::Tensor idx = ids.to(torch::kInt64).contiguous();
+  TORCH_CHECK(idx.dim() == 1, "ids must be 1-D, got ", idx.sizes());
+  const int64_t n = idx.size(0), rb = w.size(1);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < w.size(0), "id ", ip[i], " is out of range [0, ", w.size(0), ")");
+  torch::Tensor out = torch::empty({n, rb}, torch::dtype(torch::kUInt8));
+  for (int64_t i = 0; i < n; ++i)
+    packed_row(static_cast<int>(qtype), w.data_ptr<uint8_t>(), rb, ip[i], out.data_ptr<uint8_t>() + i * rb);
+  return out;
+}
+
 // (len(ids), K) float32 rows ids of w; ids None: every row (the whole matrix)
 torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k, const c10::optional<torch::Tensor>& ids) {
   check_weight(w, qtype, k);
@@ -233,13 +252,14 @@ class Step {
   }
 
   // int8 activations on or off; with them, the matrices that have a packed form read it (the caller packs their bytes
-  // in place first, webchat.model.precision; a head that is the embedding stays as it is: the lookup reads it)
+  // in place first, webchat.model.precision; a head that is the embedding packs with it: the lookup gathers its rows)
   void set_int8(bool on, bool pack) {
     m_.int8 = on;
     pack = pack && on;
     for (Layer& L : m_.layers)
       for (Mat* mt : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w1, &L.w3, &L.w2}) mt->packed = pack && packs8(mt->qtype, mt->n);
-    m_.head.packed = pack && m_.head.w != m_.emb.w && packs8(m_.head.qtype, m_.head.n);
+    m_.head.packed = pack && packs8(m_.head.qtype, m_.head.n);
+    m_.emb.packed = m_.head.packed && m_.head.w == m_.emb.w;
   }
 
   // logits (R, vocab) of a webchat.model.batch.Batch through the first n_layers layers, k/v written into the pool;
@@ -410,8 +430,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none(),
         py::arg("gemm") = false, py::arg("int8") = false, py::arg("packed") = false);
   m.def("repack8", &wq::repack8_op,
-        "w's rows packed 8 to a group for the int8 kernels (pack) or back to ggml's layout, in place (Q4_0, Q4_1, Q4_K)",
+        "w's rows packed 8 to a group for the int8 kernels (pack) or back to ggml's layout, in place (Q4_0, Q4_1, Q8_0, "
+        "Q4_K)",
         py::arg("w"), py::arg("qtype"), py::arg("pack"));
+  m.def("unpacked_rows", &wq::unpacked_rows, "rows ids of a packed matrix in the file's layout (uint8)",
+        py::arg("w"), py::arg("qtype"), py::arg("ids"));
   m.def("packs8", &wq::packs8, "whether a matrix of this ggml type and row count has the packed form",
         py::arg("qtype"), py::arg("n"));
   m.def("set_vnni", &wq::set_vnni, "the int8 kernels' vpdpbusd: -1 where the CPU has it, 0 off, 1 on; returns in use");

@@ -43,14 +43,15 @@ struct Field {  // a run of each row's unit: `bytes` from `offset`, packed `word
 };
 
 // a unit: the bytes of one row per block (32 values) or super-block (256)
-int unit_bytes(int qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 144; }
+int unit_bytes(int qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 144; }
 
 int fields(int qtype, Field f[4]) {
   switch (qtype) {
     case Q4_0: f[0] = {0, 2, 2}, f[1] = {2, 16, 4}; return 2;
     case Q4_1: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 16, 4}; return 3;
+    case Q8_0: f[0] = {0, 2, 2}, f[1] = {2, 32, 4}; return 2;
     case Q4_K: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 12, 4}, f[3] = {16, 128, 4}; return 4;
-    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1 and Q4_K have)");
+    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0 and Q4_K have)");
   }
 }
 
@@ -110,6 +111,29 @@ void blocks_scalar(const Job8& j, int64_t g0, int64_t g1) {
       }
 }
 
+void q8_scalar(const Job8& j, int64_t g0, int64_t g1) {
+  const int64_t nb = j.k / 32;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int n = 0; n < 8; ++n)
+      for (int r = 0; r < j.m; ++r) {
+        const int64_t xr = j.r0 + r;
+        const int8_t* q = j.a->qb.data() + xr * j.k;
+        const float* d8 = j.a->d8.data() + xr * j.k / 4;
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t blk[34];
+          row_unit(Q8_0, j.w + g * 8 * j.row_bytes + b * 8 * 34, n, blk);
+          const float dw = half_to_float(blk);
+          for (int c = 0; c < 4; ++c) {
+            int32_t isum = 0;
+            for (int i = 8 * c; i < 8 * c + 8; ++i) isum += static_cast<int8_t>(blk[2 + i]) * q[32 * b + i];
+            acc = std::fma(static_cast<float>(isum), dw * d8[8 * b + 2 * c], acc);
+          }
+        }
+        j.y[r * j.ldy + 8 * g + n] = acc;
+      }
+}
+
 void q4k_scalar(const Job8& j, int64_t g0, int64_t g1) {
   const int64_t nsb = j.k / QK_K;
   const Act8& a = *j.a;
@@ -154,29 +178,48 @@ P8_AVX2 inline __m256i bcast4(const int8_t* p) {
 }
 
 #define P8_NAME blocks_avx2
+#define P8_Q8NAME q8_avx2
 #define P8_TARGET P8_AVX2
 #define P8_DOT2(w0, x0, w1, x1) \
   _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)), ones)
+#define P8_Q8W(w) _mm256_abs_epi8(w)  // -128 -> 0x80: 128 unsigned; a pair at most 2 * 128 * 127 < 2^15
+#define P8_Q8SUM(a0, w0, a1, w1, x0, x1, c)                                        \
+  _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, w0)), ones), \
+                   _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, w1)), ones))
 #include "qpack8_blocks.inc"
 #undef P8_NAME
+#undef P8_Q8NAME
 #undef P8_TARGET
 #undef P8_DOT2
+#undef P8_Q8W
+#undef P8_Q8SUM
+
+#define P8_Q8W(w) _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)))  // w + 128, unsigned
 
 #define P8_NAME blocks_avxvnni
+#define P8_Q8NAME q8_avxvnni
 #define P8_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define P8_DOT2(w0, x0, w1, x1) _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, x0), w1, x1)
+#define P8_Q8SUM(a0, w0, a1, w1, x0, x1, c) _mm256_sub_epi32(P8_DOT2(a0, x0, a1, x1), _mm256_set1_epi32(c))
 #include "qpack8_blocks.inc"
 #undef P8_NAME
+#undef P8_Q8NAME
 #undef P8_TARGET
 #undef P8_DOT2
+#undef P8_Q8SUM
 
 #define P8_NAME blocks_avx512vnni
+#define P8_Q8NAME q8_avx512vnni
 #define P8_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define P8_DOT2(w0, x0, w1, x1) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w0, x0), w1, x1)
+#define P8_Q8SUM(a0, w0, a1, w1, x0, x1, c) _mm256_sub_epi32(P8_DOT2(a0, x0, a1, x1), _mm256_set1_epi32(c))
 #include "qpack8_blocks.inc"
 #undef P8_NAME
+#undef P8_Q8NAME
 #undef P8_TARGET
 #undef P8_DOT2
+#undef P8_Q8SUM
+#undef P8_Q8W
 
 // vpshufb patterns: byte e of each 32-bit lane zero-extended into both of its int16 halves (PAIRS[e]: a sub-block's
 // scale as the vpmaddwd operand) or into the whole int32 (ONE[e]: a min); tables, so a loop over e loads them
@@ -298,11 +341,18 @@ void packed_row_unit(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, 
   row_unit(qtype, w + (n / 8) * 8 * row_bytes + u * 8 * unit_bytes(qtype), static_cast<int>(n % 8), out);
 }
 
-bool packs8(int qtype, int64_t n) { return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K) && n > 0 && n % 8 == 0; }
+void packed_row(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, uint8_t* out) {
+  const int ub = unit_bytes(qtype);
+  for (int64_t u = 0; u < row_bytes / ub; ++u) packed_row_unit(qtype, w, row_bytes, n, u, out + u * ub);
+}
+
+bool packs8(int qtype, int64_t n) {
+  return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K) && n > 0 && n % 8 == 0;
+}
 
 void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack) {
-  TORCH_CHECK(packs8(qtype, n), "ggml type ", qtype, " with ", n, " rows has no packed form (Q4_0, Q4_1 and Q4_K ",
-              "with rows a multiple of 8 have)");
+  TORCH_CHECK(packs8(qtype, n), "ggml type ", qtype, " with ", n, " rows has no packed form (Q4_0, Q4_1, Q8_0 and ",
+              "Q4_K with rows a multiple of 8 have)");
   Field f[4];
   const int nf = fields(qtype, f);
   const int ub = unit_bytes(qtype);
@@ -327,6 +377,7 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
     switch (j.qtype) {
       case Q4_0: return blocks_scalar<Q4_0>(j, g0, g1);
       case Q4_1: return blocks_scalar<Q4_1>(j, g0, g1);
+      case Q8_0: return q8_scalar(j, g0, g1);
       case Q4_K: return q4k_scalar(j, g0, g1);
       default: TORCH_CHECK(false, "ggml type ", j.qtype, " has no packed kernel");
     }
@@ -343,9 +394,13 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
       {blocks_avx2<Q4_1, 1>, blocks_avx2<Q4_1, 2>, blocks_avx2<Q4_1, 3>, blocks_avx2<Q4_1, 4>},
       {blocks_avxvnni<Q4_1, 1>, blocks_avxvnni<Q4_1, 2>, blocks_avxvnni<Q4_1, 3>, blocks_avxvnni<Q4_1, 4>},
       {blocks_avx512vnni<Q4_1, 1>, blocks_avx512vnni<Q4_1, 2>, blocks_avx512vnni<Q4_1, 3>, blocks_avx512vnni<Q4_1, 4>}};
+  static constexpr Group8 Q80[3][4] = {{q8_avx2<1>, q8_avx2<2>, q8_avx2<3>, q8_avx2<4>},
+                                       {q8_avxvnni<1>, q8_avxvnni<2>, q8_avxvnni<3>, q8_avxvnni<4>},
+                                       {q8_avx512vnni<1>, q8_avx512vnni<2>, q8_avx512vnni<3>, q8_avx512vnni<4>}};
   static constexpr Group8 Q4K[4] = {q4k_avx2<1>, q4k_avx2<2>, q4k_avx2<3>, q4k_avx2<4>};
   const int vk = vnni_kind();  // Q4_K's int16 sums over a scale's group keep vpmaddubsw on every CPU
-  const Group8* fns = j.qtype == Q4_0 ? Q40[vk] : j.qtype == Q4_1 ? Q41[vk] : j.qtype == Q4_K ? Q4K : nullptr;
+  const Group8* fns = j.qtype == Q4_0 ? Q40[vk] : j.qtype == Q4_1 ? Q41[vk] : j.qtype == Q8_0 ? Q80[vk]
+                      : j.qtype == Q4_K ? Q4K : nullptr;
   TORCH_CHECK(fns != nullptr, "ggml type ", j.qtype, " has no packed kernel");
   for (int64_t g = g0; g < g1; ++g)  // a group's 8 rows stay in L1 while every 4 x rows pass
     for (int r0 = 0; r0 < j.m; r0 += 4) fns[(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, g);

@@ -439,7 +439,12 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
       if (runs_.empty() || runs_.back().prompt != prompt) runs_.push_back(Rows{t, t + 1, prompt});
       else runs_.back().hi = t + 1;
     }
-  for (int64_t t = 0; t < T; ++t) dequant_row(emb.qtype, emb.w + bv.tokens[t] * emb.row_bytes, d, x + t * d);
+  std::vector<uint8_t> gathered(emb.packed ? emb.row_bytes : 0);
+  for (int64_t t = 0; t < T; ++t) {  // a packed table (a tied head at int8) gives each row's bytes back first
+    const uint8_t* row = emb.w + bv.tokens[t] * emb.row_bytes;
+    if (emb.packed) packed_row(emb.qtype, emb.w, emb.row_bytes, bv.tokens[t], gathered.data()), row = gathered.data();
+    dequant_row(emb.qtype, row, d, x + t * d);
+  }
   if (embed_scale != 1.f)
     for (int64_t c = 0; c < T * d; ++c) x[c] *= embed_scale;
   // y = rms_norm(x rows) with w, each row's 8-bit form made as it is written (int8) for the matrices that read it
