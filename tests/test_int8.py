@@ -224,6 +224,30 @@ def test_q8_0_prompt_rows_are_their_own_however_grouped(kernels: Any, path: str,
     assert torch.equal(got, kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)), path
 
 
+@pytest.mark.parametrize("case", [("q4_0", 1000, False), ("q4_1", 1024, True), ("q8_0", 1032, True)],
+                         ids=lambda c: f"{c[0]}-{c[1]}{'-packed' if c[2] else ''}")
+def test_a_large_call_in_chunks_computes_each_row_once(kernels: Any, case: tuple[str, int, bool]) -> None:
+    """A call of more than a few chunks' weights (qact.cpp, CHUNK_BYTES) goes in chunks each thread takes from its own
+    run and then from the others': every row once, the bits of the one-thread call (an even split), packed groups kept
+    whole where the chunk edges fall inside them."""
+    qtype, n, pack = case
+    k = 2048
+    wq, wd = weights(qtype, n, k, seed=n)
+    qt = qtype_number(qtype)
+    w = packed(kernels, wq, qtype) if pack else wq
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(n))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.qmatmul(x, w, qt, k, int8=True, packed=pack)
+        torch.set_num_threads(max(threads, 2))
+        got = kernels.qmatmul(x, w, qt, k, int8=True, packed=pack)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, alone)
+    check_close(got, x, wd, qtype)
+
+
 @pytest.mark.parametrize("m", [1, 4, 13])
 def test_packed_q8_0_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: int) -> None:
     """Packed Q8_0 (a lane a weight row: the sign trick without VNNI, w + 128 and 128 sum q taken back with it) sums

@@ -8,9 +8,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "qint8.h"
 
@@ -18,7 +20,10 @@ namespace wq {
 
 namespace {
 
-constexpr int EMAX = 7;  // a sub-block 2^7 times smaller than its super-block's largest keeps 7 more bits, no more
+constexpr int EMAX = 7;
+// the row kernels' calls of more than CHUNK_BYTES of weights a thread: in chunks of at least CHUNK_BYTES, at most
+// CHUNKS_A_THREAD a thread (qmatmul8_multi)
+constexpr int64_t CHUNKS_A_THREAD = 16, CHUNK_BYTES = int64_t(256) << 10;  // a sub-block 2^7 times smaller than its super-block's largest keeps 7 more bits, no more
 
 // ---------------------------------------------------------------- scalar
 float amax_scalar(const float* x, int n) {
@@ -234,13 +239,14 @@ void Act8::quantize_rows(const float* x, int64_t ldx) {
 
 void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, const MatRef* mats, int count,
                     bool prompt) {
-  int64_t total = 0, max_row_bytes = 0;
+  int64_t total = 0, max_row_bytes = 0, total_bytes = 0;
   bool kquant = false;  // a K-quant matrix: a prompt's rows take a GEMM (packed8_gemm's tiles or gemm8_rows)
   for (int i = 0; i < count; ++i) {
     TORCH_CHECK(mats[i].qtype == F32 || (reads_blocks(mats[i].qtype) && a.blocks) ||
                     (reads_supers(mats[i].qtype) && a.supers),
                 "int8 activations have no kernel for ggml type ", mats[i].qtype, " (or its form was not made)");
     total += mats[i].n;
+    total_bytes += mats[i].n * mats[i].row_bytes;
     max_row_bytes = std::max(max_row_bytes, mats[i].row_bytes);
     kquant |= reads_supers(mats[i].qtype);
     TORCH_CHECK(!mats[i].packed || packs8(mats[i].qtype, mats[i].n), "matrix ", i, " is marked packed but ggml type ",
@@ -286,10 +292,14 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
     });
     return;
   }
+  // A large call's rows in chunks: each thread owns a contiguous run of them (one stream through memory, as a static
+  // split) and takes them by a cursor; a thread done with its own run takes chunks from the others' cursors, so a
+  // thread slowed by its memory or by another process does not hold the rest at the region's end (ggml's chunks, with
+  // the static split's streams kept). Each row's numbers are the same whichever thread computes it.
+  const int threads = at::get_num_threads();
   for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time stay in L2 while w streams
     const int mm = static_cast<int>(std::min<int64_t>(64, m - m0));
-    const int64_t grain = std::max<int64_t>(8, 16384 / (max_row_bytes * std::min(mm, 4)));
-    at::parallel_for(0, total, grain, [&](int64_t b, int64_t e) {
+    const auto rows = [&](int64_t b, int64_t e) {
       int64_t base = 0;
       for (int i = 0; i < count; ++i) {
         const MatRef& mr = mats[i];
@@ -300,6 +310,22 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
           rows_of(a, row0 + m0, mm, x + m0 * k, part, lo - base, hi - base, p);
         }
         base += mr.n;
+      }
+    };
+    const int64_t chunks = std::min<int64_t>(int64_t(threads) * CHUNKS_A_THREAD, total_bytes / CHUNK_BYTES);
+    if (threads < 2 || chunks <= threads) {  // a small call: an even split (each run's stream too short to break up)
+      const int64_t grain = std::max<int64_t>(8, 16384 / (max_row_bytes * std::min(mm, 4)));
+      at::parallel_for(0, total, grain, rows);
+      continue;
+    }
+    const int64_t step = (total + chunks - 1) / chunks;
+    std::vector<std::atomic<int64_t>> cursor(threads);
+    for (int t = 0; t < threads; ++t) cursor[t] = chunks * t / threads;
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t) {  // one index a thread (inline: all of them in turn)
+      for (int i = 0; i < threads; ++i) {
+        const int t = static_cast<int>((t0 + i) % threads);
+        const int64_t end = chunks * (t + 1) / threads;
+        for (int64_t c = cursor[t]++; c < end; c = cursor[t]++) rows(c * step, std::min(total, (c + 1) * step));
       }
     });
   }
