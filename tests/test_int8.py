@@ -322,6 +322,8 @@ def test_a_tied_head_packs_and_the_lookup_gathers_its_rows(kernels: Any, tiny_mo
     set_precision(model, "int8", kernels)
     assert model.output.packed and model.tok_embeddings.packed and not torch.equal(model.output.weight, table)
     assert torch.equal(model.tok_embeddings(torch.tensor([ids])), looked_up)
+    with pytest.raises(RuntimeError, match="out of range"):  # a hostile id names itself, packed or not
+        model.tok_embeddings(torch.tensor([[model.args.vocab_size]]))
     got = prefill(model, ids)
     assert model.runner is not None and model.runner.calls > 0  # the C++ forward ran it
     assert (got - unpacked).abs().max() < 1e-4 * unpacked.abs().max(), (got - unpacked).abs().max()

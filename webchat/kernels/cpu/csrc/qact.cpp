@@ -20,10 +20,10 @@ namespace wq {
 
 namespace {
 
-constexpr int EMAX = 7;
+constexpr int EMAX = 7;  // a sub-block 2^7 times smaller than its super-block's largest keeps 7 more bits, no more
 // the row kernels' calls of more than CHUNK_BYTES of weights a thread: in chunks of at least CHUNK_BYTES, at most
 // CHUNKS_A_THREAD a thread (qmatmul8_multi)
-constexpr int64_t CHUNKS_A_THREAD = 16, CHUNK_BYTES = int64_t(256) << 10;  // a sub-block 2^7 times smaller than its super-block's largest keeps 7 more bits, no more
+constexpr int64_t CHUNKS_A_THREAD = 16, CHUNK_BYTES = int64_t(256) << 10;
 
 // ---------------------------------------------------------------- scalar
 float amax_scalar(const float* x, int n) {

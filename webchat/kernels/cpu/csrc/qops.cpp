@@ -74,6 +74,16 @@ void repack8_op(torch::Tensor& w, int64_t qtype, bool pack) {
   repack8(w.data_ptr<uint8_t>(), w.size(0), w.size(1), static_cast<int>(qtype), pack);
 }
 
+// ids as a contiguous 1-D int64 tensor, each in [0, rows): the rows a lookup reads
+static torch::Tensor checked_ids(const torch::Tensor& ids, int64_t rows) {
+  torch::Tensor idx = ids.to(torch::kInt64).contiguous();
+  TORCH_CHECK(idx.dim() == 1, "ids must be 1-D, got ", idx.sizes());
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idx.size(0); ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "id ", ip[i], " is out of range [0, ", rows, ")");
+  return idx;
+}
+
 // (len(ids), row bytes) uint8: rows ids of a matrix packed 8 to a group, in the file's layout (a tied head's rows read
 // as the embedding's)
 torch::Tensor unpacked_rows(const torch::Tensor& w, int64_t qtype, const torch::Tensor& ids) {
@@ -81,12 +91,9 @@ torch::Tensor unpacked_rows(const torch::Tensor& w, int64_t qtype, const torch::
               "w must be a contiguous 2-D uint8 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
   TORCH_CHECK(packs8(static_cast<int>(qtype), w.size(0)), "ggml type ", qtype, " with ", w.size(0),
               " rows has no packed form");
-  const torch::Tensor idx = ids.to(torch::kInt64).contiguous();
-  TORCH_CHECK(idx.dim() == 1, "ids must be 1-D, got ", idx.sizes());
+  const torch::Tensor idx = checked_ids(ids, w.size(0));
   const int64_t n = idx.size(0), rb = w.size(1);
   const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < w.size(0), "id ", ip[i], " is out of range [0, ", w.size(0), ")");
   torch::Tensor out = torch::empty({n, rb}, torch::dtype(torch::kUInt8));
   for (int64_t i = 0; i < n; ++i)
     packed_row(static_cast<int>(qtype), w.data_ptr<uint8_t>(), rb, ip[i], out.data_ptr<uint8_t>() + i * rb);
@@ -96,15 +103,9 @@ torch::Tensor unpacked_rows(const torch::Tensor& w, int64_t qtype, const torch::
 // (len(ids), K) float32 rows ids of w; ids None: every row (the whole matrix)
 torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k, const c10::optional<torch::Tensor>& ids) {
   check_weight(w, qtype, k);
-  torch::Tensor idx;
-  if (ids.has_value()) {
-    idx = ids->to(torch::kInt64).contiguous();
-    TORCH_CHECK(idx.dim() == 1, "ids must be 1-D, got ", idx.sizes());
-  }
-  const int64_t n = ids.has_value() ? idx.size(0) : w.size(0), rows = w.size(0);
+  const torch::Tensor idx = ids.has_value() ? checked_ids(*ids, w.size(0)) : torch::Tensor();
+  const int64_t n = ids.has_value() ? idx.size(0) : w.size(0);
   const int64_t* ip = ids.has_value() ? idx.data_ptr<int64_t>() : nullptr;
-  for (int64_t i = 0; ip != nullptr && i < n; ++i)
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "id ", ip[i], " is out of range [0, ", rows, ")");
   torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();

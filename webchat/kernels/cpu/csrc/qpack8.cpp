@@ -83,9 +83,9 @@ void row_unit(int qtype, const uint8_t* packed_unit, int r, uint8_t* out) {
 }
 
 // ---------------------------------------------------------------- scalar: the order every path follows
-template <int QT>
+template <int QT>  // Q4_0, Q4_1 (the unsigned nibble and the zero point's chain) and Q8_0 (the signed byte, no chain)
 void blocks_scalar(const Job8& j, int64_t g0, int64_t g1) {
-  constexpr int BB = QT == Q4_0 ? 18 : 20;
+  constexpr int BB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   const int64_t nb = j.k / 32, ldb = j.a->ldb;
   for (int64_t g = g0; g < g1; ++g)
     for (int n = 0; n < 8; ++n)
@@ -98,39 +98,21 @@ void blocks_scalar(const Job8& j, int64_t g0, int64_t g1) {
           uint8_t blk[BB];
           row_unit(QT, j.w + g * 8 * j.row_bytes + b * 8 * BB, n, blk);
           const float dw = half_to_float(blk);
-          const uint8_t* qs = blk + (QT == Q4_0 ? 2 : 4);
+          const uint8_t* qs = blk + (QT == Q4_1 ? 4 : 2);
           for (int gi = 0; gi < 4; ++gi) {
             int32_t isum = 0;
-            for (int v = 8 * gi; v < 8 * gi + 8; ++v) isum += (v < 16 ? qs[v] & 15 : qs[v - 16] >> 4) * q[32 * b + v];
+            for (int v = 8 * gi; v < 8 * gi + 8; ++v) {
+              const int w = QT == Q8_0 ? static_cast<int8_t>(qs[v]) : v < 16 ? qs[v] & 15 : qs[v - 16] >> 4;
+              isum += w * q[32 * b + v];
+            }
             acc = std::fma(static_cast<float>(isum), dw * d8[8 * b + 2 * gi], acc);
           }
-          const float mw = QT == Q4_1 ? half_to_float(blk + 2) : dw * -8.f;
-          macc = std::fma(mw, j.a->s[xr * ldb + b], macc);
-        }
-        j.y[r * j.ldy + 8 * g + n] = acc + macc;
-      }
-}
-
-void q8_scalar(const Job8& j, int64_t g0, int64_t g1) {
-  const int64_t nb = j.k / 32;
-  for (int64_t g = g0; g < g1; ++g)
-    for (int n = 0; n < 8; ++n)
-      for (int r = 0; r < j.m; ++r) {
-        const int64_t xr = j.r0 + r;
-        const int8_t* q = j.a->qb.data() + xr * j.k;
-        const float* d8 = j.a->d8.data() + xr * j.k / 4;
-        float acc = 0.f;
-        for (int64_t b = 0; b < nb; ++b) {
-          uint8_t blk[34];
-          row_unit(Q8_0, j.w + g * 8 * j.row_bytes + b * 8 * 34, n, blk);
-          const float dw = half_to_float(blk);
-          for (int c = 0; c < 4; ++c) {
-            int32_t isum = 0;
-            for (int i = 8 * c; i < 8 * c + 8; ++i) isum += static_cast<int8_t>(blk[2 + i]) * q[32 * b + i];
-            acc = std::fma(static_cast<float>(isum), dw * d8[8 * b + 2 * c], acc);
+          if (QT != Q8_0) {
+            const float mw = QT == Q4_1 ? half_to_float(blk + 2) : dw * -8.f;
+            macc = std::fma(mw, j.a->s[xr * ldb + b], macc);
           }
         }
-        j.y[r * j.ldy + 8 * g + n] = acc;
+        j.y[r * j.ldy + 8 * g + n] = QT == Q8_0 ? acc : acc + macc;
       }
 }
 
@@ -377,7 +359,7 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
     switch (j.qtype) {
       case Q4_0: return blocks_scalar<Q4_0>(j, g0, g1);
       case Q4_1: return blocks_scalar<Q4_1>(j, g0, g1);
-      case Q8_0: return q8_scalar(j, g0, g1);
+      case Q8_0: return blocks_scalar<Q8_0>(j, g0, g1);
       case Q4_K: return q4k_scalar(j, g0, g1);
       default: TORCH_CHECK(false, "ggml type ", j.qtype, " has no packed kernel");
     }
