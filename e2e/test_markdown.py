@@ -112,7 +112,9 @@ def test_markdown_streams_renders_and_survives_reload(scripted: tuple[ChatPage, 
     tokens = wire_tokens(PIECES)
     for t in tokens[:SPLIT]:
         sock.chunk([t])
-    chat.wait_until("the first part is on screen", lambda: len(structure(chat)["td"]) == 2)
+    # every token of the first part (the table's cells come a token before its last "\n\n")
+    chat.wait_until("the first part is on screen", lambda: len(structure(chat)["td"]) == 2
+                    and chat.last_reply().get_by_test_id("token").count() == SPLIT)
     assert chat.reply_state() == "streaming"
     mid = structure(chat)
     assert mid["text"] == "".join(PIECES[:SPLIT])
