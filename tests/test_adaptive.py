@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.engine.adaptive import MAX_AUTO_DRAFT, PAYOFF_RANGE, PROBE_MAX, PROBE_MIN, AutoSpec, Proposal, SeqDrafter
+from webchat.engine.adaptive import (
+    MAX_AUTO_DRAFT,
+    PAYOFF_RANGE,
+    PROBE_MAX,
+    PROBE_MIN,
+    SEQ_DECAY,
+    AutoSpec,
+    Proposal,
+    SeqDrafter,
+)
 from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
@@ -235,6 +244,20 @@ def test_plans_that_do_not_come_true_stop_drafting_at_that_batch_size_until_forg
     assert spec.plan([offer(draft)], 1, 1, 63) == [3]
 
 
+def test_a_step_before_a_prompts_forward_is_charged_the_usual_time_between_forwards() -> None:
+    """A single stream's last step is followed by the next request's prompt: the gap holds the turn between requests,
+    not the step's own cost (it made the served single stream's payoff ~0.7 where its plans came true)."""
+    draft = [0.9, 0.85, 0.8]
+    factors = {}
+    for rows in (0, 4):  # the next forward: a new prompt's, or the same stream's next step
+        spec = planner(slope=6.0, overhead=1.0)
+        assert spec.plan([offer(draft)], 1, 1, 63) == [3]
+        spec.outcome(4, 100.0, 100.028)  # all accepted, in the curve's 28 ms
+        spec.timed(100.090, 100.2, rows)  # 62 ms later
+        factors[rows] = spec.payoff_factor(1)
+    assert factors[0] > 1.0 > factors[4]
+
+
 # ---------------------------------------------------------------- one sequence's drafting
 class Script:
     """A sequence whose model writes `script`, verified the engine's way: accepted drafts, then the model's token."""
@@ -278,6 +301,62 @@ def test_a_failing_source_stops_and_resumes_when_it_matches_again() -> None:
     assert len(steps["new text"]) >= 58  # one token a step: nothing to copy
 
 
+def test_a_drafts_later_tokens_are_as_likely_as_the_longer_match_they_continue() -> None:
+    """A copy that has just resumed (a 2-token match) fails often at its first tokens and seldom once it has gone on:
+    token i of a draft, its predecessors accepted, continues a match of match + i, and is estimated and counted at
+    that length's rate."""
+    spec = AutoSpec()
+    for _ in range(400):  # engine-wide: matches of 2-3 tokens continue 30% of the time, longer ones 95%
+        spec.observe("context", 0, 3, 7)
+        for b in (1, 2, 3):
+            spec.observe("context", b, 19, 1)
+    rng = random.Random(1)
+    passage = [rng.randrange(1000, 2000) for _ in range(30)]
+    drafter = SeqDrafter(spec, 32)
+    context = [1, *passage, 2, 9, *passage[:2]]  # the copy resumed: its first 2 tokens emitted
+    p = drafter.offer(context, 16)
+    assert p is not None and p.tokens == passage[2:8]  # 2 matched + SPEC_OFFSET
+    ratios = [b / a for a, b in zip(p.raw, p.raw[1:], strict=False)]
+    assert p.raw[0] == pytest.approx(spec.rate("context", 0))  # the token after a 2-token match
+    assert ratios[0] == pytest.approx(spec.rate("context", 0))  # ... after 3
+    assert all(r == pytest.approx(spec.rate("context", 1)) for r in ratios[1:])  # after 4 to 7: the longer rate
+    before = {b: spec.rate("context", b) for b in (0, 1)}
+    drafter.offer([*context, *passage[2:6], 5], 16)  # 4 of the draft came, then another token: checked
+    seq = drafter.rates
+    short, longer = seq[("context", 0)], seq[("context", 1)]  # decayed counts (SEQ_DECAY a token)
+    assert short.hits == short.events == pytest.approx(1 + SEQ_DECAY)  # the tokens after 2 and 3 matched: hits
+    assert longer.hits == pytest.approx((1 + SEQ_DECAY) * SEQ_DECAY)
+    assert longer.events - longer.hits == pytest.approx(1)  # then a miss
+    assert spec.rate("context", 0) > before[0] and spec.rate("context", 1) < before[1]  # the engine-wide rates too
+
+
+def test_in_a_large_batch_a_stream_whose_draft_cannot_pay_sits_out_some_steps() -> None:
+    spec = AutoSpec()
+    rng = random.Random(2)
+    passage = [rng.randrange(1000, 2000) for _ in range(40)]
+    copying = SeqDrafter(spec, 42)
+    context = [1, *passage, 2, 9, *passage[:10]]
+    for i in range(6):  # a copy in progress offers every step however many streams there are
+        assert copying.offer(context + passage[10 : 10 + i], 16, floor=0.9, rest=4) is not None
+    writing = SeqDrafter(spec, 10)
+    text = [rng.randrange(3000, 4000) for _ in range(30)]
+    offered = [writing.offer(text[: 10 + i], 16, floor=0.9, rest=4) is not None or writing.rest == 4
+               for i in range(20)]
+    assert offered == [True, False, False, False, False] * 4  # looked, then sat out 4 steps
+    alone = SeqDrafter(spec, 10)  # rest 0 (a small batch): it looks every step
+    for i in range(5):
+        alone.offer(text[: 10 + i], 16, floor=0.9)
+        assert alone.rest == 0
+    own = passage[:8]
+    late = SeqDrafter(spec, 8)
+    assert late.offer(own + [7] + own[:3], 16, floor=2.0, rest=2) is not None  # offered, then sits out 2 steps
+    assert late.pending and late.offer(own + [7] + own[:4], 16) is None
+    came = own + [7] + own  # the copy came on while it sat out: its pending proposal is checked when it looks again
+    assert late.offer(came, 16) is None and not late.rates
+    late.offer([*came, 5], 16)
+    assert late.rates[("context", 0)].hits > 0 and late.rates[("context", 1)].hits > 0
+
+
 class WrongModel:
     def __init__(self) -> None:
         self.calls = 0
@@ -312,7 +391,7 @@ def test_drafts_never_evict_an_idle_session(tiny_model_dir: Path, monkeypatch: p
     """Drafts get pages only from the free list: a full pool drafts less, it never drops another session's cache."""
     model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
 
-    def sixteen(self: SeqDrafter, context: list[int], room: int, sampled: bool = False) -> Proposal:
+    def sixteen(self: SeqDrafter, context: list[int], room: int, *_: Any) -> Proposal:
         return Proposal("context", 0, [0.9] * 16, tokens=[5] * 16, at=len(context))  # granted in full (flat cost)
 
     monkeypatch.setattr(SeqDrafter, "offer", sixteen)
@@ -342,7 +421,7 @@ def test_the_engine_reports_how_each_plan_came_true(tiny_model_dir: Path, monkey
     plain, _ = run(Generator(model, tok), GenerationRequest(prompt_ids=prompt, settings=GREEDY, max_new_tokens=6,
                                                             stop_token_ids=[]))
 
-    def wrong(self: SeqDrafter, context: list[int], room: int, sampled: bool = False) -> Proposal:
+    def wrong(self: SeqDrafter, context: list[int], room: int, *_: Any) -> Proposal:
         miss = (plain[len(context) - len(prompt)] + 1) % model.args.vocab_size  # not the token that comes next
         return Proposal("context", 0, [0.9] * 8, tokens=[miss] * 8, at=len(context))
 

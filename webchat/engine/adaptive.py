@@ -4,11 +4,15 @@ Each step every decoding `auto` sequence makes an offer: its best draft from a s
 output, over the recent outputs of the engine's other sequences (webchat.engine.suffix), or from the draft model
 (`--draft`). Draft token i carries q_i, the estimated chance that it and every token before it are accepted:
 
-    q_i = k * r^i * share_i    r: the sequence's recent acceptance for that source and match length, shrunk towards
-                               the engine-wide rate while the sequence has little history; share_i: the share of the
-                               matched occurrences that agree up to token i (suffix sources; 1 for the draft model);
-                               k: the source's realism, tokens accepted over tokens expected on the proposals checked
-                               lately, engine-wide (within [1/4, 5/4]), so estimates that run high are pulled down
+    q_i = k * r_0 * ... * r_i * share_i
+                               r_j: the sequence's recent acceptance for that source at the match length token j
+                               continues (a suffix match of m tokens: m + j, as its predecessors were accepted; a copy
+                               that has just resumed fails often at first and seldom once it has gone on), shrunk
+                               towards the engine-wide rate while the sequence has little history; share_i: the share
+                               of the matched occurrences that agree up to token i (suffix sources; 1 for the draft
+                               model, whose r_j is one rate); k: the source's realism, tokens accepted over tokens
+                               expected on the proposals checked lately, engine-wide (within [1/4, 5/4]), so
+                               estimates that run high are pulled down
 
 The planner grants the step's draft tokens greedily by q and keeps the prefix of grants with the most expected
 tokens per ms of the step: (rows without drafts + sum q) / (forward(rows + granted) + time between forwards + a draft
@@ -24,19 +28,21 @@ that a busy batch outruns, estimates that run high together) the planner asks fo
 where it paid more than planned, a little less. A batch size that stops drafting forgets its evidence step by step
 (PAYOFF_FORGET) and tries again.
 
-Every proposal is checked against what the sequence emitted next, drafted or not: a shadow check, free for the
-suffix sources. A source that keeps failing loses its grants as its rate falls, and wins them back when its
-proposals match again. A draft model's proposal costs a forward a token, so once its rate has fallen it is probed
-with one token at growing intervals (PROBE_MIN steps, doubled after each miss, up to PROBE_MAX).
+Every proposal is checked against what the sequence emitted next, drafted or not: a shadow check, free for the suffix
+sources; each token checked counts at the match length it continued. A source that keeps failing loses its grants as its
+rate falls, and wins them back when its proposals match again. A draft model's proposal costs a forward a token, so once
+its rate has fallen it is probed with one token at growing intervals (PROBE_MIN steps, doubled after each miss, up to
+PROBE_MAX).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from webchat.engine.suffix import SuffixIndex
+from webchat.engine.suffix import Path, SuffixIndex
 from webchat.engine.verify_cost import IDLE_GAP_S, Cycles, VerifyCost
 
 SOURCES = ("context", "shared", "model")  # own prompt and output; other sequences' outputs; the draft model
@@ -91,7 +97,7 @@ class Rate:
 
 
 def bucket(match: int) -> int:
-    return sum(match >= b for b in BUCKETS)
+    return bisect.bisect_right(BUCKETS, match)
 
 
 @dataclass
@@ -99,7 +105,7 @@ class Proposal:
     """A draft a sequence offers: tokens (a draft model's come when granted) and q (see the module doc)."""
 
     source: str
-    bucket: int
+    match: int  # context tokens the suffix source matched (0: the draft model)
     q: list[float]
     tokens: list[int] = field(default_factory=list)
     raw: list[float] = field(default_factory=list)  # q before the source's realism, for every token
@@ -166,16 +172,20 @@ class AutoSpec:
             self._ran = (*self._planned, emitted, began, ended)
         self._planned = None
 
-    def next_forward(self, now: float) -> None:
+    def next_forward(self, now: float, prompt: bool = False) -> None:
         """A forward begins at `now`: the last drafted step's whole cycle (its forward, its sampling, the delivery of
         what it emitted and the planning of this one, as a served stream pays them) against the plan's (its forward
-        from the curve and the median time between forwards); an idle gap after it tells nothing."""
+        from the curve and the median time between forwards); an idle gap after it tells nothing. prompt: the forward
+        has a prompt's rows, whose admission (a request read, its text tokenized, a finished one answered: a single
+        stream's turn between requests) the gap holds too; the step is charged the median time between forwards."""
         if self._ran is None:
             return
         key, tokens, planned_ms, extra, emitted, began, ended = self._ran
         self._ran = None
         if now - ended >= IDLE_GAP_S:
             return
+        if prompt:
+            now = min(now, ended + self.cycles.overhead_ms / 1000)
         got = emitted / max(1e-6, (now - began) * 1000)
         planned = tokens / max(1e-6, planned_ms + self.cycles.overhead_ms + extra)
         log_ratio = math.log(max(1e-3, got / planned))
@@ -209,7 +219,7 @@ class AutoSpec:
     def timed(self, began: float, ended: float, rows: int) -> None:
         """A forward ran from began to ended (perf_counter seconds); rows: its decode/verify rows, 0 when it had prompt
         rows too (the curve's scale follows the former only)."""
-        self.next_forward(began)
+        self.next_forward(began, prompt=not rows)
         self.cycles.forward_began(began)
         self.cycles.forward_ended(ended)
         if rows and self.cost is not None:
@@ -256,6 +266,13 @@ class AutoSpec:
                 grants[i] = 1
         return grants
 
+    def floor(self, base_rows: int, base_tokens: int) -> float:
+        """The chance a lone draft token needs to pay for its verify row at a step of base_rows rows without drafts
+        that emits base_tokens (the marginal row's share of the step's time, in tokens)."""
+        assert self.cost is not None
+        fwd = self.cost.forward_ms
+        return base_tokens * (fwd(base_rows + 1) - fwd(base_rows)) / max(1e-6, fwd(base_rows) + self.cycles.overhead_ms)
+
     def info(self) -> dict[str, object]:
         """The curve, the time between forwards, the decisions and the engine-wide rates (/api/info)."""
         c = self.counts
@@ -283,21 +300,29 @@ class SeqDrafter:
         self.rates: dict[tuple[str, int], Rate] = {}
         self.pending: list[Proposal] = []
         self.probe_every, self.since_probe = PROBE_MIN, 0
+        self.rest = 0  # steps this sequence sits out (no offer: its last could not pay at its batch's size)
 
     def rate(self, source: str, b: int) -> float:
         engine = self.spec.rate(source, b)
         r = self.rates.get((source, b))
         return engine if r is None else r.estimate(engine, SEQ_PRIOR_WEIGHT)
 
-    def offer(self, context: list[int], room: int, sampled: bool = False) -> Proposal | None:
+    def offer(self, context: list[int], room: int, sampled: bool = False, floor: float = 0.0,
+              rest: int = 0) -> Proposal | None:
         """The best draft after context (prompt + output, the last token pending), at most `room` tokens; the
-        proposals of the last offer are checked first. sampled: verify rows are sampled one by one (costlier)."""
+        proposals of the last offer are checked first. sampled: verify rows are sampled one by one (costlier).
+        floor, rest: where the best draft's first token is less likely than half the floor (AutoSpec.floor: what a
+        lone token needs to pay at this step), the next `rest` offers are skipped (None): in a large batch of streams
+        with nothing to copy, what the offers cost each step is then shared among several steps."""
+        if self.rest > 0:
+            self.rest -= 1
+            return None
         self._sync(context)
         self._check(context)
         room = min(room, MAX_AUTO_DRAFT)
         if room < 1:
             return None
-        found = [self._suffix(src, path.match, path.tokens, path.shares, len(context))
+        found = [self._suffix(src, path, len(context))
                  for src, index, skip in (("context", self.own, None), ("shared", self.spec.shared, self.doc))
                  for path in index.paths(context, room, exclude=skip)]
         self.pending = [p for p in found if p.tokens]
@@ -307,13 +332,19 @@ class SeqDrafter:
             best = model
         if best is not None and sampled:
             best.extra_ms += self.spec.sampled_row_ms
+        if rest and (best is None or (best.q[0] < floor / 2 and not best.probe)):
+            self.rest = rest
         return best
 
-    def _suffix(self, source: str, match: int, tokens: list[int], shares: list[float], at: int) -> Proposal:
-        b = bucket(match)
-        r = self.rate(source, b)
-        raw = [r ** (i + 1) * share for i, share in enumerate(shares)]
-        return Proposal(source, b, self.spec.realistic(source, raw), tokens, raw, at)
+    def _suffix(self, source: str, path: Path, at: int) -> Proposal:
+        """path's tokens and their estimates."""
+        first = bucket(path.match)
+        rates = [self.rate(source, b) for b in range(first, bucket(path.match + len(path.shares) - 1) + 1)]
+        raw, chance = [], 1.0
+        for i, share in enumerate(path.shares):  # token i, its predecessors accepted, continues a match of match + i
+            chance *= rates[bucket(path.match + i) - first]
+            raw.append(chance * share)
+        return Proposal(source, path.match, self.spec.realistic(source, raw), path.tokens, raw, at)
 
     def _model_offer(self, room: int, at: int) -> Proposal | None:
         if self.model is None:
@@ -373,8 +404,15 @@ class SeqDrafter:
                     break
                 hits += 1
             misses = int(hits < min(len(p.tokens), len(came)))
-            self.rates.setdefault((p.source, p.bucket), Rate()).add(hits, misses, SEQ_DECAY)
-            self.spec.observe(p.source, p.bucket, hits, misses)
+            j = 0
+            while j < hits + misses:  # token j was a hit or (the last) a miss at match length match + j
+                key = 0 if p.source == "model" else bucket(p.match + j)
+                end = hits + misses if key == len(BUCKETS) or p.source == "model" else BUCKETS[key] - p.match
+                end = min(end, hits + misses)
+                h = max(0, min(end, hits) - j)
+                self.rates.setdefault((p.source, key), Rate()).add(h, end - j - h, SEQ_DECAY)
+                self.spec.observe(p.source, key, h, end - j - h)
+                j = end
             told = min(len(p.tokens), len(came), len(p.raw), max(p.granted, 1))  # the tokens this check speaks for
             self.spec.checked(p.source, sum(p.raw[:told]), min(hits, told))
             counts = self.spec.counts

@@ -130,18 +130,23 @@ def follow(found: list[tuple[int, list[int], int]], match: int, limit: int) -> P
     live = [(tokens, pos) for _, tokens, pos in found]
     share = 1.0
     for i in range(limit):
-        counts: dict[int, int] = {}
-        for tokens, pos in live:
-            if pos + i < len(tokens):
-                t = tokens[pos + i]
-                counts[t] = counts.get(t, 0) + 1
-        if not counts:
-            break
-        token = max(counts, key=counts.__getitem__)
-        share *= counts[token] / len(live)
+        nexts = [tokens[pos + i] if pos + i < len(tokens) else -1 for tokens, pos in live]  # -1: that one has ended
+        token = nexts[0]
+        agree = nexts.count(token)
+        if token < 0 or agree < len(nexts):  # they differ: the most common (ties: the newest)
+            counts: dict[int, int] = {}
+            for t in nexts:
+                if t >= 0:
+                    counts[t] = counts.get(t, 0) + 1
+            if not counts:
+                break
+            token = max(counts, key=counts.__getitem__)
+            agree = counts[token]
+        share *= agree / len(live)
         if share < MIN_SHARE:
             break
         path.tokens.append(token)
         path.shares.append(share)
-        live = [(tokens, pos) for tokens, pos in live if pos + i < len(tokens) and tokens[pos + i] == token]
+        if agree < len(live):
+            live = [occurrence for occurrence, t in zip(live, nexts, strict=True) if t == token]
     return path
