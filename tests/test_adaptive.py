@@ -16,6 +16,7 @@ from webchat.engine.adaptive import (
     PAYOFF_RANGE,
     PROBE_MAX,
     PROBE_MIN,
+    RESUME_WITHIN,
     SEQ_DECAY,
     AutoSpec,
     Proposal,
@@ -328,6 +329,29 @@ def test_a_drafts_later_tokens_are_as_likely_as_the_longer_match_they_continue()
     assert longer.hits == pytest.approx((1 + SEQ_DECAY) * SEQ_DECAY)
     assert longer.events - longer.hits == pytest.approx(1)  # then a miss
     assert spec.rate("context", 0) > before[0] and spec.rate("context", 1) < before[1]  # the engine-wide rates too
+
+
+def test_a_copy_that_diverged_at_a_word_resumes_after_it() -> None:
+    """The model fixes a word of the text it copies: the bigram after the fix is nowhere in the context, so the copy
+    is looked for again just after where it stopped, from the first token the model emits that is found there."""
+    spec = AutoSpec()
+    rng = random.Random(3)
+    passage = [rng.randrange(1000, 2000) for _ in range(30)]
+    drafter = SeqDrafter(spec, 31)
+    context = [1, *passage, 2, *passage[:10]]
+    p = drafter.offer(context, 16)
+    assert p is not None and p.tokens[0] == passage[10]
+    context.append(7)  # the fix, where the copy had passage[10]
+    p = drafter.offer(context, 16)
+    assert p is None  # 7 is not found where the copy stopped
+    context.append(passage[11])  # the copy goes on after the replaced token
+    p = drafter.offer(context, 16)
+    assert p is not None and p.source == "context" and p.tokens[:5] == passage[12:17]
+    later = SeqDrafter(spec, 31)  # the same divergence, looked for too far on: nothing
+    context = [1, *passage, 2, *passage[:10]]
+    later.offer(context, 16)
+    context += [7, *[rng.randrange(3000, 4000) for _ in range(RESUME_WITHIN)], passage[11]]
+    assert later.offer(context, 16) is None
 
 
 def test_in_a_large_batch_a_stream_whose_draft_cannot_pay_sits_out_some_steps() -> None:

@@ -2,7 +2,9 @@
 
 Each step every decoding `auto` sequence makes an offer: its best draft from a suffix match over its own prompt and
 output, over the recent outputs of the engine's other sequences (webchat.engine.suffix), or from the draft model
-(`--draft`). Draft token i carries q_i, the estimated chance that it and every token before it are accepted:
+(`--draft`). Where a copy of its own context diverged a few tokens ago (a word fixed, a name changed), so that no
+bigram matches yet, the last token is looked for just after where the copy stopped and what follows it is offered.
+Draft token i carries q_i, the estimated chance that it and every token before it are accepted:
 
     q_i = k * r_0 * ... * r_i * share_i
                                r_j: the sequence's recent acceptance for that source at the match length token j
@@ -52,6 +54,7 @@ ENGINE_PRIOR_WEIGHT = 8.0  # events the start values count as
 ENGINE_DECAY = 0.995  # engine-wide rate: weight of the past per event
 SEQ_PRIOR_WEIGHT = 2.0  # a sequence's rate is shrunk towards the engine-wide one by this many events
 SEQ_DECAY = 0.85  # a sequence's rate: weight of the past per event (about the last 7 events)
+RESUME_WITHIN = 6  # a diverged copy is looked for again this many tokens on, from where it stopped
 MAX_AUTO_DRAFT = 16  # draft tokens a sequence may be granted in one step
 MAX_STEP_ROWS = 64  # rows the planner fills a step up to (the CPU step's one-call limit, kernels/cpu/step.py)
 MIN_Q = 0.05  # draft tokens less likely than this are not offered
@@ -113,6 +116,7 @@ class Proposal:
     granted: int = 0
     extra_ms: float = 0.0  # per granted token, beyond its verify row
     probe: bool = False  # a draft model's probe: one token granted whatever the plan
+    pos: int = -1  # a suffix source: where tokens begin in the doc they were copied from
 
     @property
     def value(self) -> float:
@@ -301,6 +305,7 @@ class SeqDrafter:
         self.pending: list[Proposal] = []
         self.probe_every, self.since_probe = PROBE_MIN, 0
         self.rest = 0  # steps this sequence sits out (no offer: its last could not pay at its batch's size)
+        self.copied: tuple[int, int] | None = None  # where a copy of its own context diverged: (source, context) at
 
     def rate(self, source: str, b: int) -> float:
         engine = self.spec.rate(source, b)
@@ -325,6 +330,8 @@ class SeqDrafter:
         found = [self._suffix(src, path, len(context))
                  for src, index, skip in (("context", self.own, None), ("shared", self.spec.shared, self.doc))
                  for path in index.paths(context, room, exclude=skip)]
+        if not any(p.source == "context" for p in found) and (path := self._resume(context, room)) is not None:
+            found.append(self._suffix("context", path, len(context)))
         self.pending = [p for p in found if p.tokens]
         best = max((p for p in self.pending if p.q), key=lambda p: p.value, default=None)
         model = self._model_offer(room, len(context))
@@ -336,6 +343,21 @@ class SeqDrafter:
             self.rest = rest
         return best
 
+    def _resume(self, context: list[int], room: int) -> Path | None:
+        """A copy of the context that diverged a few tokens ago (a word fixed, a name changed) and may go on: the
+        last token found just after where the copy stopped, and what follows it there (no bigram matches yet)."""
+        if self.copied is None:
+            return None
+        source, at = self.copied
+        if not 0 < len(context) - at <= RESUME_WITHIN:
+            return None
+        last = context[-1]
+        for j in range(source, min(source + RESUME_WITHIN, at)):
+            if context[j] == last:
+                tokens = context[j + 1 : min(j + 1 + room, at)]
+                return Path(1, tokens, [1.0] * len(tokens), j + 1) if tokens else None
+        return None
+
     def _suffix(self, source: str, path: Path, at: int) -> Proposal:
         """path's tokens and their estimates."""
         first = bucket(path.match)
@@ -344,7 +366,7 @@ class SeqDrafter:
         for i, share in enumerate(path.shares):  # token i, its predecessors accepted, continues a match of match + i
             chance *= rates[bucket(path.match + i) - first]
             raw.append(chance * share)
-        return Proposal(source, path.match, self.spec.realistic(source, raw), path.tokens, raw, at)
+        return Proposal(source, path.match, self.spec.realistic(source, raw), path.tokens, raw, at, pos=path.pos)
 
     def _model_offer(self, room: int, at: int) -> Proposal | None:
         if self.model is None:
@@ -404,6 +426,8 @@ class SeqDrafter:
                     break
                 hits += 1
             misses = int(hits < min(len(p.tokens), len(came)))
+            if p.source == "context" and misses:
+                self.copied = (p.pos + hits, p.at + hits)
             j = 0
             while j < hits + misses:  # token j was a hit or (the last) a miss at match length match + j
                 key = 0 if p.source == "model" else bucket(p.match + j)

@@ -35,6 +35,7 @@ class Path:
     match: int
     tokens: list[int] = field(default_factory=list)
     shares: list[float] = field(default_factory=list)
+    pos: int = -1  # where tokens begin in the newest occurrence's doc
 
 
 class SuffixIndex:
@@ -121,7 +122,7 @@ class SuffixIndex:
 def follow(found: list[tuple[int, list[int], int]], match: int, limit: int) -> Path:
     """The continuation the most of `found` share, token by token, while at least MIN_SHARE of them agree (ties go to
     the newest occurrence, first in `found`)."""
-    path = Path(match)
+    path = Path(match, pos=found[0][2])
     if len(found) == 1:  # one occurrence: its text as it goes on
         _, tokens, pos = found[0]
         path.tokens = tokens[pos : pos + limit]
