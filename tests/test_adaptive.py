@@ -21,6 +21,7 @@ from webchat.engine.adaptive import (
     AutoSpec,
     Proposal,
     SeqDrafter,
+    bucket,
 )
 from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
@@ -307,9 +308,10 @@ def test_a_drafts_later_tokens_are_as_likely_as_the_longer_match_they_continue()
     token i of a draft, its predecessors accepted, continues a match of match + i, and is estimated and counted at
     that length's rate."""
     spec = AutoSpec()
+    b2 = bucket(2)  # the bucket of matches of 2-3 tokens
     for _ in range(400):  # engine-wide: matches of 2-3 tokens continue 30% of the time, longer ones 95%
-        spec.observe("context", 0, 3, 7)
-        for b in (1, 2, 3):
+        spec.observe("context", b2, 3, 7)
+        for b in (b2 + 1, b2 + 2, b2 + 3):
             spec.observe("context", b, 19, 1)
     rng = random.Random(1)
     passage = [rng.randrange(1000, 2000) for _ in range(30)]
@@ -318,17 +320,18 @@ def test_a_drafts_later_tokens_are_as_likely_as_the_longer_match_they_continue()
     p = drafter.offer(context, 16)
     assert p is not None and p.tokens == passage[2:8]  # 2 matched + SPEC_OFFSET
     ratios = [b / a for a, b in zip(p.raw, p.raw[1:], strict=False)]
-    assert p.raw[0] == pytest.approx(spec.rate("context", 0))  # the token after a 2-token match
-    assert ratios[0] == pytest.approx(spec.rate("context", 0))  # ... after 3
-    assert all(r == pytest.approx(spec.rate("context", 1)) for r in ratios[1:])  # after 4 to 7: the longer rate
-    before = {b: spec.rate("context", b) for b in (0, 1)}
+    assert p.raw[0] == pytest.approx(spec.rate("context", b2))  # the token after a 2-token match
+    assert ratios[0] == pytest.approx(spec.rate("context", b2))  # ... after 3
+    assert all(r == pytest.approx(spec.rate("context", b2 + 1)) for r in ratios[1:])  # after 4 to 7: the longer rate
+    before = {b: spec.rate("context", b) for b in (b2, b2 + 1)}
     drafter.offer([*context, *passage[2:6], 5], 16)  # 4 of the draft came, then another token: checked
     seq = drafter.rates
-    short, longer = seq[("context", 0)], seq[("context", 1)]  # decayed counts (SEQ_DECAY a token)
+    short, longer = seq[("context", b2)], seq[("context", b2 + 1)]  # decayed counts (SEQ_DECAY a token)
     assert short.hits == short.events == pytest.approx(1 + SEQ_DECAY)  # the tokens after 2 and 3 matched: hits
     assert longer.hits == pytest.approx((1 + SEQ_DECAY) * SEQ_DECAY)
     assert longer.events - longer.hits == pytest.approx(1)  # then a miss
-    assert spec.rate("context", 0) > before[0] and spec.rate("context", 1) < before[1]  # the engine-wide rates too
+    assert spec.rate("context", b2) > before[b2]  # the engine-wide rates too
+    assert spec.rate("context", b2 + 1) < before[b2 + 1]
 
 
 def test_a_copy_that_diverged_at_a_word_resumes_after_it() -> None:
@@ -337,21 +340,35 @@ def test_a_copy_that_diverged_at_a_word_resumes_after_it() -> None:
     spec = AutoSpec()
     rng = random.Random(3)
     passage = [rng.randrange(1000, 2000) for _ in range(30)]
-    drafter = SeqDrafter(spec, 31)
-    context = [1, *passage, 2, *passage[:10]]
+    prompt = [1, *passage, 2, passage[11], 8, 9, 10, 2]  # passage[11] again at the prompt's end
+    drafter = SeqDrafter(spec, len(prompt))
+    context = [*prompt, *passage[:10]]
     p = drafter.offer(context, 16)
     assert p is not None and p.tokens[0] == passage[10]
     context.append(7)  # the fix, where the copy had passage[10]
     p = drafter.offer(context, 16)
-    assert p is None  # 7 is not found where the copy stopped
+    assert p is None  # 7 is nowhere in the prompt
     context.append(passage[11])  # the copy goes on after the replaced token
     p = drafter.offer(context, 16)
-    assert p is not None and p.source == "context" and p.tokens[:5] == passage[12:17]
-    later = SeqDrafter(spec, 31)  # the same divergence, looked for too far on: nothing
-    context = [1, *passage, 2, *passage[:10]]
+    assert p is not None and p.source == "context" and p.match == 1 and p.tokens[:5] == passage[12:17]
+    later = SeqDrafter(spec, len(prompt))  # the same divergence, too far on to resume: the prompt's last occurrence
+    context = [*prompt, *passage[:10]]
     later.offer(context, 16)
     context += [7, *[rng.randrange(3000, 4000) for _ in range(RESUME_WITHIN)], passage[11]]
-    assert later.offer(context, 16) is None
+    p = later.offer(context, 16)
+    assert p is not None and p.tokens == [8, 9, 10]
+
+
+def test_a_replys_first_token_is_looked_up_in_the_prompt() -> None:
+    """A reply's first token has no bigram in the prompt yet (the prompt's last token is the template's): the
+    prompt's last occurrence of it is followed, at match length 1's own rate."""
+    spec = AutoSpec()
+    prompt = [1, 50, 51, 52, 2, 60, 61, 62, 63, 64, 3, 4]  # an instruction, the text to copy, the template's end
+    drafter = SeqDrafter(spec, len(prompt))
+    p = drafter.offer([*prompt, 60], 16)
+    assert p is not None and p.match == 1 and p.tokens == [61, 62, 63, 64, 3]  # not the template's last token
+    assert p.raw[0] == pytest.approx(spec.rate("context", 0))
+    assert drafter.offer([*prompt, 60, 99], 16) is None  # 99 is nowhere in the prompt
 
 
 def test_in_a_large_batch_a_stream_whose_draft_cannot_pay_sits_out_some_steps() -> None:
@@ -378,7 +395,7 @@ def test_in_a_large_batch_a_stream_whose_draft_cannot_pay_sits_out_some_steps() 
     came = own + [7] + own  # the copy came on while it sat out: its pending proposal is checked when it looks again
     assert late.offer(came, 16) is None and not late.rates
     late.offer([*came, 5], 16)
-    assert late.rates[("context", 0)].hits > 0 and late.rates[("context", 1)].hits > 0
+    assert late.rates[("context", 1)].hits > 0 and late.rates[("context", 2)].hits > 0
 
 
 class WrongModel:

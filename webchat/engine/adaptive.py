@@ -2,8 +2,9 @@
 
 Each step every decoding `auto` sequence makes an offer: its best draft from a suffix match over its own prompt and
 output, over the recent outputs of the engine's other sequences (webchat.engine.suffix), or from the draft model
-(`--draft`). Where a copy of its own context diverged a few tokens ago (a word fixed, a name changed), so that no
-bigram matches yet, the last token is looked for just after where the copy stopped and what follows it is offered.
+(`--draft`). Where no bigram of the context's end is in its context, the last token alone is looked for (a match of
+length 1, with its own rates): just after where a copy of the context diverged a few tokens ago (a word fixed, a name
+changed), else at its last occurrence in the prompt (a reply's first token, as it starts copying the prompt's text).
 Draft token i carries q_i, the estimated chance that it and every token before it are accepted:
 
     q_i = k * r_0 * ... * r_i * share_i
@@ -48,8 +49,8 @@ from webchat.engine.suffix import Path, SuffixIndex
 from webchat.engine.verify_cost import IDLE_GAP_S, Cycles, VerifyCost
 
 SOURCES = ("context", "shared", "model")  # own prompt and output; other sequences' outputs; the draft model
-BUCKETS = (4, 8, 16)  # match lengths 2-3, 4-7, 8-15, 16+: a longer match continues more often
-PRIORS = {"context": (0.25, 0.4, 0.6, 0.8), "shared": (0.15, 0.3, 0.5, 0.7), "model": (0.4,)}  # engine-wide start
+BUCKETS = (2, 4, 8, 16)  # match lengths 1 (a copy looked for again), 2-3, 4-7, 8-15, 16+: longer continues more often
+PRIORS = {"context": (0.15, 0.25, 0.4, 0.6, 0.8), "shared": (0.1, 0.15, 0.3, 0.5, 0.7), "model": (0.4,)}  # at start
 ENGINE_PRIOR_WEIGHT = 8.0  # events the start values count as
 ENGINE_DECAY = 0.995  # engine-wide rate: weight of the past per event
 SEQ_PRIOR_WEIGHT = 2.0  # a sequence's rate is shrunk towards the engine-wide one by this many events
@@ -305,6 +306,7 @@ class SeqDrafter:
         self.pending: list[Proposal] = []
         self.probe_every, self.since_probe = PROBE_MIN, 0
         self.rest = 0  # steps this sequence sits out (no offer: its last could not pay at its batch's size)
+        self.prompt_last: dict[int, int] | None = None  # token -> its last position in the prompt (made when needed)
         self.copied: tuple[int, int] | None = None  # where a copy of its own context diverged: (source, context) at
 
     def rate(self, source: str, b: int) -> float:
@@ -330,8 +332,10 @@ class SeqDrafter:
         found = [self._suffix(src, path, len(context))
                  for src, index, skip in (("context", self.own, None), ("shared", self.spec.shared, self.doc))
                  for path in index.paths(context, room, exclude=skip)]
-        if not any(p.source == "context" for p in found) and (path := self._resume(context, room)) is not None:
-            found.append(self._suffix("context", path, len(context)))
+        if not any(p.source == "context" for p in found):
+            path = self._resume(context, room) or self._unigram(context, room)
+            if path is not None:
+                found.append(self._suffix("context", path, len(context)))
         self.pending = [p for p in found if p.tokens]
         best = max((p for p in self.pending if p.q), key=lambda p: p.value, default=None)
         model = self._model_offer(room, len(context))
@@ -357,6 +361,17 @@ class SeqDrafter:
                 tokens = context[j + 1 : min(j + 1 + room, at)]
                 return Path(1, tokens, [1.0] * len(tokens), j + 1) if tokens else None
         return None
+
+    def _unigram(self, context: list[int], room: int) -> Path | None:
+        """No bigram of the context's end is in it (a reply's first tokens, before its copy of the prompt's text has
+        two): the prompt's last occurrence of the last token, and what follows it there."""
+        if self.prompt_last is None:
+            self.prompt_last = {t: j for j, t in enumerate(context[: self.prompt_len - 1])}
+        j = self.prompt_last.get(context[-1])
+        if j is None:
+            return None
+        tokens = context[j + 1 : min(j + 1 + room, self.prompt_len - 1)]
+        return Path(1, tokens, [1.0] * len(tokens), j + 1) if tokens else None
 
     def _suffix(self, source: str, path: Path, at: int) -> Proposal:
         """path's tokens and their estimates."""
