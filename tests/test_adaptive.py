@@ -378,10 +378,12 @@ def test_in_a_large_batch_a_stream_whose_draft_cannot_pay_sits_out_some_steps() 
     copying = SeqDrafter(spec, 42)
     context = [1, *passage, 2, 9, *passage[:10]]
     for i in range(6):  # a copy in progress offers every step however many streams there are
-        assert copying.offer(context + passage[10 : 10 + i], 16, floor=0.9, rest=4) is not None
+        assert copying.offer(context + passage[10 : 10 + i], 16, floor=0.5, rest=4) is not None
+    doubtful = SeqDrafter(spec, 42)  # a copy whose first token (under 0.95 likely) cannot pay alone here sits out
+    assert doubtful.offer(context, 16, floor=0.95, rest=4) is not None and doubtful.rest == 4
     writing = SeqDrafter(spec, 10)
     text = [rng.randrange(3000, 4000) for _ in range(30)]
-    offered = [writing.offer(text[: 10 + i], 16, floor=0.9, rest=4) is not None or writing.rest == 4
+    offered = [writing.offer(text[: 10 + i], 16, floor=0.5, rest=4) is not None or writing.rest == 4
                for i in range(20)]
     assert offered == [True, False, False, False, False] * 4  # looked, then sat out 4 steps
     alone = SeqDrafter(spec, 10)  # rest 0 (a small batch): it looks every step

@@ -318,9 +318,10 @@ class SeqDrafter:
               rest: int = 0) -> Proposal | None:
         """The best draft after context (prompt + output, the last token pending), at most `room` tokens; the
         proposals of the last offer are checked first. sampled: verify rows are sampled one by one (costlier).
-        floor, rest: where the best draft's first token is less likely than half the floor (AutoSpec.floor: what a
-        lone token needs to pay at this step), the next `rest` offers are skipped (None): in a large batch of streams
-        with nothing to copy, what the offers cost each step is then shared among several steps."""
+        floor, rest: where the best draft's first token is less likely than the floor (AutoSpec.floor: what a lone
+        token needs to pay at this step; the tokens after it are no likelier), the next `rest` offers are skipped
+        (None): in a large batch of streams with nothing to copy, what the offers cost each step is then shared
+        among several steps."""
         if self.rest > 0:
             self.rest -= 1
             return None
@@ -343,7 +344,7 @@ class SeqDrafter:
             best = model
         if best is not None and sampled:
             best.extra_ms += self.spec.sampled_row_ms
-        if rest and (best is None or (best.q[0] < floor / 2 and not best.probe)):
+        if rest and (best is None or (best.q[0] < floor and not best.probe)):
             self.rest = rest
         return best
 
