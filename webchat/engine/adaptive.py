@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Protocol
 
 from webchat.engine.suffix import Path, SuffixIndex
@@ -102,6 +103,12 @@ class Rate:
 
 def bucket(match: int) -> int:
     return bisect.bisect_right(BUCKETS, match)
+
+
+def after(context: list[int], j: int, end: int, room: int) -> Path | None:
+    """A match of length 1 at context[j]: the tokens after it, before `end`, at most `room`."""
+    tokens = context[j + 1 : min(j + 1 + room, end)]
+    return Path(1, tokens, [1.0] * len(tokens), j + 1) if tokens else None
 
 
 @dataclass
@@ -357,11 +364,8 @@ class SeqDrafter:
         if not 0 < len(context) - at <= RESUME_WITHIN:
             return None
         last = context[-1]
-        for j in range(source, min(source + RESUME_WITHIN, at)):
-            if context[j] == last:
-                tokens = context[j + 1 : min(j + 1 + room, at)]
-                return Path(1, tokens, [1.0] * len(tokens), j + 1) if tokens else None
-        return None
+        j = next((j for j in range(source, min(source + RESUME_WITHIN, at)) if context[j] == last), None)
+        return None if j is None else after(context, j, at, room)
 
     def _unigram(self, context: list[int], room: int) -> Path | None:
         """No bigram of the context's end is in it (a reply's first tokens, before its copy of the prompt's text has
@@ -369,10 +373,7 @@ class SeqDrafter:
         if self.prompt_last is None:
             self.prompt_last = {t: j for j, t in enumerate(context[: self.prompt_len - 1])}
         j = self.prompt_last.get(context[-1])
-        if j is None:
-            return None
-        tokens = context[j + 1 : min(j + 1 + room, self.prompt_len - 1)]
-        return Path(1, tokens, [1.0] * len(tokens), j + 1) if tokens else None
+        return None if j is None else after(context, j, self.prompt_len - 1, room)
 
     def _suffix(self, source: str, path: Path, at: int) -> Proposal:
         """path's tokens and their estimates."""
@@ -444,15 +445,13 @@ class SeqDrafter:
             misses = int(hits < min(len(p.tokens), len(came)))
             if p.source == "context" and misses:
                 self.copied = (p.pos + hits, p.at + hits)
-            j = 0
-            while j < hits + misses:  # token j was a hit or (the last) a miss at match length match + j
-                key = 0 if p.source == "model" else bucket(p.match + j)
-                end = hits + misses if key == len(BUCKETS) or p.source == "model" else BUCKETS[key] - p.match
-                end = min(end, hits + misses)
-                h = max(0, min(end, hits) - j)
-                self.rates.setdefault((p.source, key), Rate()).add(h, end - j - h, SEQ_DECAY)
-                self.spec.observe(p.source, key, h, end - j - h)
-                j = end
+            # token j was a hit or (the last) a miss at match length match + j: counted a bucket at a time
+            keys = [0 if p.source == "model" else bucket(p.match + j) for j in range(hits + misses)]
+            for key, group in groupby(range(hits + misses), keys.__getitem__):
+                js = list(group)
+                h = sum(j < hits for j in js)
+                self.rates.setdefault((p.source, key), Rate()).add(h, len(js) - h, SEQ_DECAY)
+                self.spec.observe(p.source, key, h, len(js) - h)
             told = min(len(p.tokens), len(came), len(p.raw), max(p.granted, 1))  # the tokens this check speaks for
             self.spec.checked(p.source, sum(p.raw[:told]), min(hits, told))
             counts = self.spec.counts

@@ -228,12 +228,13 @@ class Engine(Admission):
         base = [r for r in rows if not r.seq.prefilling]
         base_rows = sum(len(r.feed) for r in base)
         base_tokens = sum(1 + len(r.drafts) * r.forced for r in base if r.sample)
-        floor = self.auto.floor(base_rows, base_tokens)
+        rest = len(planned) // 4  # 4 or more streams: one whose draft cannot pay sits out this many steps
+        floor = self.auto.floor(base_rows, base_tokens) if rest else 0.0
         offers: list[Proposal | None] = []
-        for r in planned:  # 4 or more streams: one whose draft cannot pay sits out len(planned) // 4 steps
+        for r in planned:
             assert isinstance(r.seq.drafter, SeqDrafter)
             offers.append(r.seq.drafter.offer(r.seq.tokens, self._room(r.seq), not self._batch_verify(r.seq),
-                                              floor, len(planned) // 4))
+                                              floor, rest))
         grants = self.auto.plan(offers, base_rows, base_tokens, MAX_STEP_ROWS - sum(len(r.feed) for r in rows))
         if not self._pages_free(rows, planned, grants):
             self.auto.discard_plan()
