@@ -163,11 +163,11 @@ P8_AVX2 inline __m256i bcast4(const int8_t* p) {
 #define P8_Q8NAME q8_avx2
 #define P8_TARGET P8_AVX2
 #define P8_DOT2(w0, x0, w1, x1) \
-  _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)), ones)
+  _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(x0)), _mm256_maddubs_epi16(w1, bcast4(x1))), ones)
 #define P8_Q8W(w) _mm256_abs_epi8(w)  // -128 -> 0x80: 128 unsigned; a pair at most 2 * 128 * 127 < 2^15
 #define P8_Q8SUM(a0, w0, a1, w1, x0, x1, c)                                        \
-  _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, w0)), ones), \
-                   _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, w1)), ones))
+  _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(bcast4(x0), w0)), ones), \
+                   _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(bcast4(x1), w1)), ones))
 #include "qpack8_blocks.inc"
 #undef P8_NAME
 #undef P8_Q8NAME
@@ -181,7 +181,8 @@ P8_AVX2 inline __m256i bcast4(const int8_t* p) {
 #define P8_NAME blocks_avxvnni
 #define P8_Q8NAME q8_avxvnni
 #define P8_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
-#define P8_DOT2(w0, x0, w1, x1) _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, x0), w1, x1)
+#define P8_DOT2(w0, x0, w1, x1) \
+  _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, bcast4(x0)), w1, bcast4(x1))
 #define P8_Q8SUM(a0, w0, a1, w1, x0, x1, c) _mm256_sub_epi32(P8_DOT2(a0, x0, a1, x1), _mm256_set1_epi32(c))
 #include "qpack8_blocks.inc"
 #undef P8_NAME
@@ -193,7 +194,15 @@ P8_AVX2 inline __m256i bcast4(const int8_t* p) {
 #define P8_NAME blocks_avx512vnni
 #define P8_Q8NAME q8_avx512vnni
 #define P8_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
-#define P8_DOT2(w0, x0, w1, x1) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w0, x0), w1, x1)
+// the x words as vpdpbusd's embedded broadcast ({1to8}): the load port broadcasts them, where a vpbroadcastd of its
+// own was an instruction of every dot product (GCC does not fold set1 into vpdpbusd); the same integer sums
+#define P8_AVX512VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+typedef int32_t __attribute__((may_alias)) word_alias;
+P8_AVX512VNNI inline __m256i dpbusd_word(__m256i acc, __m256i w, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const word_alias*>(x)));
+  return acc;
+}
+#define P8_DOT2(w0, x0, w1, x1) dpbusd_word(dpbusd_word(_mm256_setzero_si256(), w0, x0), w1, x1)
 #define P8_Q8SUM(a0, w0, a1, w1, x0, x1, c) _mm256_sub_epi32(P8_DOT2(a0, x0, a1, x1), _mm256_set1_epi32(c))
 #include "qpack8_blocks.inc"
 #undef P8_NAME
