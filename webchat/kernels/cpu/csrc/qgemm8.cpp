@@ -103,6 +103,7 @@ struct Decoded {
   alignas(32) int16_t sc[16][16];  // each group's scale in all 16 lanes (the vpmullw operand)
   alignas(32) float d[8];          // d in all 8 lanes
   int mn[8];
+  int32_t mnp[4];  // mins 2u and 2u + 1 as an int16 pair (the mins' vpmullw operand)
   float dmin;
 };
 
@@ -115,6 +116,7 @@ G8_AVX2 inline void decode_meta(const uint8_t* blk, Decoded* o) {
     o->sci[2 * v] = o->sci[2 * v + 1] = s8[v];
     o->mn[v] = m8[v];
   }
+  for (int u = 0; u < 4; ++u) o->mnp[u] = m8[2 * u] | (int32_t(m8[2 * u + 1]) << 16);
   _mm256_store_ps(o->d, _mm256_set1_ps(half_f16c(blk)));
   o->dmin = half_f16c(blk + 2);
 }
@@ -238,13 +240,18 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
         if (!PK || j % 4 == 3)
           for (int n = 0; n < NR; ++n) a[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), dd[n], a[n]);
       }
-      if (QT != Q6_K) {
-        const int32_t* pq = P.pq.data() + pb * 64;
+      if (QT != Q6_K) {  // sum_j mn_j pq_j, pq_j = p_j sum_j q: (mn_j p_j) <= 63 * 128 and sum_j q fit int16, so two
+        // sub-blocks a vpmullw + vpmaddwd (exact int32), where a vpmulld per sub-block took a quarter of the kernel
+        const int16_t* pm = P.pm.data() + pb * 64;
+        const int16_t* sq = P.sq.data() + pb * 64;
         for (int n = 0; n < NR; ++n) {
           __m256i ms = _mm256_setzero_si256();
-          for (int v = 0; v < 8; ++v)
-            ms = _mm256_add_epi32(ms, _mm256_mullo_epi32(_mm256_set1_epi32(dec[n].mn[v]),
-                                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pq + 8 * v))));
+          for (int u = 0; u < 4; ++u) {
+            const __m256i mp = _mm256_mullo_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pm + 16 * u)),
+                                                  _mm256_set1_epi32(dec[n].mnp[u]));
+            ms = _mm256_add_epi32(
+                ms, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sq + 16 * u)), mp));
+          }
           const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(dec[n].dmin), dk);
           if (PK) {
             float* mo = macc + (g * NR + n) * 8;
@@ -342,6 +349,7 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
   const bool tiles = vnni();  // the VNNI tiles' fields, made only where they run; x32 only where they do not
   sh.assign(tiles ? groups * nsb * 64 : 0, 0), c6.assign(tiles ? groups * nsb * 128 : 0, 0);
   x32.assign(tiles ? 0 : groups * nsb * 256, 0);
+  pm.assign(tiles ? 0 : groups * nsb * 64, 0), sq.assign(tiles ? 0 : groups * nsb * 64, 0);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t g = r / 8, l = r % 8, xr = row0 + r;
     for (int64_t i = 0; i < nsb; ++i) {
@@ -351,7 +359,13 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
       for (int j = 0; j < 8; ++j) {
         p[pb * 128 + j * 16 + 2 * l] = p[pb * 128 + j * 16 + 2 * l + 1] = a.p[(xr * nsb + i) * 8 + j];
         pq[pb * 64 + j * 8 + l] = a.pq[(xr * nsb + i) * 8 + j];
-        if (!tiles) continue;
+        if (!tiles) {  // the mins' int16 pairs: sub-blocks 2u and 2u + 1 of row l in lanes 2l and 2l + 1
+          int32_t sum = 0;
+          for (int t = 0; t < 32; ++t) sum += src[32 * j + t];
+          pm[pb * 64 + (j / 2) * 16 + 2 * l + j % 2] = a.p[(xr * nsb + i) * 8 + j];
+          sq[pb * 64 + (j / 2) * 16 + 2 * l + j % 2] = static_cast<int16_t>(sum);
+          continue;
+        }
         const int pj = a.p[(xr * nsb + i) * 8 + j];
         sh[pb * 64 + j * 8 + l] = __builtin_ctz(static_cast<unsigned>(pj));  // p_j is a power of two
         for (int h = 0; h < 2; ++h) {  // Q6_K's 16-value groups: 32 p_j sum q

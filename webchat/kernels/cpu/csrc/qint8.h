@@ -88,6 +88,7 @@ struct Panel8 {
   std::vector<int16_t> p;
   std::vector<int32_t> pq, sh, c6;
   std::vector<int16_t> x32;  // without VNNI: per group of 16 values, 32 (x_2i + x_2i+1) summed over its 4 words
+  std::vector<int16_t> pm, sq;  // without VNNI: per pair of sub-blocks, each row's p_j and sum_j q side by side
   std::vector<float> dk;
   void build(const Act8& a, int64_t row0, int64_t m);  // rows [row0, row0 + m) of a
 };
