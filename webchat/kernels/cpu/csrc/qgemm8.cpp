@@ -216,14 +216,15 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
         for (int t0 = 0; t0 < 8; t0 += STEPS) {
           __m256i s16[NR];
           for (int n = 0; n < NR; ++n) s16[n] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-          for (int t = t0; t < t0 + STEPS; ++t) {  // (unrolled whole, the compiler kept every product in a spilled tree)
+#pragma GCC unroll 8
+          for (int t = t0; t < t0 + STEPS; ++t) {  // unrolled whole; the empty asm keeps each sum one chain (GCC made a spilled tree)
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * 256 + 32 * t));
             for (int n = 0; n < NR; ++n) {
               const int8_t* wt = QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) + 32 * j + 4 * t
                                  : PK       ? &wp[PK ? j : 0][t][4 * n]
                                             : dec[n].w + 32 * j + 4 * t;
               s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(bcast4(wt), xv));
+              __asm__("" : "+x"(s16[n]));
             }
           }
           if (QT == Q6_K) {  // less 32 (x_2i + x_2i+1) over the group: each pair (q - 32) x, the int16 sums exact
