@@ -217,7 +217,8 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
           __m256i s16[NR];
           for (int n = 0; n < NR; ++n) s16[n] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-          for (int t = t0; t < t0 + STEPS; ++t) {  // unrolled whole; the empty asm keeps each sum one chain (GCC made a spilled tree)
+          for (int t = t0; t < t0 + STEPS; ++t) {  // unrolled whole; the empty asm keeps each sum one chain, where
+                                                     // GCC rebuilt them as a tree and spilled the products
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * 256 + 32 * t));
             for (int n = 0; n < NR; ++n) {
               const int8_t* wt = QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) + 32 * j + 4 * t
@@ -346,9 +347,10 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
   TORCH_CHECK(row0 >= 0 && row0 + m <= a.m, "rows [", row0, ", ", row0 + m, ") are outside the ", a.m, " quantized");
   groups = (m + 7) / 8, nsb = a.nsb;
   q.assign(groups * nsb * 2048, 0), p.assign(groups * nsb * 128, 0);
-  pq.assign(groups * nsb * 64, 0), dk.assign(groups * nsb * 8, 0.f);
-  const bool tiles = vnni();  // the VNNI tiles' fields, made only where they run; x32 only where they do not
-  sh.assign(tiles ? groups * nsb * 64 : 0, 0), c6.assign(tiles ? groups * nsb * 128 : 0, 0);
+  dk.assign(groups * nsb * 8, 0.f);
+  const bool tiles = vnni();  // the VNNI tiles' fields, made only where they run; x32, pm and sq only where they do not
+  pq.assign(tiles ? groups * nsb * 64 : 0, 0), sh.assign(tiles ? groups * nsb * 64 : 0, 0);
+  c6.assign(tiles ? groups * nsb * 128 : 0, 0);
   x32.assign(tiles ? 0 : groups * nsb * 256, 0);
   pm.assign(tiles ? 0 : groups * nsb * 64, 0), sq.assign(tiles ? 0 : groups * nsb * 64, 0);
   for (int64_t r = 0; r < m; ++r) {
@@ -358,16 +360,15 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
       const int8_t* src = a.qs.data() + xr * a.k + i * QK_K;
       for (int w = 0; w < 64; ++w) std::memcpy(q.data() + pb * 2048 + w * 32 + 4 * l, src + 4 * w, 4);
       for (int j = 0; j < 8; ++j) {
-        p[pb * 128 + j * 16 + 2 * l] = p[pb * 128 + j * 16 + 2 * l + 1] = a.p[(xr * nsb + i) * 8 + j];
-        pq[pb * 64 + j * 8 + l] = a.pq[(xr * nsb + i) * 8 + j];
+        const int pj = a.p[(xr * nsb + i) * 8 + j];
+        const int32_t pqj = a.pq[(xr * nsb + i) * 8 + j];
+        p[pb * 128 + j * 16 + 2 * l] = p[pb * 128 + j * 16 + 2 * l + 1] = static_cast<int16_t>(pj);
         if (!tiles) {  // the mins' int16 pairs: sub-blocks 2u and 2u + 1 of row l in lanes 2l and 2l + 1
-          int32_t sum = 0;
-          for (int t = 0; t < 32; ++t) sum += src[32 * j + t];
-          pm[pb * 64 + (j / 2) * 16 + 2 * l + j % 2] = a.p[(xr * nsb + i) * 8 + j];
-          sq[pb * 64 + (j / 2) * 16 + 2 * l + j % 2] = static_cast<int16_t>(sum);
+          pm[pb * 64 + (j / 2) * 16 + 2 * l + j % 2] = static_cast<int16_t>(pj);
+          sq[pb * 64 + (j / 2) * 16 + 2 * l + j % 2] = static_cast<int16_t>(pqj / pj);  // sum_j q, exactly
           continue;
         }
-        const int pj = a.p[(xr * nsb + i) * 8 + j];
+        pq[pb * 64 + j * 8 + l] = pqj;
         sh[pb * 64 + j * 8 + l] = __builtin_ctz(static_cast<unsigned>(pj));  // p_j is a power of two
         for (int h = 0; h < 2; ++h) {  // Q6_K's 16-value groups: 32 p_j sum q
           int32_t sum = 0;

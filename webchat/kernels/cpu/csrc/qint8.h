@@ -79,7 +79,7 @@ int set_vnni(int on);  // -1: where the CPU has it, 0: off, 1: on (the CPU must 
 
 // Rows of Act8's super-blocks form 8 to a group, 4 bytes of each row side by side, for the prompt GEMM (qgemm8.cpp):
 // per group and super-block, q (64 words x 8 rows x 4 bytes), p (8 sub-blocks x 8 rows x the power of two twice: an
-// int16 pair per row), pq (8 sub-blocks x 8 rows), dk (8 rows); for the VNNI tiles, made only where VNNI is, sh (8
+// int16 pair per row), dk (8 rows); for the VNNI tiles, made only where VNNI is, pq (8 sub-blocks x 8 rows), sh (8
 // sub-blocks x 8 rows: log2 p) and c6 (16 groups of 16 values x 8 rows: 32 p sum q, Q6_K's offset); a last group's
 // missing rows are zeros
 struct Panel8 {

@@ -196,9 +196,8 @@ P8_AVX2 inline __m256i bcast4(const int8_t* p) {
 #define P8_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 // the x words as vpdpbusd's embedded broadcast ({1to8}): the load port broadcasts them, where a vpbroadcastd of its
 // own was an instruction of every dot product (GCC does not fold set1 into vpdpbusd); the same integer sums
-#define P8_AVX512VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 typedef int32_t __attribute__((may_alias)) word_alias;
-P8_AVX512VNNI inline __m256i dpbusd_word(__m256i acc, __m256i w, const int8_t* x) {
+P8_TARGET inline __m256i dpbusd_word(__m256i acc, __m256i w, const int8_t* x) {
   __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const word_alias*>(x)));
   return acc;
 }
