@@ -201,6 +201,31 @@ def test_packed_q4_k_prompt_rows_give_the_decode_rows_bits(kernels: Any, path: s
     assert torch.equal(prompt, kernels.qmatmul(x, wp, qt, k, gemm=True, int8=True, packed=True)), path
 
 
+@pytest.mark.parametrize("case", [("q4_k", False), ("q5_k", False), ("q4_k", True)],
+                         ids=lambda c: f"{c[0]}{'-packed' if c[1] else ''}")
+def test_k_quant_prompt_mins_at_their_bounds(kernels: Any, path: str, case: tuple[str, bool]) -> None:
+    """The prompt GEMM without VNNI sums the mins as int16 pairs (qgemm8.cpp: mn_j p_j and sum_j q): at their largest,
+    every scale and min 63 and sub-blocks of x all +-1 (sum_j q = +-4064 at p_j = 128), the scalar path's bits and the
+    decode rows' (packed), close to float64."""
+    qtype, pack = case
+    n, k, m = 16, 512, 9
+    wq, _ = weights(qtype, n, k, seed=7)
+    wq = wq.clone()
+    wq.view(n, k // 256, K_QTYPES[qtype][1])[:, :, 4:16] = 255  # every 6-bit scale and min 63
+    wd = dequantize_k(wq, qtype).double()
+    qt = qtype_number(qtype)
+    w = packed(kernels, wq, qtype) if pack else wq
+    signs = torch.where(torch.arange(k // 32) // 2 % 2 == 0, 1.0, -1.0).repeat_interleave(32)  # by pair of sub-blocks
+    x = signs.repeat(m, 1) * torch.linspace(1.0, 2.0, m)[:, None]
+    got = kernels.qmatmul(x, w, qt, k, gemm=True, int8=True, packed=pack)
+    check_close(got, x, wd, qtype)
+    if pack:
+        assert torch.equal(got, kernels.qmatmul(x, w, qt, k, gemm=False, int8=True, packed=True)), path
+    kernels.set_path(0)
+    kernels.set_vnni(0)
+    assert torch.equal(got, kernels.qmatmul(x, w, qt, k, gemm=True, int8=True, packed=pack)), path
+
+
 @pytest.mark.parametrize("m", [1, 13, 40])
 def test_q8_0_prompt_rows_are_their_own_however_grouped(kernels: Any, path: str, m: int) -> None:
     """A prompt's Q8_0 rows take qgemm8b.cpp's GEMM, 8 rows a vector (vpdpbusd where VNNI is in use, the sign trick's
