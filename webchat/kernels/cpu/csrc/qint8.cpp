@@ -180,6 +180,15 @@ void rows_vector(const Job8& j, int64_t n0, int64_t n1) {
 
 }  // namespace
 
+bool avx512_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw");
+  }();
+  return has;
+}
+
 int vnni_kind() {
   if (g_vnni < 0) g_vnni = cpu_vnni();
   return g_vnni;

@@ -75,6 +75,7 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qpack8.cpp
 void packed8_gemm(const Job8& j, int64_t n0, int64_t n1, int p);
 bool vnni();                                                       // vpdpbusd in use (qint8.cpp)
 int vnni_kind();  // which vpdpbusd: 0 none (vpmaddubsw + vpmaddwd), 1 AVX-VNNI, 2 AVX-512 VNNI (256-bit forms)
+bool avx512_vnni();  // the CPU has AVX-512 VNNI with BW and VL (the packed kernels' 512-bit forms, qpack8.cpp)
 int set_vnni(int on);  // -1: where the CPU has it, 0: off, 1: on (the CPU must have it); returns the setting in use
 
 // Rows of Act8's super-blocks form 8 to a group, 4 bytes of each row side by side, for the prompt GEMM (qgemm8.cpp):

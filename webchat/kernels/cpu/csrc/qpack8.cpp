@@ -211,6 +211,104 @@ P8_TARGET inline __m256i dpbusd_word(__m256i acc, __m256i w, const int8_t* x) {
 #undef P8_Q8SUM
 #undef P8_Q8W
 
+// ---------------------------------------------------------------- AVX-512 VNNI, two groups a vector
+// Groups g and g + 1 side by side in a 512-bit vector, 16 weight rows a lane each: one vpdpbusd does the products
+// two 256-bit ones did. Each lane's operations are those of the 256-bit forms above, in the same order (so are its
+// bits). Where the core runs 512-bit integer multiply-adds on two ports (Intel's server cores since Skylake-SP, Zen 5)
+// the arithmetic goes at twice the rate; where it splits them in two (Zen 4), as before.
+#define P8W_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+P8W_TARGET inline __m512i dpbusd_word16(__m512i acc, __m512i w, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const word_alias*>(x)));
+  return acc;
+}
+#define P8W_DOT2(w0, x0, w1, x1) dpbusd_word16(dpbusd_word16(_mm512_setzero_si512(), w0, x0), w1, x1)
+
+// 32 bytes of group g at p and of group g + 1 at p + ldg: the low half and the high half
+P8W_TARGET inline __m512i pair32(const uint8_t* p, int64_t ldg) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + ldg)), 1);
+}
+// 8 float16 of group g at p and 8 of group g + 1 at p + ldg, as floats
+P8W_TARGET inline __m512 pair_halves(const uint8_t* p, int64_t ldg) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + ldg)), 1));
+}
+
+template <int QT, int R>  // Q4_0, Q4_1: blocks_avx512vnni's steps on groups g and g + 1
+P8W_TARGET void blocks_wide(const Job8& j, int r0, int64_t g) {
+  constexpr int BB = QT == Q4_0 ? 18 : 20, UNIT = 8 * BB, QOFF = QT == Q4_0 ? 16 : 32;
+  const int64_t nb = j.k / 32, ldb = j.a->ldb, ldg = 8 * j.row_bytes;
+  const uint8_t* base = j.w + g * ldg;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = j.r0 + r0 + r;
+    xq[r] = j.a->qb.data() + row * j.k, xd[r] = j.a->d8.data() + row * j.k / 4, xs[r] = j.a->s.data() + row * ldb;
+  }
+  __m512 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* u = base + b * UNIT;
+    prefetch_span(u, UNIT);
+    prefetch_span(u + ldg, UNIT);
+    const __m512 dw = pair_halves(u, ldg);
+    const __m512 mw = QT == Q4_1 ? pair_halves(u + 16, ldg) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
+    __m512i w[8];  // word t: values 4t .. 4t + 3 of the 16 rows
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = pair32(u + QOFF + 32 * c, ldg);
+      w[c] = _mm512_and_si512(v, m4), w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq[r] + 32 * b;
+      for (int gi = 0; gi < 4; ++gi) {
+        const __m512i sum = P8W_DOT2(w[2 * gi], x + 8 * gi, w[2 * gi + 1], x + 8 * gi + 4);
+        const __m512 f = _mm512_cvtepi32_ps(sum);
+        acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r][8 * b + 2 * gi])), acc[r]);
+      }
+      macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r][b]), macc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(j.y + (r0 + r) * j.ldy + 8 * g, _mm512_add_ps(acc[r], macc[r]));
+}
+
+template <int R>  // Q8_0: q8_avx512vnni's steps on groups g and g + 1
+P8W_TARGET void q8_wide(const Job8& j, int r0, int64_t g) {
+  constexpr int UNIT = 8 * 34;
+  const int64_t nb = j.k / 32, ldg = 8 * j.row_bytes;
+  const uint8_t* base = j.w + g * ldg;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* xq[R];
+  const float* xd[R];
+  const int32_t* xc[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = j.r0 + r0 + r;
+    xq[r] = j.a->qb.data() + row * j.k, xd[r] = j.a->d8.data() + row * j.k / 4, xc[r] = j.a->c8.data() + row * j.k / 8;
+  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* u = base + b * UNIT;
+    prefetch_span(u, UNIT);
+    prefetch_span(u + ldg, UNIT);
+    const __m512 dw = pair_halves(u, ldg);
+    for (int c = 0; c < 4; ++c) {  // the group of values 8c .. 8c + 7: words 2c and 2c + 1, w + 128 unsigned
+      const __m512i a0 = _mm512_xor_si512(pair32(u + 16 + 64 * c, ldg), bias);
+      const __m512i a1 = _mm512_xor_si512(pair32(u + 48 + 64 * c, ldg), bias);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq[r] + 32 * b + 8 * c;
+        const __m512i sum = _mm512_sub_epi32(P8W_DOT2(a0, x, a1, x + 4), _mm512_set1_epi32(xc[r][4 * b + c]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r][8 * b + 2 * c])),
+                                 acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(j.y + (r0 + r) * j.ldy + 8 * g, acc[r]);
+}
+#undef P8W_DOT2
+
 // vpshufb patterns: byte e of each 32-bit lane zero-extended into both of its int16 halves (PAIRS[e]: a sub-block's
 // scale as the vpmaddwd operand) or into the whole int32 (ONE[e]: a min); tables, so a loop over e loads them
 struct Picks {
@@ -394,7 +492,18 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
   const Group8* fns = j.qtype == Q4_0 ? Q40[vk] : j.qtype == Q4_1 ? Q41[vk] : j.qtype == Q8_0 ? Q80[vk]
                       : j.qtype == Q4_K ? Q4K : nullptr;
   TORCH_CHECK(fns != nullptr, "ggml type ", j.qtype, " has no packed kernel");
-  for (int64_t g = g0; g < g1; ++g)  // a group's 8 rows stay in L1 while every 4 x rows pass
+  int64_t g = g0;
+  if (p >= PATH_AVX512 && j.qtype != Q4_K && avx512_vnni() && vk > 0) {  // two groups a vector, the same bits
+    static constexpr Group8 W40[4] = {blocks_wide<Q4_0, 1>, blocks_wide<Q4_0, 2>, blocks_wide<Q4_0, 3>,
+                                      blocks_wide<Q4_0, 4>};
+    static constexpr Group8 W41[4] = {blocks_wide<Q4_1, 1>, blocks_wide<Q4_1, 2>, blocks_wide<Q4_1, 3>,
+                                      blocks_wide<Q4_1, 4>};
+    static constexpr Group8 W80[4] = {q8_wide<1>, q8_wide<2>, q8_wide<3>, q8_wide<4>};
+    const Group8* wide = j.qtype == Q4_0 ? W40 : j.qtype == Q4_1 ? W41 : W80;
+    for (; g + 1 < g1; g += 2)  // a pair's 16 rows stay in L1 while every 4 x rows pass (more rows a pass spill)
+      for (int r0 = 0; r0 < j.m; r0 += 4) wide[(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, g);
+  }
+  for (; g < g1; ++g)  // a group's 8 rows stay in L1 while every 4 x rows pass
     for (int r0 = 0; r0 < j.m; r0 += 4) fns[(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, g);
 }
 
