@@ -22,6 +22,7 @@ from webchat.engine.adaptive import (
     Proposal,
     SeqDrafter,
     bucket,
+    ends_break,
 )
 from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
@@ -326,12 +327,47 @@ def test_a_drafts_later_tokens_are_as_likely_as_the_longer_match_they_continue()
     before = {b: spec.rate("context", b) for b in (b2, b2 + 1)}
     drafter.offer([*context, *passage[2:6], 5], 16)  # 4 of the draft came, then another token: checked
     seq = drafter.rates
-    short, longer = seq[("context", b2)], seq[("context", b2 + 1)]  # decayed counts (SEQ_DECAY a token)
+    short, longer = seq[("context", b2, False)], seq[("context", b2 + 1, False)]  # decayed counts (SEQ_DECAY a token)
     assert short.hits == short.events == pytest.approx(1 + SEQ_DECAY)  # the tokens after 2 and 3 matched: hits
     assert longer.hits == pytest.approx((1 + SEQ_DECAY) * SEQ_DECAY)
     assert longer.events - longer.hits == pytest.approx(1)  # then a miss
     assert spec.rate("context", b2) > before[b2]  # the engine-wide rates too
     assert spec.rate("context", b2 + 1) < before[b2 + 1]
+
+
+def test_a_drafts_token_after_a_sentences_end_has_the_rate_of_breaks() -> None:
+    """Within a sentence a long copy goes on; after a full stop the reply chooses what to say next: a draft token
+    that follows a break (a token ending a sentence or a line) is estimated and counted at the break's rate, the
+    others at their own."""
+    spec = AutoSpec()
+    texts = [f"w{t}" for t in range(2000)]
+    texts[1500], texts[1501] = " lamp.", "\n"
+    spec.set_breaks(texts)
+    assert spec.breaks == {1500, 1501}
+    assert ends_break("end.)") and ends_break("? ") and ends_break("a\nb") and not ends_break("3.5x")
+    b = bucket(8)
+    for _ in range(400):  # engine-wide: within a sentence 98% go on, after a break 40%
+        spec.observe("context", b, 49, 1)
+        spec.observe("context", b, 2, 3, brk=True)
+    assert spec.rate("context", b, brk=True) < 0.5 < 0.95 < spec.rate("context", b)
+    passage = [1000 + i for i in range(16)]
+    passage[9] = 1500  # a sentence ends at the tenth token
+    context = [1, *passage, 2, 7, *passage[:11]]  # the reply copies the passage: 11 tokens so far, past the break
+    p = SeqDrafter(spec, 40).offer(context, 16)
+    assert p is not None and p.tokens[:5] == passage[11:16]
+    ratios = [b / a for a, b in zip(p.raw, p.raw[1:5], strict=False)]  # matches of 12 to 15: one bucket
+    assert all(r == pytest.approx(spec.rate("context", b)) for r in ratios)  # no break there
+    context = [1, *passage, 2, 7, *passage[:8]]  # 8 copied: the draft's third token follows the break
+    drafter = SeqDrafter(spec, 40)
+    p = drafter.offer(context, 16)
+    assert p is not None and p.tokens[:3] == passage[8:11]
+    assert p.raw[1] / p.raw[0] == pytest.approx(spec.rate("context", b))
+    assert p.raw[2] / p.raw[1] == pytest.approx(spec.rate("context", b, brk=True))  # the token after the break
+    drafter.offer([*context, *passage[8:10], 3, 4], 16)  # the draft's first two came, the one after the break did not
+    assert drafter.rates[("context", b, True)].events == pytest.approx(1)
+    assert drafter.rates[("context", b, True)].hits == 0
+    assert drafter.rates[("context", b, False)].hits == pytest.approx(1 + SEQ_DECAY)
+    assert f"context/{b}/break" in spec.info()["rates"]  # type: ignore[operator]
 
 
 def test_a_copy_that_diverged_at_a_word_resumes_after_it() -> None:
@@ -397,7 +433,7 @@ def test_in_a_large_batch_a_stream_whose_draft_cannot_pay_sits_out_some_steps() 
     came = own + [7] + own  # the copy came on while it sat out: its pending proposal is checked when it looks again
     assert late.offer(came, 16) is None and not late.rates
     late.offer([*came, 5], 16)
-    assert late.rates[("context", 1)].hits > 0 and late.rates[("context", 2)].hits > 0
+    assert late.rates[("context", 1, False)].hits > 0 and late.rates[("context", 2, False)].hits > 0
 
 
 class WrongModel:

@@ -10,7 +10,10 @@ Draft token i carries q_i, the estimated chance that it and every token before i
     q_i = k * r_0 * ... * r_i * share_i
                                r_j: the sequence's recent acceptance for that source at the match length token j
                                continues (a suffix match of m tokens: m + j, as its predecessors were accepted; a copy
-                               that has just resumed fails often at first and seldom once it has gone on), shrunk
+                               that has just resumed fails often at first and seldom once it has gone on) and whether
+                               the token before it ends a sentence or a line (a break: where a reply chooses what to
+                               say next, and a copy most often stops; within a sentence a long match goes on at
+                               0.95-0.99, after a break at 0.5-0.8, bench/README.md), shrunk
                                towards the engine-wide rate while the sequence has little history; share_i: the share
                                of the matched occurrences that agree up to token i (suffix sources; 1 for the draft
                                model, whose r_j is one rate); k: the source's realism, tokens accepted over tokens
@@ -52,6 +55,7 @@ from webchat.engine.verify_cost import IDLE_GAP_S, Cycles, VerifyCost
 SOURCES = ("context", "shared", "model")  # own prompt and output; other sequences' outputs; the draft model
 BUCKETS = (2, 4, 8, 16)  # match lengths 1 (a copy looked for again), 2-3, 4-7, 8-15, 16+: longer continues more often
 PRIORS = {"context": (0.15, 0.25, 0.4, 0.6, 0.8), "shared": (0.1, 0.15, 0.3, 0.5, 0.7), "model": (0.4,)}  # at start
+BREAK_PRIOR = 0.5  # a token after a break (a sentence's or a line's end): its prior is this share of the others'
 ENGINE_PRIOR_WEIGHT = 8.0  # events the start values count as
 ENGINE_DECAY = 0.995  # engine-wide rate: weight of the past per event
 SEQ_PRIOR_WEIGHT = 2.0  # a sequence's rate is shrunk towards the engine-wide one by this many events
@@ -105,6 +109,12 @@ def bucket(match: int) -> int:
     return bisect.bisect_right(BUCKETS, match)
 
 
+def ends_break(text: str) -> bool:
+    """Whether a token's text ends a sentence or a line: a newline in it, or its end (closing quotes and brackets and
+    spaces aside) a full stop, a question or an exclamation mark."""
+    return "\n" in text or text.rstrip(" \"')]»”’").endswith((".", "!", "?", "。", "！", "？"))
+
+
 def after(context: list[int], j: int, end: int, room: int) -> Path | None:
     """A match of length 1 at context[j]: the tokens after it, before `end`, at most `room`."""
     tokens = context[j + 1 : min(j + 1 + room, end)]
@@ -154,7 +164,8 @@ class AutoSpec:
         self.cost: VerifyCost | None = None  # measured by Engine.calibrate (warm-up, or the first auto step)
         self.cycles = Cycles()
         self.shared = SuffixIndex(shared_tokens)
-        self.rates: dict[tuple[str, int], Rate] = {}
+        self.rates: dict[tuple[str, int, bool], Rate] = {}
+        self.breaks: frozenset[int] = frozenset()  # tokens that end a sentence or a line (set_breaks)
         self.realism: dict[str, tuple[float, float]] = {}  # source -> decayed (tokens expected, tokens accepted)
         self.sampled_row_ms = 0.0  # sampling one verify row of a sampled sequence (rows verified one by one)
         self.draft_token_ms = 0.0  # one draft model forward
@@ -162,6 +173,11 @@ class AutoSpec:
         self.payoff: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (sum of log(got / planned), steps)
         self._planned: tuple[int, float, float, float] | None = None  # the last plan: bucket, tokens, ms, extra ms
         self._ran: tuple[int, float, float, float, int, float, float] | None = None  # ... and its step: emitted, times
+
+    def set_breaks(self, texts: list[str]) -> None:
+        """The vocabulary's texts (by id): the tokens that end a sentence (., !, ? with any closing quote or bracket)
+        or a line, after which a draft's token follows a break."""
+        self.breaks = frozenset(t for t, text in enumerate(texts) if ends_break(text))
 
     def payoff_factor(self, key: int) -> float:
         """How the plans at this batch bucket came true lately: exp(mean log(got / planned)), within PAYOFF_RANGE."""
@@ -204,13 +220,17 @@ class AutoSpec:
         total, steps = self.payoff.get(key, (0.0, 0.0))
         self.payoff[key] = (total * PAYOFF_DECAY + log_ratio, steps * PAYOFF_DECAY + 1)
 
-    def rate(self, source: str, b: int) -> float:
-        r = self.rates.get((source, b))
-        prior = PRIORS[source][b]
+    def rate(self, source: str, b: int, brk: bool = False) -> float:
+        r = self.rates.get((source, b, brk))
+        prior = PRIORS[source][b] * (BREAK_PRIOR if brk else 1.0)
         return prior if r is None else r.estimate(prior, ENGINE_PRIOR_WEIGHT)
 
-    def observe(self, source: str, b: int, hits: int, misses: int) -> None:
-        self.rates.setdefault((source, b), Rate()).add(hits, misses, ENGINE_DECAY)
+    def observe(self, source: str, b: int, hits: int, misses: int, brk: bool = False) -> None:
+        self.rates.setdefault((source, b, brk), Rate()).add(hits, misses, ENGINE_DECAY)
+
+    def breaks_after(self, tokens: list[int]) -> list[bool]:
+        """Whether each of tokens ends a sentence or a line (the token after it follows a break)."""
+        return [t in self.breaks for t in tokens]
 
     def realistic(self, source: str, raw: list[float]) -> list[float]:
         """raw estimates scaled by the source's realism, capped at 0.99, cut where they fall under MIN_Q."""
@@ -294,7 +314,8 @@ class AutoSpec:
                 "steps": c.steps, "offers": c.offers, "proposed": c.proposed, "granted": c.granted,
                 "probes": c.probes, "drafted": dict(c.drafted), "accepted": dict(c.accepted),
                 "shadow_checked": dict(c.checked), "shadow_matched": dict(c.matched),
-                "rates": {f"{s}/{b}": round(self.rate(s, b), 3) for s, b in sorted(self.rates)},
+                "rates": {f"{s}/{b}" + "/break" * brk: round(self.rate(s, b, brk), 3)
+                          for s, b, brk in sorted(self.rates)},
                 "realism": {s: round((a + REALISM_WEIGHT) / (e + REALISM_WEIGHT), 3)
                             for s, (e, a) in sorted(self.realism.items())},
                 "payoff": {str(k): round(self.payoff_factor(k), 3) for k in sorted(self.payoff)}}
@@ -309,16 +330,16 @@ class SeqDrafter:
         self.own = SuffixIndex()
         self.out: list[int] = []  # the output so far, as the engine-wide index holds it
         self.doc = spec.shared.new_doc()
-        self.rates: dict[tuple[str, int], Rate] = {}
+        self.rates: dict[tuple[str, int, bool], Rate] = {}
         self.pending: list[Proposal] = []
         self.probe_every, self.since_probe = PROBE_MIN, 0
         self.rest = 0  # steps this sequence sits out (no offer: its last could not pay at its batch's size)
         self.prompt_last: dict[int, int] | None = None  # token -> its last position in the prompt (made when needed)
         self.copied: tuple[int, int] | None = None  # where a copy of its own context diverged: (source, context) at
 
-    def rate(self, source: str, b: int) -> float:
-        engine = self.spec.rate(source, b)
-        r = self.rates.get((source, b))
+    def rate(self, source: str, b: int, brk: bool = False) -> float:
+        engine = self.spec.rate(source, b, brk)
+        r = self.rates.get((source, b, brk))
         return engine if r is None else r.estimate(engine, SEQ_PRIOR_WEIGHT)
 
     def offer(self, context: list[int], room: int, sampled: bool = False, floor: float = 0.0,
@@ -337,13 +358,13 @@ class SeqDrafter:
         room = min(room, MAX_AUTO_DRAFT)
         if room < 1:
             return None
-        found = [self._suffix(src, path, len(context))
+        found = [self._suffix(src, path, context)
                  for src, index, skip in (("context", self.own, None), ("shared", self.spec.shared, self.doc))
                  for path in index.paths(context, room, exclude=skip)]
         if not any(p.source == "context" for p in found):
             path = self._resume(context, room) or self._unigram(context, room)
             if path is not None:
-                found.append(self._suffix("context", path, len(context)))
+                found.append(self._suffix("context", path, context))
         self.pending = [p for p in found if p.tokens]
         best = max((p for p in self.pending if p.q), key=lambda p: p.value, default=None)
         model = self._model_offer(room, len(context))
@@ -375,15 +396,19 @@ class SeqDrafter:
         j = self.prompt_last.get(context[-1])
         return None if j is None else after(context, j, self.prompt_len - 1, room)
 
-    def _suffix(self, source: str, path: Path, at: int) -> Proposal:
+    def _suffix(self, source: str, path: Path, context: list[int]) -> Proposal:
         """path's tokens and their estimates."""
-        first = bucket(path.match)
-        rates = [self.rate(source, b) for b in range(first, bucket(path.match + len(path.shares) - 1) + 1)]
+        rates: dict[tuple[int, bool], float] = {}
         raw, chance = [], 1.0
+        brks = self.spec.breaks_after([context[-1], *path.tokens[:-1]])
         for i, share in enumerate(path.shares):  # token i, its predecessors accepted, continues a match of match + i
-            chance *= rates[bucket(path.match + i) - first]
+            key = (bucket(path.match + i), brks[i])
+            if key not in rates:
+                rates[key] = self.rate(source, *key)
+            chance *= rates[key]
             raw.append(chance * share)
-        return Proposal(source, path.match, self.spec.realistic(source, raw), path.tokens, raw, at, pos=path.pos)
+        return Proposal(source, path.match, self.spec.realistic(source, raw), path.tokens, raw, len(context),
+                        pos=path.pos)
 
     def _model_offer(self, room: int, at: int) -> Proposal | None:
         if self.model is None:
@@ -445,13 +470,19 @@ class SeqDrafter:
             misses = int(hits < min(len(p.tokens), len(came)))
             if p.source == "context" and misses:
                 self.copied = (p.pos + hits, p.at + hits)
-            # token j was a hit or (the last) a miss at match length match + j: counted a bucket at a time
-            keys = [0 if p.source == "model" else bucket(p.match + j) for j in range(hits + misses)]
-            for key, group in groupby(range(hits + misses), keys.__getitem__):
+            # token j was a hit or (the last) a miss at match length match + j, after a break or not: counted a key at
+            # a time
+            n = hits + misses
+            if p.source == "model":
+                keys = [(0, False)] * n
+            else:
+                brks = self.spec.breaks_after([context[p.at - 1], *p.tokens[: n - 1]])
+                keys = [(bucket(p.match + j), brks[j]) for j in range(n)]
+            for key, group in groupby(range(n), keys.__getitem__):
                 js = list(group)
                 h = sum(j < hits for j in js)
-                self.rates.setdefault((p.source, key), Rate()).add(h, len(js) - h, SEQ_DECAY)
-                self.spec.observe(p.source, key, h, len(js) - h)
+                self.rates.setdefault((p.source, *key), Rate()).add(h, len(js) - h, SEQ_DECAY)
+                self.spec.observe(p.source, key[0], h, len(js) - h, key[1])
             told = min(len(p.tokens), len(came), len(p.raw), max(p.granted, 1))  # the tokens this check speaks for
             self.spec.checked(p.source, sum(p.raw[:told]), min(hits, told))
             counts = self.spec.counts

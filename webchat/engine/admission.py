@@ -54,6 +54,8 @@ class Model(Protocol):
 
 
 class Tokenizer(Protocol):
+    vocab_size: int
+
     @property
     def stop_token_ids(self) -> list[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...

@@ -89,6 +89,7 @@ class Engine(Admission):
         self.retained: OrderedDict[object, Retained] = OrderedDict()  # owner -> its last turn, oldest first
         self._drafters: dict[tuple[int, str], Drafter] = {}
         self.auto = AutoSpec()  # speculative "auto": the cost curve, the shared outputs, the planner
+        self.auto.set_breaks([tokenizer.id_to_text(t) for t in range(tokenizer.vocab_size)])
         self._calibrate_at = 0  # the step from which a failed calibration (no free pages) is tried again
         self._closing: list[object] = []  # owners gone (appended from any thread, handled on the engine's)
         self.steps = 0
