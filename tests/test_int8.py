@@ -28,14 +28,21 @@ SHAPES = [(1, 1, 32), (3, 7, 96), (5, 33, 160), (9, 40, 1536), (17, 19, 2080)]
 K_SHAPES = [(1, 1, 256), (3, 7, 512), (9, 33, 768), (17, 12, 2048)]
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx2+vnni", "avx512", "avx512+vnni"])
+@pytest.fixture(params=["scalar", "avx2", "avx2+vnni", "avx2+avxvnni", "avx512", "avx512+vnni"])
 def path(request: pytest.FixtureRequest, kernels: Any) -> Iterator[str]:
-    """Every code path, and the int8 kernels' vpdpbusd form where the CPU has VNNI; the others skipped by name."""
+    """Every code path, and the int8 kernels' vpdpbusd forms where the CPU has VNNI (+vnni: AVX-512 VNNI's where it
+    has them, else AVX-VNNI's; +avxvnni: AVX-VNNI's, which a CPU with both runs only when told); the others skipped by
+    name."""
     name = str(request.param)
     base, _, vnni = name.partition("+")
     if base not in qkernels.available_paths():
         pytest.skip(f"this CPU cannot run the {base} path (it runs {qkernels.available_paths()})")
-    if vnni:
+    if vnni == "avxvnni":
+        try:
+            kernels.set_vnni(2)
+        except RuntimeError:
+            pytest.skip("this CPU has no AVX-VNNI: its vpdpbusd forms are not run here")
+    elif vnni:
         try:
             kernels.set_vnni(1)
         except RuntimeError:

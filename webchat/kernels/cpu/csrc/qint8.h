@@ -76,7 +76,8 @@ void packed8_gemm(const Job8& j, int64_t n0, int64_t n1, int p);
 bool vnni();                                                       // vpdpbusd in use (qint8.cpp)
 int vnni_kind();  // which vpdpbusd: 0 none (vpmaddubsw + vpmaddwd), 1 AVX-VNNI, 2 AVX-512 VNNI (256-bit forms)
 bool avx512_vnni();  // the CPU has AVX-512 VNNI with BW and VL (the packed kernels' 512-bit forms, qpack8.cpp)
-int set_vnni(int on);  // -1: where the CPU has it, 0: off, 1: on (the CPU must have it); returns the setting in use
+int set_vnni(int on);  // -1: where the CPU has it, 0: off, 1: on (the CPU must have it), 2: AVX-VNNI's forms
+                       // (where a CPU has both, as its tests force them); returns whether vpdpbusd is in use
 
 // Rows of Act8's super-blocks form 8 to a group, 4 bytes of each row side by side, for the prompt GEMM (qgemm8.cpp):
 // per group and super-block, q (64 words x 8 rows x 4 bytes), p (8 sub-blocks x 8 rows x the power of two twice: an
