@@ -360,6 +360,73 @@ P8_AVX2 inline void scales_mins8(const uint8_t* u, __m256i sc[2], __m256i mn[2])
 #undef PG_TARGET
 #undef PG_DPBUSD
 
+// The packed Q4_K prompt tile on groups g and g + 1 in 512-bit vectors (AVX-512 VNNI with BW): R x rows by the pair's
+// 16 weight rows, each lane's steps those of qpack8_gemm.inc's tiles (so its bits), the x words as {1to16} broadcasts
+template <int R>
+P8W_TARGET void q4k_gemm_wide(const Job8& j, int r0, const uint8_t* base, int64_t ldg, float* y, bool prefetch) {
+  const int64_t nsb = j.k / QK_K;
+  const Act8& a = *j.a;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const int64_t xr0 = j.r0 + r0;
+  __m512 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* u = base + i * 1152;
+    if (prefetch) prefetch_span(u, 1152), prefetch_span(u + ldg, 1152);
+    const __m512 d = pair_halves(u, ldg), dmin = pair_halves(u + 16, ldg);
+    __m256i sc0[2], mn0[2], sc1[2], mn1[2];
+    scales_mins8(u, sc0, mn0);
+    scales_mins8(u + ldg, sc1, mn1);
+    __m512i sc[2], mn[2];
+    for (int h = 0; h < 2; ++h) {
+      sc[h] = _mm512_inserti64x4(_mm512_castsi256_si512(sc0[h]), sc1[h], 1);
+      mn[h] = _mm512_inserti64x4(_mm512_castsi256_si512(mn0[h]), mn1[h], 1);
+    }
+    __m512i mv[8];  // each sub-block's min, 16 rows a vector (int32 lanes)
+    for (int v = 0; v < 8; ++v) mv[v] = _mm512_shuffle_epi8(mn[v / 4], _mm512_broadcast_i64x4(pick_one(v % 4)));
+    for (int r = 0; r < R; ++r) {
+      const int32_t* pq = a.pq.data() + ((xr0 + r) * nsb + i) * 8;
+      __m512i ms = _mm512_setzero_si512();
+      for (int v = 0; v < 8; ++v) ms = _mm512_add_epi32(ms, _mm512_mullo_epi32(mv[v], _mm512_set1_epi32(pq[v])));
+      const __m512 dk = _mm512_set1_ps(a.dk[(xr0 + r) * nsb + i]);
+      macc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, dk), macc[r]);
+    }
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      __m512i slo[R], shi[R];
+      for (int r = 0; r < R; ++r) slo[r] = _mm512_setzero_si512(), shi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m512i v = pair32(u + 128 + (8 * c + t) * 32, ldg);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.qs.data() + (xr0 + r) * j.k + i * QK_K + 64 * c + 4 * t;
+          slo[r] = dpbusd_word16(slo[r], lo, x);
+          shi[r] = dpbusd_word16(shi[r], hi, x + 32);
+        }
+      }
+      // times sc_j (a lane's) p_j (a row's): exact in int32
+      const __m512i sl = _mm512_shuffle_epi8(sc[c / 2], _mm512_broadcast_i64x4(pick_one((2 * c) % 4)));
+      const __m512i sh = _mm512_shuffle_epi8(sc[c / 2], _mm512_broadcast_i64x4(pick_one((2 * c + 1) % 4)));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* p = a.p.data() + ((xr0 + r) * nsb + i) * 8;
+        const __m512i pl = _mm512_mullo_epi32(sl, _mm512_set1_epi32(p[2 * c]));
+        const __m512i ph = _mm512_mullo_epi32(sh, _mm512_set1_epi32(p[2 * c + 1]));
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(slo[r], pl),
+                                                             _mm512_mullo_epi32(shi[r], ph)));
+      }
+      if (c % 2 == 1)  // a half done: into float
+        for (int r = 0; r < R; ++r) {
+          const __m512 dk = _mm512_set1_ps(a.dk[(xr0 + r) * nsb + i]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, dk), acc[r]);
+          isum[r] = _mm512_setzero_si512();
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * j.ldy, _mm512_sub_ps(acc[r], macc[r]));
+}
+
 template <int R>
 P8_AVX2 void q4k_avx2(const Job8& j, int r0, int64_t g) {
   const int64_t nsb = j.k / QK_K;
@@ -523,7 +590,16 @@ void packed8_gemm(const Job8& j, int64_t n0, int64_t n1, int p) {
   const bool wide = vnni_kind() == 2;
   const int rmax = wide ? 6 : 2;
   const int64_t ldg = 8 * j.row_bytes;
-  for (int64_t g = n0 / 8; g < n1 / 8; g += 2) {  // a pair of groups stays in L1 while every rmax x rows pass
+  int64_t g = n0 / 8;
+  if (wide && p >= PATH_AVX512 && avx512_vnni()) {  // a pair of groups in 512-bit vectors, the same bits
+    static constexpr Tile8 ZMM[4] = {q4k_gemm_wide<1>, q4k_gemm_wide<2>, q4k_gemm_wide<3>, q4k_gemm_wide<4>};
+    for (; g + 1 < n1 / 8; g += 2)  // 4 x rows a pass (6 gave the same at 256 rows, less at 8)
+      for (int r0 = 0; r0 < j.m; r0 += 4) {
+        const int R = std::min(4, j.m - r0);
+        ZMM[R - 1](j, r0, j.w + g * ldg, ldg, j.y + 8 * g, r0 == 0);
+      }
+  }
+  for (; g < n1 / 8; g += 2) {  // a pair of groups stays in L1 while every rmax x rows pass
     const int G = n1 / 8 - g >= 2 ? 2 : 1;
     for (int r0 = 0; r0 < j.m; r0 += rmax) {
       const int R = std::min(rmax, j.m - r0);
