@@ -366,20 +366,28 @@ def test_a_client_that_gives_up_waiting_cancels_its_generation(config: ServerCon
 
 
 def test_api_and_websocket_streams_interleave(config: ServerConfig, runtime: Runtime) -> None:
-    """One queue, round-robin: an SSE stream and a websocket stream run at the same time, not one after another."""
+    """One queue, round-robin: an SSE stream and a websocket stream run at the same time, not one after another.
+    Both without speculation, so each step sends each stream one token (auto, the default, may send several a chunk:
+    a CI run of the tiny model's 30 tokens got 9 chunks). The websocket asks once the SSE stream has begun (on a
+    loaded machine the HTTP client's thread could otherwise start after the websocket stream had ended)."""
     times: dict[str, list[float]] = {"api": [], "ws": []}
+    begun = threading.Event()
 
     def api_client(live: Live) -> None:
         for chunk in openai_client(live).chat.completions.create(model=runtime.model_name, messages=PROMPT,
-                                                           max_tokens=30, stream=True):  # type: ignore
+                                                           max_tokens=30, stream=True,  # type: ignore
+                                                           extra_body={"speculative": "none"}):
             if chunk.choices and chunk.choices[0].delta.content:
                 times["api"].append(time.monotonic())
+                begun.set()
 
     with serve(config, runtime, delay=0.01) as live, sync_connect(live.url.replace("http", "ws") + "/ws") as ws:
         assert json.loads(ws.recv(10))["type"] == "hello"
         thread = threading.Thread(target=api_client, args=(live,))
         thread.start()
-        ws.send(json.dumps({"type": "generate", "id": "w", "messages": PROMPT, "max_new_tokens": 30}))
+        assert begun.wait(30), "the SSE stream sent no text within 30 s"
+        ws.send(json.dumps({"type": "generate", "id": "w", "messages": PROMPT, "max_new_tokens": 30,
+                            "speculative": "none"}))
         while (msg := json.loads(ws.recv(30)))["type"] != "done":
             if msg["type"] == "chunk":
                 times["ws"].append(time.monotonic())
