@@ -291,17 +291,13 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
 #undef G8V_TARGET
 #undef G8V_DPBUSD
 
+Q512_TARGET inline __m512 pair_ps(const float* lo, const float* hi) { return _mm512_castsi512_ps(pair256(lo, hi)); }
+
 // The AVX-512 path's tile: groups g0 and g0 + 1 of the panel side by side in 512-bit vectors (16 x rows) by NR weight
 // rows, each lane's steps those of qgemm8_vnni.inc's tiles (so its bits): one vpdpbusd where those take two
-#define G8Z_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
-G8Z_TARGET inline __m512i pair_si(const void* lo, const void* hi) {  // 32 bytes at lo, 32 at hi
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
-}
-G8Z_TARGET inline __m512 pair_ps(const float* lo, const float* hi) { return _mm512_castsi512_ps(pair_si(lo, hi)); }
 
 template <int QT, int NR>
-G8Z_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, int64_t i, int64_t g0, float* acc) {
+Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, int64_t i, int64_t g0, float* acc) {
   constexpr int GROUPS = QT == Q6_K ? 2 : 1, WORDS = 8 / GROUPS;  // scale groups a sub-block, words a group
   const int64_t nsb = P.nsb, pb = g0 * nsb + i, pb1 = pb + nsb;  // the two groups' panel blocks
   const __m512 dk = pair_ps(P.dk.data() + pb * 8, P.dk.data() + pb1 * 8);
@@ -320,7 +316,7 @@ G8Z_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, int64_t i, int64_t
 #pragma GCC unroll 8
       for (int t = WORDS * h; t < WORDS * (h + 1); ++t) {
         const int64_t off = (8 * j + t) * 32;
-        const __m512i xv = pair_si(P.q.data() + pb * 2048 + off, P.q.data() + pb1 * 2048 + off);
+        const __m512i xv = pair256(P.q.data() + pb * 2048 + off, P.q.data() + pb1 * 2048 + off);
         for (int n = 0; n < NR; ++n) {
           const int8_t* wn = QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) : dec[n].w;  // unsigned bytes
           int32_t word;
@@ -328,8 +324,8 @@ G8Z_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, int64_t i, int64_t
           s[n] = _mm512_dpbusd_epi32(s[n], _mm512_set1_epi32(word), xv);
         }
       }
-      const __m512i sh = pair_si(P.sh.data() + pb * 64 + j * 8, P.sh.data() + pb1 * 64 + j * 8);
-      const __m512i c6 = QT == Q6_K ? pair_si(P.c6.data() + pb * 128 + (2 * j + h) * 8,
+      const __m512i sh = pair256(P.sh.data() + pb * 64 + j * 8, P.sh.data() + pb1 * 64 + j * 8);
+      const __m512i c6 = QT == Q6_K ? pair256(P.c6.data() + pb * 128 + (2 * j + h) * 8,
                                               P.c6.data() + pb1 * 128 + (2 * j + h) * 8)
                                     : _mm512_setzero_si512();
       for (int n = 0; n < NR; ++n) {
@@ -346,7 +342,7 @@ G8Z_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, int64_t i, int64_t
       __m512i ms = _mm512_setzero_si512();
       for (int v = 0; v < 8; ++v)
         ms = _mm512_add_epi32(ms, _mm512_mullo_epi32(_mm512_set1_epi32(dec[n].mn[v]),
-                                                     pair_si(pq + pb * 64 + 8 * v, pq + pb1 * 64 + 8 * v)));
+                                                     pair256(pq + pb * 64 + 8 * v, pq + pb1 * 64 + 8 * v)));
       const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(dec[n].dmin), dk);
       a[n] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), dm, a[n]);
     }
@@ -365,7 +361,7 @@ void gemm_rows_vnni(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_b
                     int64_t ldy, float* acc, bool packed) {
   constexpr int GX = 2;
   const int64_t nsb = P.nsb, groups = P.groups;
-  const bool zmm = WIDE && path() >= PATH_AVX512 && avx512_vnni();  // pairs of groups in 512-bit tiles
+  const bool zmm = WIDE && vnni512(path());  // pairs of groups in 512-bit tiles
   std::fill(acc, acc + groups * NR * 8, 0.f);
   Decoded dec[NR];
   for (int64_t i = 0; i < nsb; ++i) {

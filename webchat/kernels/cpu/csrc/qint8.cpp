@@ -183,14 +183,7 @@ void rows_vector(const Job8& j, int64_t n0, int64_t n1) {
 
 }  // namespace
 
-bool avx512_vnni() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw");
-  }();
-  return has;
-}
+bool vnni512(int p) { return p >= PATH_AVX512 && vnni_kind() == 2; }  // the path has BW, kind 2 VNNI and VL
 
 int vnni_kind() {
   if (g_vnni < 0) g_vnni = cpu_vnni();

@@ -75,9 +75,17 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qpack8.cpp
 void packed8_gemm(const Job8& j, int64_t n0, int64_t n1, int p);
 bool vnni();                                                       // vpdpbusd in use (qint8.cpp)
 int vnni_kind();  // which vpdpbusd: 0 none (vpmaddubsw + vpmaddwd), 1 AVX-VNNI, 2 AVX-512 VNNI (256-bit forms)
-bool avx512_vnni();  // the CPU has AVX-512 VNNI with BW and VL (the packed kernels' 512-bit forms, qpack8.cpp)
+bool vnni512(int p);  // on path p the int8 kernels take 512-bit forms (AVX-512 path, AVX-512 VNNI in use)
 int set_vnni(int on);  // -1: where the CPU has it, 0: off, 1: on (the CPU must have it), 2: AVX-VNNI's forms
                        // (where a CPU has both, as its tests force them); returns whether vpdpbusd is in use
+
+// The 512-bit int8 forms (qpack8.cpp, qgemm8.cpp: two 8-row groups side by side in a vector, where vnni512)
+#define Q512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+// 32 bytes at lo as the low half, 32 at hi as the high
+Q512_TARGET inline __m512i pair256(const void* lo, const void* hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
 
 // Rows of Act8's super-blocks form 8 to a group, 4 bytes of each row side by side, for the prompt GEMM (qgemm8.cpp):
 // per group and super-block, q (64 words x 8 rows x 4 bytes), p (8 sub-blocks x 8 rows x the power of two twice: an

@@ -438,7 +438,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("qtype"), py::arg("ids"));
   m.def("packs8", &wq::packs8, "whether a matrix of this ggml type and row count has the packed form",
         py::arg("qtype"), py::arg("n"));
-  m.def("set_vnni", &wq::set_vnni, "the int8 kernels' vpdpbusd: -1 where the CPU has it, 0 off, 1 on (AVX-512 VNNI's forms where the CPU has "
+  m.def("set_vnni", &wq::set_vnni,
+        "the int8 kernels' vpdpbusd: -1 where the CPU has it, 0 off, 1 on (AVX-512 VNNI's forms where the CPU has "
         "them, else AVX-VNNI's), 2 AVX-VNNI's forms; returns in use");
   m.def("vnni", &wq::vnni, "whether the int8 kernels use vpdpbusd");
   m.def("dequantize", &wq::dequantize, "float32 rows of a quantized matrix", py::arg("w"), py::arg("qtype"),

@@ -216,27 +216,23 @@ P8_TARGET inline __m256i dpbusd_word(__m256i acc, __m256i w, const int8_t* x) {
 // two 256-bit ones did. Each lane's operations are those of the 256-bit forms above, in the same order (so are its
 // bits). Where the core runs 512-bit integer multiply-adds on two ports (Intel's server cores since Skylake-SP, Zen 5)
 // the arithmetic goes at twice the rate; where it splits them in two (Zen 4), as before.
-#define P8W_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
-P8W_TARGET inline __m512i dpbusd_word16(__m512i acc, __m512i w, const int8_t* x) {
+Q512_TARGET inline __m512i dpbusd_word16(__m512i acc, __m512i w, const int8_t* x) {
   __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const word_alias*>(x)));
   return acc;
 }
 #define P8W_DOT2(w0, x0, w1, x1) dpbusd_word16(dpbusd_word16(_mm512_setzero_si512(), w0, x0), w1, x1)
 
 // 32 bytes of group g at p and of group g + 1 at p + ldg: the low half and the high half
-P8W_TARGET inline __m512i pair32(const uint8_t* p, int64_t ldg) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + ldg)), 1);
-}
+Q512_TARGET inline __m512i pair32(const uint8_t* p, int64_t ldg) { return pair256(p, p + ldg); }
 // 8 float16 of group g at p and 8 of group g + 1 at p + ldg, as floats
-P8W_TARGET inline __m512 pair_halves(const uint8_t* p, int64_t ldg) {
+Q512_TARGET inline __m512 pair_halves(const uint8_t* p, int64_t ldg) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + ldg)), 1));
 }
 
 template <int QT, int R>  // Q4_0, Q4_1: blocks_avx512vnni's steps on groups g and g + 1
-P8W_TARGET void blocks_wide(const Job8& j, int r0, int64_t g) {
+Q512_TARGET void blocks_wide(const Job8& j, int r0, int64_t g) {
   constexpr int BB = QT == Q4_0 ? 18 : 20, UNIT = 8 * BB, QOFF = QT == Q4_0 ? 16 : 32;
   const int64_t nb = j.k / 32, ldb = j.a->ldb, ldg = 8 * j.row_bytes;
   const uint8_t* base = j.w + g * ldg;
@@ -275,7 +271,7 @@ P8W_TARGET void blocks_wide(const Job8& j, int r0, int64_t g) {
 }
 
 template <int R>  // Q8_0: q8_avx512vnni's steps on groups g and g + 1
-P8W_TARGET void q8_wide(const Job8& j, int r0, int64_t g) {
+Q512_TARGET void q8_wide(const Job8& j, int r0, int64_t g) {
   constexpr int UNIT = 8 * 34;
   const int64_t nb = j.k / 32, ldg = 8 * j.row_bytes;
   const uint8_t* base = j.w + g * ldg;
@@ -363,7 +359,7 @@ P8_AVX2 inline void scales_mins8(const uint8_t* u, __m256i sc[2], __m256i mn[2])
 // The packed Q4_K prompt tile on groups g and g + 1 in 512-bit vectors (AVX-512 VNNI with BW): R x rows by the pair's
 // 16 weight rows, each lane's steps those of qpack8_gemm.inc's tiles (so its bits), the x words as {1to16} broadcasts
 template <int R>
-P8W_TARGET void q4k_gemm_wide(const Job8& j, int r0, const uint8_t* base, int64_t ldg, float* y, bool prefetch) {
+Q512_TARGET void q4k_gemm_wide(const Job8& j, int r0, const uint8_t* base, int64_t ldg, float* y, bool prefetch) {
   const int64_t nsb = j.k / QK_K;
   const Act8& a = *j.a;
   const __m512i m4 = _mm512_set1_epi8(15);
@@ -560,7 +556,7 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
                       : j.qtype == Q4_K ? Q4K : nullptr;
   TORCH_CHECK(fns != nullptr, "ggml type ", j.qtype, " has no packed kernel");
   int64_t g = g0;
-  if (p >= PATH_AVX512 && j.qtype != Q4_K && avx512_vnni() && vk > 0) {  // two groups a vector, the same bits
+  if (j.qtype != Q4_K && vnni512(p)) {  // two groups a vector, the same bits
     static constexpr Group8 W40[4] = {blocks_wide<Q4_0, 1>, blocks_wide<Q4_0, 2>, blocks_wide<Q4_0, 3>,
                                       blocks_wide<Q4_0, 4>};
     static constexpr Group8 W41[4] = {blocks_wide<Q4_1, 1>, blocks_wide<Q4_1, 2>, blocks_wide<Q4_1, 3>,
@@ -591,7 +587,7 @@ void packed8_gemm(const Job8& j, int64_t n0, int64_t n1, int p) {
   const int rmax = wide ? 6 : 2;
   const int64_t ldg = 8 * j.row_bytes;
   int64_t g = n0 / 8;
-  if (wide && p >= PATH_AVX512 && avx512_vnni()) {  // a pair of groups in 512-bit vectors, the same bits
+  if (vnni512(p)) {  // a pair of groups in 512-bit vectors, the same bits
     static constexpr Tile8 ZMM[4] = {q4k_gemm_wide<1>, q4k_gemm_wide<2>, q4k_gemm_wide<3>, q4k_gemm_wide<4>};
     for (; g + 1 < n1 / 8; g += 2)  // 4 x rows a pass (6 gave the same at 256 rows, less at 8)
       for (int r0 = 0; r0 < j.m; r0 += 4) {
