@@ -636,6 +636,26 @@ def test_speculation_never_changes_the_int8_output(real_model_dir: Path, mode: s
     assert run(mode) == run("none")
 
 
+def test_set_vnni_names_a_wrong_setting_and_a_missing_avx_vnni(kernels: Any) -> None:
+    """set_vnni takes -1, 0, 1 and 2 (AVX-VNNI's forms); anything else, and 2 where the CPU has no AVX-VNNI, is refused
+    by name, the setting left as it was."""
+    try:
+        kernels.set_vnni(0)
+        for bad in (3, -2):
+            with pytest.raises(RuntimeError, match=rf"vnni must be -1 .*0, 1 or 2 .*got {bad}"):
+                kernels.set_vnni(bad)
+        assert not kernels.vnni()
+        has_avxvnni = "avx_vnni" in Path("/proc/cpuinfo").read_text().split()
+        if has_avxvnni:
+            assert kernels.set_vnni(2) and kernels.vnni()
+        else:
+            with pytest.raises(RuntimeError, match="this CPU has no AVX-VNNI"):
+                kernels.set_vnni(2)
+            assert not kernels.vnni()
+    finally:
+        kernels.set_vnni(-1)
+
+
 @pytest.mark.parametrize("value", ["0", "1", "yes"])
 def test_webchat_vnni_turns_vpdpbusd_off_or_on_and_names_a_wrong_value(kernels: Any, monkeypatch: pytest.MonkeyPatch,
                                                                       value: str) -> None:
