@@ -28,7 +28,7 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.suffix import SuffixIndex
+from webchat.engine.suffix import MIN_SHARE, SuffixIndex, follow
 from webchat.engine.verify_cost import Cycles, VerifyCost, lowered, measure
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool, PoolExhausted
@@ -85,6 +85,43 @@ def test_a_growing_doc_is_indexed_once_per_token() -> None:
     assert index.where[1 << 32 | 2] == [2, 5] and index.size == 6
     newest, both = index.paths([9, 1, 2], 3)[-1], index.paths([9, 1, 2], 3)
     assert len(both) == 1 and newest.tokens == [4] and newest.shares == [0.5]  # a tie: the newest occurrence
+
+
+def test_follow_takes_the_majority_token_by_token_where_occurrences_agree_in_runs() -> None:
+    # follow() takes a run that every live occurrence shares in one piece; the rule, one token at a time: the most
+    # common next token of the live occurrences (ties: the newest, first), the share times its part of them, the
+    # others dropped, until the share falls under MIN_SHARE or every occurrence has ended
+    def one_at_a_time(found: list[tuple[int, list[int], int]], limit: int) -> tuple[list[int], list[float]]:
+        live, share, tokens, shares = [(t, p) for _, t, p in found], 1.0, [], []
+        for i in range(limit):
+            nexts = [t[p + i] if p + i < len(t) else -1 for t, p in live]
+            votes = [t for t in nexts if t >= 0]
+            if not votes:
+                break
+            token = max(dict.fromkeys(votes), key=votes.count)
+            share *= votes.count(token) / len(live)
+            if share < MIN_SHARE:
+                break
+            tokens.append(token)
+            shares.append(share)
+            live = [o for o, t in zip(live, nexts, strict=True) if t == token]
+        return tokens, shares
+
+    rng = random.Random(7)
+    runs = 0
+    for _ in range(400):
+        base = [rng.randrange(6) for _ in range(12)]
+        found = []
+        for _ in range(rng.randrange(2, 12)):  # copies of one text, some cut short, some changed at a token or two
+            doc = [9, *base[: rng.randrange(4, 13)]]
+            for _ in range(rng.randrange(3)):
+                doc[rng.randrange(1, len(doc))] = rng.randrange(6)
+            found.append((2, doc, 1))
+        limit = rng.randrange(1, 14)
+        path = follow(found, 2, limit)
+        assert (path.tokens, path.shares) == one_at_a_time(found, limit)
+        runs += len(path.shares) > 1 and path.shares[1] == path.shares[0]
+    assert runs > 50  # the cases held runs of agreement, not only disagreements
 
 
 # ---------------------------------------------------------------- the cost curve

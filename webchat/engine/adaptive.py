@@ -46,7 +46,6 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from itertools import groupby
 from typing import Protocol
 
 from webchat.engine.suffix import Path, SuffixIndex
@@ -106,7 +105,10 @@ class Rate:
 
 
 def bucket(match: int) -> int:
-    return bisect.bisect_right(BUCKETS, match)
+    return _BUCKET_OF[match] if match < len(_BUCKET_OF) else len(BUCKETS)
+
+
+_BUCKET_OF = [bisect.bisect_right(BUCKETS, m) for m in range(BUCKETS[-1] + 1)]  # bucket(m) for the short matches
 
 
 def ends_break(text: str) -> bool:
@@ -227,10 +229,6 @@ class AutoSpec:
 
     def observe(self, source: str, b: int, hits: int, misses: int, brk: bool = False) -> None:
         self.rates.setdefault((source, b, brk), Rate()).add(hits, misses, ENGINE_DECAY)
-
-    def breaks_after(self, tokens: list[int]) -> list[bool]:
-        """Whether each of tokens ends a sentence or a line (the token after it follows a break)."""
-        return [t in self.breaks for t in tokens]
 
     def realistic(self, source: str, raw: list[float]) -> list[float]:
         """raw estimates scaled by the source's realism, capped at 0.99, cut where they fall under MIN_Q."""
@@ -358,13 +356,14 @@ class SeqDrafter:
         room = min(room, MAX_AUTO_DRAFT)
         if room < 1:
             return None
-        found = [self._suffix(src, path, context)
+        rates: dict[tuple[str, int, bool], float] = {}  # this offer's rates (no check comes between its paths)
+        found = [self._suffix(src, path, context, rates)
                  for src, index, skip in (("context", self.own, None), ("shared", self.spec.shared, self.doc))
                  for path in index.paths(context, room, exclude=skip)]
         if not any(p.source == "context" for p in found):
             path = self._resume(context, room) or self._unigram(context, room)
             if path is not None:
-                found.append(self._suffix("context", path, context))
+                found.append(self._suffix("context", path, context, rates))
         self.pending = [p for p in found if p.tokens]
         best = max((p for p in self.pending if p.q), key=lambda p: p.value, default=None)
         model = self._model_offer(room, len(context))
@@ -396,18 +395,21 @@ class SeqDrafter:
         j = self.prompt_last.get(context[-1])
         return None if j is None else after(context, j, self.prompt_len - 1, room)
 
-    def _suffix(self, source: str, path: Path, context: list[int]) -> Proposal:
-        """path's tokens and their estimates."""
-        rates: dict[tuple[int, bool], float] = {}
-        raw, chance = [], 1.0
-        brks = self.spec.breaks_after([context[-1], *path.tokens[:-1]])
-        for i, share in enumerate(path.shares):  # token i, its predecessors accepted, continues a match of match + i
-            key = (bucket(path.match + i), brks[i])
-            if key not in rates:
-                rates[key] = self.rate(source, *key)
-            chance *= rates[key]
+    def _suffix(self, source: str, path: Path, context: list[int],
+                rates: dict[tuple[str, int, bool], float]) -> Proposal:
+        """path's tokens and their estimates; rates: the offer's rates looked up so far (filled as needed)."""
+        breaks, match = self.spec.breaks, path.match
+        raw, chance, prev = [], 1.0, context[-1]
+        for i, (token, share) in enumerate(zip(path.tokens, path.shares, strict=True)):
+            # token i, its predecessors accepted, continues a match of match + i (after a break: prev ends one)
+            key = (source, bucket(match + i), prev in breaks)
+            r = rates.get(key)
+            if r is None:
+                r = rates[key] = self.rate(*key)
+            chance *= r
             raw.append(chance * share)
-        return Proposal(source, path.match, self.spec.realistic(source, raw), path.tokens, raw, len(context),
+            prev = token
+        return Proposal(source, match, self.spec.realistic(source, raw), path.tokens, raw, len(context),
                         pos=path.pos)
 
     def _model_offer(self, room: int, at: int) -> Proposal | None:
@@ -453,36 +455,41 @@ class SeqDrafter:
             self.out += context[start:]
             self.spec.shared.add(self.doc, self.out)
 
+    def _key(self, p: Proposal, context: list[int], j: int) -> tuple[int, bool]:
+        """The rate key a checked token j of p counts under: its match length's bucket and whether it follows a break
+        (the draft model's: one rate)."""
+        if p.source == "model":
+            return 0, False
+        return bucket(p.match + j), context[p.at + j - 1] in self.spec.breaks
+
     def _check(self, context: list[int]) -> None:
         """Each pending proposal against the tokens emitted since: the tokens that came as proposed are hits, the
         first that did not a miss (tokens past what was emitted tell nothing)."""
         left = []
         for p in self.pending:
-            came = context[p.at :]
+            tokens, at = p.tokens, p.at
+            came = context[at:]
             if not came:
                 left.append(p)
                 continue
+            seen = min(len(tokens), len(came))
             hits = 0
-            for want, got in zip(p.tokens, came, strict=False):
-                if want != got:
-                    break
+            while hits < seen and tokens[hits] == came[hits]:
                 hits += 1
-            misses = int(hits < min(len(p.tokens), len(came)))
+            misses = int(hits < seen)
             if p.source == "context" and misses:
-                self.copied = (p.pos + hits, p.at + hits)
-            # token j was a hit or (the last) a miss at match length match + j, after a break or not: counted a key at
-            # a time
-            n = hits + misses
-            if p.source == "model":
-                keys = [(0, False)] * n
-            else:
-                brks = self.spec.breaks_after([context[p.at - 1], *p.tokens[: n - 1]])
-                keys = [(bucket(p.match + j), brks[j]) for j in range(n)]
-            for key, group in groupby(range(n), keys.__getitem__):
-                js = list(group)
-                h = sum(j < hits for j in js)
-                self.rates.setdefault((p.source, *key), Rate()).add(h, len(js) - h, SEQ_DECAY)
-                self.spec.observe(p.source, key[0], h, len(js) - h, key[1])
+                self.copied = (p.pos + hits, at + hits)
+            # token j was a hit or (the last) a miss at match length match + j, after a break (context[at + j - 1]
+            # ends one) or not: a run of tokens with the same key counted at a time
+            n, j = hits + misses, 0
+            while j < n:
+                key, end = self._key(p, context, j), j + 1
+                while end < n and self._key(p, context, end) == key:
+                    end += 1
+                h = max(0, min(end, hits) - j)
+                self.rates.setdefault((p.source, *key), Rate()).add(h, end - j - h, SEQ_DECAY)
+                self.spec.observe(p.source, key[0], h, end - j - h, key[1])
+                j = end
             told = min(len(p.tokens), len(came), len(p.raw), max(p.granted, 1))  # the tokens this check speaks for
             self.spec.checked(p.source, sum(p.raw[:told]), min(hits, told))
             counts = self.spec.counts
