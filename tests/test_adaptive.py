@@ -87,10 +87,10 @@ def test_a_growing_doc_is_indexed_once_per_token() -> None:
     assert len(both) == 1 and newest.tokens == [4] and newest.shares == [0.5]  # a tie: the newest occurrence
 
 
-def test_follow_takes_the_majority_token_by_token_where_occurrences_agree_in_runs() -> None:
-    # follow() takes a run that every live occurrence shares in one piece; the rule, one token at a time: the most
-    # common next token of the live occurrences (ties: the newest, first), the share times its part of them, the
-    # others dropped, until the share falls under MIN_SHARE or every occurrence has ended
+def test_follow_takes_the_majority_token_by_token_as_occurrences_end_and_disagree() -> None:
+    # the rule, one token at a time: the most common next token of the live occurrences (ties: the newest, first),
+    # the share times its part of them, the others dropped, until the share falls under MIN_SHARE or every
+    # occurrence has ended
     def one_at_a_time(found: list[tuple[int, list[int], int]], limit: int) -> tuple[list[int], list[float]]:
         live, share, tokens, shares = [(t, p) for _, t, p in found], 1.0, [], []
         for i in range(limit):
@@ -121,7 +121,7 @@ def test_follow_takes_the_majority_token_by_token_where_occurrences_agree_in_run
         path = follow(found, 2, limit)
         assert (path.tokens, path.shares) == one_at_a_time(found, limit)
         runs += len(path.shares) > 1 and path.shares[1] == path.shares[0]
-    assert runs > 50  # the cases held runs of agreement, not only disagreements
+    assert runs > 50  # the cases held runs of agreement as well as disagreements and ends
 
 
 # ---------------------------------------------------------------- the cost curve

@@ -128,34 +128,26 @@ def follow(found: list[tuple[int, list[int], int]], match: int, limit: int) -> P
         path.tokens = tokens[pos : pos + limit]
         path.shares = [1.0] * len(path.tokens)
         return path
-    live = [tokens[pos : pos + limit] for _, tokens, pos in found]  # each occurrence's next tokens (short: it ends)
-    share, i = 1.0, 0
-    while i < limit:
-        # the tokens every live occurrence shares from i (the common prefix of them all is that of the least and the
-        # greatest): taken whole, the share unchanged
-        lo, hi = min(live), max(live)
-        agreed = i
-        while agreed < len(lo) and lo[agreed] == hi[agreed]:
-            agreed += 1
-        path.tokens += lo[i:agreed]
-        path.shares += [share] * (agreed - i)
-        i = agreed
-        if i >= limit:
-            break
-        nexts = [w[i] if i < len(w) else -1 for w in live]  # -1: that one has ended
-        counts: dict[int, int] = {}  # they differ: the most common (ties: the newest)
-        for t in nexts:
-            if t >= 0:
-                counts[t] = counts.get(t, 0) + 1
-        if not counts:
-            break
-        token = max(counts, key=counts.__getitem__)
-        agree = counts[token]
+    live = [(tokens, pos) for _, tokens, pos in found]
+    share = 1.0
+    for i in range(limit):
+        nexts = [tokens[pos + i] if pos + i < len(tokens) else -1 for tokens, pos in live]  # -1: that one has ended
+        token = nexts[0]
+        agree = nexts.count(token)
+        if token < 0 or agree < len(nexts):  # they differ: the most common (ties: the newest)
+            counts: dict[int, int] = {}
+            for t in nexts:
+                if t >= 0:
+                    counts[t] = counts.get(t, 0) + 1
+            if not counts:
+                break
+            token = max(counts, key=counts.__getitem__)
+            agree = counts[token]
         share *= agree / len(live)
         if share < MIN_SHARE:
             break
         path.tokens.append(token)
         path.shares.append(share)
-        live = [w for w, t in zip(live, nexts, strict=True) if t == token]
-        i += 1
+        if agree < len(live):
+            live = [occurrence for occurrence, t in zip(live, nexts, strict=True) if t == token]
     return path
