@@ -454,11 +454,16 @@ def test_in_a_large_batch_a_stream_whose_draft_cannot_pay_sits_out_some_steps() 
         assert copying.offer(context + passage[10 : 10 + i], 16, floor=0.5, rest=4) is not None
     doubtful = SeqDrafter(spec, 42)  # a copy whose first token (under 0.95 likely) cannot pay alone here sits out
     assert doubtful.offer(context, 16, floor=0.95, rest=4) is not None and doubtful.rest == 4
+    doubtful.rest = 0  # it looks again: the copy's first token now pays, so the next that cannot sits out 4 again
+    assert doubtful.offer(context, 16, floor=0.5, rest=4) is not None and doubtful.rest == 0
+    assert doubtful.offer(context + passage[10:11], 16, floor=1.0, rest=4) is not None and doubtful.rest == 4
     writing = SeqDrafter(spec, 10)
-    text = [rng.randrange(3000, 4000) for _ in range(30)]
-    offered = [writing.offer(text[: 10 + i], 16, floor=0.5, rest=4) is not None or writing.rest == 4
-               for i in range(20)]
-    assert offered == [True, False, False, False, False] * 4  # looked, then sat out 4 steps
+    text = [rng.randrange(3000, 4000) for _ in range(40)]
+    looked = []
+    for i in range(30):
+        looked.append(writing.rest == 0)
+        assert writing.offer(text[: 10 + i], 16, floor=0.5, rest=4) is None
+    assert [i for i, x in enumerate(looked) if x] == [0, 5, 14, 23]  # sat out 4, then 8 (REST_MAX) steps
     alone = SeqDrafter(spec, 10)  # rest 0 (a small batch): it looks every step
     for i in range(5):
         alone.offer(text[: 10 + i], 16, floor=0.9)

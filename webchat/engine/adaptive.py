@@ -69,6 +69,7 @@ REALISM_RANGE = (0.25, 1.25)
 MARGIN = 0.03  # drafts must promise this many more tokens per ms than the step without them
 SHARED_TOKENS = 1 << 16  # output tokens the engine-wide index keeps (the oldest outputs dropped first)
 PROBE_MIN, PROBE_MAX = 8, 128
+REST_MAX = 8  # steps a stream whose offers keep failing to pay sits out at most (it sits out rest, 2 rest, 4 rest, ...)
 PAYOFF_DECAY = 0.9  # a batch size's payoff: weight of the past per step with grants (about the last 10)
 PAYOFF_PRIOR = 3.0  # steps the start value (plans come true: log 1 = 0) counts as
 PAYOFF_FORGET = 0.995  # per step a batch size plans and grants nothing: its evidence fades (halved in ~140 steps)
@@ -332,6 +333,7 @@ class SeqDrafter:
         self.pending: list[Proposal] = []
         self.probe_every, self.since_probe = PROBE_MIN, 0
         self.rest = 0  # steps this sequence sits out (no offer: its last could not pay at its batch's size)
+        self.idle = 0  # its offers in a row that could not pay
         self.prompt_last: dict[int, int] | None = None  # token -> its last position in the prompt (made when needed)
         self.copied: tuple[int, int] | None = None  # where a copy of its own context diverged: (source, context) at
 
@@ -346,8 +348,9 @@ class SeqDrafter:
         proposals of the last offer are checked first. sampled: verify rows are sampled one by one (costlier).
         floor, rest: where the best draft's first token is less likely than the floor (AutoSpec.floor: what a lone
         token needs to pay at this step; the tokens after it are no likelier), the next `rest` offers are skipped
-        (None): in a large batch of streams with nothing to copy, what the offers cost each step is then shared
-        among several steps."""
+        (None), twice as many after each such offer in a row (up to REST_MAX): in a large batch of streams with
+        nothing to copy, what the offers cost each step (Python's, 60-90 us each) is then shared among several
+        steps; a stream that copies passes the floor nearly every step and never sits out long."""
         if self.rest > 0:
             self.rest -= 1
             return None
@@ -372,7 +375,10 @@ class SeqDrafter:
         if best is not None and sampled:
             best.extra_ms += self.spec.sampled_row_ms
         if rest and (best is None or (best.q[0] < floor and not best.probe)):
-            self.rest = rest
+            self.rest = min(REST_MAX, rest << min(self.idle, 3))
+            self.idle += 1
+        else:
+            self.idle = 0
         return best
 
     def _resume(self, context: list[int], room: int) -> Path | None:
