@@ -272,10 +272,11 @@ class AutoSpec:
                         key=lambda c: (-c[0], c[1]))[: max(0, room)]
         overhead, fwd = self.cycles.overhead_ms, self.cost.forward_ms
         key = batch_bucket(base_rows)
-        payoff = self.payoff_factor(key)
-        best = base_tokens / (fwd(base_rows) + overhead) * (1 + MARGIN) if base_rows else 0.0
         best_n, tokens, extra = 0, float(base_tokens), 0.0
         self._planned = None
+        if ranked:  # (nothing offered, the step as it is: most steps of streams with nothing to copy)
+            payoff = self.payoff_factor(key)
+            best = base_tokens / (fwd(base_rows) + overhead) * (1 + MARGIN) if base_rows else 0.0
         for n, (q, _, i) in enumerate(ranked, 1):
             p = offers[i]
             assert p is not None

@@ -237,7 +237,7 @@ class Engine(Admission):
             offers.append(r.seq.drafter.offer(r.seq.tokens, self._room(r.seq), not self._batch_verify(r.seq),
                                               floor, rest))
         grants = self.auto.plan(offers, base_rows, base_tokens, MAX_STEP_ROWS - sum(len(r.feed) for r in rows))
-        if not self._pages_free(rows, planned, grants):
+        if any(grants) and not self._pages_free(rows, planned, grants):
             self.auto.discard_plan()
             return
         for r, p, n in zip(planned, offers, grants, strict=True):
