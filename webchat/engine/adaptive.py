@@ -46,6 +46,8 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import groupby
 from typing import Protocol
 
 from webchat.engine.suffix import Path, SuffixIndex
@@ -105,11 +107,11 @@ class Rate:
         return (self.hits + weight * prior) / (self.events + weight)
 
 
+_BUCKET_OF = [bisect.bisect_right(BUCKETS, m) for m in range(BUCKETS[-1] + 1)]  # bucket(m) for the short matches
+
+
 def bucket(match: int) -> int:
     return _BUCKET_OF[match] if match < len(_BUCKET_OF) else len(BUCKETS)
-
-
-_BUCKET_OF = [bisect.bisect_right(BUCKETS, m) for m in range(BUCKETS[-1] + 1)]  # bucket(m) for the short matches
 
 
 def ends_break(text: str) -> bool:
@@ -488,16 +490,12 @@ class SeqDrafter:
                 self.copied = (p.pos + hits, at + hits)
             # token j was a hit or (the last) a miss at match length match + j, after a break (context[at + j - 1]
             # ends one) or not: a run of tokens with the same key counted at a time
-            n, j = hits + misses, 0
-            while j < n:
-                key, end = self._key(p, context, j), j + 1
-                while end < n and self._key(p, context, end) == key:
-                    end += 1
-                h = max(0, min(end, hits) - j)
-                self.rates.setdefault((p.source, *key), Rate()).add(h, end - j - h, SEQ_DECAY)
-                self.spec.observe(p.source, key[0], h, end - j - h, key[1])
-                j = end
-            told = min(len(p.tokens), len(came), len(p.raw), max(p.granted, 1))  # the tokens this check speaks for
+            for key, group in groupby(range(hits + misses), partial(self._key, p, context)):
+                js = list(group)
+                h = sum(j < hits for j in js)
+                self.rates.setdefault((p.source, *key), Rate()).add(h, len(js) - h, SEQ_DECAY)
+                self.spec.observe(p.source, key[0], h, len(js) - h, key[1])
+            told = min(seen, len(p.raw), max(p.granted, 1))  # the tokens this check speaks for
             self.spec.checked(p.source, sum(p.raw[:told]), min(hits, told))
             counts = self.spec.counts
             if p.granted:
