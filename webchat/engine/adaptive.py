@@ -50,7 +50,7 @@ from functools import partial
 from itertools import groupby
 from typing import Protocol
 
-from webchat.engine.suffix import Path, SuffixIndex
+from webchat.engine.suffix import Index, Path, new_index
 from webchat.engine.verify_cost import IDLE_GAP_S, Cycles, VerifyCost
 
 SOURCES = ("context", "shared", "model")  # own prompt and output; other sequences' outputs; the draft model
@@ -71,7 +71,7 @@ REALISM_RANGE = (0.25, 1.25)
 MARGIN = 0.03  # drafts must promise this many more tokens per ms than the step without them
 SHARED_TOKENS = 1 << 16  # output tokens the engine-wide index keeps (the oldest outputs dropped first)
 PROBE_MIN, PROBE_MAX = 8, 128
-REST_MAX = 8  # steps a stream whose offers keep failing to pay sits out at most (it sits out rest, 2 rest, 4 rest, ...)
+REST_MAX = 32  # steps a stream whose offers keep failing to pay sits out at most (rest, 2 rest, 4 rest, ... steps)
 PAYOFF_DECAY = 0.9  # a batch size's payoff: weight of the past per step with grants (about the last 10)
 PAYOFF_PRIOR = 3.0  # steps the start value (plans come true: log 1 = 0) counts as
 PAYOFF_FORGET = 0.995  # per step a batch size plans and grants nothing: its evidence fades (halved in ~140 steps)
@@ -168,7 +168,7 @@ class AutoSpec:
     def __init__(self, shared_tokens: int = SHARED_TOKENS) -> None:
         self.cost: VerifyCost | None = None  # measured by Engine.calibrate (warm-up, or the first auto step)
         self.cycles = Cycles()
-        self.shared = SuffixIndex(shared_tokens)
+        self.shared: Index = new_index(shared_tokens)
         self.rates: dict[tuple[str, int, bool], Rate] = {}
         self.breaks: frozenset[int] = frozenset()  # tokens that end a sentence or a line (set_breaks)
         self.realism: dict[str, tuple[float, float]] = {}  # source -> decayed (tokens expected, tokens accepted)
@@ -329,14 +329,14 @@ class SeqDrafter:
 
     def __init__(self, spec: AutoSpec, prompt_len: int, model: ModelDrafts | None = None) -> None:
         self.spec, self.prompt_len, self.model = spec, prompt_len, model
-        self.own = SuffixIndex()
+        self.own: Index = new_index()
         self.out: list[int] = []  # the output so far, as the engine-wide index holds it
         self.doc = spec.shared.new_doc()
         self.rates: dict[tuple[str, int, bool], Rate] = {}
         self.pending: list[Proposal] = []
         self.probe_every, self.since_probe = PROBE_MIN, 0
         self.rest = 0  # steps this sequence sits out (no offer: its last could not pay at its batch's size)
-        self.idle = 0  # its offers in a row that could not pay
+        self.idle = 0  # its offers that could not pay since it was last granted drafts
         self.prompt_last: dict[int, int] | None = None  # token -> its last position in the prompt (made when needed)
         self.copied: tuple[int, int] | None = None  # where a copy of its own context diverged: (source, context) at
 
@@ -351,7 +351,8 @@ class SeqDrafter:
         proposals of the last offer are checked first. sampled: verify rows are sampled one by one (costlier).
         floor, rest: where the best draft's first token is less likely than the floor (AutoSpec.floor: what a lone
         token needs to pay at this step; the tokens after it are no likelier), the next `rest` offers are skipped
-        (None), twice as many after each such offer in a row (up to REST_MAX): in a large batch of streams with
+        (None), twice as many after each such offer since it was last granted drafts (up to REST_MAX; an offer that
+        passes the floor but is not granted leaves the count as it is): in a large batch of streams with
         nothing to copy, what the offers cost each step (Python's, 60-90 us each) is then shared among several
         steps; a stream that copies passes the floor nearly every step and never sits out long."""
         if self.rest > 0:
@@ -378,10 +379,8 @@ class SeqDrafter:
         if best is not None and sampled:
             best.extra_ms += self.spec.sampled_row_ms
         if rest and (best is None or (best.q[0] < floor and not best.probe)):
-            self.rest = min(REST_MAX, rest << min(self.idle, 3))
+            self.rest = min(REST_MAX, rest << min(self.idle, 5))
             self.idle += 1
-        else:
-            self.idle = 0
         return best
 
     def _resume(self, context: list[int], room: int) -> Path | None:
@@ -441,6 +440,8 @@ class SeqDrafter:
             self.pending.append(p)
             self.since_probe = 0
         p.granted = min(n, len(p.tokens))
+        if p.granted:
+            self.idle = 0
         counts = self.spec.counts
         counts.drafted[p.source] += p.granted
         counts.granted += p.granted > 0

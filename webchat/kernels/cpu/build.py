@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp", "qact.cpp", "qint8.cpp",
-           "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp")
+           "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp", "qsuffix.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
@@ -73,6 +73,9 @@ class QKernels(Protocol):
 
     def describe_rows(self, x: torch.Tensor, rows: list[int], tokens: list[int],
                       ks: list[int]) -> list[tuple[float, int, list[tuple[int, float]]]]: ...  # fmt: skip
+
+    def SuffixIndex(self, max_tokens: int, max_occurrences: int, max_match: int, min_share: float,  # noqa: N802
+                    spec_offset: int, path: type) -> Any: ...  # fmt: skip
 
 
 class KernelsUnavailable(RuntimeError):
@@ -156,12 +159,17 @@ def try_load() -> QKernels | None:
         return None
 
 
+def loaded() -> QKernels | None:
+    """The module where this process has loaded it already, else None (no build started)."""
+    return load() if load.cache_info().currsize else None
+
+
 def running() -> dict[str, object] | None:
     """The code path and vpdpbusd the kernels run ({"path": "avx512", "vnni": true}), None where they are not loaded
     (the server's /api/info; a bench that forces the AVX2 class checks it took)."""
-    if load.cache_info().currsize == 0:  # never loaded (or its build failed: nothing cached)
+    mod = loaded()
+    if mod is None:  # never loaded (or its build failed: nothing cached)
         return None
-    mod = load()
     return {"path": path_name(mod), "vnni": bool(mod.vnni())}
 
 

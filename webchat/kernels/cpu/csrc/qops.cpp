@@ -12,6 +12,7 @@
 #include "qcommon.h"
 #include "qint8.h"
 #include "qstep.h"
+#include "qsuffix.h"
 
 namespace wq {
 
@@ -462,4 +463,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("on"), py::arg("pack") = true)
       .def("forward", &wq::Step::forward)
       .def("forward_rows", &wq::Step::forward_rows);
+  wq::bind_suffix(m);
 }
