@@ -189,6 +189,22 @@ def test_the_curve_scales_to_the_forwards_the_engine_runs() -> None:
     assert cost.scale == pytest.approx(0.5)
 
 
+def test_rows_added_by_drafts_cost_the_curves_slope_when_the_steps_run_faster_than_it() -> None:
+    cost = VerifyCost({1: 10.0, 8: 38.0})  # 4 ms a row
+    for _ in range(9):
+        cost.observe(1, 5.0)  # the steps without drafts run at half the curve (short contexts)
+    assert cost.forward_ms(1) == pytest.approx(5.0) and cost.added_ms(1, 3) == pytest.approx(8.0)  # not 4
+    for _ in range(31):
+        cost.observe(1, 20.0)  # a slower machine: the added rows slow down with it
+    assert cost.added_ms(1, 3) == pytest.approx(16.0)
+    spec = planner(slope=4.0)
+    for _ in range(9):
+        spec.cost.observe(1, 5.0)  # type: ignore[union-attr]
+    # a lone 60% token: (1 + 0.6) / (5 + 4) ms < 1 / 5 ms; costed at half the slope it would have paid (1.6 / 7)
+    assert spec.plan([offer([0.6])], 1, 1, 63) == [0]
+    assert spec.floor(1, 1) == pytest.approx(0.8)
+
+
 class SlowModel:
     """A forward of T rows takes 2 + T ms; the call numbered `spike` takes 100 ms more (another process ran)."""
 

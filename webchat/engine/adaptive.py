@@ -272,7 +272,7 @@ class AutoSpec:
         self.counts.proposed += sum(p is not None for p in offers)
         ranked = sorted(((q, j, i) for i, p in enumerate(offers) if p is not None for j, q in enumerate(p.q)),
                         key=lambda c: (-c[0], c[1]))[: max(0, room)]
-        overhead, fwd = self.cycles.overhead_ms, self.cost.forward_ms
+        overhead, fwd, added = self.cycles.overhead_ms, self.cost.forward_ms, self.cost.added_ms
         key = batch_bucket(base_rows)
         best_n, tokens, extra = 0, float(base_tokens), 0.0
         self._planned = None
@@ -284,7 +284,7 @@ class AutoSpec:
             assert p is not None
             tokens += q
             extra += p.extra_ms
-            ms = fwd(base_rows + n)
+            ms = fwd(base_rows) + added(base_rows, base_rows + n)
             rate = payoff * tokens / (ms + overhead + extra)
             if rate > best:
                 best, best_n = rate, n
@@ -304,8 +304,9 @@ class AutoSpec:
         """The chance a lone draft token needs to pay for its verify row at a step of base_rows rows without drafts
         that emits base_tokens (the marginal row's share of the step's time, in tokens)."""
         assert self.cost is not None
-        fwd = self.cost.forward_ms
-        return base_tokens * (fwd(base_rows + 1) - fwd(base_rows)) / max(1e-6, fwd(base_rows) + self.cycles.overhead_ms)
+        cost = self.cost
+        return (base_tokens * cost.added_ms(base_rows, base_rows + 1)
+                / max(1e-6, cost.forward_ms(base_rows) + self.cycles.overhead_ms))
 
     def info(self) -> dict[str, object]:
         """The curve, the time between forwards, the decisions and the engine-wide rates (/api/info)."""
