@@ -10,7 +10,9 @@ prompts run as concurrent greedy streams under none and under auto, the order al
 replies are kept out of the index (otherwise auto would copy the reply none just gave to the same prompt). The fill's
 prompts and the rounds' are disjoint. Printed: decode tok/s of each (after the prompts' prefill: the same on both
 sides), auto / none, the time in Engine._plan_drafts per second of decoding, offers looked at against offers sat out,
-and tokens drafted / accepted.
+and tokens drafted / accepted; then the rounds' decode steps by mode and kind (with draft rows or without, at the full
+batch): their count, ms a step, of it the forward's, and tokens a step. The ratio moves by 1-2% between runs of the
+same build; the steps without drafts, auto's against none's, show what the planning costs a step with less noise.
 """
 
 from __future__ import annotations
@@ -66,6 +68,35 @@ def main() -> None:
 
     Engine._plan_drafts = timed_plan  # type: ignore[method-assign]
     adaptive.SeqDrafter.offer = counted_offer  # type: ignore[method-assign]
+    kinds: dict[tuple[str, str], list[float]] = {}  # (mode, kind) -> [steps, s, forward s, tokens]
+    measuring, forward_s, forward_rows = [False], [0.0], [0]
+    model_forward = model.forward
+
+    def timed_forward(batch: object, *a: object, **k: object) -> object:
+        t = time.perf_counter()
+        try:
+            return model_forward(batch, *a, **k)  # type: ignore[arg-type]
+        finally:
+            forward_s[0] += time.perf_counter() - t
+            forward_rows[0] = batch.num_tokens  # type: ignore[attr-defined]
+
+    model.forward = timed_forward  # type: ignore[method-assign]
+
+    def step(mode: str) -> None:
+        seqs = list(eng.running)
+        if not measuring[0] or len(seqs) < args.clients:
+            eng.step()
+            return
+        forward_s[0], before = 0.0, sum(len(s.tokens) for s in seqs)
+        t = time.perf_counter()
+        eng.step()
+        took = time.perf_counter() - t
+        kind = "with" if forward_rows[0] > len(seqs) else "without"
+        k = kinds.setdefault((mode, kind), [0, 0.0, 0.0, 0])
+        k[0] += 1
+        k[1] += took
+        k[2] += forward_s[0]
+        k[3] += sum(len(s.tokens) for s in seqs) - before
 
     def run(chats: list[list[dict[str, str]]], mode: str) -> tuple[int, float]:
         gens = [Generator(model, tok, engine=eng) for _ in chats]
@@ -77,7 +108,7 @@ def main() -> None:
             eng.step()
         t = time.perf_counter()
         while eng.running:
-            eng.step()
+            step(mode)
         seconds = time.perf_counter() - t
         tokens = 0
         for g in gens:
@@ -93,6 +124,7 @@ def main() -> None:
         run([SETS[args.set](i + c) for c in range(args.clients)], "auto")
     totals = {"none": [0, 0.0], "auto": [0, 0.0]}
     plan_s[0] = 0.0
+    measuring[0] = True
     looked.update(dict.fromkeys(looked, 0))
     drafted0, accepted0 = sum(eng.auto.counts.drafted.values()), sum(eng.auto.counts.accepted.values())
     for r in range(args.rounds):
@@ -110,6 +142,9 @@ def main() -> None:
           f"{tps['auto']:.1f} ({tps['auto'] / tps['none']:.3f}x); planning {1000 * plan_s[0] / totals['auto'][1]:.1f} "
           f"ms a second of decoding; offers looked at {looked['offers']}, sat out {looked['sat out']}; drafted "
           f"{drafted}, accepted {accepted}")
+    for (mode, kind), (n, secs, fwd, tokens) in sorted(kinds.items()):
+        print(f"  {mode} steps {kind} drafts, {args.clients} streams: {n:.0f}, {1000 * secs / n:.3f} ms a step "
+              f"(forward {1000 * fwd / n:.3f}, the rest {1000 * (secs - fwd) / n:.3f}), {tokens / n:.2f} tokens a step")
 
 
 if __name__ == "__main__":
