@@ -53,7 +53,7 @@ class Index(Protocol):
 
 
 def new_index(max_tokens: int = 0) -> Index:
-    """The C++ index where this process has loaded the kernels (a lookup in 2-3 us instead of 13), else a
+    """The C++ index where this process has loaded the kernels (a lookup in 2-6 us instead of 9-13), else a
     SuffixIndex."""
     from webchat.kernels.cpu import build
 
