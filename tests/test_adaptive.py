@@ -124,6 +124,20 @@ def test_the_cpp_index_answers_as_the_python_one_call_for_call(kernels: Any) -> 
         cpp.add(doc, [1, -1])
 
 
+def test_a_cpu_models_engine_plans_on_the_cpp_index(tiny_model_dir: Path, kernels: Any) -> None:
+    model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+    engine = Engine(model, tok)
+    assert model.suffix_index is kernels.SuffixIndex and isinstance(engine.auto.shared, kernels.SuffixIndex)
+    g = Generator(model, tok, engine=engine)
+    g.begin_stream(GenerationRequest(prompt_ids=list(range(100, 140)) * 2, settings=GREEDY, max_new_tokens=8,
+                                     speculative="auto"))
+    seq = g._seq
+    assert seq is not None and isinstance(seq.drafter, SeqDrafter) and isinstance(seq.drafter.own, kernels.SuffixIndex)
+    while not g.stream().eos:
+        pass
+    assert not isinstance(AutoSpec().shared, kernels.SuffixIndex)  # no backend's class: the Python one
+
+
 def test_follow_takes_the_majority_token_by_token_as_occurrences_end_and_disagree() -> None:
     # the rule, one token at a time: the most common next token of the live occurrences (ties: the newest, first),
     # the share times its part of them, the others dropped, until the share falls under MIN_SHARE or every

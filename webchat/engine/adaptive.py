@@ -45,10 +45,11 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import groupby
-from typing import Protocol
+from typing import Any, Protocol
 
 from webchat.engine.suffix import Index, Path, new_index
 from webchat.engine.verify_cost import IDLE_GAP_S, Cycles, VerifyCost
@@ -165,10 +166,11 @@ class AutoSpec:
     """The engine-wide side: the cost curve, the time between forwards, the shared output index, the engine-wide
     rates, the planner and its counts."""
 
-    def __init__(self, shared_tokens: int = SHARED_TOKENS) -> None:
+    def __init__(self, shared_tokens: int = SHARED_TOKENS, native_index: Callable[..., Any] | None = None) -> None:
         self.cost: VerifyCost | None = None  # measured by Engine.calibrate (warm-up, or the first auto step)
         self.cycles = Cycles()
-        self.shared: Index = new_index(shared_tokens)
+        self.native_index = native_index  # the C++ suffix index where the model's backend has one (suffix.new_index)
+        self.shared: Index = new_index(shared_tokens, native_index)
         self.rates: dict[tuple[str, int, bool], Rate] = {}
         self.breaks: frozenset[int] = frozenset()  # tokens that end a sentence or a line (set_breaks)
         self.realism: dict[str, tuple[float, float]] = {}  # source -> decayed (tokens expected, tokens accepted)
@@ -330,7 +332,7 @@ class SeqDrafter:
 
     def __init__(self, spec: AutoSpec, prompt_len: int, model: ModelDrafts | None = None) -> None:
         self.spec, self.prompt_len, self.model = spec, prompt_len, model
-        self.own: Index = new_index()
+        self.own: Index = new_index(0, spec.native_index)
         self.out: list[int] = []  # the output so far, as the engine-wide index holds it
         self.doc = spec.shared.new_doc()
         self.rates: dict[tuple[str, int, bool], Rate] = {}

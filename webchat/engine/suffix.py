@@ -13,15 +13,17 @@ is being copied) and all of them (the common continuation).
     index.add(doc, tokens)                     # tokens: an append-only list the index keeps and reads as it grows
     index.paths(context, limit, exclude=doc)   # up to two Paths, longest match first
 
-`new_index()` gives the same index in C++ (kernels/cpu/csrc/qsuffix.cpp: the same paths, share for share) where the
-process has the kernels loaded, this class elsewhere; the C++ one copies a doc's tokens in at each add.
+`new_index(max_tokens, native)` gives the same index in C++ where the model's backend installed it (a CPU model's
+`suffix_index`: kernels/cpu/csrc/qsuffix.cpp, the same paths share for share), this class elsewhere; the C++ one
+copies a doc's tokens in at each add.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 POSITION_BITS = 32
 POSITION_MASK = (1 << POSITION_BITS) - 1
@@ -52,15 +54,12 @@ class Index(Protocol):
     def paths(self, context: list[int], limit: int, exclude: int | None = None) -> list[Path]: ...
 
 
-def new_index(max_tokens: int = 0) -> Index:
-    """The C++ index where this process has loaded the kernels (a lookup in 2-6 us instead of 9-13), else a
-    SuffixIndex."""
-    from webchat.kernels.cpu import build
-
-    kernels = build.loaded()
-    if kernels is None:
+def new_index(max_tokens: int = 0, native: Callable[..., Any] | None = None) -> Index:
+    """A SuffixIndex, or `native` made with this module's constants and Path (the C++ class a CPU model's backend
+    installs as `suffix_index`: a lookup in 2-6 us instead of 9-13)."""
+    if native is None:
         return SuffixIndex(max_tokens)
-    return kernels.SuffixIndex(max_tokens, MAX_OCCURRENCES, MAX_MATCH, MIN_SHARE, SPEC_OFFSET, Path)  # type: ignore[no-any-return]
+    return native(max_tokens, MAX_OCCURRENCES, MAX_MATCH, MIN_SHARE, SPEC_OFFSET, Path)  # type: ignore[no-any-return]
 
 
 class SuffixIndex:

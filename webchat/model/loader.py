@@ -151,6 +151,7 @@ def load_model(
 
         enable_cpu_step(model, kernels)
         model.row_scan = kernels  # the sampler's argmax and heatmap numbers in C++ (webchat.engine.sampling.RowScan)
+        model.suffix_index = None if kernels is None else kernels.SuffixIndex  # the auto planner's index in C++
     if precision is None:
         here = qkernels.path_name(kernels) if kernels is not None else "none"
         precision = default_precision(quantized_formats(model), here)

@@ -159,17 +159,12 @@ def try_load() -> QKernels | None:
         return None
 
 
-def loaded() -> QKernels | None:
-    """The module where this process has loaded it already, else None (no build started)."""
-    return load() if load.cache_info().currsize else None
-
-
 def running() -> dict[str, object] | None:
     """The code path and vpdpbusd the kernels run ({"path": "avx512", "vnni": true}), None where they are not loaded
     (the server's /api/info; a bench that forces the AVX2 class checks it took)."""
-    mod = loaded()
-    if mod is None:  # never loaded (or its build failed: nothing cached)
+    if load.cache_info().currsize == 0:  # never loaded (or its build failed: nothing cached)
         return None
+    mod = load()
     return {"path": path_name(mod), "vnni": bool(mod.vnni())}
 
 
