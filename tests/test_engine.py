@@ -166,7 +166,7 @@ def test_identical_prefixes_are_computed_once(tiny: tuple[Any, Tokenizer]) -> No
     counting.args, counting.device, counting.dtype = model.args, model.device, model.dtype  # type: ignore[attr-defined]
     counting.new_pool, counting.ensure_rope = model.new_pool, model.ensure_rope  # type: ignore[attr-defined]
     counting.truncated, counting.sampler_factory = model.truncated, None  # type: ignore[attr-defined]
-    counting.row_scan = model.row_scan  # type: ignore[attr-defined]
+    counting.row_scan, counting.suffix_index = model.row_scan, model.suffix_index  # type: ignore[attr-defined]
     engine = Engine(counting, tok, max_seq_len=256, pool_tokens=4096)  # type: ignore[arg-type]
     system = prompts(4, model.args.vocab_size, seed=3)[3][:100]
     first = run_alone(Generator(model, tok, engine=engine),
@@ -196,7 +196,7 @@ def test_each_row_is_marked_prompt_or_not(tiny: tuple[Any, Tokenizer]) -> None:
     recording.args, recording.device, recording.dtype = model.args, model.device, model.dtype  # type: ignore[attr-defined]
     recording.new_pool, recording.ensure_rope = model.new_pool, model.ensure_rope  # type: ignore[attr-defined]
     recording.truncated, recording.sampler_factory = model.truncated, None  # type: ignore[attr-defined]
-    recording.row_scan = model.row_scan  # type: ignore[attr-defined]
+    recording.row_scan, recording.suffix_index = model.row_scan, model.suffix_index  # type: ignore[attr-defined]
     engine = Engine(recording, tok, max_seq_len=256, pool_tokens=4096, prefill_chunk=16)  # type: ignore[arg-type]
     prompt = prompts(1, model.args.vocab_size, seed=9)[0][:40]
     out = run_alone(Generator(model, tok, engine=engine),

@@ -117,7 +117,7 @@ class ScriptedModel:
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.script, self.prompt_len = script, prompt_len
         self.fed: list[int] = []
-        self.sampler_factory = self.row_scan = None
+        self.sampler_factory = self.row_scan = self.suffix_index = None
 
     def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool:
         ps = page_size or 16
@@ -262,7 +262,7 @@ class CountingModel:
 
     def __init__(self, model: Any) -> None:
         self.model, self.args, self.device, self.dtype, self.fed = model, model.args, model.device, model.dtype, 0
-        self.sampler_factory = self.row_scan = None
+        self.sampler_factory = self.row_scan = self.suffix_index = None
 
     def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool:
         return self.model.new_pool(n_tokens, page_size)  # type: ignore[no-any-return]

@@ -279,14 +279,14 @@ class AutoSpec:
         best_n, tokens, extra = 0, float(base_tokens), 0.0
         self._planned = None
         if ranked:  # (nothing offered, the step as it is: most steps of streams with nothing to copy)
-            payoff = self.payoff_factor(key)
-            best = base_tokens / (fwd(base_rows) + overhead) * (1 + MARGIN) if base_rows else 0.0
+            payoff, base_ms = self.payoff_factor(key), fwd(base_rows)
+            best = base_tokens / (base_ms + overhead) * (1 + MARGIN) if base_rows else 0.0
         for n, (q, _, i) in enumerate(ranked, 1):
             p = offers[i]
             assert p is not None
             tokens += q
             extra += p.extra_ms
-            ms = fwd(base_rows) + added(base_rows, base_rows + n)
+            ms = base_ms + added(base_rows, base_rows + n)
             rate = payoff * tokens / (ms + overhead + extra)
             if rate > best:
                 best, best_n = rate, n

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +42,7 @@ class Model(Protocol):
     args: ModelArgs
     sampler_factory: Callable[..., object] | None  # installed by a backend (webchat.kernels.cuda.graphs)
     row_scan: RowScan | None  # installed by webchat.model.loader where the C++ kernels are built
+    suffix_index: Callable[..., Any] | None  # likewise: the auto planner's suffix index in C++ (engine.suffix)
 
     @property
     def device(self) -> torch.device: ...

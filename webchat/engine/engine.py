@@ -90,7 +90,7 @@ class Engine(Admission):
         self._drafters: dict[tuple[int, str], Drafter] = {}
         # speculative "auto": the cost curve, the shared outputs, the planner (their suffix index in C++ where the
         # model's backend installed it)
-        self.auto = AutoSpec(native_index=getattr(model, "suffix_index", None))
+        self.auto = AutoSpec(native_index=model.suffix_index)
         self.auto.set_breaks([tokenizer.id_to_text(t) for t in range(tokenizer.vocab_size)])
         self._calibrate_at = 0  # the step from which a failed calibration (no free pages) is tried again
         self._closing: list[object] = []  # owners gone (appended from any thread, handled on the engine's)
