@@ -237,6 +237,35 @@ def test_a_prompt_is_computed_alike_however_it_is_chunked(tiny_model_dir: Path, 
         assert same == (weights == "q4_1-int8")
 
 
+def test_attention_units_split_a_head_each_give_the_bits_of_whole_ones(tiny_model_dir: Path, shapes_root: Path,
+                                                                      code_path: str) -> None:
+    """qstep.cpp's attention takes a prefill or verify chunk in units of up to 8 rows with every query head of a kv
+    group, and splits them a query head each where there are few (under 8 a thread), so 2 threads share 3 kv groups
+    evenly. A prompt of 80 rows fed whole makes 10 chunks x 2 kv groups, enough to go as they are; fed as 72 + 8, or
+    row by row as a verify would, its units are split. Every row's logits and k/v must be the same bits."""
+    model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q4_1", precision="int8")
+    assert isinstance(model.runner, CpuStep) and torch.get_num_threads() <= 2  # 20 units reach 8 a thread
+    ids = torch.randint(3, 500, (80,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    def feed(chunks: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        pool = model.new_pool(8 * PAGE, PAGE)
+        table = PageTable(pool)
+        table.ensure(len(ids))
+        start, rows, calls = 0, [], model.runner.calls
+        for n in chunks:
+            rows.append(model(make_batch([(ids[start : start + n], start, table.pages, list(range(n)))], PAGE), pool))
+            start += n
+        assert model.runner.calls == calls + len(chunks)
+        slots = torch.tensor([table.pages[p // PAGE] * PAGE + p % PAGE for p in range(len(ids))])
+        return torch.cat(rows), [t.flatten(0, 1).index_select(0, slots) for t in pool.k + pool.v]
+
+    whole, whole_kv = feed([80])
+    for chunks in ([72, 8], [5, 9] * 5 + [10]):
+        logits, kv = feed(chunks)
+        assert torch.equal(logits, whole), chunks
+        assert all(torch.equal(a, b) for a, b in zip(kv, whole_kv, strict=True)), chunks
+
+
 def test_self_draft_truncation_runs_in_cpp_and_matches(tiny_model_dir: Path, shapes_root: Path) -> None:
     model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q8_0", precision="exact")
     ours, ref, *_ = run_both(model.truncated(1), model)  # the first layer only, on the full model's C++ step

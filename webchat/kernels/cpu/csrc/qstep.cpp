@@ -54,6 +54,27 @@ static void axpy_scalar(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// max of x[0, n) (n >= 1): the same value in any order, so the same as std::max_element's on scores without NaN. A
+// scalar maxss chain waits on its latency at every key: 7% of a 960-token prefill's time went to it.
+AVX2_FN static float max_avx2(const float* x, int64_t n) {
+  int64_t i = 0;
+  float r = x[0];
+  if (n >= 32) {
+    __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8), m2 = _mm256_loadu_ps(x + 16),
+           m3 = _mm256_loadu_ps(x + 24);
+    for (i = 32; i + 32 <= n; i += 32) {
+      m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i)), m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
+      m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + i + 16)), m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + i + 24));
+    }
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    r = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
 // x[i] = exp(x[i] - shift); returns the sum
 AVX2_FN static float exp_sum_avx2(float* x, int64_t n, float shift) {
   const __m256 vs = _mm256_set1_ps(shift);
@@ -327,10 +348,10 @@ void StepModel::quantize_for(Mats mys, const float* x, int64_t m, int64_t k) {
 // 1 / sqrt(hd) unless the model sets one, cap(s) = c tanh(s / c) where the model soft-caps. A window's unit starts at
 // the page of its first row's first key; keys below a row's window get weight 0. The work comes in units of
 // (sequence, query heads, rows): a decoding sequence's one row makes a unit per query head, split evenly over the
-// threads in order (neighbouring
-// heads share their kv head's pages in cache); a prefill or verify chunk makes units of up to 8 rows with every query
-// head of one kv group, so a page's keys and values are read once for all of them, taken by the threads as they go,
-// heaviest first. Each row's sums run in the same order whatever else is in the batch.
+// threads in order (neighbouring heads share their kv head's pages in cache); a prefill or verify chunk makes units of
+// up to 8 rows with every query head of one kv group, so a page's keys and values are read once for all of them (a
+// unit a query head each where that makes few), taken by the threads as they go, heaviest first. Each row's sums run
+// in the same order whatever else is in the batch and whatever the units.
 void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, int64_t ps, int64_t window) {
   const int64_t g = n_heads / n_kv, hd = head_dim, qd = n_heads * hd, kvd = n_kv * hd;
   const float scale = attn_scale > 0.f ? attn_scale : 1.f / std::sqrt(float(hd)), cap = attn_softcap;
@@ -352,6 +373,15 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
       const int64_t rows = std::min(ROWS, hi - r0), lmax = bv.positions[r0 + rows - 1] + 1;  // positions rise
       for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax});
     }
+  }
+  // Few chunk units (a verify of a few rows: 3 kv groups on 2 threads leave one idle for a third of the work): a unit
+  // a query head each, so the threads' shares come out even. A row's sums are the same in either shape.
+  if (g > 1 && static_cast<int64_t>(chunks.size()) < 8 * at::get_num_threads()) {
+    std::vector<Unit> each;
+    each.reserve(chunks.size() * g);
+    for (const Unit& u : chunks)
+      for (int64_t h = 0; h < g; ++h) each.push_back(Unit{u.b, u.h0 + h, 1, u.r0, u.rows, u.lmax});
+    chunks.swap(each);
   }
   std::stable_sort(chunks.begin(), chunks.end(),
                    [](const Unit& x, const Unit& y) { return x.rows * x.lmax > y.rows * y.lmax; });
@@ -386,7 +416,7 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
       const int64_t lo = first(j), n = len(j) - lo;
       if (cap > 0.f)
         for (int64_t i = lo; i < len(j); ++i) s[i] = std::tanh(s[i] / cap) * cap;
-      const float mx = *std::max_element(s + lo, s + len(j));
+      const float mx = vec ? max_avx2(s + lo, n) : *std::max_element(s + lo, s + len(j));
       inv[j] = 1.f / (vec ? exp_sum_avx2(s + lo, n, mx) : exp_sum_scalar(s + lo, n, mx));
       std::fill(s + start, s + lo, 0.f);  // keys before the window
       std::fill(o(j), o(j) + hd, 0.f);
