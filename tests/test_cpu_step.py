@@ -240,27 +240,31 @@ def test_a_prompt_is_computed_alike_however_it_is_chunked(tiny_model_dir: Path, 
 def test_attention_units_split_a_head_each_give_the_bits_of_whole_ones(tiny_model_dir: Path, shapes_root: Path,
                                                                       code_path: str) -> None:
     """qstep.cpp's attention takes a prefill or verify chunk in units of up to 8 rows with every query head of a kv
-    group, and splits them a query head each where there are few (under 8 a thread), so 2 threads share 3 kv groups
-    evenly. A prompt of 80 rows fed whole makes 10 chunks x 2 kv groups, enough to go as they are; fed as 72 + 8, or
-    row by row as a verify would, its units are split. Every row's logits and k/v must be the same bits."""
+    group, and splits them a query head each where a step makes under 8 a thread (so 2 threads share 3 kv groups
+    evenly). A prompt of 40 rows a thread fed whole makes 5 chunks x 2 kv groups a thread, enough to go as they are;
+    fed as all but 8 rows and then 8 (the 8 split), or in verify-sized chunks of 5 and 9 (every one split), every
+    row's logits and k/v must be the same bits."""
     model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q4_1", precision="int8")
-    assert isinstance(model.runner, CpuStep) and torch.get_num_threads() <= 2  # 20 units reach 8 a thread
-    ids = torch.randint(3, 500, (80,), generator=torch.Generator().manual_seed(9)).tolist()
+    assert isinstance(model.runner, CpuStep)
+    n = 40 * torch.get_num_threads()
+    ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(9)).tolist()
 
     def feed(chunks: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        pool = model.new_pool(8 * PAGE, PAGE)
+        pool = model.new_pool(n + 2 * PAGE, PAGE)
         table = PageTable(pool)
         table.ensure(len(ids))
         start, rows, calls = 0, [], model.runner.calls
-        for n in chunks:
-            rows.append(model(make_batch([(ids[start : start + n], start, table.pages, list(range(n)))], PAGE), pool))
-            start += n
-        assert model.runner.calls == calls + len(chunks)
+        for size in chunks:
+            rows.append(model(make_batch([(ids[start : start + size], start, table.pages, list(range(size)))], PAGE),
+                              pool))
+            start += size
+        assert start == n and model.runner.calls == calls + len(chunks)
         slots = torch.tensor([table.pages[p // PAGE] * PAGE + p % PAGE for p in range(len(ids))])
         return torch.cat(rows), [t.flatten(0, 1).index_select(0, slots) for t in pool.k + pool.v]
 
-    whole, whole_kv = feed([80])
-    for chunks in ([72, 8], [5, 9] * 5 + [10]):
+    whole, whole_kv = feed([n])
+    verifies = [5, 9] * (n // 14) + ([n % 14] if n % 14 else [])
+    for chunks in ([n - 8, 8], verifies):
         logits, kv = feed(chunks)
         assert torch.equal(logits, whole), chunks
         assert all(torch.equal(a, b) for a, b in zip(kv, whole_kv, strict=True)), chunks
