@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace wq {
 
@@ -103,6 +104,26 @@ __attribute__((target("avx2"))) inline float hsum256(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// the largest of x[0, n) (-inf for n = 0): four chains of vector maxes, so the loop does not wait on one max's latency
+// a vector (a scalar maxss chain does at every value); the same value as any order's (no NaN). The sampler's scans
+// (qsample.cpp) and the attention's softmax (qstep.cpp) take it.
+__attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m, m2 = m, m3 = m;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    m = _mm256_max_ps(m, _mm256_loadu_ps(x + i)), m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
+    m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + i + 16)), m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + i + 24));
+  }
+  m = _mm256_max_ps(_mm256_max_ps(m, m1), _mm256_max_ps(m2, m3));
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float r = lanes[0];
+  for (int l = 1; l < 8; ++l) r = lanes[l] > r ? lanes[l] : r;
+  for (; i < n; ++i) r = x[i] > r ? x[i] : r;
+  return r;
 }
 
 // e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), within ~2 ulp of

@@ -15,23 +15,6 @@ namespace wq {
 
 #define AVX2_FN __attribute__((target("avx2,fma")))
 
-AVX2_FN static float max_avx2(const float* x, int64_t n) {
-  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m, m2 = m, m3 = m;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {  // four chains, so the loop is not one max's latency per vector
-    m = _mm256_max_ps(m, _mm256_loadu_ps(x + i)), m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
-    m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + i + 16)), m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + i + 24));
-  }
-  m = _mm256_max_ps(_mm256_max_ps(m, m1), _mm256_max_ps(m2, m3));
-  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float r = lanes[0];
-  for (int l = 1; l < 8; ++l) r = lanes[l] > r ? lanes[l] : r;
-  for (; i < n; ++i) r = x[i] > r ? x[i] : r;
-  return r;
-}
-
 static float max_scalar(const float* x, int64_t n) {
   float r = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) r = x[i] > r ? x[i] : r;

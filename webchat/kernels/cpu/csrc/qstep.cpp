@@ -54,27 +54,6 @@ static void axpy_scalar(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// max of x[0, n) (n >= 1): the same value in any order, so the same as std::max_element's on scores without NaN. A
-// scalar maxss chain waits on its latency at every key: 7% of a 960-token prefill's time went to it.
-AVX2_FN static float max_avx2(const float* x, int64_t n) {
-  int64_t i = 0;
-  float r = x[0];
-  if (n >= 32) {
-    __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8), m2 = _mm256_loadu_ps(x + 16),
-           m3 = _mm256_loadu_ps(x + 24);
-    for (i = 32; i + 32 <= n; i += 32) {
-      m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i)), m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
-      m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + i + 16)), m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + i + 24));
-    }
-    const __m256 m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    r = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  }
-  for (; i < n; ++i) r = std::max(r, x[i]);
-  return r;
-}
-
 // x[i] = exp(x[i] - shift); returns the sum
 AVX2_FN static float exp_sum_avx2(float* x, int64_t n, float shift) {
   const __m256 vs = _mm256_set1_ps(shift);
