@@ -23,6 +23,9 @@ nothing was drafted, bench/README.md) leaves the ratio; printed per section: the
 pairs at or above 0.97, and what auto drafted; beside them the decode alone (first token to last, against none's) and
 the ceiling: what auto would reach if every stream drafted as long as pays and every draft were accepted, from the
 server's own verify-cost curve, its time between steps and the section's time to first token (`ceiling`).
+`--spec-fill N` first puts N replies to other prompts of each set (copy, code) into the server's engine-wide index, as a
+served engine holds its earlier requests' after a while: without it the pairs measure a server's first minutes, where
+the other sessions' outputs (suffix decoding's source) are few.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from webchat.engine.adaptive import MAX_AUTO_DRAFT, MAX_STEP_ROWS
 from webchat.engine.verify_cost import VerifyCost
 
 C1_RUNS = 3
+FILL_AT = 100_000  # --spec-fill's prompts: far past the sections' own
 T = TypeVar("T")
 
 
@@ -64,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-paired", type=int, default=0, metavar="N",
                    help="instead: one auto server, N pairs per set and client count of a none section and an auto "
                         "section back to back (each request names its mode), the ratio of each pair")
+    g.add_argument("--spec-fill", type=int, default=0, metavar="N",
+                   help="with --spec-paired: before each set's pairs, N replies to other prompts of the set, so the "
+                        "engine-wide index holds what a served engine's does after a while (copy and code; open's "
+                        "96 prompts are the pairs' own)")
 
 
 @dataclass
@@ -230,6 +238,22 @@ def set_body(name: str, args: argparse.Namespace, stops: list[int]) -> dict[str,
     return {"max_tokens": args.spec_max_tokens, "temperature": 0}
 
 
+def fill(server: Server, name: str, n: int, body: dict[str, Any], asked: set[str]) -> int:
+    """--spec-fill: replies to n other prompts of the set (from FILL_AT on, none asked before), 4 streams at a time,
+    into the server's engine-wide index, as a served engine holds its earlier requests' replies after a while. Returns
+    how many were asked."""
+    chats: list[list[dict[str, str]]] = []
+    i = FILL_AT
+    while len(chats) < n and i < FILL_AT + 10 * n:
+        chat, i = SETS[name](i), i + 1
+        if (key := json.dumps(chat)) not in asked:
+            asked.add(key)
+            chats.append(chat)
+    for k in range(0, len(chats), 4):
+        section(server, chats[k : k + 4], body)
+    return len(chats)
+
+
 def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[int], stops: list[int]) -> None:
     """--spec-paired N: one `--speculative auto` server; per set and client count, N pairs of a `none` section and an
     `auto` section back to back, each request naming its mode (the order alternates pair by pair, every section new
@@ -244,8 +268,12 @@ def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[
     try:
         server.wait_ready()
         warm_up(server)
-        at, asked = 0, set()
+        at, asked = 0, set[str]()
         for name in sets:
+            if args.spec_fill and name != "open":
+                body = dict(set_body(name, args, stops), speculative="auto")
+                print(f"({name}: {fill(server, name, args.spec_fill, body, asked)} replies to other prompts of the set "
+                      "in the index first)", flush=True)
             for n in clients:
                 ratios, base, drafted = [], [], {"offers": 0.0, "granted": 0.0, "drafted": 0.0, "accepted": 0.0}
                 decode, ceil = [], []

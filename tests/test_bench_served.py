@@ -4,6 +4,7 @@ what the speculation comparison (bench/served_speculation.py) prints from an aut
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "bench_standin.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
+import served_speculation  # noqa: E402
+from draftable_share import Followers, guess, guessed, oracle_speed  # noqa: E402
 from served_files import matrix_bytes, precision_of  # noqa: E402
-from served_speculation import Section, ceiling, report  # noqa: E402
+from served_prompts import SETS  # noqa: E402
+from served_speculation import FILL_AT, Section, ceiling, fill, report  # noqa: E402
+
+from webchat.engine.adaptive import MAX_AUTO_DRAFT  # noqa: E402
+from webchat.engine.verify_cost import VerifyCost  # noqa: E402
 
 
 def tiny_gguf(path: Path, tied: bool) -> Path:
@@ -123,6 +130,42 @@ def test_the_ceiling_is_a_verify_rows_cost_against_a_decode_rows() -> None:
     rows_alike = {"cost": {"forward_ms": {"1": 4.0, "64": 256.0}}, "between_steps_ms": 0.0}  # a row costs 4 ms
     assert ceiling(rows_alike, 1) == pytest.approx(1.0)  # compute-bound from the first row: drafts cannot pay
     assert ceiling(rows_alike, 16) == pytest.approx(1.0)
+
+
+def test_the_fill_asks_other_prompts_of_the_set_four_at_a_time_and_none_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--spec-fill: n prompts none asked before (a repeated one would let auto copy its reply), in sections of <= 4."""
+    sent: list[list[list[dict[str, str]]]] = []
+    monkeypatch.setattr(served_speculation, "section", lambda server, chats, body: sent.append(chats))
+    asked = {json.dumps(SETS["code"](FILL_AT + 1))}  # asked already: skipped
+    assert fill(None, "code", 6, {}, asked) == 6  # type: ignore[arg-type]
+    chats = [c for s in sent for c in s]
+    assert [len(s) for s in sent] == [4, 2]
+    assert len({json.dumps(c) for c in chats}) == 6 and SETS["code"](FILL_AT + 1) not in chats
+    assert chats[0] == SETS["code"](FILL_AT) and all(json.dumps(c) in asked for c in chats)
+
+
+def test_the_oracle_guesses_the_longest_suffixs_most_frequent_follower() -> None:
+    seen = Followers()
+    seen.add_all([1, 2, 3, 9, 1, 2, 3, 9, 5, 2, 3, 7])  # (2, 3) -> 9, 9, 7; (1, 2, 3) -> 9, 9
+    assert guess([8, 2, 3], [seen]) == 9  # the most frequent follower of the longest suffix seen
+    assert guess([5, 2, 3], [seen]) == 7  # (5, 2, 3) -> 7 is longer than (2, 3)'s majority
+    assert guess([4, 4], [seen]) is None
+    # a reply that copies its prompt: guessed once two tokens of the copy are in (its first two never)
+    prompt = [10, 11, 12, 13, 14, 15, 16]
+    assert guessed(prompt + [0], [11, 12, 13, 14], None) == [False, False, True, True]
+    other = Followers()
+    other.add_all([0, 11, 12])  # another reply's: 0 -> 11 after (.., 0)
+    assert guessed(prompt + [0], [11, 12, 13, 14], other)[:2] == [False, True]
+
+
+def test_the_oracle_speed_verifies_exactly_each_run_of_right_guesses() -> None:
+    flat = VerifyCost({1: 4.0, 64: 4.0 + 63 * 1.0})  # a verify row costs a quarter of a step
+    assert oracle_speed([False] * 10, flat) == pytest.approx(1.0)  # nothing guessed: a step a token
+    # a run of 3 guessed after a miss: steps emit [miss], [3 guessed + 1]: 5 tokens in 4 + 7 ms against 5 * 4 ms
+    assert oracle_speed([False, True, True, True, False], flat) == pytest.approx(20.0 / 11.0)
+    long = [True] * (MAX_AUTO_DRAFT + 3)  # a run past the draft cap takes a second step
+    steps = flat.forward_ms(1 + MAX_AUTO_DRAFT) + flat.forward_ms(3)
+    assert oracle_speed(long, flat) == pytest.approx(len(long) * 4.0 / steps)
 
 
 def test_the_precision_label_names_the_kernels_the_server_took() -> None:
