@@ -286,8 +286,8 @@ def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[
                         for c in chats:  # a repeated prompt would let auto copy the earlier reply
                             key = json.dumps(c)
                             if key in asked:
-                                raise SystemExit(f"the {name} set ran out of distinct prompts at {at}: fewer "
-                                                 "--spec-paired pairs or clients")
+                                raise SystemExit(f"the {name} set ran out of distinct prompts at {at} (or met one "
+                                                 "--spec-fill asked): fewer --spec-paired pairs or clients")
                             asked.add(key)
                         got[mode] = section(server, chats, dict(set_body(name, args, stops), speculative=mode))
                     ratios.append(got["auto"].tps / got["none"].tps)
@@ -320,6 +320,9 @@ def main(args: argparse.Namespace, gguf: Path) -> None:
         raise SystemExit(f"--spec-modes must start with none (got {modes}); --spec-sets from {list(SETS)} (got {sets})")
     if args.spec_paired < 0:
         raise SystemExit(f"--spec-paired must be 0 (off) or a number of pairs, got {args.spec_paired}")
+    if args.spec_fill < 0 or (args.spec_fill and not args.spec_paired):
+        raise SystemExit(f"--spec-fill must be 0 (off) or a number of replies, with --spec-paired; got "
+                         f"--spec-fill {args.spec_fill} --spec-paired {args.spec_paired}")
     stops = stop_token_ids(gguf)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the server it started too (`finally`)
     if args.spec_paired:

@@ -4,6 +4,7 @@ what the speculation comparison (bench/served_speculation.py) prints from an aut
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -142,6 +143,15 @@ def test_the_fill_asks_other_prompts_of_the_set_four_at_a_time_and_none_twice(mo
     assert [len(s) for s in sent] == [4, 2]
     assert len({json.dumps(c) for c in chats}) == 6 and SETS["code"](FILL_AT + 1) not in chats
     assert chats[0] == SETS["code"](FILL_AT) and all(json.dumps(c) in asked for c in chats)
+
+
+@pytest.mark.parametrize("argv", [["--spec-fill", "4"], ["--spec-paired", "2", "--spec-fill", "-1"]])
+def test_a_fill_without_pairs_or_below_zero_is_refused_by_name(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    served_speculation.add_arguments(parser)
+    args = parser.parse_args(["--speculation", *argv])
+    with pytest.raises(SystemExit, match="--spec-fill must be 0"):
+        served_speculation.main(args, Path("unread.gguf"))
 
 
 def test_the_oracle_guesses_the_longest_suffixs_most_frequent_follower() -> None:
