@@ -26,14 +26,13 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_speculative import run_once  # noqa: E402
 from served_prompts import SETS  # noqa: E402
 from served_speculation import FILL_AT  # noqa: E402  (the fill's prompts: bench_served.py --spec-fill's)
 
 from webchat.engine import verify_cost  # noqa: E402
 from webchat.engine.adaptive import MAX_AUTO_DRAFT  # noqa: E402
 from webchat.engine.generator import Generator  # noqa: E402
-from webchat.engine.sequence import GenerationRequest  # noqa: E402
-from webchat.engine.settings import SamplingSettings  # noqa: E402
 from webchat.model.loader import load_model  # noqa: E402
 from webchat.pull import ensure_default_model  # noqa: E402
 from webchat.text.tokenizer import Tokenizer  # noqa: E402
@@ -73,16 +72,9 @@ def guess(context: list[int], indexes: list[Followers]) -> int | None:
 
 
 def reply(gen: Generator, tok: Tokenizer, chat: list[dict[str, str]], max_tokens: int) -> tuple[list[int], list[int]]:
-    """The prompt's ids and the greedy reply's."""
+    """The prompt's ids and the greedy reply's (bench_speculative.py's cold-start run, without drafts)."""
     ids = tok.encode(tok.apply_chat_template(chat))
-    gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0),
-                                       max_new_tokens=max_tokens))
-    out: list[int] = []
-    while True:
-        r = gen.stream()
-        out += list(r.token_ids)
-        if r.eos:
-            return ids, out
+    return ids, run_once(gen, ids, "none", max_tokens)[0]
 
 
 def guessed(prompt: list[int], out: list[int], others: Followers | None) -> list[bool]:
