@@ -18,10 +18,11 @@ import threading
 import time
 from pathlib import Path
 
-from webchat.engine import grammar as g
 from webchat.engine.constraint import empty_mask
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
+from webchat.grammar import build as g
+from webchat.grammar import matcher as gm
 from webchat.serve.config import ServerConfig
 from webchat.serve.device import DeviceThread
 from webchat.serve.runtime import Runtime, load_runtime, warm_up
@@ -35,7 +36,7 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLengt
 class Timed:
     """A GrammarConstraint whose mask calls are timed."""
 
-    def __init__(self, inner: g.GrammarConstraint) -> None:
+    def __init__(self, inner: gm.GrammarConstraint) -> None:
         self.inner, self.spent, self.calls = inner, 0.0, 0
 
     def mask(self, bits: object) -> bool:
@@ -56,7 +57,7 @@ class Timed:
 def run(rt: Runtime, tokens: int, constrained: bool) -> tuple[float, float]:
     """(ms per decode step, µs of llguidance's mask per token) over `tokens` greedy tokens of one sequence."""
     model, tokenizer, engine = rt.local()
-    grammars = g.grammars_for(tokenizer, model.args.vocab_size)
+    grammars = gm.grammars_for(tokenizer, model.args.vocab_size)
     c = Timed(grammars.constraint(g.json_schema(SCHEMA))) if constrained else None
     ids = rt.encode_chat([{"role": "user", "content": "Write a long story about a lighthouse, as JSON."}])
     owner = object()
@@ -89,7 +90,7 @@ def mask_alone(rt: Runtime) -> list[tuple[str, float, float]]:
     """(schema, median µs, p90 µs) of llguidance's mask over each token of TEXT, no forward running: the bench's
     schema (a string bounded at 4000 characters costs the lexer most) and the same with unbounded strings."""
     model, tokenizer, _ = rt.local()
-    grammars = g.grammars_for(tokenizer, model.args.vocab_size)
+    grammars = gm.grammars_for(tokenizer, model.args.vocab_size)
     loose = {"type": "object", "properties": {"title": {"type": "string"}, "story": {"type": "string"}}}
     out = []
     for name, schema in (("maxLength 4000", SCHEMA), ("unbounded strings", loose)):
@@ -107,7 +108,7 @@ def mask_alone(rt: Runtime) -> list[tuple[str, float, float]]:
 def overlap(rt: Runtime, steps: int) -> tuple[float, float, float]:
     """(ms a free step, ms a free step with a mask computed on a thread beside it, µs a mask alone)."""
     model, tokenizer, engine = rt.local()
-    grammars = g.grammars_for(tokenizer, model.args.vocab_size)
+    grammars = gm.grammars_for(tokenizer, model.args.vocab_size)
     c = grammars.constraint(g.json_schema(SCHEMA))
     c.replay(tokenizer.encode_text('{"title": "A lighthouse", "story": "Once'))
     bits = empty_mask(model.args.vocab_size)

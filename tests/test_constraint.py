@@ -182,16 +182,46 @@ def test_speculation_and_batching_keep_a_constrained_output(tiny_model_dir: Path
     assert outs[0] == alone and outs[2] == alone
 
 
-def test_a_constraint_that_refuses_the_emitted_token_fails_the_step(tiny: tuple[Any, Tokenizer]) -> None:
+@pytest.mark.parametrize("where", ["accept", "mask", "forced"])
+def test_a_constraint_that_cannot_go_on_ends_its_own_sequence_and_no_other(tiny: tuple[Any, Tokenizer],
+                                                                            where: str) -> None:
+    """A grammar that fails (refuses the token it allowed, or its mask or forced tokens raise) ends its sequence with
+    the error; another sequence stepped in the same forwards gets every token it gets alone."""
     model, tok = tiny
 
     class Liar(Cycle):
-        def accept(self, token: int) -> None:
-            raise cst.ConstraintError(f"refused {token}")
+        def mask(self, bits: torch.Tensor) -> bool:
+            if where == "mask" and self.accepted:
+                raise cst.ConstraintError("the mask failed")
+            return super().mask(bits)
 
-    gen = Generator(model, tok)
-    gen.begin_stream(GenerationRequest(prompt_ids=tok.encode("Hi"), settings=GREEDY, max_new_tokens=4,
-                                       constraint=Liar(model.args.vocab_size, [[50]])))
-    with pytest.raises(cst.ConstraintError, match="refused 50"):
-        while not gen.stream().eos:
-            pass
+        def forced(self) -> list[int]:
+            if where == "forced" and self.accepted:
+                raise cst.ConstraintError("the forced tokens failed")
+            return super().forced()
+
+        def accept(self, token: int) -> None:
+            if where == "accept":
+                raise cst.ConstraintError(f"refused {token}")
+            super().accept(token)
+
+    other = GenerationRequest(prompt_ids=tok.encode("Other text"), settings=GREEDY, max_new_tokens=12)
+    alone, _ = run(Generator(model, tok), other)
+    engine = Engine(model, tok, pool_tokens=512)
+    liar, bystander = Generator(model, tok, engine=engine), Generator(model, tok, engine=engine)
+    liar.begin_stream(GenerationRequest(prompt_ids=tok.encode("Hi"), settings=GREEDY, max_new_tokens=8,
+                                        constraint=Liar(model.args.vocab_size, [[50, 51]])))
+    bystander.begin_stream(other)
+    failed, got, done = None, [], False
+    while not done or failed is None:
+        if failed is None:
+            res = liar.stream()
+            if res.eos:
+                failed = res
+        if not done:
+            res = bystander.stream()
+            got += res.token_ids
+            done = res.eos
+    assert failed.eos_reason == "error" and failed.error is not None
+    assert failed.error[0] == "grammar" and ("refused 5" if where == "accept" else f"the {where}") in failed.error[1]
+    assert got == alone

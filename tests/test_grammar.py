@@ -12,12 +12,14 @@ from typing import Any
 import jsonschema
 import pytest
 
-from webchat.engine import grammar as g
 from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.verify_cost import VerifyCost
+from webchat.grammar import build as g
+from webchat.grammar import matcher as gm
+from webchat.grammar.bounds import GrammarError
 from webchat.model.loader import load_model
 from webchat.text.tokenizer import Tokenizer
 
@@ -48,9 +50,9 @@ def tiny(tiny_model_dir: Path) -> tuple[Any, Tokenizer]:
     return load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
 
 
-def constraint(tok: Tokenizer, vocab: int, grammar: str) -> g.GrammarConstraint:
+def constraint(tok: Tokenizer, vocab: int, grammar: str) -> gm.GrammarConstraint:
     g.validate(grammar)
-    grammars = g.grammars_for(tok, vocab)
+    grammars = gm.grammars_for(tok, vocab)
     grammars.check(grammar)
     return grammars.constraint(grammar)
 
@@ -101,11 +103,11 @@ def test_regex_choice_object_and_lark(tiny: tuple[Any, Tokenizer], grammar: str,
 
 
 def test_unsupported_keywords_and_bad_regexes_are_named() -> None:
-    with pytest.raises(g.GrammarError, match=r'Unimplemented keys: \["if"\]'):
+    with pytest.raises(GrammarError, match=r'Unimplemented keys: \["if"\]'):
         g.validate(g.json_schema({"type": "object", "if": {"type": "object"}}))
-    with pytest.raises(g.GrammarError, match="Unknown format: frobnicate"):
+    with pytest.raises(GrammarError, match="Unknown format: frobnicate"):
         g.validate(g.json_schema({"type": "string", "format": "frobnicate"}))
-    with pytest.raises(g.GrammarError, match="look-around"):
+    with pytest.raises(GrammarError, match="look-around"):
         g.validate(g.regex("a(?=b)"))
 
 
@@ -149,11 +151,11 @@ def test_speculative_modes_give_the_same_tokens_under_a_grammar(tiny_model_dir: 
     engine.auto.cost = VerifyCost.flat()
     gen, auto = Generator(model, tok, engine=engine), req("auto")
     c = auto.constraint
-    assert isinstance(c, g.GrammarConstraint)
+    assert isinstance(c, gm.GrammarConstraint)
     forced: list[int] = []
 
     def recorded() -> list[int]:
-        tokens = g.GrammarConstraint.forced(c)
+        tokens = gm.GrammarConstraint.forced(c)
         forced.extend(tokens)
         return tokens
 

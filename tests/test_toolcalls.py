@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from webchat.engine import grammar as g
+from webchat.grammar import matcher as gm
 from webchat.serve.openai.toolgrammar import tool_grammar
 from webchat.serve.openai.tools import ToolCalls, chat_tools
 from webchat.serve.rules import RuleError
@@ -141,7 +141,7 @@ def test_the_grammar_accepts_the_formats_calls_and_refuses_others(tiny_model_dir
                                                                   required: bool) -> None:
     fmt, reply, _, content = CASES[name]
     tok = Tokenizer.from_dir(tiny_model_dir)
-    grammars = g.grammars_for(tok, tok.vocab_size)
+    grammars = gm.grammars_for(tok, tok.vocab_size)
     grammar = tool_grammar(fmt, [WEATHER, ADD], required, True, tok.control_id)
     grammars.check(grammar)
     expect = not (required and content)  # required: the calls come first, no text before them

@@ -129,7 +129,10 @@ class Engine(Admission):
                                      sample=last and seq.req.max_new_tokens > 0,
                                      score=seq.prefilling and seq.req.prompt_logprobs is not None))
             else:
-                rows.append(self._decode_row(seq))
+                try:
+                    rows.append(self._decode_row(seq))
+                except cst.ConstraintError as exc:
+                    self._fail(seq, out, exc)
             if out.eos:
                 self._post(seq, out)
         self._plan_drafts(rows)
@@ -147,7 +150,10 @@ class Engine(Admission):
         out = StreamResult()
         self._prompt_done(seq, out)
         if not seq.done:
-            self._verify(seq, out, [], logits[None], [self._sample(seq, logits)])
+            try:
+                self._verify(seq, out, [], logits[None], [self._sample(seq, logits)])
+            except cst.ConstraintError as exc:
+                self._fail(seq, out, exc)
         self._post(seq, out)
 
     @staticmethod
@@ -320,19 +326,32 @@ class Engine(Admission):
         # random stream draws exactly what it would alone, and each mask is the constraint's after what came before
         at_rows: list[int] = []
         asks: list[RowAsk] = []
-        for r, first, n, _ in todo:
+        failed: set[Sequence] = set()  # a constraint that cannot go on ends its own sequence, never the step
+        for r, first, n, out in todo:
             k = n if self._batch_verify(r.seq) else min(n, 1)
+            if not k:
+                continue
+            try:
+                ask = self._ask(r.seq)
+            except cst.ConstraintError as exc:
+                self._fail(r.seq, out, exc)
+                failed.add(r.seq)
+                continue
             at_rows += range(first, first + k)
-            asks += [self._ask(r.seq)] * k
+            asks += [ask] * k
         picked = logits if at_rows == list(range(logits.shape[0])) else logits[  # no copy when every row is asked
             torch.tensor(at_rows, dtype=torch.long, device=logits.device)]
         choices = iter(sample_batch(picked, asks, self.model.row_scan) if asks else [])
         judged = decode_only and self.auto.planned  # how the plan came true (a step with prompt rows: not planned for)
         before = sum(len(r.seq.tokens) for r in rows) if judged else 0
         for r, first, n, out in todo:
-            if n:
+            if n and r.seq not in failed:
                 k = n if self._batch_verify(r.seq) else 1
-                self._verify(r.seq, out, r.drafts, logits, [next(choices) for _ in range(k)], first, not r.forced)
+                sampled = [next(choices) for _ in range(k)]
+                try:
+                    self._verify(r.seq, out, r.drafts, logits, sampled, first, not r.forced)
+                except cst.ConstraintError as exc:
+                    self._fail(r.seq, out, exc)
             r.seq.table.register(r.seq.tokens, r.seq.n_cached)
             self._post(r.seq, out)
         if judged:
@@ -377,6 +396,15 @@ class Engine(Admission):
         if drafts:
             seq.n_cached = base + accepted  # pending + accepted drafts; the last sample is the new pending token
             seq.table.truncate(seq.n_cached)
+
+    @staticmethod
+    def _fail(seq: Sequence, out: StreamResult, exc: cst.ConstraintError) -> None:
+        """The sequence's constraint cannot go on: it ends with the error (`grammar`), the others carry on. Its pages
+        go (the k/v of drafts fed this step may be in them), its tokens so far are delivered."""
+        seq.n_cached = 0
+        seq.table.truncate(0)
+        seq.end(out, "error", None)
+        out.error = ("grammar", str(exc))
 
     def _ask(self, seq: Sequence) -> RowAsk:
         req = seq.req

@@ -57,9 +57,10 @@ class StreamResult:
     token_ids: list[int] = field(default_factory=list)
     tokens: list[TokenInfo] = field(default_factory=list)
     eos: bool = False
-    eos_reason: str | None = None  # stop_token | stop_string | max_new_tokens | context_full | cancelled
+    eos_reason: str | None = None  # stop_token | stop_string | max_new_tokens | context_full | cancelled | error
     eos_trigger: int | str | None = None  # the stop token id or the stop string
     stop_info: TokenInfo | None = None  # the stop token that ended it, with its scores (it adds no text)
+    error: tuple[str, str] | None = None  # eos_reason "error": (code, message), e.g. a grammar that cannot go on
     stats: Stats | None = None  # at eos only
 
     def merge(self, later: StreamResult) -> None:
@@ -71,7 +72,7 @@ class StreamResult:
         if later.eos:
             self.eos, self.eos_reason, self.eos_trigger, self.stats = True, later.eos_reason, later.eos_trigger, \
                 later.stats
-            self.stop_info = later.stop_info
+            self.stop_info, self.error = later.stop_info, later.error
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from starlette.templating import Jinja2Templates
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from webchat.engine import events as ev
-from webchat.engine.grammar import GrammarConstraint
+from webchat.grammar.matcher import GrammarConstraint
 from webchat.serve import protocol as p
 from webchat.serve import scoring as score
 from webchat.serve import thinking
@@ -38,7 +38,7 @@ from webchat.serve.limits import (
 from webchat.serve.models import Card, Fleet, ModelError, Models, scan
 from webchat.serve.openai.routes import OpenAIApi
 from webchat.serve.outbox import Outbox, SendClock
-from webchat.serve.replyformat import format_grammar, kept_ids, make_constraint
+from webchat.serve.replyformat import format_grammar, grammar_work, kept_ids, make_constraint, upstream_bounds
 from webchat.serve.rules import RuleError, context_room, short_repr, speculative_mode
 from webchat.serve.runtime import (
     RemoteRuntime,
@@ -165,6 +165,7 @@ class Connection:
             raise p.ProtocolError("busy_connection", f"request {self.current!r} is still running on this connection; "
                                   "send stop or wait for its done", msg.id)
         self.current = msg.id  # from here every error names this request and ends it
+        rt: Runtime | None = None
         try:
             rt = await self._model(msg)
             if isinstance(msg, p.Score):
@@ -172,11 +173,12 @@ class Connection:
                 return
             ask = self._thinking(msg)
             request, n_prompt, trimmed = await self._prepare(msg, rt, ask)
-        except p.ProtocolError:
-            self.current = None
-            raise
         except Exception as exc:
             self.current = None
+            if rt is not None and self.models is not None:
+                self.models.release(rt.model_name)  # its job was never submitted: no model_busy after it
+            if isinstance(exc, p.ProtocolError):
+                raise
             log.warning("preparing request %r failed: %s: %s", msg.id, type(exc).__name__, exc)
             raise p.ProtocolError("internal", f"preparing the prompt failed: {type(exc).__name__}: {exc}",
                                   msg.id) from None
@@ -303,14 +305,21 @@ class Connection:
 async def format_constraint(msg: p.Generate, rt: Runtime) -> GrammarConstraint | None:
     """The reply format's constraint (docs/protocol.md, `response_format`), the kept reply of a Continue or a branch
     replayed into it; `bad_message` naming the field when the format or the kept reply cannot be."""
-    if msg.response_format is None or rt.tokenizer is None:
-        return None  # a remote engine: the upstream enforces it (Job.upstream)
+    if msg.response_format is None:
+        return None
+    if rt.tokenizer is None:  # a remote engine enforces it (Job.upstream), within our bounds
+        fields = {"response_format": msg.response_format.model_dump(by_alias=True, exclude_none=True)}
+        try:
+            await grammar_work(upstream_bounds, fields, field="response_format")
+        except RuleError as exc:
+            raise p.ProtocolError("bad_message", f"field '{exc.field}': {exc.message}", msg.id) from None
+        return None
     tokenizer = rt.tokenizer
     kept = msg.prefix_ids
     if kept is None and msg.continue_:
         kept = kept_ids(tokenizer, msg.messages[-1].content)
     try:
-        grammar = format_grammar(msg.response_format, "response_format")
+        grammar = await grammar_work(format_grammar, msg.response_format, "response_format", field="response_format")
         return await make_constraint(tokenizer, rt.local()[0].args.vocab_size, grammar, "response_format", kept)
     except RuleError as exc:
         raise p.ProtocolError("bad_message", f"field '{exc.field}': {exc.message}", msg.id) from None

@@ -12,6 +12,7 @@ SAFETENSORS_HEADER_BYTES, safetensors' own limit).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import queue
@@ -178,6 +179,19 @@ def _candidate(path: Path) -> bool:
         return path.suffix == ".gguf"
 
 
+def _broken_link(path: Path) -> str | None:
+    """What is wrong with a symbolic link that leads nowhere (a loop, a missing target); None for anything else."""
+    if path.name.startswith(".") or not path.is_symlink():
+        return None
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # a loop, before Python 3.13
+        return "a symbolic link loop"
+    except OSError as exc:
+        return "a symbolic link loop" if exc.errno == errno.ELOOP else "a symbolic link to nothing"
+    return None
+
+
 def describe_all(paths: list[Path], timeout: float = DESCRIBE_TIMEOUT_S,
                  describe_one: Callable[[Path], Card] = describe) -> list[Card | str]:  # fmt: skip
     """Each path's Card, or why it is left out, in order; DESCRIBE_THREADS daemon threads, each entry given
@@ -231,6 +245,10 @@ def scan(default: Path, models_dir: Path | None, timeout: float = DESCRIBE_TIMEO
     seen = {default.resolve()}
     paths = []
     for path in sorted(models_dir.iterdir()):
+        broken = _broken_link(path)
+        if broken is not None and path.suffix != ".gguf":  # a .gguf is described, and named, like any other
+            log.warning("models dir: %s left out: %s", path, broken)
+            continue
         if not _candidate(path):
             continue
         try:

@@ -23,7 +23,7 @@ MAX_PREFIX_IDS = 131_072  # a continued reply's token ids (the frame's size limi
 MAX_TEMPLATE_KWARGS = 32
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
-    "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable",
+    "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable", "grammar",
 )
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 

@@ -312,13 +312,15 @@ class Worker:
 # ---------------------------------------------------------------- engine results → neutral events
 def result_events(result: StreamResult, id_to_text: Callable[[int], str]) -> list[ev.Event]:
     """One StreamResult as `PromptTokens` (a scored prompt), `Tokens` (when it carries text or tokens) and, at its
-    end, `Finished`."""
+    end, `Finished` (or `Failed` where the engine ended it with an error: a grammar that could not go on)."""
     out: list[ev.Event] = []
     if result.prompt is not None:
         out.append(ev.PromptTokens(result.prompt))
     if result.text or result.tokens:
         out.append(ev.Tokens(result.text, list(result.tokens)))
-    if result.eos:
+    if result.eos and result.error is not None:
+        out.append(ev.Failed(*result.error))
+    elif result.eos:
         trigger = result.eos_trigger
         out.append(ev.Finished(result.eos_reason or "", id_to_text(trigger) if isinstance(trigger, int) else trigger,
                                result.stats or ev.Stats(), result.stop_info))

@@ -62,6 +62,7 @@ class PartSplitter(Generic[T]):
         self.markers = markers
         self.state: State = "thinking" if inside else "start"
         self._held: list[tuple[T, str]] = []  # tokens whose text may still be (part of) a marker
+        self._blank = 0  # held tokens at a reply's start that are whitespace alone (held without re-reading them)
         self.thinking_tokens = 0  # tokens released as thinking after the start marker
 
     @property
@@ -76,6 +77,9 @@ class PartSplitter(Generic[T]):
 
     def push(self, item: T, piece: str) -> list[tuple[T, str, Part]]:
         self._held.append((item, piece))
+        if self.state == "start" and self._blank == len(self._held) - 1 and not piece.strip():
+            self._blank += 1  # whitespace before the reply's first text: held, in constant time a token
+            return []
         text = "".join(p for _, p in self._held)
         if self.state == "start":
             return self._at_start(text)

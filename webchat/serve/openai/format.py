@@ -174,7 +174,8 @@ class Reply:
             if self.tools is not None:
                 self.tools.finish()
                 calls = self.tools.calls
-                content = self.tools.content if not calls or self.tools.content.strip() else None
+                content = None if self.tools.required else (
+                    self.tools.content if not calls or self.tools.content.strip() else None)
             choice["message"] = {"role": "assistant", "content": content, **reasoning.fields(self.thinking),
                                  **({"tool_calls": calls} if calls else {})}
             choice["logprobs"] = reasoning.logprobs(None if self.logprobs is None else self.entries,

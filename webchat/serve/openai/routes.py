@@ -21,9 +21,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from webchat.engine import events as ev
-from webchat.engine.grammar import GrammarConstraint
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SettingsError, check_token_ids
+from webchat.grammar.matcher import GrammarConstraint
 from webchat.serve import thinking
 from webchat.serve.backend import Job
 from webchat.serve.config import ServerConfig, origin_allowed
@@ -40,7 +40,7 @@ from webchat.serve.openai.schema import (
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
 from webchat.serve.openai.structured import request_grammar
 from webchat.serve.openai.tools import ToolCalls, chat_tools, upstream_fields
-from webchat.serve.replyformat import kept_ids, make_constraint
+from webchat.serve.replyformat import grammar_work, kept_ids, make_constraint, upstream_bounds
 from webchat.serve.rules import RuleError, context_room, speculative_mode
 from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
 from webchat.text.detok import decode_all
@@ -96,6 +96,10 @@ class OpenAIApi:
             except Exception as exc:  # a bug: still the API's error shape, never a plain-text 500
                 log.exception("%s %s failed", request.method, request.url.path)
                 return self._error(request, APIError(500, f"internal error: {type(exc).__name__}", "internal_error"))
+            finally:  # a request that ended before its job was submitted gives its model back (no model_busy after)
+                claimed = getattr(request.state, "claimed", None)
+                if claimed is not None:
+                    request.state.models.release(claimed)
 
         return endpoint
 
@@ -128,11 +132,14 @@ class OpenAIApi:
             _upstream_takes(rt, upstream)
         plan, template_tools = None, None
         with _rule_errors():
+            if upstream is not None:
+                await grammar_work(upstream_bounds, upstream, field="tools" if req.tools else "response_format")
             if rt.tokenizer is not None:
-                messages, template_tools, plan = chat_tools(messages, req.tools, req.tool_choice,
-                                                            req.parallel_tool_calls, rt.tokenizer.chat_template,
-                                                            rt.tokenizer.control_id)
-            grammar = self._grammar(req, plan.grammar if plan is not None else None)
+                messages, template_tools, plan = await grammar_work(
+                    chat_tools, messages, req.tools, req.tool_choice, req.parallel_tool_calls,
+                    rt.tokenizer.chat_template, rt.tokenizer.control_id, field="tools")
+            grammar = None if rt.tokenizer is None else await grammar_work(
+                self._grammar, req, plan.grammar if plan is not None else None, field="response_format")
         try:  # a remote engine (no tokenizer) templates and counts the prompt itself
             # add_generation_prompt false: the chat scored as it stands (prompt_logprobs)
             ids = [] if rt.tokenizer is None else await encode_text_work(
@@ -147,12 +154,13 @@ class OpenAIApi:
         reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                      prompt_logprobs=req.prompt_logprobs, tools=ToolCalls(tools) if tools is not None else None,
+                      prompt_logprobs=req.prompt_logprobs,
+                      tools=ToolCalls(tools, plan is not None and plan.required) if tools is not None else None,
                       raw=not ask.split)
         gen = self._generation(rt, req, ids, req.limit(), reply, "messages")
         gen.reasoning = reasoning
         kept = str(messages[-1].get("content") or "") if cont else ""  # a continued reply goes on under the format
-        gen.constraint = await self._constraint(rt, grammar, "tools" if plan is not None else "response_format", kept)
+        gen.constraint = await self._constraint(rt, grammar, "tools" if plan is not None else _format_field(req), kept)
         return await self._run(request, gen, reply, bool(req.stream), messages, cont, self._job_model(request, rt),
                                upstream, ask)
 
@@ -173,14 +181,14 @@ class OpenAIApi:
                 raise APIError(400, str(exc), "invalid_value", "prompt") from None
             ids = list(prompt)
         with _rule_errors():
-            grammar = self._grammar(req, None)
+            grammar = await grammar_work(self._grammar, req, None, field="response_format")
         reply = Reply(chat=False, model=rt.model_name, tokenizer=rt.tokenizer, logprobs=req.logprobs,
                       token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
                       echo=(prompt if isinstance(prompt, str) else decode_all(rt.tokenizer.token_bytes, ids))
                       if req.echo else None, prompt_logprobs=req.prompt_logprobs)
         gen = self._generation(rt, req, ids, req.max_tokens, reply, "prompt")
-        gen.constraint = await self._constraint(rt, grammar, "response_format")
+        gen.constraint = await self._constraint(rt, grammar, _format_field(req))
         return await self._run(request, gen, reply, bool(req.stream), model=self._job_model(request, rt))
 
     async def tokenize(self, request: Request) -> Response:
@@ -289,6 +297,7 @@ class OpenAIApi:
                                   prompt_tokens=len(gen_request.prompt_ids), client=self._client(request),
                                   messages=messages, continue_final=continue_final, model=model,
                                   upstream=upstream, thinking=ask))
+        request.state.claimed = None  # the submission released it
         watcher = asyncio.create_task(pending.watch(request.receive))
         streaming = False
         try:
@@ -354,7 +363,9 @@ class OpenAIApi:
                 self._check_model(request, name, "model")
             return request.state.runtime  # type: ignore[no-any-return]
         try:
-            return await models.use(name)
+            rt = await models.use(name)
+            request.state.claimed = rt.model_name  # released by the job's submission, or by _endpoint on an error
+            return rt
         except ModelError as exc:
             status, code = MODEL_ERRORS[exc.code]
             raise APIError(status, exc.message, code, "model") from None
@@ -423,6 +434,11 @@ def _rule_errors() -> Iterator[None]:
         yield
     except RuleError as exc:
         raise APIError(400, exc.message, "invalid_value", exc.field) from None
+
+
+def _format_field(req: ChatRequest | CompletionRequest) -> str:
+    """The field a request's reply format came in."""
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
 
 
 def _raise_failure(event: ev.Event | None) -> None:

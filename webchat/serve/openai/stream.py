@@ -15,7 +15,7 @@ from webchat.engine import events as ev
 from webchat.serve.backend import Backend
 from webchat.serve.openai.format import DONE, Reply, error_chunk, merge, sse
 
-FAILED_STATUS = {"busy": 429, "shutting_down": 503, "internal": 500, "upstream": 502, "model_busy": 429}
+FAILED_STATUS = {"busy": 429, "shutting_down": 503, "internal": 500, "upstream": 502, "model_busy": 429, "grammar": 400}
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 GONE = None  # in a Pending queue: the client disconnected

@@ -1,5 +1,6 @@
 """The API's constraints on a reply (docs/api.md, "Structured output"): OpenAI's `response_format` and vLLM's
-`structured_outputs` {json, regex, choice, grammar, json_object}, each one grammar (webchat.engine.grammar).
+`structured_outputs` {json, regex, choice, grammar, json_object}, each one grammar (webchat.grammar.build); built on a
+compiler thread (webchat.grammar.compiler), never on the event loop.
 
     grammar = request_grammar(response_format, structured_outputs)   # None: free text; APIError 400 naming the field
 """
@@ -11,7 +12,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from webchat.engine.grammar import ANY_JSON_OBJECT, GrammarError, choice, lark, regex, validate
+from webchat.grammar.bounds import GrammarError, GrammarLimit
+from webchat.grammar.build import ANY_JSON_OBJECT, choice, lark, regex, validate
 from webchat.serve.replyformat import ResponseFormat, format_grammar, schema_grammar
 from webchat.serve.rules import RuleError
 
@@ -47,13 +49,15 @@ class StructuredOutputs(BaseModel):
                 return schema_grammar(schema, at)
             if kind == "json_object":
                 return ANY_JSON_OBJECT
-            grammar = (regex(self.regex or "") if kind == "regex" else choice(self.choice or []) if kind == "choice"
-                       else lark(self.grammar or ""))
+            grammar = (regex(self.regex or "", at) if kind == "regex" else choice(self.choice or []) if kind == "choice"
+                       else lark(self.grammar or "", at))
             validate(grammar)
             return grammar
-        except ValueError as exc:  # GrammarError, a json_ string that is not JSON
+        except (ValueError, RecursionError) as exc:  # GrammarError, a json_ string that is not JSON (or too deep)
             if isinstance(exc, RuleError):
                 raise
+            if isinstance(exc, GrammarLimit):  # names its place already
+                raise RuleError(at, str(exc)) from None
             raise RuleError(at, f"{at}: {exc}") from None
 
 

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from webchat.engine.grammar import WHITESPACE, interoperable, lark
+from webchat.grammar.build import WHITESPACE, interoperable, lark
 from webchat.text.toolformat import ToolFormat
 
 SP = r"/[ \t\r\n]{0,4}/"  # between markers and calls: a newline or two, not a run

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from webchat.engine.grammar import GrammarError, validate
+from webchat.grammar.bounds import GrammarError
+from webchat.grammar.build import validate
 from webchat.serve.openai.toolgrammar import tool_grammar
 from webchat.serve.replyformat import schema_grammar
 from webchat.serve.rules import RuleError
@@ -76,6 +77,7 @@ class ToolPlan:
     fmt: ToolFormat
     tools: list[dict[str, Any]]  # as the template and the generic prompt read them ({type, function})
     grammar: str
+    required: bool = False  # calls from the first token (tool_choice required or a named function): no content
 
 
 def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None, fmt: ToolFormat,
@@ -106,7 +108,7 @@ def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bo
         validate(grammar)
     except GrammarError as exc:
         raise RuleError("tools", f"tools: {exc}") from None
-    return ToolPlan(fmt, [{"type": "function", "function": f} for f in functions], grammar)
+    return ToolPlan(fmt, [{"type": "function", "function": f} for f in functions], grammar, required)
 
 
 def chat_tools(messages: list[dict[str, Any]], tools: list[Tool] | None, choice: ToolChoice | None,
@@ -123,10 +125,13 @@ def chat_tools(messages: list[dict[str, Any]], tools: list[Tool] | None, choice:
 
 
 class ToolCalls:
-    """One reply's content and calls, parsed as it streams; the same deltas make the whole message."""
+    """One reply's content and calls, parsed as it streams; the same deltas make the whole message. `required`: the
+    grammar forces calls from the first token, so no text is content (a reply cut by max_tokens inside its first
+    call is that call so far, with finish_reason `length`, never its markup as content)."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, required: bool = False) -> None:
         self.parser = ToolCallParser(fmt)
+        self.required = required
         self.content = ""
         self.calls: list[dict[str, Any]] = []
 
@@ -141,7 +146,7 @@ class ToolCalls:
         text, entries = "", []
         for d in deltas:
             if d.index < 0:
-                text += d.content
+                text += "" if self.required else d.content
                 continue
             if d.name is not None:
                 self.calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})

@@ -1,0 +1,1 @@
+"""Constrained decoding: grammars on llguidance, their bounds, and the threads they are compiled on."""
