@@ -1,4 +1,4 @@
-"""Llama-shaped GGUFs with random weights, for bench/bench_served.py: how each server's cost grows with the model.
+"""Llama-shaped GGUFs with random weights, for bench.bench_served: how each server's cost grows with the model.
 
 Two shapes (`--shape`):
   tinyllama   TinyLlama-1.1B's: 22 layers, dim 2048, FFN 5632, 32 heads, 4 KV heads, head dim 64, rope base 10000, an
@@ -20,7 +20,7 @@ Norms are float32 ones. Deterministic (seed 0, the tensors drawn in file order),
 stays near the largest tensor (the 3B's float16 embedding, 0.8 GB) while the file is 2.3 GB (tinyllama f16) or 6.4 GB
 (llama32-3b f16).
 
-    .venv/bin/python bench/make_tinyllama_gguf.py [--shape tinyllama] [--type q4_1] [--out PATH]
+    .venv/bin/python -m bench.make_tinyllama_gguf [--shape tinyllama] [--type q4_1] [--out PATH]
 """
 
 from __future__ import annotations
