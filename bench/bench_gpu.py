@@ -160,7 +160,7 @@ def random_pair(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -
         ours = Transformer(args)
     state = {}
     for name, t in hf.state_dict().items():
-        mapped = _map_name(name)
+        mapped = _map_name(name, args)
         if mapped is not None and not (mapped == "output.weight" and args.tie_embeddings):
             state[mapped] = t
     if args.tie_embeddings:
