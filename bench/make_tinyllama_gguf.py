@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import default_gguf
+
 CHUNK = 1 << 24  # values drawn per call while filling a float tensor (64 MB of float32)
 STD = 0.02
 PAD_TOKEN = "Ġreserved{}"  # byte-level text " reserved<i>": a normal token no merge produces
@@ -190,11 +192,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: $WEBCHAT_HOME/<shape>-shape-<type>.gguf")
     parser.add_argument("--source", type=Path, default=None, help="GGUF to copy the tokenizer from (default model's)")
     args = parser.parse_args()
-    from webchat.pull import ensure_default_gguf
-
     out = args.out or default_out(args.shape, args.wtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write(out, SHAPES[args.shape], args.wtype, args.source or ensure_default_gguf())
+    write(out, SHAPES[args.shape], args.wtype, args.source or default_gguf())
     print(out)
 
 
