@@ -1,9 +1,9 @@
 """Auto speculation against none in one process, several streams at once: decode tok/s, and what the planning cost.
 
-    .venv/bin/python bench/bench_auto_planning.py --set open --clients 4 --rounds 10
-    .venv/bin/python bench/bench_auto_planning.py --set copy --clients 4 --rounds 10 --src /tmp/base   # another build
+    .venv/bin/python -m bench.bench_auto_planning --set open --clients 4 --rounds 10
+    .venv/bin/python -m bench.bench_auto_planning --set copy --clients 4 --rounds 10 --src /tmp/base   # another build
 
-The served benchmark (bench_served.py --speculation --spec-paired) moves by several percent between runs; this one
+The served benchmark (bench_served --speculation --spec-paired) moves by several percent between runs; this one
 runs the engine alone, so the planner's own cost shows. The engine-wide suffix index first holds the replies to
 --fill other prompts of the set (auto, as a served engine's does after a while); then each round's `--clients`
 prompts run as concurrent greedy streams under none and under auto, the order alternating, and the none side's
@@ -13,6 +13,7 @@ sides), auto / none, the time in Engine._plan_drafts per second of decoding, off
 and tokens drafted / accepted; then the rounds' decode steps by mode and kind (with draft rows or without, at the full
 batch): their count, ms a step, of it the forward's, and tokens a step. The ratio moves by 1-2% between runs of the
 same build; the steps without drafts, auto's against none's, show what the planning costs a step with less noise.
+`--src DIR` runs this bench as the checkout DIR has it, on DIR's webchat (`python -m` from inside DIR).
 """
 
 from __future__ import annotations
@@ -23,17 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from served_prompts import SETS  # noqa: E402
-
-from webchat.engine import adaptive  # noqa: E402
-from webchat.engine.engine import Engine  # noqa: E402
-from webchat.engine.generator import Generator  # noqa: E402
-from webchat.engine.sequence import GenerationRequest  # noqa: E402
-from webchat.engine.settings import SamplingSettings  # noqa: E402
-from webchat.model.loader import load_model  # noqa: E402
-from webchat.pull import ensure_default_model  # noqa: E402
-from webchat.text.tokenizer import Tokenizer  # noqa: E402
+from bench.common import default_model, table_header, table_row
+from bench.served_prompts import SETS
+from webchat.engine import adaptive
+from webchat.engine.engine import Engine
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
+from webchat.engine.settings import SamplingSettings
+from webchat.model.loader import load_model
+from webchat.text.tokenizer import Tokenizer
 
 
 def main() -> None:
@@ -42,13 +41,15 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--fill", type=int, default=48, help="replies in the engine-wide index before the rounds")
-    p.add_argument("--src", help="another checkout's root to import webchat from (run again with it)")
+    p.add_argument("--src", type=Path, help="another checkout's root: run this bench as it has it, on its webchat")
     args = p.parse_args()
-    if args.src and os.environ.get("BENCH_SRC") != args.src:
-        env = dict(os.environ, PYTHONPATH=args.src, BENCH_SRC=args.src)
-        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
+    if args.src and "BENCH_SRC" not in os.environ:  # once: the run in DIR has BENCH_SRC set
+        src = str(args.src.resolve())
+        os.chdir(src)  # `python -m` puts the working directory first: DIR's bench and DIR's webchat
+        os.execve(sys.executable, [sys.executable, "-m", "bench.bench_auto_planning", *sys.argv[1:]],
+                  dict(os.environ, PYTHONPATH=src, BENCH_SRC=src))
 
-    path = ensure_default_model()
+    path = default_model()
     model, tok = load_model(path), Tokenizer.from_dir(path)
     eng = Engine(model, tok, max_seq_len=2048, pool_tokens=16384)
     eng.calibrate()
@@ -142,9 +143,12 @@ def main() -> None:
           f"{tps['auto']:.1f} ({tps['auto'] / tps['none']:.3f}x); planning {1000 * plan_s[0] / totals['auto'][1]:.1f} "
           f"ms a second of decoding; offers looked at {looked['offers']}, sat out {looked['sat out']}; drafted "
           f"{drafted}, accepted {accepted}")
+    print(f"\nthe rounds' decode steps of all {args.clients} streams, by mode and kind")
+    print(table_header("mode", "steps", "count", "ms a step", "of it the forward", "the rest", "tokens a step",
+                       align="llrrrrr"))
     for (mode, kind), (n, secs, fwd, tokens) in sorted(kinds.items()):
-        print(f"  {mode} steps {kind} drafts, {args.clients} streams: {n:.0f}, {1000 * secs / n:.3f} ms a step "
-              f"(forward {1000 * fwd / n:.3f}, the rest {1000 * (secs - fwd) / n:.3f}), {tokens / n:.2f} tokens a step")
+        print(table_row(mode, f"{kind} drafts", f"{n:.0f}", f"{1000 * secs / n:.3f}", f"{1000 * fwd / n:.3f}",
+                        f"{1000 * (secs - fwd) / n:.3f}", f"{tokens / n:.2f}"))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ new tokens, not the model's 8192 context. `webchat` runs the folder's quantized 
 `webchat-f32` the float32 weights. A last child measures fidelity: the max |Δlogit| of webchat q4_1 and of llama.cpp
 against webchat's float32 model (the same dequantized weights), at the end of each prompt and over the reference's
 next greedy tokens fed to all three.
-Run: `.venv/bin/python bench/bench_cpu.py` (llama.cpp needs the `bench` extra: `.venv/bin/pip install -e .[bench]`,
+Run: `.venv/bin/python -m bench.bench_cpu` (llama.cpp needs the `bench` extra: `.venv/bin/pip install -e .[bench]`,
 which compiles llama.cpp for about 12 minutes).
 """
 
@@ -21,6 +21,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from bench.common import ROOT, table_header, table_row
 
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_TEXT = (
@@ -173,7 +175,7 @@ def child(engine: str, repeat: bool = False) -> None:
     prompts = prompts_of(model_dir)
     run = RUNNERS[engine](model_dir, default_gguf_path())
     time_stream(run(prompts["short"][:8]))  # warm-up
-    if repeat:  # bench_served.py --paired: one short-prompt run per line read, its figures printed at once
+    if repeat:  # bench_served --paired: one short-prompt run per line read, its figures printed at once
         print(json.dumps({"ready": True}), flush=True)
         for _ in sys.stdin:
             ttft, tps = time_stream(run(prompts["short"]))
@@ -188,7 +190,7 @@ def child(engine: str, repeat: bool = False) -> None:
 
 
 def run_child(*args: str) -> dict[str, object] | None:
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_cpu", *args], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         print(f"{' '.join(args)}: failed\n{proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         return None
@@ -248,16 +250,14 @@ def main() -> None:
             if r is not None:
                 runs.setdefault(e, []).append(r)
     rows = [best_round(rs) for rs in runs.values()]
-    cols = f"{'prompt':>8}{'TTFT ms':>10}{'decode tok/s':>14}"
     print(f"greedy, {NEW_TOKENS} new tokens, best of {2 * args.rounds} ({args.rounds} rounds, engines alternating), "
           f"{THREADS} threads each, KV cache = prompt + new tokens; peak RSS: the largest of the rounds")
-    print(f"{'engine':<14}{cols}{cols}{'peak RSS MB':>14}")
+    print(table_header("engine", "short prompt, tokens", "TTFT ms", "decode tok/s", "long prompt, tokens", "TTFT ms",
+                       "decode tok/s", "peak RSS MB"))
     for r in rows:
         s, lg = r["short"], r["long"]
-        print(
-            f"{r['engine']:<14}{s['prompt_tokens']:>8}{s['ttft_ms']:>10}{s['decode_tps']:>14}"  # type: ignore[index]
-            f"{lg['prompt_tokens']:>8}{lg['ttft_ms']:>10}{lg['decode_tps']:>14}{r['peak_rss_mb']:>14}"  # type: ignore[index]
-        )
+        print(table_row(r["engine"], s["prompt_tokens"], s["ttft_ms"], s["decode_tps"],  # type: ignore[index]
+                        lg["prompt_tokens"], lg["ttft_ms"], lg["decode_tps"], r["peak_rss_mb"]))  # type: ignore[index]
     print_ratios(rows)
     fid = run_child("--fidelity") if "llama.cpp" in args.engines else None
     if fid is not None:

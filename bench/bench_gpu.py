@@ -9,7 +9,7 @@ embedding row) and the whole KV cache so far; bytes/token over the device-to-dev
 (2 x bytes / time of a 1 GiB copy, read + write) is the least time a token can take.
 A batch of B sequences decodes in one forward per step (webchat.model.batch on a paged pool): the weights are read once
 per step, so the floor grows almost B-fold while the KV caches stay small.
-Run on a CUDA machine: `.venv/bin/python bench/bench_gpu.py` (`--dry-run` checks the script on the CPU, tiny shapes).
+Run on a CUDA machine: `.venv/bin/python -m bench.bench_gpu` (`--dry-run` checks the script on the CPU, tiny shapes).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.common import default_model, table_header, table_row
 
 SHAPES: dict[str, dict[str, Any]] = {
     "Llama-3.2-1B shape": dict(
@@ -158,7 +160,7 @@ def random_pair(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -
         ours = Transformer(args)
     state = {}
     for name, t in hf.state_dict().items():
-        mapped = _map_name(name)
+        mapped = _map_name(name, args)
         if mapped is not None and not (mapped == "output.weight" and args.tie_embeddings):
             state[mapped] = t
     if args.tie_embeddings:
@@ -217,12 +219,12 @@ def table(rows: list[Row], device_name: str, bandwidth: float) -> str:
     lines = [
         f"device: {device_name}; measured copy bandwidth {bandwidth / 1e9:.0f} GB/s",
         "",
-        "| model | engine | batch | decode tok/s (all sequences) | MB read/token, batch 1 | floor tok/s | % of floor |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        table_header("model", "engine", "batch", "decode tok/s (all sequences)", "MB read/token, batch 1",
+                     "floor tok/s", "% of floor", align="llrrrrr"),
     ]
     for r in rows:
-        lines.append(f"| {r.model} | {r.engine} | {r.batch} | {r.tok_s:.1f} | {r.bytes_per_token / 1e6:.1f} | "
-                     f"{r.floor_tok_s:.0f} | {r.floor_fraction:.0%} |")  # fmt: skip
+        lines.append(table_row(r.model, r.engine, r.batch, f"{r.tok_s:.1f}", f"{r.bytes_per_token / 1e6:.1f}",
+                               f"{r.floor_tok_s:.0f}", f"{r.floor_fraction:.0%}"))
     return "\n".join(lines)
 
 
@@ -273,9 +275,7 @@ def default_dir(dry_run: bool) -> Path:
         from webchat.tiny import make_tiny_model
 
         return make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-gpu-dry-")))
-    from webchat.pull import ensure_default_model
-
-    return ensure_default_model()
+    return default_model()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ device thread as the server steps it:
   - whether computing the mask while the forward runs would pay on this machine: a step with a thread computing a
     mask beside it (the forward uses both cores) against the step alone plus the mask after it.
 
-    .venv/bin/python bench/bench_grammar.py [--model DIR] [--tokens 96] [--rounds 5]
+    .venv/bin/python -m bench.bench_grammar [--model DIR] [--tokens 96] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.common import default_model
 from webchat.engine.constraint import empty_mask
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
@@ -140,14 +141,12 @@ def overlap(rt: Runtime, steps: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    from webchat.pull import ensure_default_model
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    config = ServerConfig(model_dir=args.model or ensure_default_model(), device="cpu")
+    config = ServerConfig(model_dir=args.model or default_model(), device="cpu")
     device = DeviceThread()
     device.start()
     try:

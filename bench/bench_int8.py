@@ -8,8 +8,8 @@ precisions alternating (A, B, A, B, ...) so a shared machine's load falls on bot
             in the engine's 256-token chunks (wall time, the machine's threads); int8 packed (the default), int8 on
             the file's rows (int8-rows) and exact
 
-    .venv/bin/python bench/bench_int8.py --model ~/.cache/webchat/bench-files/tinyllama-shape-q4_k_m.gguf
-    .venv/bin/python bench/bench_int8.py --only matrices          # the default model
+    .venv/bin/python -m bench.bench_int8 --model ~/.cache/webchat/bench-files/tinyllama-shape-q4_k_m.gguf
+    .venv/bin/python -m bench.bench_int8 --only matrices          # the default model
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import default_model, table_header, table_row
 from webchat.kernels.cpu import build
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import PageTable
@@ -55,7 +56,7 @@ def matrices(model: Transformer) -> None:
     for m in model.modules():
         if isinstance(m, QLinear) and m.qtype not in seen:
             seen[m.qtype] = m
-    print(f"{'matrix':>22} {'rows':>4} {'exact ms':>9} {'int8 ms':>8} {'packed ms':>9} {'int8 GMAC/s':>11}")
+    print(table_header("matrix", "rows", "exact ms", "int8 ms", "packed ms", "int8 GMAC/s"))
     for qtype, lin in sorted(seen.items()):
         qt, k, n = {**QTYPES, **K_QTYPES}[qtype][0], lin.in_features, lin.out_features
         w = lin.weight.detach().clone()
@@ -71,8 +72,8 @@ def matrices(model: Transformer) -> None:
             times = [cpu_ms(partial(kernels.qmatmul, x, w, qt, k, None, gemm, int8), reps) for int8 in (False, True)]
             if packed is not None:
                 times.append(cpu_ms(partial(kernels.qmatmul, x, packed, qt, k, None, gemm, True, True), reps))
-            cells = " ".join(f"{t:>{width}.3f}" for t, width in zip(times, (9, 8, 9), strict=False))
-            print(f"{f'{n}x{k} {qtype}':>22} {rows:>4} {cells:<28} {rows * n * k / min(times[1:]) / 1e6:>11.1f}")
+            cells = [f"{t:.3f}" for t in times] + ["-"] * (3 - len(times))
+            print(table_row(f"{n}x{k} {qtype}", rows, *cells, f"{rows * n * k / min(times[1:]) / 1e6:.1f}"), flush=True)
     torch.set_num_threads(threads)
 
 
@@ -120,9 +121,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1000)
     args = ap.parse_args()
     from webchat.gguf_path import model_folder
-    from webchat.pull import ensure_default_model
 
-    folder = model_folder(args.model) if args.model else ensure_default_model()
+    folder = model_folder(args.model) if args.model else default_model()
     model = load_model(folder)
     print(f"{folder.name}: default precision {model.precision}, path {build.path_name(build.load())}, "
           f"{torch.get_num_threads()} threads")

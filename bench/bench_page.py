@@ -10,10 +10,10 @@ no browser. Each page runs on its own defaults (sampling, Markdown), both capped
 decode tok/s comes from the server's own figures (webchat's `done.stats`, llama-server's `timings`); the browser's CPU
 is the sum over its processes (/proc), per generated token.
 
-    .venv/bin/python bench/bench_page.py                  # Debian's /usr/bin/chromium, 3 rounds
-    .venv/bin/python bench/bench_page.py --peer --rounds 2   # and llama.cpp's web UI beside it
-    .venv/bin/python bench/bench_page.py --long --rounds 2   # one long reply: the browser's CPU as it grows
-    .venv/bin/python bench/bench_page.py --rounds 5 --chromium /path/to/chromium
+    .venv/bin/python -m bench.bench_page                  # Debian's /usr/bin/chromium, 3 rounds
+    .venv/bin/python -m bench.bench_page --peer --rounds 2   # and llama.cpp's web UI beside it
+    .venv/bin/python -m bench.bench_page --long --rounds 2   # one long reply: the browser's CPU as it grows
+    .venv/bin/python -m bench.bench_page --rounds 5 --chromium /path/to/chromium
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import http.client
 import json
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,16 +31,15 @@ from pathlib import Path
 import websockets
 from playwright.sync_api import Browser, Page, Request, WebSocket, sync_playwright
 
-HERE = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(HERE))
-
-from bench.bench_served import (  # noqa: E402
+from bench.common import (
     THREADS,
     Server,
     built_by,
     default_gguf,
     find_llama_server,
     free_port,
+    table_header,
+    table_row,
     webchat_server,
 )
 
@@ -194,7 +192,7 @@ def open_page(browser: Browser, port: int, settings: dict[str, str] | None = Non
 def webchat_round(browser: Browser, gguf: Path, r: int, rows: dict[str, list[Row]]) -> None:
     """`webchat serve` alone: the page with the heatmap off and on, then the websocket client."""
     port = free_port()
-    server = webchat_server(gguf, port, [], HERE)
+    server = webchat_server(port, gguf)
     try:
         server.wait_ready()
         page, run = open_page(browser, port)
@@ -250,7 +248,7 @@ def long_round(browser: Browser, gguf: Path) -> tuple[float, list[tuple[float, f
     """One greedy reply of LONG_TOKENS through the page (heatmap off): the small model repeats itself into one long
     paragraph, which the browser lays out whole at each flush. (engine decode tok/s, windows)."""
     port = free_port()
-    server = webchat_server(gguf, port, [], HERE)
+    server = webchat_server(port, gguf)
     try:
         server.wait_ready()
         page, run = open_page(browser, port, {"max_new_tokens": str(LONG_TOKENS), "temperature": "0"})
@@ -268,12 +266,11 @@ def main_long(browser: Browser, gguf: Path, rounds: int) -> None:
         print(f"round {r + 1}: engine decode {got[-1][0]:.1f} tok/s", flush=True)
     print(f"\n{gguf.name}, one greedy reply of {LONG_TOKENS} tokens through the page (heatmap off), {rounds} rounds "
           f"(medians); engine decode {statistics.median(g[0] for g in got):.1f} tok/s")
-    print("| tokens | at the page tok/s | browser CPU ms / token |")
-    print("|---|---:|---:|")
+    print(table_header("tokens", "at the page tok/s", "browser CPU ms / token"))
     for i in range(min(len(g[1]) for g in got)):
         tps = statistics.median(g[1][i][0] for g in got)
         cpu = statistics.median(g[1][i][1] for g in got)
-        print(f"| {i * WINDOW}-{(i + 1) * WINDOW} | {tps:.1f} | {cpu:.2f} |")
+        print(table_row(f"{i * WINDOW}-{(i + 1) * WINDOW}", f"{tps:.1f}", f"{cpu:.2f}"))
 
 
 def main() -> None:
@@ -286,7 +283,7 @@ def main() -> None:
     ap.add_argument("--long", action="store_true",
                     help=f"only a {LONG_TOKENS}-token greedy reply, the browser's CPU a token as it grows")
     args = ap.parse_args()
-    gguf = default_gguf().resolve()
+    gguf = default_gguf()
     want_peer = args.peer and not args.long
     peer = (find_llama_server(args.llama_server), built_by("build_llama_ui.sh", args.llama_ui)) if want_peer else None
     rows: dict[str, list[Row]] = {}
@@ -310,14 +307,14 @@ def main() -> None:
     clients = "webchat's greedy, llama-server's on its own defaults" if peer is not None else "greedy"
     print(f"\n{gguf.name}, each page on its defaults (at most {MAX_TOKENS} new tokens; the client without a browser "
           f"{clients}), {args.rounds} rounds (medians), servers one at a time")
-    print("| way | engine decode tok/s | against its server's client, no browser | tokens | browser CPU ms / token |")
-    print("|---|---:|---:|---:|---:|")
+    print(table_header("way", "engine decode tok/s", "against its server's client, no browser", "tokens",
+                       "browser CPU ms / token"))
     medians: dict[str, float] = {}
     for way, v in rows.items():
         tps = medians[way] = statistics.median(x[0] for x in v)
         own = base["llama" if way.startswith("llama") else "webchat"]
         cpu = f"{statistics.median(x[2] for x in v):.2f}" if "client" not in way else "-"
-        print(f"| {way} | {tps:.1f} | {tps / own:.2f}x | {statistics.median(x[1] for x in v):.0f} | {cpu} |")
+        print(table_row(way, f"{tps:.1f}", f"{tps / own:.2f}x", f"{statistics.median(x[1] for x in v):.0f}", cpu))
     if peer is not None:
         ui = medians["llama.cpp web UI"]
         off, on = medians["webchat page, heatmap off"] / ui, medians["webchat page, heatmap on"] / ui

@@ -10,7 +10,7 @@ Both are real processes on loopback, on the same GGUF (the default model's Q4_1 
 - throughput: 1 and 16 concurrent OpenAI streams (greedy, 96 tokens, end-of-turn biased away) straight to
   llama-server and through webchat's /v1, alternating for --rounds; best aggregate tok/s of each and the ratio.
 
-    .venv/bin/python bench/bench_remote_llama.py [--rounds 2] [--trials 10] [--threads 2] [--gguf FILE]
+    .venv/bin/python -m bench.bench_remote_llama [--rounds 2] [--trials 10] [--threads 2] [--gguf FILE]
                                                  [--llama-server BIN]
 """
 
@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
 from websockets.sync.client import connect
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_served  # noqa: E402 - bench/ is not a package
-from bench_served import (  # noqa: E402
-    HERE,
+from bench.common import (
+    ROOT,
+    THREADS,
     Server,
     concurrent,
     default_gguf,
@@ -39,13 +35,15 @@ from bench_served import (  # noqa: E402
     free_port,
     llama_server,
     stop_token_ids,
+    table_header,
+    table_row,
+    webchat_server,
 )
 
 
 def front_server(upstream_port: int, port: int, stops: list[int]) -> Server:
-    argv = [sys.executable, "-m", "webchat.cli", "serve", "--engine-url", f"http://127.0.0.1:{upstream_port}",
-            "--port", str(port), "--max-sessions", "16"]
-    return Server("webchat→llama-server", argv, port, None, {"logit_bias": {str(t): -100 for t in stops}}, "/healthz")
+    return webchat_server(port, None, "--engine-url", f"http://127.0.0.1:{upstream_port}", "--max-sessions", "16",
+                          stops=stops, device=None, name="webchat→llama-server")
 
 
 def ws_generate(port: int, body: dict[str, object]) -> tuple[dict[str, object], list[dict[str, object]], str]:
@@ -137,12 +135,6 @@ def close_trial(upstream_port: int, model: str) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def cpu_s(server: Server) -> float:
-    """The process's user + system CPU seconds so far."""
-    fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None)
@@ -150,21 +142,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=bench_served.THREADS,
+    ap.add_argument("--threads", type=int, default=THREADS,
                     help="llama-server's -t (default 2: every core of this machine, shared with webchat's front and "
                          "the clients; 1 leaves a core to them, as when the engine has a machine of its own)")
     args = ap.parse_args()
-    bench_served.THREADS = args.threads
     gguf = args.gguf or default_gguf()
     binary = find_llama_server(args.llama_server)
     stops = stop_token_ids(gguf)
     up_port, front_port = free_port(), free_port()
-    upstream = llama_server(binary, gguf, up_port, 16 * 2048)
-    upstream.wait_ready()
-    front = front_server(up_port, front_port, stops)
-    try:
-        front.wait_ready()
-        print(f"llama-server {binary} -t {args.threads} on {gguf.name}; webchat serve --engine-url in front ({HERE})")
+    with (llama_server(binary, gguf, up_port, 16 * 2048, threads=args.threads) as upstream,
+          front_server(up_port, front_port, stops) as front):
+        print(f"llama-server {binary} -t {args.threads} on {gguf.name}; webchat serve --engine-url in front ({ROOT})")
         heatmap_and_branch(front_port)
         stops_ms = [stop_trial(front_port, up_port) for _ in range(args.trials)]
         closes_ms = [close_trial(up_port, upstream.model) for _ in range(args.trials)]
@@ -177,21 +165,17 @@ def main() -> None:
         for rnd in range(args.rounds):
             for server in (upstream, front):
                 for n in (1, 16):
-                    c0 = cpu_s(front)
+                    c0 = front.cpu_s()
                     sec = concurrent(server, n, args.tokens, offset=rnd * 7 + n)
                     if server is front:
-                        front_cpu[n].append((cpu_s(front) - c0) * 1000 / sum(s.tokens for s in sec.streams))
+                        front_cpu[n].append((front.cpu_s() - c0) * 1000 / sum(s.tokens for s in sec.streams))
                     key = (server.name, n)
                     best[key] = max(best.get(key, 0.0), sec.aggregate)
-        print(f"{'clients':>8} {'llama-server tok/s':>20} {'through webchat':>16} {'ratio':>6} "
-              f"{'front CPU ms/token':>19}")
+        print(table_header("clients", "llama-server tok/s", "through webchat", "ratio", "front CPU ms/token",
+                           align="rrrrr"))
         for n in (1, 16):
             a, b = best[(upstream.name, n)], best[(front.name, n)]
-            print(f"{n:>8} {a:>20.1f} {b:>16.1f} {b / a:>6.2f} {min(front_cpu[n]):>19.2f}")
-    finally:
-        front.stop()
-        upstream.stop()
-
+            print(table_row(n, f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}", f"{min(front_cpu[n]):.2f}"))
 
 if __name__ == "__main__":
     main()

@@ -5,60 +5,30 @@ For each trial: a websocket to the front asks for a long reply; after a few chun
 socket) at t0; printed are the time to the front's `done` and the time until the upstream's /api/info shows no active
 request (polled every 2 ms). The same Stop sent to the upstream's own websocket is the baseline.
 
-    .venv/bin/python bench/bench_remote_stop.py [--trials 20] [--model DIR]
+    .venv/bin/python -m bench.bench_remote_stop [--trials 20] [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from websockets.sync.client import connect
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.common import Server, free_port, table_header, table_row, webchat_server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def active(upstream: Server) -> int:
+    return int(upstream.get("/api/info", timeout=5)["active"])
 
 
-def start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "webchat.cli", "serve", "--port", str(port), *args],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"webchat serve exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"webchat serve did not start: {log.read_text()[-2000:]}")
-
-
-def active(upstream: str) -> int:
-    return int(httpx.get(f"{upstream}/api/info", timeout=5).json()["active"])
-
-
-def trial(front: str, upstream: str, how: str) -> tuple[float, float | None]:
+def trial(front: Server, upstream: Server, how: str) -> tuple[float, float | None]:
     """(ms to the upstream's active count 0, ms to the front's `done`; None for a disconnect)."""
-    with connect(front.replace("http://", "ws://") + "/ws") as ws:
+    with connect(front.url.replace("http://", "ws://") + "/ws") as ws:
         json.loads(ws.recv(10))
         ws.send(json.dumps({"type": "generate", "id": "s", "max_new_tokens": 4000, "alternatives": 5,
                             "messages": [{"role": "user", "content": "Tell a long story."}], "stop": ["\u2603"]}))
@@ -82,42 +52,37 @@ def trial(front: str, upstream: str, how: str) -> tuple[float, float | None]:
 
 
 def summary(name: str, values: list[float]) -> str:
-    return (f"{name:<44} median {statistics.median(values):7.1f} ms   p90 "
-            f"{sorted(values)[int(0.9 * (len(values) - 1))]:7.1f} ms   max {max(values):7.1f} ms")
+    p90 = sorted(values)[int(0.9 * (len(values) - 1))]
+    return table_row(name, f"{statistics.median(values):.1f}", f"{p90:.1f}", f"{max(values):.1f}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--model", type=Path, default=None, help="upstream model folder (default: a tiny random model)")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="remote-stop-"))
-    model = args.model
-    if model is None:
-        from webchat.tiny import make_tiny_model
+    with tempfile.TemporaryDirectory(prefix="remote-stop-") as tmp:
+        model = args.model
+        if model is None:
+            from webchat.tiny import make_tiny_model
 
-        model = tmp / "tiny"
-        make_tiny_model(model, max_seq_len=8192)
-    up_proc, upstream = start(["--model", str(model), "--device", "cpu"], tmp / "upstream.log")
-    front_proc, front = start(["--engine-url", upstream], tmp / "front.log")
-    try:
-        rows: dict[str, list[float]] = {k: [] for k in ("direct", "remote", "remote_done", "disconnect")}
-        for _ in range(args.trials):
-            rows["direct"].append(trial(upstream, upstream, "stop")[0])
-            zero, done = trial(front, upstream, "stop")
-            rows["remote"].append(zero)
-            rows["remote_done"].append(done or 0.0)
-            rows["disconnect"].append(trial(front, upstream, "disconnect")[0])
-        print(f"upstream: webchat on {model.name} (CPU), {args.trials} trials each, Stop sent after 5 chunks")
-        print(summary("Stop on the upstream's own websocket → active 0", rows["direct"]))
-        print(summary("Stop through --engine-url → front's done", rows["remote_done"]))
-        print(summary("Stop through --engine-url → upstream active 0", rows["remote"]))
-        print(summary("Disconnect from the front → upstream active 0", rows["disconnect"]))
-    finally:
-        for proc in (front_proc, up_proc):
-            proc.terminate()
-            proc.wait(10)
-
+            model = make_tiny_model(Path(tmp) / "tiny", max_seq_len=8192)
+        up_port, front_port = free_port(), free_port()
+        with (webchat_server(up_port, model, name="upstream") as upstream,
+              webchat_server(front_port, None, "--engine-url", upstream.url, device=None, name="front") as front):
+            rows: dict[str, list[float]] = {k: [] for k in ("direct", "remote", "remote_done", "disconnect")}
+            for _ in range(args.trials):
+                rows["direct"].append(trial(upstream, upstream, "stop")[0])
+                zero, done = trial(front, upstream, "stop")
+                rows["remote"].append(zero)
+                rows["remote_done"].append(done or 0.0)
+                rows["disconnect"].append(trial(front, upstream, "disconnect")[0])
+    print(f"upstream: webchat on {model.name} (CPU), {args.trials} trials each, Stop sent after 5 chunks")
+    print(table_header("from Stop (or the disconnect) to", "median ms", "p90 ms", "max ms"))
+    print(summary("Stop on the upstream's own websocket → active 0", rows["direct"]))
+    print(summary("Stop through --engine-url → front's done", rows["remote_done"]))
+    print(summary("Stop through --engine-url → upstream active 0", rows["remote"]))
+    print(summary("Disconnect from the front → upstream active 0", rows["disconnect"]))
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@
    drifts both alike. Decode tok/s (the server's own `done.stats.decode_tps`) and time to first chunk, medians.
 2. What scoring costs: a prompt of ~370 tokens read with every position scored (/v1/completions, echo, logprobs 5,
    max_tokens 0) against the same prompt read plainly (max_tokens 1, no scores), alternating, on this checkout.
-Run: `.venv/bin/python bench/bench_scoring.py --before /tmp/before [--rounds 10] [--tokens 128]
+Run: `.venv/bin/python -m bench.bench_scoring --before /tmp/before [--rounds 10] [--tokens 128]
 [--serve-args '--speculative none']`.
 """
 
@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,42 +23,18 @@ from typing import Any
 import httpx
 from websockets.sync.client import connect
 
-HERE = Path(__file__).resolve().parent.parent
+from bench.common import ROOT, Server, default_model, free_port, table_header, table_row, webchat_server
+
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 TEXT = " ".join(["The committee met on Tuesday to discuss the budget for the new library, and after a long debate "
                  "about opening hours, staffing and the children's reading room, it agreed to publish a draft plan "
                  "for comment before the end of the month."] * 8)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(src: Path, model: Path, shelf: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    """`webchat serve` with `src`'s code (PYTHONPATH first) and `extra` flags, waited for until /healthz answers."""
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    where = subprocess.run([sys.executable, "-c", "import webchat; print(webchat.__file__)"], env=env, cwd="/",
-                           capture_output=True, text=True, check=True).stdout.strip()
-    if not where.startswith(str(src)):
-        raise SystemExit(f"the code of {src} imports webchat from {where}")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "webchat.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--models-dir", str(shelf), *extra], env=env, cwd="/", stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"webchat serve ({src}) exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.terminate()
-    raise SystemExit(f"webchat serve ({src}) did not answer within 240 s")
+def start(src: Path, model: Path, shelf: Path, *extra: str) -> Server:
+    """`webchat serve` with `src`'s code and `extra` flags, its models kept in `shelf`, waited for until it answers."""
+    return webchat_server(free_port(), model, "--models-dir", str(shelf), *extra, src=src, device=None,
+                          name=f"webchat ({src})").wait_ready()
 
 
 def stream(url: str, tokens: int, stop_ids: list[int]) -> tuple[float, float]:
@@ -101,36 +73,35 @@ def main() -> None:
     ap.add_argument("--serve-args", default="", help="more flags for both servers, e.g. '--speculative none' (the "
                     "scoring cost alone, without what later defaults add)")
     args = ap.parse_args()
-    from webchat.pull import ensure_default_model
     from webchat.text.tokenizer import Tokenizer
 
-    model = args.model or ensure_default_model()
+    model = args.model or default_model()
     stop_ids = Tokenizer.from_dir(model).stop_token_ids
     with tempfile.TemporaryDirectory() as shelf:
         extra = args.serve_args.split()
-        servers = {"before": start(args.before, model, Path(shelf), *extra),
-                   "after": start(HERE, model, Path(shelf), *extra)}
+        servers: dict[str, Server] = {}
         try:
-            info = httpx.get(f"{servers['after'][1]}/api/info").json()
-            for _, url in servers.values():
-                stream(url, 8, stop_ids)  # warm
+            servers["before"] = start(args.before, model, Path(shelf), *extra)
+            servers["after"] = start(ROOT, model, Path(shelf), *extra)
+            info = servers["after"].info
+            for server in servers.values():
+                stream(server.url, 8, stop_ids)  # warm
             rows: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
             for _ in range(args.rounds):
-                for label, (_, url) in servers.items():
-                    rows[label].append(stream(url, args.tokens, stop_ids))
+                for label, server in servers.items():
+                    rows[label].append(stream(server.url, args.tokens, stop_ids))
             print(f"# bench_scoring: {info['model']} ({info['weights']} weights) on {info['device']}; "
                   f"{args.rounds} rounds, streams alternating; serve flags: {args.serve_args or '(defaults)'}")
             print(f"\n## One stream without prompt scores, {args.tokens} tokens, greedy (websocket)")
-            print("| code | decode tok/s median | min / max | first chunk ms median |")
-            print("|---|---|---|---|")
+            print(table_header("code", "decode tok/s median", "min / max", "first chunk ms median"))
             for label, runs in rows.items():
                 tps = [r[0] for r in runs]
                 where = args.before if label == "before" else "this checkout"
-                print(f"| {label} ({where}) | {statistics.median(tps):.1f} | {min(tps):.1f} / {max(tps):.1f} "
-                      f"| {statistics.median(r[1] for r in runs):.0f} |")
+                print(table_row(f"{label} ({where})", f"{statistics.median(tps):.1f}",
+                                f"{min(tps):.1f} / {max(tps):.1f}", f"{statistics.median(r[1] for r in runs):.0f}"))
             ratio = statistics.median(a[0] / b[0] for a, b in zip(rows["after"], rows["before"], strict=True))
             print(f"\nafter / before, decode tok/s, median of the {args.rounds} pairs: {ratio:.3f}")
-            url = servers["after"][1]
+            url = servers["after"].url
             n = len(Tokenizer.from_dir(model).encode_text(TEXT))
             times: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(args.rounds):
@@ -141,10 +112,8 @@ def main() -> None:
             print(f"plain (max_tokens 1): {plain * 1000:.0f} ms; every position scored (echo, logprobs 5, "
                   f"max_tokens 0): {scored_s * 1000:.0f} ms; scored / plain {scored_s / plain:.2f}")
         finally:
-            for proc, _ in servers.values():
-                proc.terminate()
-                proc.wait(30)
-
+            for server in servers.values():
+                server.stop()
 
 if __name__ == "__main__":
     main()

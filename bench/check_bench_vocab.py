@@ -4,7 +4,7 @@ tokenizer webchat's converter builds from the same file's fields (webchat.text.g
 /detokenize of a few ids, padded ones included, against that tokenizer's decoding. Prints one line per file; exits 1
 on any difference.
 
-    .venv/bin/python bench/check_bench_vocab.py [FILE.gguf ...]     # default: bench/make_bench_files.sh's files
+    .venv/bin/python -m bench.check_bench_vocab [FILE.gguf ...]     # default: bench/make_bench_files.sh's files
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
-from bench_served import find_llama_server, llama_server  # noqa: E402
-from fidelity_llama_cpp import PROMPTS  # noqa: E402
-from served_client import TOPICS, free_port, long_chat, short_chat  # noqa: E402
-from served_files import SETS, bench_files_dir  # noqa: E402
+from bench.common import find_llama_server, free_port, llama_server
+from bench.fidelity_llama_cpp import PROMPTS
+from bench.served_files import SETS, bench_files_dir
+from bench.served_prompts import TOPICS, long_chat, short_chat
 
 
 def texts() -> list[str]:

@@ -70,7 +70,7 @@ check() {
   "$py" -m pytest -p no:cacheprovider -q -rs -m "$marks" tests/test_kernels.py tests/test_paged_kernels.py \
     tests/test_gpu_model.py tests/test_emulator.py tests/test_nvcc.py tests/test_nvrtc.py 2>&1 \
     | tee "$out/pytest.log" | tail -25
-  "$py" bench/bench_gpu.py "${dry[@]}" --models "${models[@]}" --json "$out/bench_gpu.json" 2>&1 \
+  "$py" -m bench.bench_gpu "${dry[@]}" --models "${models[@]}" --json "$out/bench_gpu.json" 2>&1 \
     | grep -v "^Loading weights" | tee "$out/bench_gpu.txt" | tail -20
 }
 

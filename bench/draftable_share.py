@@ -1,6 +1,6 @@
 """How much of a reply any suffix drafter could have drafted: the bound the draft source puts on speculation.
 
-    .venv/bin/python bench/draftable_share.py [--sets copy,code,open] [--prompts 8] [--fill 24]
+    .venv/bin/python -m bench.draftable_share [--sets copy,code,open] [--prompts 8] [--fill 24]
 
 For each prompt set of the served benchmark (bench/served_prompts.py), greedy replies of the default model (or
 --model) to --prompts prompts, and first to --fill other prompts of the set: what a served engine's index holds of its
@@ -14,31 +14,29 @@ allows against none's on this machine: each step verifies exactly the run of rig
 (at most MAX_AUTO_DRAFT, no wrong draft ever granted) and emits it and one more token, costing a forward of that many
 rows on the verify-cost curve measured here (webchat.engine.verify_cost, as the server measures it at warm-up); every
 token the oracle misses ends a step. No draft source of the suffix kind (n-gram, prompt lookup, suffix trees) with
-this guess gets past it; the auto mode's measured drafting (bench_served.py --speculation) can be read against it.
+this guess gets past it; the auto mode's measured drafting (bench.bench_served --speculation) can be read against it.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_speculative import run_once  # noqa: E402
-from served_prompts import SETS  # noqa: E402
-from served_speculation import FILL_AT  # noqa: E402  (the fill's prompts: bench_served.py --spec-fill's)
-
-from webchat.engine import verify_cost  # noqa: E402
-from webchat.engine.adaptive import MAX_AUTO_DRAFT  # noqa: E402
-from webchat.engine.generator import Generator  # noqa: E402
-from webchat.model.loader import load_model  # noqa: E402
-from webchat.pull import ensure_default_model  # noqa: E402
-from webchat.text.tokenizer import Tokenizer  # noqa: E402
+from bench.common import default_model, table_header, table_row
+from bench.served_prompts import SETS
+from bench.served_speculation import FILL_AT  # the fill's prompts: bench_served --spec-fill's
+from webchat.engine import verify_cost
+from webchat.engine.adaptive import MAX_AUTO_DRAFT
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
+from webchat.engine.settings import SamplingSettings
+from webchat.model.loader import load_model
+from webchat.text.tokenizer import Tokenizer
 
 SUFFIX_MAX = 8  # the longest suffix looked up
-OPEN_TOKENS = 96  # open questions' reply length (bench_served.py --tokens)
+OPEN_TOKENS = 96  # open questions' reply length (bench_served --tokens)
 
 
 class Followers:
@@ -72,9 +70,18 @@ def guess(context: list[int], indexes: list[Followers]) -> int | None:
 
 
 def reply(gen: Generator, tok: Tokenizer, chat: list[dict[str, str]], max_tokens: int) -> tuple[list[int], list[int]]:
-    """The prompt's ids and the greedy reply's (bench_speculative.py's cold-start run, without drafts)."""
+    """The prompt's ids and the greedy reply's, without drafts, from a cold start (no pages or cached prefixes of the
+    last reply)."""
     ids = tok.encode(tok.apply_chat_template(chat))
-    return ids, run_once(gen, ids, "none", max_tokens)[0]
+    gen.engine.reset()
+    gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0),
+                                       max_new_tokens=max_tokens, speculative="none"))
+    out: list[int] = []
+    while True:
+        res = gen.stream()
+        out += res.token_ids
+        if res.eos:
+            return ids, out
 
 
 def guessed(prompt: list[int], out: list[int], others: Followers | None) -> list[bool]:
@@ -107,22 +114,21 @@ def main() -> None:
     p.add_argument("--sets", default="copy,code,open")
     p.add_argument("--prompts", type=int, default=8, help="measured prompts per set")
     p.add_argument("--fill", type=int, default=24, help="other prompts' replies the `with others` oracle sees")
-    p.add_argument("--max-tokens", type=int, default=320, help="cap on copy and code replies (bench_served.py's)")
+    p.add_argument("--max-tokens", type=int, default=320, help="cap on copy and code replies (bench_served's)")
     p.add_argument("--model", type=Path, default=None, help="a model directory or GGUF (default: the default model)")
     args = p.parse_args()
     sets = args.sets.split(",")
     if any(s not in SETS for s in sets) or args.prompts < 1 or args.fill < 0:
         raise SystemExit(f"--sets from {list(SETS)} (got {sets}); --prompts at least 1, --fill at least 0")
-    path = args.model or ensure_default_model()
+    path = args.model or default_model()
     model, tok = load_model(path), Tokenizer.from_dir(path)
     gen = Generator(model, tok)
     cost = verify_cost.VerifyCost(verify_cost.measure(model, model.new_pool(2 * verify_cost.CONTEXT)))
     print(f"{path.name}: greedy replies, {args.prompts} measured prompts a set, {args.fill} other prompts' replies "
           f"beside them; suffixes of 2-{SUFFIX_MAX} tokens. Verify cost here: one row {cost.forward_ms(1):.2f} ms, "
           f"{1 + MAX_AUTO_DRAFT} rows {cost.forward_ms(1 + MAX_AUTO_DRAFT):.2f} ms")
-    print("\n| set | reply tokens (median) | guessed from the context | with others' replies | oracle decode / none: "
-          "context / with others |")
-    print("|---|---:|---:|---:|---|")
+    print("\n" + table_header("set", "reply tokens (median)", "guessed from the context", "with others' replies",
+                              "oracle decode / none: context / with others", align="lrrrl"), flush=True)
     for name in sets:
         cap = OPEN_TOKENS if name == "open" else args.max_tokens
         others = Followers()
@@ -135,7 +141,8 @@ def main() -> None:
             got.append((len(out), sum(alone) / len(out), sum(both) / len(out), oracle_speed(alone, cost),
                         oracle_speed(both, cost)))
         med = [statistics.median(g[k] for g in got) for k in range(5)]
-        print(f"| {name} | {med[0]:.0f} | {med[1]:.2f} | {med[2]:.2f} | {med[3]:.2f}x / {med[4]:.2f}x |", flush=True)
+        print(table_row(name, f"{med[0]:.0f}", f"{med[1]:.2f}", f"{med[2]:.2f}", f"{med[3]:.2f}x / {med[4]:.2f}x"),
+              flush=True)
 
 
 if __name__ == "__main__":

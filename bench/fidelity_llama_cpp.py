@@ -2,7 +2,7 @@
 against a float32 reference on the weights dequantized from that file.
 
     bash bench/make_bench_files.sh                        # once: smollm2-135m-q4_k_m.gguf (llama-quantize's Q4_K_M)
-    .venv/bin/python bench/fidelity_llama_cpp.py          # [--gguf FILE] [--tokens 32] [--src CHECKOUT]
+    .venv/bin/python -m bench.fidelity_llama_cpp          # [--gguf FILE] [--tokens 32] [--src CHECKOUT]
 
 The reference is transformers in float32 on the file itself (`from_pretrained(gguf_file=...)`: gguf-py dequantizes
 every tensor; none of webchat's code), its greedy tokens and each step's probabilities (softmax of the raw logits, in
@@ -32,7 +32,6 @@ import argparse
 import io
 import math
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +39,19 @@ from typing import Any
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
-from bench_served import HERE, THREADS, find_llama_server, llama_server, webchat_server  # noqa: E402
-from served_client import Server, free_port  # noqa: E402
-from served_files import bench_files_dir, has_exact_flag, precision_of  # noqa: E402
-from served_prompts import ASKS, SUBJECTS, open_chat  # noqa: E402
+from bench.common import (
+    ROOT,
+    THREADS,
+    Server,
+    find_llama_server,
+    free_port,
+    llama_server,
+    table_header,
+    table_row,
+    webchat_server,
+)
+from bench.served_files import bench_files_dir, has_exact_flag, precision_of
+from bench.served_prompts import ASKS, SUBJECTS, open_chat
 
 TOP = 5
 PROMPTS = [  # held out: none is a prompt of tests/test_fidelity.py
@@ -158,9 +165,9 @@ def row(name: str, precision: str, marks: list[Agreement]) -> str:
     firsts = ", ".join("=" if a.first_div is None else str(a.first_div) for a in marks)
     dp_first = max((a.dp_first for a in marks if a.dp_first is not None), default=None)
     dp_prefix = max((a.dp_prefix for a in marks if a.dp_prefix is not None), default=None)
-    tokens_equal = sum(a.first_div is None for a in marks)
-    return (f"| {name} | {precision} | {tokens_equal}/{len(marks)} | {sum(a.text_equal for a in marks)}/{len(marks)} "
-            f"| {firsts} | {fmt(dp_first)} | {fmt(dp_prefix)} |")
+    tokens_equal, texts_equal = sum(a.first_div is None for a in marks), sum(a.text_equal for a in marks)
+    return table_row(name, precision, f"{tokens_equal}/{len(marks)}", f"{texts_equal}/{len(marks)}", firsts,
+                     fmt(dp_first), fmt(dp_prefix))
 
 
 def wide_row(name: str, precision: str, marks: list[Agreement], tokens: int) -> str:
@@ -170,8 +177,8 @@ def wide_row(name: str, precision: str, marks: list[Agreement], tokens: int) -> 
     firsts = [a.dp_first for a in marks if a.dp_first is not None]
     prefix = max((a.dp_prefix for a in marks if a.dp_prefix is not None), default=None)
     median = statistics.median(firsts) if firsts else None
-    return (f"| {name} | {precision} | {sum(a.first_div is None for a in marks)}/{len(marks)} | {kept:.1f} "
-            f"| {fmt(median)} / {fmt(max(firsts, default=None))} | {fmt(prefix)} |")
+    return table_row(name, precision, f"{sum(a.first_div is None for a in marks)}/{len(marks)}", f"{kept:.1f}",
+                     f"{fmt(median)} / {fmt(max(firsts, default=None))}", fmt(prefix))
 
 
 def weight_check(model: Any, folder: Path) -> str:
@@ -190,7 +197,7 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=bench_files_dir() / "smollm2-135m-q4_k_m.gguf")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--llama-server", type=Path, default=None)
-    ap.add_argument("--src", type=Path, default=HERE, help="the webchat checkout to serve from")
+    ap.add_argument("--src", type=Path, default=ROOT, help="the webchat checkout to serve from")
     open_questions = len(ASKS) * len(SUBJECTS)  # open_chat(i) repeats itself past these
     ap.add_argument("--more", type=int, default=0,
                     help=f"further held-out prompts for a second, wider table (0 to {open_questions})")
@@ -221,7 +228,7 @@ def main() -> None:
     rows, wide = [], []
     n = len(PROMPTS)
     for exact in sides:  # one at a time: each starts when the last has stopped
-        server = webchat_server(gguf, free_port(), [], src, exact=exact)
+        server = webchat_server(free_port(), gguf, src=src, exact=exact)
         name = server.name
         try:
             server.wait_ready()
@@ -244,15 +251,15 @@ def main() -> None:
     marks = [agree(r, g, tok.decode) for r, g in zip(ref, runs, strict=True)]
     rows.append(row("llama-server", f"its own ({THREADS} threads)", marks[:n]))
     wide.append(wide_row("llama-server", f"its own ({THREADS} threads)", marks, args.tokens))
-    print(f"\n| side | precision | greedy {args.tokens} tokens = reference | text = reference | first divergence "
-          "per prompt (token; = none) | top-5 max |Δp|, first token | top-5 max |Δp|, agreed prefix |")
-    print("|---|---|---:|---:|---|---:|---:|")
+    print("\n" + table_header("side", "precision", f"greedy {args.tokens} tokens = reference", "text = reference",
+                              "first divergence per prompt (token; = none)", "top-5 max |Δp|, first token",
+                              "top-5 max |Δp|, agreed prefix", align="llrrlrr"))
     print("\n".join(rows))
     if args.more:
         print(f"\nall {len(prompts)} prompts (the 8 and {args.more} open questions):\n")
-        print(f"| side | precision | greedy {args.tokens} tokens = reference | mean tokens before the first divergence "
-              "| top-5 max |Δp|, first token: median / max | top-5 max |Δp|, agreed prefix |")
-        print("|---|---|---:|---:|---:|---:|")
+        print(table_header("side", "precision", f"greedy {args.tokens} tokens = reference",
+                           "mean tokens before the first divergence", "top-5 max |Δp|, first token: median / max",
+                           "top-5 max |Δp|, agreed prefix", align="llrrrr"))
         print("\n".join(wide))
 
 

@@ -10,7 +10,7 @@ Offline: the task's data is the local file, both backends read the local model f
 (tokenizer_backend=huggingface), and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set before lm-eval is imported.
 lm-eval is not a test or runtime dependency (it pulls 48 packages: datasets, evaluate, scipy, scikit-learn, pandas,
 pyarrow, nltk...): install it with `.venv/bin/pip install -e '.[eval]'`, then run
-`.venv/bin/python bench/lm_eval_parity.py`.
+`.venv/bin/python -m bench.lm_eval_parity`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_scoring import start  # bench/ is on sys.path when this script runs
+from bench.bench_scoring import start
+from bench.common import ROOT as REPO
+from bench.common import default_model
 
-REPO = Path(__file__).resolve().parent.parent
 TASK = "webchat_tiny_mc"
 for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[var] = "1"
@@ -55,22 +56,17 @@ def main() -> int:
         print("lm-eval is not installed: .venv/bin/pip install -e '.[eval]'", file=sys.stderr)
         return 2
     from webchat.gguf_path import model_name
-    from webchat.pull import ensure_default_model
 
-    model_dir = args.model or ensure_default_model()
+    model_dir = args.model or default_model()
     os.chdir(REPO)  # the task YAML names its data file relative to the repository
     with tempfile.TemporaryDirectory() as shelf:
-        # bench/bench_scoring.py's: `webchat serve`, waited for; its exact path where it has two precisions
+        # bench.bench_scoring's: `webchat serve`, waited for; its exact path where it has two precisions
         usage = subprocess.run([sys.executable, "-m", "webchat.cli", "serve", "--help"], capture_output=True,
                                text=True, cwd=REPO).stdout
-        proc, url = start(REPO, model_dir, Path(shelf), *(["--exact"] if "--exact" in usage else []))
-        try:
-            api = run("local-completions", f"model={model_name(model_dir)},base_url={url}/v1/completions,"
+        with start(REPO, model_dir, Path(shelf), *(["--exact"] if "--exact" in usage else [])) as server:
+            api = run("local-completions", f"model={model_name(model_dir)},base_url={server.url}/v1/completions,"
                       f"tokenizer_backend=huggingface,tokenizer={model_dir},tokenized_requests=True,"
                       "num_concurrent=1,max_retries=1")
-        finally:
-            proc.terminate()
-            proc.wait(30)
     ref = run("hf", f"pretrained={model_dir},dtype=float32,device=cpu")
     same = [i for i in ref if api[i]["acc"] == ref[i]["acc"]]
     # resps: per choice [(log-likelihood, is_greedy)]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 38's bench files, made as a user's downloads are made: by llama.cpp's own `llama-quantize` (built beside
 # llama-server by bench/build_llama_server.sh) from a float16 source, into $WEBCHAT_HOME/bench-files/:
-#   tinyllama-shape-f16.gguf          the 1.1B Llama shape, random weights (bench/make_tinyllama_gguf.py --type f16)
+#   tinyllama-shape-f16.gguf          the 1.1B Llama shape, random weights (bench.make_tinyllama_gguf --type f16)
 #   tinyllama-shape-{q4_0,q4_1,q8_0,q4_k_m}.gguf   llama-quantize of it
 #   llama32-3b-shape-q4_k_m.gguf      Llama-3.2-3B's shape, 128,256 tokens, tied, random weights: llama-quantize of a
 #                                     6.4 GB float16 source that is deleted afterwards (KEEP_F16=1 keeps it)
@@ -23,7 +23,7 @@ quantize=$(dirname "$server")/llama-quantize
 
 make_source() {  # shape type -> $out/<shape>-shape-<type>.gguf
   local dest=$out/$1-shape-$2.gguf
-  [ -f "$dest" ] || nice -n 10 "$py" bench/make_tinyllama_gguf.py --shape "$1" --type "$2" --out "$dest" >&2
+  [ -f "$dest" ] || nice -n 10 "$py" -m bench.make_tinyllama_gguf --shape "$1" --type "$2" --out "$dest" >&2
 }
 
 quantize_to() {  # source dest TYPE [flags...]

@@ -1,4 +1,4 @@
-"""Llama-shaped GGUFs with random weights, for bench/bench_served.py: how each server's cost grows with the model.
+"""Llama-shaped GGUFs with random weights, for bench.bench_served: how each server's cost grows with the model.
 
 Two shapes (`--shape`):
   tinyllama   TinyLlama-1.1B's: 22 layers, dim 2048, FFN 5632, 32 heads, 4 KV heads, head dim 64, rope base 10000, an
@@ -20,7 +20,7 @@ Norms are float32 ones. Deterministic (seed 0, the tensors drawn in file order),
 stays near the largest tensor (the 3B's float16 embedding, 0.8 GB) while the file is 2.3 GB (tinyllama f16) or 6.4 GB
 (llama32-3b f16).
 
-    .venv/bin/python bench/make_tinyllama_gguf.py [--shape tinyllama] [--type q4_1] [--out PATH]
+    .venv/bin/python -m bench.make_tinyllama_gguf [--shape tinyllama] [--type q4_1] [--out PATH]
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.common import default_gguf
 
 CHUNK = 1 << 24  # values drawn per call while filling a float tensor (64 MB of float32)
 STD = 0.02
@@ -190,11 +192,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: $WEBCHAT_HOME/<shape>-shape-<type>.gguf")
     parser.add_argument("--source", type=Path, default=None, help="GGUF to copy the tokenizer from (default model's)")
     args = parser.parse_args()
-    from webchat.pull import ensure_default_gguf
-
     out = args.out or default_out(args.shape, args.wtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write(out, SHAPES[args.shape], args.wtype, args.source or ensure_default_gguf())
+    write(out, SHAPES[args.shape], args.wtype, args.source or default_gguf())
     print(out)
 
 

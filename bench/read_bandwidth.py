@@ -1,8 +1,8 @@
 """The machine's read bandwidth, STREAM-like: a read-only sum over a float32 buffer far larger than any cache, with
-the threads the servers get; the best of `--repeat` passes, in GB/s (10^9 bytes). bench/bench_served.py runs it
+the threads the servers get; the best of `--repeat` passes, in GB/s (10^9 bytes). bench.bench_served runs it
 beside a memory-bound model's decode, whose weights read a token (matrix bytes x tok/s) it is the ceiling of.
 
-    .venv/bin/python bench/read_bandwidth.py [--gib 2] [--threads 2] [--repeat 5]    # prints one JSON line
+    .venv/bin/python -m bench.read_bandwidth [--gib 2] [--threads 2] [--repeat 5]    # prints one JSON line
 
 torch's sum splits the buffer over its threads, each summing its part in vector registers (AVX2: 8 floats an add),
 so the pass is bound by the loads, not the adds: the same shape as STREAM's read-only kernels, without the stores.

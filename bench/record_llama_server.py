@@ -1,7 +1,7 @@
 """Record llama-server's real answers for tests/test_remote_parse.py (tests/fixtures/llama_server.json).
 
     bash bench/build_llama_server.sh      # once
-    .venv/bin/python bench/record_llama_server.py [--gguf FILE]
+    .venv/bin/python -m bench.record_llama_server [--gguf FILE]
 
 Starts the server built by bench/build_llama_server.sh on the default GGUF, greedy, and keeps each answer as the
 server sent it (its SSE `data:` payloads in order), with the server's build and the requests: a chat stream with
@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_served import default_gguf, find_llama_server, free_port  # bench/ is the script's directory
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama_server.json"
+from bench.common import ROOT, Server, default_gguf, find_llama_server, free_port
+
+OUT = ROOT / "tests" / "fixtures" / "llama_server.json"
 QUESTION = [{"role": "user", "content": "Reply with the words café and naïve, then a coffee emoji."}]
 
 
@@ -42,20 +41,9 @@ def main() -> None:
     args = ap.parse_args()
     gguf = args.gguf or default_gguf()
     port = free_port()
-    proc = subprocess.Popen(
-        [str(find_llama_server(None)), "-m", str(gguf), "--port", str(port), "-c", "2048", "-t", "2"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    argv = [str(find_llama_server(None)), "-m", str(gguf), "--port", str(port), "-c", "2048", "-t", "2"]
+    with Server("llama-server", argv, port):
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-        for _ in range(300):
-            try:
-                if client.get("/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         build = client.get("/props").json().get("build_info")
         chat = {
             "messages": QUESTION,
@@ -97,9 +85,6 @@ def main() -> None:
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(record, ensure_ascii=False, indent=1) + "\n")
         print(f"recorded llama-server {build} on {gguf.name} into {OUT}")
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 if __name__ == "__main__":

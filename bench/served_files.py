@@ -1,4 +1,4 @@
-"""The files bench/bench_served.py runs beside the default model, and what it prints beside their tables.
+"""The files `python -m bench.bench_served` runs beside the default model, and what it prints beside their tables.
 
 Issue 38's set (`--set issue38`) is bench/make_bench_files.sh's output in $WEBCHAT_HOME/bench-files/: the 1.1B
 Llama-shaped file in the four formats `llama-quantize` writes most (Q4_0, Q4_1, Q8_0, Q4_K_M) and a Llama-3.2-3B-shaped
@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
+
 SETS = {  # name -> (files in bench-files/, the clients the issue's table has)
     "issue38": (["tinyllama-shape-q4_0.gguf", "tinyllama-shape-q4_1.gguf", "tinyllama-shape-q8_0.gguf",
                  "tinyllama-shape-q4_k_m.gguf", "llama32-3b-shape-q4_k_m.gguf"], "1,4"),
@@ -52,7 +53,7 @@ def matrix_bytes(gguf: Path) -> int:
 def read_bandwidth(threads: int) -> float:
     """GB/s of bench/read_bandwidth.py's read-only pass with `threads` threads (its own process: its 2 GiB buffer
     is gone before a server starts)."""
-    out = subprocess.run([sys.executable, str(HERE / "bench" / "read_bandwidth.py"), "--threads", str(threads)],
+    out = subprocess.run([sys.executable, "-m", "bench.read_bandwidth", "--threads", str(threads)], cwd=ROOT,
                          check=True, capture_output=True, text=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["gbps"])
 

@@ -1,6 +1,8 @@
-"""Prompt sets for the served speculation benchmark (bench_served.py --speculation): each set gives as many distinct
-chats as asked, the same ones every run, so no prompt repeats within one server's life (a repeated prompt would let a
-drafter copy the earlier reply) and every mode answers the same prompts.
+"""The prompts the served benches send, the same ones every run.
+
+For bench_served.py's sections: short chats (a long story by topic) and one ~1,000-token prompt. For its speculation
+comparison (`--speculation`), three sets, each giving as many distinct chats as asked, so no prompt repeats within one
+server's life (a repeated prompt would let a drafter copy the earlier reply) and every mode answers the same prompts:
 
   open  open questions: little of the reply is in the prompt (speculation has little to find)
   copy  copy a paragraph with a spelling fix: the reply is nearly the prompt's paragraph
@@ -11,6 +13,26 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+
+TOPICS = ["a lighthouse keeper", "a city under the sea", "a robot gardener", "the last train home", "a winter market",
+          "a lost violin", "two rival bakers", "a map with no names", "a comet over the desert", "a library at night",
+          "a ship in a bottle", "the mountain post office", "a clockmaker's apprentice", "a river that ran uphill",
+          "a festival of lanterns", "an orchard in the fog"]
+LONG_PARAGRAPH = (
+    "Here are my notes from the meeting. We discussed the quarterly roadmap, the hiring plan for the platform team, "
+    "the migration of the billing service to the new database cluster, and the incident from last Tuesday when the "
+    "cache layer returned stale prices for about forty minutes. The action items were: write a postmortem, add an "
+    "alert on cache age, review the rollout checklist, and schedule a load test before the holiday freeze. ")
+
+
+def short_chat(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+def long_chat() -> list[dict[str, str]]:
+    text = " ".join(f"Meeting {k + 1}. {LONG_PARAGRAPH}" for k in range(10))  # ~1,000 tokens with either tokenizer
+    return [{"role": "user", "content": text + "Summarise these notes as a short list of decisions."}]
+
 
 SUBJECTS = ["the sky", "the ocean", "a forest", "a city", "a desert", "the moon", "a river", "a mountain", "a garden",
             "a library", "a market", "a volcano", "a glacier", "an island", "a village", "a bridge", "a harbour",

@@ -1,11 +1,11 @@
-"""bench_served.py --speculation: each speculative mode against `none`, served, in one run.
+"""`python -m bench.bench_served --speculation`: each speculative mode against `none`, served, in one run.
 
 For each round, each mode (`--spec-modes`, default none,auto; the order alternates round by round) gets a new
 `webchat serve --speculative MODE` on the same GGUF, alone on the machine; it answers, through the OpenAI streaming
 API, every prompt set (`--spec-sets`: open questions, copy-with-a-fix, a code edit returning the whole function;
 bench/served_prompts.py) at each client count (`--spec-clients`, default 1,4,16): that many concurrent streams, each
 a distinct prompt (the single client: three prompts one after another, the median kept), greedy. Open questions are
-`--tokens` long (end-of-turn biased away, as bench_served.py's sections); copies and edits end where the model ends
+`--tokens` long (end-of-turn biased away, as the served sections); copies and edits end where the model ends
 them (at most `--spec-max-tokens`). Then `--spec-seeded` seeded sampled streams (temperature 0.8) alone and together.
 Per mode each section keeps its best round (noise only slows).
 
@@ -33,30 +33,25 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import signal
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from bench_served import Server, free_port, stop_token_ids
-from served_prompts import SETS
-
+from bench.common import Server, free_port, parallel, stop_token_ids, table_header, table_row, webchat_server
+from bench.served_prompts import SETS
 from webchat.engine.adaptive import MAX_AUTO_DRAFT, MAX_STEP_ROWS
 from webchat.engine.verify_cost import VerifyCost
 
 C1_RUNS = 3
 FILL_AT = 100_000  # --spec-fill's prompts: far past the sections' own
-T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The --speculation options (bench_served.py's own are unchanged)."""
+    """The --speculation options (bench_served's own are unchanged)."""
     g = parser.add_argument_group("speculation", "--speculation: each speculative mode against none, served")
     g.add_argument("--speculation", action="store_true", help="run the speculation comparison instead")
     g.add_argument("--spec-modes", default="none,auto", help="modes, none first (default none,auto)")
@@ -101,10 +96,7 @@ class Section:
 
 
 def spec_server(gguf: Path, port: int, src: Path, mode: str) -> Server:
-    env = dict(os.environ, PYTHONPATH=str(src))
-    argv = [sys.executable, "-m", "webchat.cli", "serve", "--model", str(gguf), "--device", "cpu", "--port", str(port),
-            "--speculative", mode]
-    return Server(f"webchat --speculative {mode}", argv, port, env, {}, "/healthz", cwd=src)
+    return webchat_server(port, gguf, "--speculative", mode, src=src, name=f"webchat --speculative {mode}")
 
 
 def ask(server: Server, messages: list[dict[str, str]], body: dict[str, Any]) -> Reply:
@@ -133,11 +125,9 @@ def ask(server: Server, messages: list[dict[str, str]], body: dict[str, Any]) ->
 
 
 def info(server: Server) -> dict[str, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("GET", "/api/info")
-    body: dict[str, Any] = json.loads(conn.getresponse().read())
-    conn.close()
-    return body.get("speculation") or {}
+    """/api/info's `speculation`: the planner's counts, its verify-cost curve and payoff."""
+    speculation: dict[str, Any] = server.get("/api/info").get("speculation") or {}
+    return speculation
 
 
 def decisions(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
@@ -150,27 +140,6 @@ def decisions(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]
         return float(sum(value.values()) if isinstance(value, dict) else value)
 
     return {k: total(after, k) - total(before, k) for k in ("offers", "granted", "drafted", "accepted", "probes")}
-
-
-def parallel(calls: list[Callable[[], T]]) -> list[T]:
-    """Each call on a thread of its own, all at once; their results in order (the first failure raised)."""
-    results: list[T | BaseException] = [RuntimeError("not run")] * len(calls)
-
-    def one(i: int) -> None:
-        try:
-            results[i] = calls[i]()
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            results[i] = exc
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise RuntimeError(str(r)) from r
-    return results  # type: ignore[return-value]
 
 
 def section(server: Server, chats: list[list[dict[str, str]]], body: dict[str, Any]) -> Section:
@@ -188,7 +157,7 @@ def ceiling(curve: dict[str, Any], clients: int) -> float:
     at the best k (at most MAX_AUTO_DRAFT, the step at most MAX_STEP_ROWS rows): the per-token cost of a step of
     clients (1 + k) rows over that of clients rows, each step a forward on the server's measured curve plus its time
     between steps. What a verify row costs against a decode row bounds speculation whatever the drafts. The curve is
-    one sequence's rows, exact for one client; several sequences each read their own k/v (bench_verify_cost.py's
+    one sequence's rows, exact for one client; several sequences each read their own k/v (bench.bench_verify_cost's
     `all B` shapes measure that ceiling)."""
     cost = VerifyCost({int(t): float(ms) for t, ms in curve["cost"]["forward_ms"].items()})
     gap = float(curve.get("between_steps_ms", 0.0))
@@ -262,9 +231,9 @@ def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[
     server = spec_server(gguf, free_port(), args.src.resolve(), "auto")
     print(f"{gguf.name}: auto against none in one auto server, {args.spec_paired} pairs per section, the order "
           f"alternating; sets {', '.join(sets)}; clients {clients}", flush=True)
-    print("\n| set | clients | auto / none: median | quartiles | pairs >= 0.97 | none tok/s (median) | auto drafted "
-          "in / accepted | decode alone: auto / none | ceiling: decode / aggregate |")
-    print("|---|---:|---:|---|---:|---:|---|---:|---|")
+    print("\n" + table_header("set", "clients", "auto / none: median", "quartiles", "pairs >= 0.97",
+                              "none tok/s (median)", "auto drafted in / accepted", "decode alone: auto / none",
+                              "ceiling: decode / aggregate", align="lrrlrrlrl"), flush=True)
     try:
         server.wait_ready()
         warm_up(server)
@@ -300,11 +269,11 @@ def paired(args: argparse.Namespace, gguf: Path, sets: list[str], clients: list[
                         drafted[k] += got["auto"].decisions.get(k, 0.0)
                 q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
                 share = f"{100 * drafted['granted'] / drafted['offers']:.0f}%" if drafted["offers"] else "-"
-                print(f"| {name} | {n} | {statistics.median(ratios):.2f}x | {q[0]:.2f}-{q[2]:.2f} | "
-                      f"{sum(r >= 0.97 for r in ratios)}/{len(ratios)} | {statistics.median(base):.1f} | {share} / "
-                      f"{drafted['accepted']:.0f} of {drafted['drafted']:.0f} | {statistics.median(decode):.2f}x | "
-                      + (f"{top:.2f}x / {statistics.median(ceil):.2f}x |" if ceil else "bench_verify_cost.py |"),
-                      flush=True)
+                top_cell = f"{top:.2f}x / {statistics.median(ceil):.2f}x" if ceil else "bench.bench_verify_cost"
+                print(table_row(name, n, f"{statistics.median(ratios):.2f}x", f"{q[0]:.2f}-{q[2]:.2f}",
+                                f"{sum(r >= 0.97 for r in ratios)}/{len(ratios)}", f"{statistics.median(base):.1f}",
+                                f"{share} / {drafted['accepted']:.0f} of {drafted['drafted']:.0f}",
+                                f"{statistics.median(decode):.2f}x", top_cell), flush=True)
         payoff = info(server).get("payoff") or {}
         print("\nthe server's payoff per batch size at the end (the factor on later plans' expected rates): "
               + (", ".join(f"{k}: {float(v):.2f}" for k, v in payoff.items()) or "none yet"))
@@ -356,17 +325,18 @@ def main(args: argparse.Namespace, gguf: Path) -> None:
 def report(modes: list[str], sets: list[str], clients: list[int], best: dict[str, dict[str, Section]],
            rounds: dict[str, list[dict[str, Section]]], curve: dict[str, Any]) -> None:
     others = modes[1:]
-    print("\n| set | clients | none tok/s | " + " | ".join(f"{m} tok/s | {m} / none" for m in others)
-          + " | per-round " + "; ".join(f"{m} / none" for m in others) + " |")
-    print("|---|---:|---:|" + "---:|---:|" * len(others) + "---|")
+    columns = [c for m in others for c in (f"{m} tok/s", f"{m} / none")]
+    per_round_title = "per-round " + "; ".join(f"{m} / none" for m in others)
+    print("\n" + table_header("set", "clients", "none tok/s", *columns, per_round_title,
+                              align="lrr" + "r" * len(columns) + "l"))
     for name in sets:
         for n in clients:
             key = f"{name} c{n}"
             base = best["none"][key].tps
-            cells = [f"{best[m][key].tps:.1f} | {best[m][key].tps / base:.2f}x" for m in others]
+            cells = [c for m in others for c in (f"{best[m][key].tps:.1f}", f"{best[m][key].tps / base:.2f}x")]
             per_round = ["/".join(f"{r[key].tps / b[key].tps:.2f}" for r, b in zip(rounds[m], rounds["none"],
                                                                                         strict=True)) for m in others]
-            print(f"| {name} | {n} | {base:.1f} | " + " | ".join(cells) + f" | {'; '.join(per_round)} |")
+            print(table_row(name, n, f"{base:.1f}", *cells, "; ".join(per_round)))
     if "auto" in modes:
         print("\nthe auto planner, each section's best round: sequence-steps granted drafts / planned, tokens accepted"
               " / drafted")
@@ -399,7 +369,7 @@ def report(modes: list[str], sets: list[str], clients: list[int], best: dict[str
               f"the last point +{float(cost['slope_ms_per_row']):.2f} ms a row; a 5-row verify ~ {five / one:.2f} "
               f"one-row steps; time between steps {float(curve.get('between_steps_ms', 0)):.2f} ms (its last median)")
         print(f"on that curve one client's decode reaches at most {ceiling(curve, 1):.2f}x of none's, every draft "
-              "accepted (`ceiling`; several clients: bench_verify_cost.py)")
+              "accepted (`ceiling`; several clients: bench.bench_verify_cost)")
     if curve.get("payoff"):  # webchat.engine.adaptive: got / planned per batch size, scaling that size's later plans
         print("how its plans came true by the end of its first round (payoff per batch size of decode rows, the "
               "factor on later plans' expected rates): " + ", ".join(f"{k}: {float(v):.2f}"

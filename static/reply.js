@@ -26,7 +26,7 @@ export const tokenIndex = /** @type {WeakMap<Element, number>} */ (new WeakMap()
  * The streaming reply reaches the DOM at most every FLUSH_MS (20 times a second) and nothing else on the page changes
  * per chunk: the browser shares the CPU with the model on a small machine, and redrawing on every animation frame made
  * the engine decode at 70 / 59 tok/s (heatmap off / on) behind headless Chromium on 2 cores against ~146 for a socket
- * client; now 85 / 81 against ~133 (bench/bench_page.py, bench/README.md).
+ * client; now 85 / 81 against ~133 (bench/bench_page.py, docs/perf-history.md).
  * A flush costs more as the block it writes into grows (the browser lays out a paragraph or a code block whole), and
  * where it costs more the page flushes less often: at least FLUSH_BUDGET times a flush's own time apart (its script,
  * style and layout, averaged), up to FLUSH_MAX_MS. On a fast machine that stays at FLUSH_MS; behind a long paragraph on

@@ -1,6 +1,6 @@
-"""bench/bench_served.py end to end against stand-in servers (tests/bench_standin.py): several files in one run, both
-webchat precisions where the checkout has `--exact`, a plain note where it has not, and the weights a token reads; and
-what the speculation comparison (bench/served_speculation.py) prints from an auto server's /api/info."""
+"""`python -m bench.bench_served` end to end against stand-in servers (tests/bench_standin.py): several files in one
+run, both webchat precisions where the checkout has `--exact`, a plain note where it has not, and the weights a token
+reads; and what the speculation comparison (bench/served_speculation.py) prints from an auto server's /api/info."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ import gguf
 import numpy as np
 import pytest
 
+from bench import served_speculation
+from bench.draftable_share import Followers, guess, guessed, oracle_speed
+from bench.fidelity_llama_cpp import Agreement, wide_row
+from bench.served_files import matrix_bytes, precision_of
+from bench.served_prompts import ASKS, SETS, SUBJECTS, open_chat
+from bench.served_speculation import FILL_AT, Section, ceiling, fill, report
+from webchat.engine.adaptive import MAX_AUTO_DRAFT
+from webchat.engine.verify_cost import VerifyCost
+
 ROOT = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "bench_standin.py"
-sys.path.insert(0, str(ROOT / "bench"))
-
-import served_speculation  # noqa: E402
-from draftable_share import Followers, guess, guessed, oracle_speed  # noqa: E402
-from served_files import matrix_bytes, precision_of  # noqa: E402
-from served_prompts import SETS  # noqa: E402
-from served_speculation import FILL_AT, Section, ceiling, fill, report  # noqa: E402
-
-from webchat.engine.adaptive import MAX_AUTO_DRAFT  # noqa: E402
-from webchat.engine.verify_cost import VerifyCost  # noqa: E402
 
 
 def tiny_gguf(path: Path, tied: bool) -> Path:
@@ -70,12 +69,12 @@ def standin_checkout(tmp_path: Path) -> tuple[Path, Path]:
 def run_bench(tmp_path: Path, exact: bool, *extra: str) -> subprocess.CompletedProcess[str]:
     src, binary = standin_checkout(tmp_path)
     files = [tiny_gguf(tmp_path / "a.gguf", tied=False), tiny_gguf(tmp_path / "b.gguf", tied=True)]
-    argv = [sys.executable, str(ROOT / "bench" / "bench_served.py"), "--src", str(src), "--llama-server", str(binary),
+    argv = [sys.executable, "-m", "bench.bench_served", "--src", str(src), "--llama-server", str(binary),
             "--rounds", "1", "--tokens", "4", "--clients", "1,2", *extra]
     for f in files:
         argv += ["--gguf", str(f)]
     env = {"PATH": "/usr/bin:/bin", "STANDIN_EXACT": "1" if exact else "0", "HOME": str(tmp_path)}
-    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
 
 def test_both_precisions_and_llama_server_per_file(tmp_path: Path) -> None:
@@ -189,10 +188,8 @@ def test_the_precision_label_names_the_kernels_the_server_took() -> None:
 
 
 def test_the_fidelity_scripts_wide_table_counts_what_each_side_kept() -> None:
-    """bench/fidelity_llama_cpp.py --more: continuations kept whole, the mean tokens before the first divergence (a
+    """bench.fidelity_llama_cpp --more: continuations kept whole, the mean tokens before the first divergence (a
     whole one counts all its tokens), the first token's |Δp| median and max, the agreed prefixes' largest."""
-    from fidelity_llama_cpp import Agreement, wide_row
-
     marks = [Agreement(None, True, 0.01, 0.02), Agreement(4, False, 0.03, 0.2), Agreement(0, False, None, 0.05)]
     cells = [c.strip() for c in wide_row("webchat", "int8", marks, 32).split("|")[1:-1]]
     assert cells == ["webchat", "int8", "1/3", "12.0", "2.0e-02 / 3.0e-02", "2.0e-01"]
@@ -202,12 +199,10 @@ def test_the_fidelity_scripts_wide_table_counts_what_each_side_kept() -> None:
 def test_the_fidelity_script_refuses_more_prompts_than_it_has(past: int) -> None:
     """--more past the distinct open questions would count repeated prompts as new ones: refused by name, before any
     server or model starts."""
-    from served_prompts import ASKS, SUBJECTS, open_chat
-
     distinct = len(ASKS) * len(SUBJECTS)
     assert len({open_chat(i)[0]["content"] for i in range(distinct)}) == distinct  # ... and no more than that
     more = -1 if past < 0 else distinct + 1
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "fidelity_llama_cpp.py"), "--more", str(more)],
+    done = subprocess.run([sys.executable, "-m", "bench.fidelity_llama_cpp", "--more", str(more)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert f"--more must be 0 to {distinct} (the distinct open questions), got {more}" in done.stderr

@@ -13,7 +13,7 @@ Draft token i carries q_i, the estimated chance that it and every token before i
                                that has just resumed fails often at first and seldom once it has gone on) and whether
                                the token before it ends a sentence or a line (a break: where a reply chooses what to
                                say next, and a copy most often stops; within a sentence a long match goes on at
-                               0.95-0.99, after a break at 0.5-0.8, bench/README.md), shrunk
+                               0.95-0.99, after a break at 0.5-0.8, docs/perf-history.md), shrunk
                                towards the engine-wide rate while the sequence has little history; share_i: the share
                                of the matched occurrences that agree up to token i (suffix sources; 1 for the draft
                                model, whose r_j is one rate); k: the source's realism, tokens accepted over tokens

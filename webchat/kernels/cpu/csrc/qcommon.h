@@ -33,7 +33,7 @@ inline void prefetch_ahead(const uint8_t* row, int64_t bytes) {
 
 // The same distance ahead, asked for a unit (a block, a super-block) at a time as the kernel reads it: a row's or a
 // packed group's whole span at once queues more misses than a core keeps in flight, and the int8 kernels (fast enough
-// to wait on memory) streamed at half the rate (bench/README.md, issue 38's second round)
+// to wait on memory) streamed at half the rate (docs/perf-history.md, issue 38's second try)
 inline void prefetch_span(const uint8_t* unit, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(unit) + PREFETCH_AHEAD + o), _MM_HINT_T0);

@@ -1,7 +1,7 @@
 // webchat.engine.suffix.SuffixIndex in C++: the same bigram occurrences, the same paths, share for share (the Python
 // class is the reference, tests/test_adaptive.py checks the two agree call for call). The auto planner looks a
 // decoding stream's context up in two indexes every step it offers a draft; in Python a lookup costs 9-13 us and an
-// add 440 ns a token, here 2-6 us and 117 ns (bench/README.md, issue 43's fourteenth try).
+// add 440 ns a token, here 2-6 us and 117 ns (docs/perf-history.md, issue 43's fourteenth try).
 //
 // What differs from the Python class: a doc's tokens are copied in as they are added (the Python class keeps the
 // caller's list and reads past what it indexed; the planner adds a context right before it looks it up, so the two

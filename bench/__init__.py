@@ -1,0 +1,1 @@
+"""webchat's benchmarks: each script runs as `python -m bench.<script>` from the repository root (bench/README.md)."""
