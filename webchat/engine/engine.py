@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -270,9 +271,14 @@ class Engine(Admission):
         """Measure what verify rows cost on this model and machine, for the auto mode's plans (the server does it
         at warm-up; otherwise the first auto step does). False when the pool had no free pages to measure in: tried
         again 64 steps later."""
+        return verify_cost.drain(self.calibration())
+
+    def calibration(self) -> Generator[None, None, bool]:
+        """calibrate(), one forward a step (a model loaded beside other models' streams holds the device for one
+        verify forward at a time)."""
         if self.steps < self._calibrate_at:
             return False
-        cost = verify_cost.calibrate(self.model, self.pool, self.capacity)
+        cost = yield from verify_cost.calibration(self.model, self.pool, self.capacity)
         if cost is None:
             self._calibrate_at = self.steps + 64
             return False

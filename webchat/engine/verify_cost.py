@@ -22,7 +22,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +31,8 @@ from webchat.engine.sampling import Sampler
 from webchat.engine.settings import SamplingSettings
 from webchat.model.batch import Batch, make_batch
 from webchat.model.kv_cache import KVPool, PageTable, PoolExhausted
+
+R = TypeVar("R")
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24)  # rows measured; past the last, the last segment's slope
 PASSES = 5
@@ -144,6 +147,23 @@ def measure(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, grid: 
     taken for the measurement and given back (zeroed first: attention reads finite values); with fewer free slots
     (or fewer `positions`, the model's context) it measures at a shorter context, and only the rows that fit.
     Raises PoolExhausted when not one row fits."""
+    return drain(measure_steps(model, pool, grid, passes, context, positions))
+
+
+def drain(steps: Generator[None, None, R]) -> R:
+    """Run a generator of steps to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+
+def measure_steps(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, grid: Sequence[int] = GRID,
+                  passes: int = PASSES, context: int = CONTEXT,
+                  positions: int | None = None) -> Generator[None, None, dict[int, float]]:  # fmt: skip
+    """measure(), one forward a step: a caller that steps it between other work (a model loaded beside running
+    streams) holds the device for one verify forward at a time."""
     free = len(pool.free) * pool.page_size  # free pages only: no idle session is evicted to measure
     if positions is not None:
         free = min(free, positions)
@@ -174,6 +194,7 @@ def measure(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, grid: 
 
         for rows in (1, 1, top):  # warm: kernels, caches, scratch buffers at their largest
             once(rows)
+            yield
         samples: dict[int, list[float]] = {t: [] for t in grid}
         start = time.perf_counter()
         for p in range(passes):
@@ -181,6 +202,7 @@ def measure(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, grid: 
                 break
             for rows in grid if p % 2 == 0 else reversed(grid):
                 samples[rows].append(once(rows))
+                yield
         return {t: min(ms) for t, ms in samples.items()}
     finally:
         table.release()
@@ -189,8 +211,14 @@ def measure(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, grid: 
 def calibrate(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool, positions: int) -> VerifyCost | None:
     """A VerifyCost measured now within the first `positions` positions, or None when the pool has no free slot to
     measure in (try again later)."""
+    return drain(calibration(model, pool, positions))
+
+
+def calibration(model: Callable[[Batch, KVPool], torch.Tensor], pool: KVPool,
+                positions: int) -> Generator[None, None, VerifyCost | None]:  # fmt: skip
+    """calibrate(), one forward a step."""
     try:
-        return VerifyCost(measure(model, pool, positions=positions))
+        return VerifyCost((yield from measure_steps(model, pool, positions=positions)))
     except PoolExhausted:
         return None
 

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-MAX_NESTING = 100  # a schema's JSON nesting (a 10-level object nests about 30 deep)
+MAX_NESTING = 256  # JSON objects and arrays inside one another in a schema (an object's property: 2 levels)
 MAX_CHAIN = 256  # the longest chain of subschemas through nesting and `$ref`s, or of Lark rules through references
 MAX_REGEX_NESTING = 100  # groups inside groups
 MAX_REPEAT = 10_000  # the largest product of counted repetitions along one nesting path (`(a{100}){100}`)
@@ -60,11 +60,11 @@ def check_schema(schema: Any, where: str) -> None:
                 aliases[id(node)].extend(id(m) for m in members if isinstance(m, dict))
         for key in ("pattern",):
             if isinstance(node.get(key), str):
-                check_regex(node[key], f"{pointer}/{key}")
+                check_regex(node[key], f"{where} ({pointer}/{key})")
         props = node.get("patternProperties")
         if isinstance(props, dict):
             for key in props:
-                check_regex(key, f"{pointer}/patternProperties")
+                check_regex(key, f"{where} ({pointer}/patternProperties)")
     cycle = _cycle(aliases)
     if cycle:
         path = " -> ".join(names[n] for n in cycle)
@@ -82,7 +82,7 @@ def _schema_nodes(schema: Any, where: str) -> list[tuple[dict[str, Any], str]]:
     stack: list[tuple[Any, str, int]] = [(schema, "#", 1)]
     while stack:
         value, pointer, depth = stack.pop()
-        if depth > MAX_NESTING:
+        if depth > MAX_NESTING and isinstance(value, dict | list):
             raise GrammarLimit(f"{where}: the schema nests {MAX_NESTING + 1} or more levels deep (at {pointer[:120]}); "
                                f"at most {MAX_NESTING} are allowed")
         if isinstance(value, dict):

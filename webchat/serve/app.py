@@ -214,7 +214,9 @@ class Connection:
                                       f"{self.runtime.model_name!r}", msg.id)
             return self.runtime
         try:
-            return await self.models.use(msg.model, lambda info: self.outbox.push(p.Loading(id=msg.id, **info)))
+            peer = self.ws.scope.get("client")
+            return await self.models.use(msg.model, lambda info: self.outbox.push(p.Loading(id=msg.id, **info)),
+                                         client=("peer", peer[0] if peer else ""))
         except ModelError as exc:
             raise p.ProtocolError(exc.code, exc.message, msg.id) from None
 

@@ -11,8 +11,10 @@
                the device thread's driver stepping the workers with work in turn (one engine step each)
 
 Sessions (an engine owner per connection), prefix pages and speculative drafts are a model's own: they live in its
-Worker and Engine and go when it is unloaded. Loading runs on the device thread like every other parallel CPU job
-(webchat.serve.device), so the other models' streams pause while a model loads.
+Worker and Engine and go when it is unloaded. A load reads (and converts) the model on a side thread at lower priority
+with one OpenMP thread (webchat.serve.side), beside the other models' streams; its warm-up forwards then run on the
+device thread one at a time between their steps, so no stream waits longer than one verify forward of the new model.
+A client may cause LOADS_PER_WINDOW loads a minute (`load_limit` past that).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import gc
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,7 @@ from webchat.serve.catalog import Card, describe, kv_bytes, scan
 from webchat.serve.config import ServerConfig
 from webchat.serve.device import DeviceThread
 from webchat.serve.runtime import Runtime
+from webchat.serve.side import SideThread
 from webchat.serve.worker import Worker
 
 __all__ = ["Card", "Fleet", "ModelError", "Models", "describe", "kv_bytes", "scan"]
@@ -43,6 +46,8 @@ log = logging.getLogger("webchat.serve.models")
 
 MIB = 1 << 20
 CLAIM_S = 10.0  # a model handed to a request stays loaded this long at most while the request prepares its job
+LOADS_PER_WINDOW = 4  # loads one client may cause within LOAD_WINDOW_S (a load costs every stream some pace)
+LOAD_WINDOW_S = 60.0
 
 
 class ModelError(Exception):
@@ -165,6 +170,8 @@ class Models:
         self._admission = asyncio.Lock()  # one decision-and-load at a time
         self._waiting: dict[str, int] = {}  # requests waiting on a model's load
         self._claims: dict[str, list[float]] = {}  # per model: when each claim on it lapses
+        self.loader = SideThread("webchat-loader")  # loads run here, beside the device thread (webchat.serve.side)
+        self._loads: dict[Hashable, deque[float]] = {}  # per client: when each load it caused began
         if fleet is not None:  # None: estimates only (tests)
             fleet.on_submit = self.release
 
@@ -212,15 +219,19 @@ class Models:
             raise ModelError("unknown_model", f"model {name!r} is not served here; the models are {list(self.cards)}")
         return name
 
-    async def use(self, name: str | None, progress: Callable[[dict[str, Any]], None] | None = None) -> Runtime:
+    async def use(self, name: str | None, progress: Callable[[dict[str, Any]], None] | None = None,
+                  client: Hashable = None) -> Runtime:  # fmt: skip
         """The model's runtime, loaded first if it is not (`progress` hears `loading`, then `loaded`). The model is
-        claimed for the caller until its job is submitted (or CLAIM_S passes): no other load unloads it meanwhile."""
+        claimed for the caller until its job is submitted (or CLAIM_S passes): no other load unloads it meanwhile.
+        A client that has caused LOADS_PER_WINDOW loads in the last LOAD_WINDOW_S is refused another (`load_limit`)."""
         name = self.check(name)
         if name in self.loaded:
             self.loaded.move_to_end(name)
             self._claim(name)
             return self.loaded[name].runtime
         card = self.cards[name]
+        if name not in self._loading:
+            self._count_load(client, name)
         weights, pool = self.estimate(card)
         if weights + pool > self.budget:
             raise ModelError("model_too_large", (
@@ -242,6 +253,23 @@ class Models:
                       "loaded": list(self.loaded)})
         return loaded.runtime
 
+    def _count_load(self, client: Hashable, name: str) -> None:
+        """One more load caused by `client`; ModelError(load_limit) past LOADS_PER_WINDOW in LOAD_WINDOW_S."""
+        now = time.monotonic()
+        times = self._loads.setdefault(client, deque())
+        while times and now - times[0] > LOAD_WINDOW_S:
+            times.popleft()
+        if len(times) >= LOADS_PER_WINDOW:
+            wait = LOAD_WINDOW_S - (now - times[0])
+            raise ModelError("load_limit", (
+                f"model {name!r} is not loaded, and this client has had {len(times)} models loaded in the last "
+                f"{LOAD_WINDOW_S:g} s (at most {LOADS_PER_WINDOW}); use a loaded model {list(self.loaded)}, or send it "
+                f"again in {wait:.0f} s"))
+        times.append(now)
+        if len(self._loads) > 4096:  # clients long gone
+            for key in [k for k, v in self._loads.items() if not v or now - v[-1] > LOAD_WINDOW_S]:
+                del self._loads[key]
+
     async def _load(self, card: Card, need: int) -> Loaded:
         """One load at a time: room is made and the load counted (`loading`) under the admission lock, so loads in
         progress count against --max-models and --memory-budget from the moment they are decided."""
@@ -258,7 +286,7 @@ class Models:
         if card.name in self.loaded:  # loaded by an earlier holder of the lock
             return self.loaded[card.name]
         self._make_room(card.name, need)
-        from webchat.serve.runtime import load_runtime, warm_up
+        from webchat.serve.runtime import load_runtime, warm_up_beside
 
         def load() -> Runtime:
             folder = card.path
@@ -266,12 +294,13 @@ class Models:
                 from webchat.gguf_path import model_folder
 
                 folder = model_folder(folder)  # hashed and converted once, into the cache
-            return warm_up(load_runtime(dataclasses.replace(self.config, model_dir=folder, draft_dir=None)))
+            return load_runtime(dataclasses.replace(self.config, model_dir=folder, draft_dir=None))
 
         t0 = time.perf_counter()
         self.loading[card.name] = need
-        try:
-            runtime = await self.fleet.device.run(load)
+        try:  # read and converted beside the streams; warmed a forward at a time between their steps
+            runtime = await self.loader.run(load)
+            await warm_up_beside(runtime, self.fleet.device.run)
         except Exception as exc:
             if isinstance(exc, OSError | ValueError):  # a bad file: its error says what is wrong
                 log.warning("loading model %r failed: %s", card.name, exc)

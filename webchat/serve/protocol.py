@@ -24,6 +24,7 @@ MAX_TEMPLATE_KWARGS = 32
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
     "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable", "grammar",
+    "load_limit",
 )
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
@@ -249,7 +250,7 @@ class Error(_Strict):
     code: Literal[
         "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy",
         "internal", "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
-        "scoring_unavailable",
+        "scoring_unavailable", "grammar", "load_limit",
     ]
     message: str
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from collections.abc import Generator as Steps
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from webchat.engine.speculative import MODES
 from webchat.gguf_path import model_name
@@ -146,12 +147,45 @@ def warm_up(rt: Runtime) -> Runtime:
     """One short greedy generation, run where the model will be stepped (the device thread): kernels are built and
     the thread's OpenMP team started before the first user waits on them; the cache is left cold. Then, where the
     auto speculative mode is offered, what verify rows cost here is measured (Engine.calibrate)."""
+    warm_generation(rt)
+    if "auto" in rt.modes:  # what verify rows cost here, for the auto mode's plans (about a second)
+        rt.local()[2].calibrate()
+    return rt
+
+
+class DeviceRun(Protocol):
+    """DeviceThread.run: a call awaited on the device thread."""
+
+    def __call__(self, fn: Callable[[], T]) -> Awaitable[T]: ...
+
+
+async def warm_up_beside(rt: Runtime, device: DeviceRun) -> None:
+    """warm_up() for a model loaded while others stream: each forward its own call on the device thread (`device`:
+    DeviceThread.run), so the others' steps run between them and none waits longer than one verify forward."""
+    await device(lambda: warm_generation(rt))
+    if "auto" in rt.modes:
+        steps = rt.local()[2].calibration()
+        while not (await device(lambda: _advance(steps)))[0]:
+            pass
+
+
+def _advance(steps: Steps[None, None, bool]) -> tuple[bool, bool]:
+    """One step of a generator: (ended, its value)."""
+    try:
+        next(steps)
+    except StopIteration as stop:
+        return True, bool(stop.value)
+    return False, False
+
+
+def warm_generation(rt: Runtime) -> None:
+    """Two greedy tokens of plain text (not the chat template: a template that fails is the requests' error to report,
+    never start-up's), the cache left cold."""
     from webchat.engine.sequence import GenerationRequest
     from webchat.engine.settings import SamplingSettings
 
     _, tokenizer, engine = rt.local()
     gen = rt.new_generator()
-    # plain text, not the chat template: a template that fails is the requests' error to report, never startup's
     ids = tokenizer.encode_text("Hello, how are you?") or [0]
     gen.begin_stream(GenerationRequest(prompt_ids=ids, settings=SamplingSettings(temperature=0.0), max_new_tokens=2))
     while not gen.stream().eos:
@@ -160,9 +194,6 @@ def warm_up(rt: Runtime) -> Runtime:
     if close is not None:
         close()
     engine.reset()
-    if "auto" in rt.modes:  # what verify rows cost here, for the auto mode's plans (about a second)
-        engine.calibrate()
-    return rt
 
 
 @dataclass

@@ -50,7 +50,8 @@ from webchat.text.toolformat import GENERIC
 log = logging.getLogger("webchat.openai")
 
 MODEL_ERRORS = {"unknown_model": (404, "model_not_found"), "model_too_large": (400, "model_too_large"),
-                "model_busy": (429, "model_busy"), "model_failed": (500, "model_failed")}
+                "model_busy": (429, "model_busy"), "model_failed": (500, "model_failed"),
+                "load_limit": (429, "load_limit")}
 PATHS = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST", "/tokenize": "POST"}
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
@@ -363,7 +364,7 @@ class OpenAIApi:
                 self._check_model(request, name, "model")
             return request.state.runtime  # type: ignore[no-any-return]
         try:
-            rt = await models.use(name)
+            rt = await models.use(name, client=self._client(request))
             request.state.claimed = rt.model_name  # released by the job's submission, or by _endpoint on an error
             return rt
         except ModelError as exc:
