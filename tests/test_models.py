@@ -278,3 +278,68 @@ def test_four_models_racing_never_pass_max_models_or_the_memory_budget(five: Pat
     assert sum(e["type"] == "done" for e in ends) >= 1
     busy = [e["message"] for e in ends if e["type"] == "error"]
     assert all("cannot be loaded now" in m and "in use" in m for m in busy), busy
+
+
+def test_a_load_runs_beside_the_streams_and_its_forwards_between_their_steps(shelf: Path, runtime_a: Runtime,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 63, row 8: tiny-b's load is held for two seconds; tiny-a's stream gets tokens meanwhile (on main the
+    load ran on the device thread and every stream waited for it). The load ran on the loader thread, the warm-up's
+    forwards on the device thread."""
+    from webchat.serve import runtime as rt_module
+
+    load, warm = rt_module.load_runtime, rt_module.warm_generation
+    where: dict[str, str] = {}
+    window: list[float] = []
+
+    def slow_load(config: ServerConfig) -> Runtime:
+        where["load"] = threading.current_thread().name
+        window.append(time.monotonic())
+        time.sleep(2.0)
+        out = load(config)
+        window.append(time.monotonic())
+        return out
+
+    def warm_here(rt: Runtime) -> None:
+        where["warm"] = threading.current_thread().name
+        warm(rt)
+
+    monkeypatch.setattr(rt_module, "load_runtime", slow_load)
+    monkeypatch.setattr(rt_module, "warm_generation", warm_here)
+    with serve(config(shelf, max_models=2), runtime_a, delay=0.01) as live, connect(live.ws_url) as ws:
+        json.loads(ws.recv(10))
+        ws.send(json.dumps({"type": "generate", "id": "long", "messages": PROMPT, "max_new_tokens": 230,
+                            "settings": {"temperature": 0.0}}))
+        arrived: list[float] = []
+        loader = threading.Thread(target=lambda: ask(live.ws_url, "tiny-b", 2))
+        loader.start()
+        while loader.is_alive() or not window:
+            msg = json.loads(ws.recv(30))
+            if msg["type"] == "chunk":
+                arrived.append(time.monotonic())
+            if msg["type"] == "done":
+                break
+        loader.join(60)
+        ws.send(json.dumps({"type": "stop", "id": "long"}))
+    assert len(window) == 2, "the load did not run"
+    during = [t for t in arrived if window[0] + 0.1 < t < window[1] - 0.1]
+    assert len(during) >= 3, f"{len(during)} chunks of tiny-a's stream arrived during tiny-b's load"
+    assert where["load"] == "webchat-loader" and where["warm"] == "webchat-device", where
+
+
+def test_a_client_may_cause_only_so_many_loads_a_minute(shelf: Path, runtime_a: Runtime) -> None:
+    """Issue 63, row 8: rotating over three models with --max-models 1 loads one each request; the fifth load within
+    LOAD_WINDOW_S is load_limit (429 on the API) naming the loaded models, and a loaded model is still served."""
+    from webchat.serve.models import LOADS_PER_WINDOW
+
+    with serve(config(shelf, max_models=1), runtime_a) as live:
+        def chat(model: str) -> httpx.Response:
+            return httpx.post(f"{live.url}/v1/chat/completions", timeout=60,
+                              json={"model": model, "messages": PROMPT, "max_tokens": 2})
+
+        order = ["tiny-b", "tiny-c", "tiny-a", "tiny-b", "tiny-c", "tiny-a"]
+        codes = [chat(m).status_code for m in order[:LOADS_PER_WINDOW]]
+        assert codes == [200] * LOADS_PER_WINDOW
+        refused = chat(order[LOADS_PER_WINDOW])
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "load_limit", refused.text
+        assert "models loaded in the last 60 s" in refused.json()["error"]["message"]
+        assert chat(order[LOADS_PER_WINDOW - 1]).status_code == 200  # the loaded one: no load, no limit

@@ -125,8 +125,9 @@ class GrammarConstraint:
     int32 bitmask (bit t: word t // 32, bit t % 32, llguidance's own layout); every call within MASK_BUDGET_S of
     CPU time (thread time: a busy machine's waits do not count against the grammar)."""
 
-    def __init__(self, matcher: llg.LLMatcher, grammar: str, budget_s: float = MASK_BUDGET_S) -> None:
-        self.matcher, self.grammar, self.budget_s = matcher, grammar, budget_s
+    def __init__(self, matcher: llg.LLMatcher, grammar: str, budget_s: float | None = None) -> None:
+        self.matcher, self.grammar = matcher, grammar
+        self.budget_s = MASK_BUDGET_S if budget_s is None else budget_s
         self.accepted = 0  # tokens consumed (a replayed prefix included)
 
     def mask(self, bits: torch.Tensor) -> bool:

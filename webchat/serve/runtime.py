@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Awaitable, Callable
 from collections.abc import Generator as Steps
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from webchat.engine.speculative import MODES
 from webchat.gguf_path import model_name
+from webchat.grammar.compiler import NICE, lower_priority
 from webchat.serve import protocol as p
 from webchat.serve import thinking
 from webchat.serve.config import ServerConfig
@@ -30,7 +32,9 @@ T = TypeVar("T")
 
 INLINE_TEXT_CHARS = 4096  # a prompt this short is templated and tokenized on the event loop (well under 1 ms)
 ENCODE_THREADS = 2  # templating and tokenizing off the loop, at most this many at once (one per core)
-_ENCODE = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="webchat-encode")
+# below the device thread's priority: a long template's render takes the CPU the forward leaves (the streams keep pace)
+_ENCODE = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="webchat-encode", initializer=lower_priority,
+                             initargs=(NICE,))
 
 
 async def encode_text_work(fn: Callable[..., T], *args: object, chars: int) -> T:
@@ -56,10 +60,10 @@ def _spend(spend: Budget, fn: Callable[..., T], *args: object) -> T:
         return fn(*args)
 
 
-def text_chars(messages: list[dict[str, Any]]) -> int:
-    """What templating and tokenizing chat messages costs, in characters: their text, and the template's markers
-    counted as 64 a message (many short messages are not cheap)."""
-    return sum(64 + len(str(m.get("content") or "")) for m in messages)
+def text_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+    """What templating and tokenizing chat messages costs, in characters: their text, the template's markers counted
+    as 64 a message (many short messages are not cheap), and the tools the template writes out (as JSON)."""
+    return sum(64 + len(str(m.get("content") or "")) for m in messages) + (len(json.dumps(tools)) if tools else 0)
 
 
 @dataclass

@@ -145,7 +145,7 @@ class OpenAIApi:
             # add_generation_prompt false: the chat scored as it stands (prompt_logprobs)
             ids = [] if rt.tokenizer is None else await encode_text_work(
                 self._tokenize_chat, rt, messages, req.add_generation_prompt is not False, cont, ask.kwargs,
-                template_tools, chars=text_chars(messages))
+                template_tools, chars=text_chars(messages, template_tools or (plan.tools if plan else None)))
             reasoning = None if rt.tokenizer is None else await encode_text_work(
                 thinking.reasoning_for, rt.tokenizer, messages, cont, ask, chars=text_chars(messages))
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
