@@ -55,22 +55,26 @@ class HttpToolServer:
     """The tool server over streamable HTTP on one loopback port, which it keeps across a crash and a restart."""
 
     def __init__(self) -> None:
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
+        self._socket: socket.socket | None = self._listen(0)
+        self.port = self._socket.getsockname()[1]
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/mcp"
 
-    def start(self) -> None:
-        """Bind and listen here, then hand the socket to the child: clients queue until it serves, with no race."""
+    @staticmethod
+    def _listen(port: int) -> socket.socket:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
+        sock.bind(("127.0.0.1", port))
         sock.listen(64)
+        return sock
+
+    def start(self) -> None:
+        """Listen here, then hand the socket to the child: clients queue until it serves, with no race for the port
+        (a restart binds the same port again)."""
+        sock, self._socket = self._socket or self._listen(self.port), None
         with sock:
             self.process = subprocess.Popen([sys.executable, str(TOOLSERVER), "http", str(sock.fileno())],
                                             pass_fds=[sock.fileno()], stderr=subprocess.DEVNULL)

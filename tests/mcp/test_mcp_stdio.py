@@ -33,6 +33,8 @@ def test_tools_are_listed_with_their_schemas() -> None:
             assert add.input_schema["type"] == "object"
             assert add.input_schema["required"] == ["a", "b"]
             assert add.input_schema["properties"]["a"]["type"] == "integer"
+            assert add.as_function() == {"type": "function", "function": {
+                "name": "tools__add", "description": "Add two integers.", "parameters": add.input_schema}}
 
     asyncio.run(scenario())
 
@@ -140,13 +142,22 @@ def test_a_server_that_dies_mid_call_is_a_named_error_and_is_restarted(tmp_path:
     async def scenario() -> None:
         async with McpManager(config({"tools": stdio_entry()})) as manager:
             await started(manager)
-            with pytest.raises(ToolCallError, match="closed the connection during 'crash'") as died:
-                await manager.call("tools__crash", {"marker": str(pid_file)})
-            assert died.value.kind == "server_died"
-            await until(lambda: manager.status()[0].state != "ready", "the crash seen")
-            # the next call waits (within its time limit) for the restarted server
-            assert (await manager.call("tools__add", {"a": 1, "b": 2}, timeout_s=30)).text == "3"
-            assert manager.status()[0].state == "ready"
+            seen: list[str] = []
+
+            async def watch() -> None:
+                while True:
+                    await manager.wait_changed()
+                    seen.append(manager.status()[0].state)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                with pytest.raises(ToolCallError, match="closed the connection during 'crash'") as died:
+                    await manager.call("tools__crash", {"marker": str(pid_file)})
+                assert died.value.kind == "server_died"
+                # the next call waits (within its time limit) for the restarted server
+                assert (await manager.call("tools__add", {"a": 1, "b": 2}, timeout_s=30)).text == "3"
+                tg.cancel_scope.cancel()
+            assert seen[0] == "failed" and seen[-1] == "ready"  # the page is told of both
             assert (await manager.call("tools__pid", {})).text != read(pid_file)
 
     asyncio.run(scenario())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -68,8 +69,9 @@ class ServerStatus:
 class ServerConnection:
     """One server's connection, made and remade by `run`; `call` waits for it, up to the call's time limit."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, on_change: Callable[[], None] = lambda: None) -> None:
         self.config = config
+        self._on_change = on_change
         self.listing = Listing()
         self._state: State = "disabled" if config.disabled else "connecting"
         self._message = ""
@@ -219,6 +221,7 @@ class ServerConnection:
         self._state, self._message = state, message
         self._changed.set()
         self._changed = anyio.Event()
+        self._on_change()
 
 
 async def probe(client: Client) -> None:

@@ -37,6 +37,11 @@ class McpTool:
     input_schema: dict[str, Any]
     title: str | None = None
 
+    def as_function(self) -> dict[str, Any]:
+        """The tool as a chat template's `tools` and OpenAI's API take it."""
+        return {"type": "function", "function": {"name": self.qualified_name, "description": self.description,
+                                                 "parameters": self.input_schema}}
+
 
 @dataclass(frozen=True)
 class Listing:

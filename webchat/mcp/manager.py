@@ -32,6 +32,7 @@ class McpManager:
         self.config = config
         self._connections: dict[str, ServerConnection] = {}
         self._group: TaskGroup | None = None
+        self._changed: anyio.Event | None = None
 
     async def __aenter__(self) -> McpManager:
         await self.start()
@@ -45,7 +46,8 @@ class McpManager:
         """Start every enabled server's connection task; returns at once."""
         if self._group is not None:
             raise RuntimeError("McpManager.start: already started")
-        self._connections = {server.name: ServerConnection(server) for server in self.config.servers}
+        self._changed = anyio.Event()
+        self._connections = {server.name: ServerConnection(server, self._notify) for server in self.config.servers}
         group = anyio.create_task_group()
         await group.__aenter__()
         self._group = group
@@ -64,6 +66,17 @@ class McpManager:
             return
         group.cancel_scope.cancel()
         await group.__aexit__(None, None, None)
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of any server's state (the page's status and tool list are then stale)."""
+        if self._changed is None:
+            raise RuntimeError("McpManager.wait_changed: not started")
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = anyio.Event()
 
     def status(self) -> list[ServerStatus]:
         """Each server's state (connecting, ready, failed, disabled, stopped), message and tool count, in file order."""
