@@ -102,6 +102,14 @@ def test_the_engine_imports_no_kernel_and_no_server_code() -> None:
             assert not bad, f"{name} imports {bad}"
 
 
+def test_the_mcp_client_imports_nothing_else_of_webchat() -> None:
+    """webchat/mcp/ is wired into the server from outside (the lifespan, the websocket): it knows none of it."""
+    for name, deps in graph().items():
+        if name.startswith("webchat.mcp"):
+            bad = sorted(d for d in deps if not d.startswith("webchat.mcp") and d != "webchat")
+            assert not bad, f"{name} imports {bad}"
+
+
 def test_kernels_live_inside_the_package() -> None:
     assert not (ROOT / "gpu").exists()
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
