@@ -433,7 +433,7 @@ def test_a_model_runs_the_precision_asked_for(kernels: Any, tiny_model_dir: Path
     assert forced.runner is not None and forced.runner.int8  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="int8 activations need quantized matrices .*: the model has no quantized"):
         load_model(tiny_model_dir, precision="int8")  # float32 weights
-    with pytest.raises(ValueError, match="precision must be one of exact, int8, got 'fp8'"):
+    with pytest.raises(ValueError, match="precision must be one of exact, int8, int8x2, got 'fp8'"):
         load_model(tiny_model_dir, quantize="q4_1", precision="fp8")
     assert load_model(tiny_model_dir).precision == "exact"
 

@@ -39,19 +39,19 @@ def set_precision(model: Transformer, precision: str, kernels: QKernels | None, 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     linears = [m for m in model.modules() if isinstance(m, QLinear)]
-    if precision == "int8" and (not linears or kernels is None):
+    if precision != "exact" and (not linears or kernels is None):
         why = "the C++ kernels could not be built" if kernels is None else "the model has no quantized matrices"
-        raise ValueError(f"int8 activations need quantized matrices and the C++ kernels: {why}")
+        raise ValueError(f"{precision} activations need quantized matrices and the C++ kernels: {why}")
     embedding = model.tok_embeddings
     table = getattr(embedding, "weight", None)
     for m in linears:
-        m.int8 = precision == "int8"
+        m.int8, m.x2 = precision != "exact", precision == "int8x2"
         _pack(m, m.int8 and pack, kernels)
         if isinstance(embedding, QEmbedding) and table is not None and m.weight.data_ptr() == table.data_ptr():
             embedding.packed = m.packed  # a tied head: the embedding's lookup reads the layout the head has
-    set_int8 = getattr(model.runner, "set_int8", None)  # webchat.kernels.cpu.step.CpuStep
-    if set_int8 is not None:
-        set_int8(precision == "int8", pack)
+    set_on_runner = getattr(model.runner, "set_precision", None)  # webchat.kernels.cpu.step.CpuStep
+    if set_on_runner is not None:
+        set_on_runner(precision, pack)
     model.precision = precision
     return precision
 

@@ -61,6 +61,7 @@ class QLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernels = kernels
         self.int8 = False  # x's rows at 8 bits and the int8 kernels, every row alike (webchat.model.precision)
+        self.x2 = False  # with int8: each row as two 8-bit rows, the value and its rounding's residual (int8x2)
         self.packed = False  # weight rows packed 8 to a group for the int8 kernels (kernels/cpu/csrc/qpack8.cpp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ class QLinear(nn.Module):
         if self.int8:
             qt = ({**QTYPES, **K_QTYPES})[self.qtype][0]
             y8 = _compiled(self.kernels, self.qtype).qmatmul(x2, self.weight, qt, self.in_features, self.bias,
-                                                             int8=True, packed=self.packed)
+                                                             int8=True, packed=self.packed, x2=self.x2)
             return y8.view(*lead, self.out_features)
         if x2.shape[0] >= GEMM_ROWS:  # prefill: torch's sgemm on dequantized rows (float32, exact)
             return self._gemm(x2).view(*lead, self.out_features)

@@ -7,8 +7,9 @@ import argparse
 
 WEIGHTS = ("auto", "quantized", "float32")  # auto: the folder's quantized.safetensors on the CPU in float32
 QUANTIZE = ("q8_0", "q4_1", "q4_0")  # matrices to this at load; the embedding and a tied head to q8_0
-# what a quantized matrix's input is multiplied at: float32 ("exact"), or 8-bit integers ("int8"); docs/quant.md
-PRECISIONS = ("exact", "int8")
+# what a quantized matrix's input is multiplied at: float32 ("exact"), 8-bit integers ("int8"), or 8-bit integers
+# twice, the value and its rounding's residual, with a prompt's rows at float32 ("int8x2"); docs/quant.md
+PRECISIONS = ("exact", "int8", "int8x2")
 
 
 def add_weight_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp", "qact.cpp", "qint8.cpp",
-           "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp", "qsuffix.cpp")
+           "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp", "qsuffix.cpp", "qgemm_amx.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
@@ -40,13 +40,16 @@ class StepHandle(Protocol):
 
     def set_int8(self, on: bool, pack: bool = True) -> None: ...
 
+    def set_precision(self, rows: int, prompt: int, pack: bool = True) -> None: ...
+
 
 class QKernels(Protocol):
     """The compiled module (csrc/qops.cpp's bindings), typed once here: every caller holds this, never the bare
     extension handle."""
 
     def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
-                gemm: bool = False, int8: bool = False, packed: bool = False) -> torch.Tensor: ...  # fmt: skip
+                gemm: bool = False, int8: bool = False, packed: bool = False,
+                x2: bool = False) -> torch.Tensor: ...  # fmt: skip
 
     def repack8(self, w: torch.Tensor, qtype: int, pack: bool) -> None: ...
 
@@ -65,6 +68,10 @@ class QKernels(Protocol):
     def set_vnni(self, on: int) -> bool: ...
 
     def vnni(self) -> bool: ...
+
+    def set_amx(self, on: int) -> bool: ...
+
+    def amx(self) -> bool: ...
 
     def Step(self, *args: Any) -> StepHandle: ...  # noqa: N802 (the C++ class's name)
 
@@ -134,7 +141,8 @@ def load(verbose: bool = False) -> QKernels:
 def apply_environment(mod: Any) -> None:
     """What the environment forces on the module: WEBCHAT_QPATH a code path (scalar, avx2, avx512), WEBCHAT_VNNI=0
     or 1 the int8 kernels' vpdpbusd (with WEBCHAT_QPATH=avx2 and WEBCHAT_VNNI=0, the kernels a Zen 3 runs: the
-    bench's AVX2 class on an AVX-512 machine). A wrong value is refused by name."""
+    bench's AVX2 class on an AVX-512 machine), WEBCHAT_AMX=0 or 1 the exact prompt GEMM's AMX tiles (qgemm_amx.cpp).
+    A wrong value is refused by name."""
     forced = os.environ.get("WEBCHAT_QPATH", "").strip()
     if forced:
         if forced not in PATHS:
@@ -148,6 +156,14 @@ def apply_environment(mod: Any) -> None:
             mod.set_vnni(int(vnni))
         except RuntimeError as exc:  # 1 on a CPU without AVX-VNNI or AVX-512 VNNI
             raise KernelsUnavailable(f"WEBCHAT_VNNI=1: {str(exc).splitlines()[0]}") from exc
+    amx = os.environ.get("WEBCHAT_AMX", "").strip()
+    if amx:
+        if amx not in ("0", "1"):
+            raise KernelsUnavailable(f"WEBCHAT_AMX must be 0 or 1, got {amx!r}")
+        try:
+            mod.set_amx(int(amx))
+        except RuntimeError as exc:  # 1 on a CPU (or an OS) without AMX-BF16 tiles
+            raise KernelsUnavailable(f"WEBCHAT_AMX=1: {str(exc).splitlines()[0]}") from exc
 
 
 def try_load() -> QKernels | None:
@@ -160,12 +176,13 @@ def try_load() -> QKernels | None:
 
 
 def running() -> dict[str, object] | None:
-    """The code path and vpdpbusd the kernels run ({"path": "avx512", "vnni": true}), None where they are not loaded
-    (the server's /api/info; a bench that forces the AVX2 class checks it took)."""
+    """The code path, vpdpbusd and the exact GEMM's AMX tiles the kernels run ({"path": "avx512", "vnni": true, "amx":
+    false}), None where they are not loaded (the server's /api/info; a bench that forces the AVX2 class checks it
+    took)."""
     if load.cache_info().currsize == 0:  # never loaded (or its build failed: nothing cached)
         return None
     mod = load()
-    return {"path": path_name(mod), "vnni": bool(mod.vnni())}
+    return {"path": path_name(mod), "vnni": bool(mod.vnni()), "amx": bool(mod.amx()) and path_name(mod) == "avx512"}
 
 
 def path_name(mod: QKernels) -> str:

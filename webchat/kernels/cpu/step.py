@@ -29,6 +29,10 @@ from webchat.model.transformer import Block, PagedKV, Transformer
 log = logging.getLogger("webchat.kernels.cpu.step")
 
 MAX_ROWS = 64  # tokens per forward up to which the C++ step runs it
+PREC = {"exact": 0, "int8": 1, "int8x2": 2}  # qstep.h's Prec
+# a prompt's rows at each precision (docs/quant.md, "Precisions"): int8x2's at float32, so a prompt's k/v, its scores
+# and the first token's probabilities are exact's
+PROMPT_PRECISION = {"exact": "exact", "int8": "int8", "int8x2": "exact"}
 F32 = 0  # ggml's type number for float32 rows
 NONE = torch.empty(0)
 
@@ -85,13 +89,18 @@ class CpuStep:
         self.embedding = model.tok_embeddings
         self.layers = list(model.layers)
         self.calls = 0
-        self.int8 = False
+        self.int8 = False  # a precision other than exact: every batch runs here, whatever its size
 
     def set_int8(self, on: bool, pack: bool = True) -> None:
         """The quantized matrices' inputs at 8 bits (int8 activations) or float32; pack: the matrices that have a
         packed form read it (webchat.model.precision packs their bytes first)."""
-        self.step.set_int8(on, pack)
-        self.int8 = on
+        self.set_precision("int8" if on else "exact", pack)
+
+    def set_precision(self, precision: str, pack: bool = True) -> None:
+        """Decode, verify and recomputed rows at `precision` (webchat.model.weights.PRECISIONS), a prompt's rows at
+        PROMPT_PRECISION's for it; pack: as set_int8."""
+        self.step.set_precision(PREC[precision], PREC[PROMPT_PRECISION[precision]], pack)
+        self.int8 = precision != "exact"
 
     def __call__(self, model: Transformer, batch: Batch, kv: PagedKV) -> torch.Tensor | None:
         n = len(model.layers)
@@ -103,18 +112,33 @@ class CpuStep:
         local = model.rope_local or (NONE, NONE)
         rows = batch.rows
         logits: torch.Tensor
+        exact = exact_sequences(batch)
         if rows is not None:  # make_batch's lists as they are: no tensor made for them
             logits = self.step.forward_rows(
                 rows.tokens, rows.positions, rows.slot_mapping, rows.query_start, rows.block_tables, rows.width,
-                rows.logit_rows, rows.prompt_ends or [], kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n)
+                rows.logit_rows, rows.prompt_ends or [], kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n,
+                exact or [])
         else:
             logits = self.step.forward(
                 batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,
                 batch.logit_rows, NONE if batch.prompt_ends is None else batch.prompt_ends, kv.k, kv.v,
-                model.rope_cos, model.rope_sin, *local, n)
+                model.rope_cos, model.rope_sin, *local, n, torch.tensor(exact or [], dtype=torch.bool))
         if self.final_softcap > 0:  # Gemma 2: logits = cap * tanh(logits / cap), as the PyTorch path computes it
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+def exact_sequences(batch: Batch) -> list[bool] | None:
+    """Per sequence of the batch, whether its rows run exact whatever the model's precision (a prompt being scored:
+    its log-probabilities are float32's); None: none does. Read from the batch's `exact` list (HostRows.exact, or
+    Batch.exact where a batch has no host rows) where the engine sets one."""
+    where: object = batch.rows if batch.rows is not None else batch
+    exact = where.__dict__.get("exact")
+    if exact is None or not any(exact):
+        return None
+    if len(exact) != batch.num_seqs:
+        raise ValueError(f"exact needs one flag per sequence ({batch.num_seqs}), got {len(exact)}")
+    return [bool(e) for e in exact]
 
 
 def cpu_step_declines(args: ModelArgs) -> str | None:

@@ -210,20 +210,54 @@ void Act8::shape(int64_t rows, int64_t cols, bool want_blocks, bool want_supers)
 }
 
 void Act8::quantize(int64_t r, const float* x) {
+  if (blocks) quantize_blocks(r, x);
+  if (supers) quantize_supers(r, x);
+}
+
+void Act8::quantize_blocks(int64_t r, const float* x) {
   const bool vec = path() >= PATH_AVX2;
-  const Amax amax = vec ? amax32_avx2 : amax32_scalar;
-  const Round round = vec ? round32_avx2 : round32_scalar;
+  int8_t* q = qb.data() + r * k;
+  float *d = d8.data() + r * k / 4, *sr = s.data() + r * ldb;
+  int32_t* cr = c8.data() + r * k / 8;
+  const int64_t done = vec ? blocks_row_avx2(x, k, q, d, sr, cr) : 0;
+  blocks_row(x + done * 32, k - done * 32, q + done * 32, d + done * 8, sr + done, cr + done * 4,
+             vec ? amax8_avx2 : amax8_scalar, vec ? round8_avx2 : round8_scalar);
+}
+
+void Act8::quantize_supers(int64_t r, const float* x) {
+  const bool vec = path() >= PATH_AVX2;
+  supers_row(x, k, qs.data() + r * k, dk.data() + r * nsb, p.data() + r * nsb * 8, pq.data() + r * nsb * 8,
+             vec ? amax32_avx2 : amax32_scalar, vec ? round32_avx2 : round32_scalar);
+}
+
+// What the 8-bit form of a row leaves of it, r = x - x^ (x^ the value its q and scales stand for): the blocks' x^ =
+// d q, the super-blocks' x^ = (dk p_j) q (dk p_j = A / 127 / 2^e_j exactly). One multiplication and one subtraction a
+// value, compiled without FMA on every path (this file has no -march), so every path leaves the same residual.
+static void blocks_residual(const float* x, int64_t k, const int8_t* q, const float* d8, float* r) {
+  for (int64_t i = 0; i < k; ++i) r[i] = x[i] - d8[i / 4] * static_cast<float>(q[i]);  // d8: each group's d twice
+}
+
+static void supers_residual(const float* x, int64_t k, const int8_t* q, const float* dk, const int16_t* p, float* r) {
+  for (int64_t s = 0; s < k / 256; ++s)
+    for (int j = 0; j < 8; ++j) {
+      const float step = dk[s] * static_cast<float>(p[8 * s + j]);
+      for (int64_t i = 256 * s + 32 * j; i < 256 * s + 32 * j + 32; ++i) r[i] = x[i] - step * static_cast<float>(q[i]);
+    }
+}
+
+void Act8::quantize_pair(int64_t r, const float* x) {
+  thread_local std::vector<float> rest;
+  rest.resize(k);
   if (blocks) {
-    int8_t* q = qb.data() + r * k;
-    float *d = d8.data() + r * k / 4, *sr = s.data() + r * ldb;
-    int32_t* cr = c8.data() + r * k / 8;
-    const int64_t done = vec ? blocks_row_avx2(x, k, q, d, sr, cr) : 0;
-    blocks_row(x + done * 32, k - done * 32, q + done * 32, d + done * 8, sr + done, cr + done * 4,
-               vec ? amax8_avx2 : amax8_scalar, vec ? round8_avx2 : round8_scalar);
+    quantize_blocks(r, x);
+    blocks_residual(x, k, qb.data() + r * k, d8.data() + r * k / 4, rest.data());
+    quantize_blocks(r + 1, rest.data());
   }
-  if (supers)
-    supers_row(x, k, qs.data() + r * k, dk.data() + r * nsb, p.data() + r * nsb * 8, pq.data() + r * nsb * 8, amax,
-               round);
+  if (supers) {
+    quantize_supers(r, x);
+    supers_residual(x, k, qs.data() + r * k, dk.data() + r * nsb, p.data() + r * nsb * 8, rest.data());
+    quantize_supers(r + 1, rest.data());
+  }
 }
 
 void Act8::quantize_rows(const float* x, int64_t ldx) {

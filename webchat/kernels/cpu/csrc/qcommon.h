@@ -172,6 +172,12 @@ void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int
 // the same products for rows of a prompt, as a GEMM over dequantized tiles of W (qgemm.cpp): each output the same
 // whatever else is in x
 void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count);
+// the same on AMX tiles (qgemm_amx.cpp): where amx_covers the call (AMX-BF16 granted, the AVX-512 path, quantized
+// matrices of whole blocks), float32-accurate products summed in another order
+bool amx();            // the exact GEMM takes AMX tiles where it covers a call
+int set_amx(int on);   // -1: where the CPU and the OS allow it, 0: off, 1: on; returns whether on
+bool amx_covers(const MatRef* mats, int count, int64_t k);
+void qgemm_amx_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count);
 // one row of a matrix of any type as float32 (k values): the embedding lookup, the PyTorch path's dequantized matrices
 void dequant_row(int qtype, const uint8_t* row, int64_t k, float* out);
 // the float32 row kernels on a Job of F32 rows (qmatmul.cpp): the int8 matmul's float matrices

@@ -11,6 +11,8 @@
 // dequantized matrices), the products float32: exact to float32 up to the order of the additions, like every path.
 //
 // Threads: the tiles of every matrix of a call are split over torch's OpenMP pool, as the row kernels' rows are.
+// A matrix packed 8 rows to a group for the int8 kernels (MatRef.packed, qpack8.cpp) is read through packed_row, each
+// row's bytes gathered back into ggml's order before it is dequantized: the same floats as the file's rows give.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "qcommon.h"
+#include "qint8.h"
 
 namespace wq {
 
@@ -195,6 +198,7 @@ static const Micro MICRO[3][MR_MAX][4] = {
 
 void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count) {
   if (m == 0) return;
+  if (amx_covers(mats, count, k)) return qgemm_amx_multi(x, m, k, mats, count);
   const int p = path();
   const int64_t nr_max = p == PATH_AVX2 ? 2 : 4;  // AVX2 has 16 registers, AVX-512 32
   // rows in passes of at most MR_MAX, as even as they go (10 rows: 5 + 5, not 6 + 4 or 4 + 4 + 2)
@@ -204,6 +208,7 @@ void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int c
     for (int64_t n0 = 0; n0 < mats[i].n; n0 += TILE) tiles.emplace_back(i, n0);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t a, int64_t b) {
     thread_local std::vector<float> buf;
+    thread_local std::vector<uint8_t> gathered;
     for (int64_t t = a; t < b; ++t) {
       const MatRef& mr = mats[tiles[t].first];
       const int64_t n0 = tiles[t].second, nn = std::min(TILE, mr.n - n0);
@@ -213,7 +218,15 @@ void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int c
         w = reinterpret_cast<const float*>(rows);
       } else {
         buf.resize(TILE * k);
-        for (int64_t i = 0; i < nn; ++i) dequant_row(mr.qtype, rows + i * mr.row_bytes, k, buf.data() + i * k);
+        for (int64_t i = 0; i < nn; ++i) {
+          const uint8_t* row = rows + i * mr.row_bytes;
+          if (mr.packed) {  // packed 8 rows to a group for the int8 kernels: the row's bytes in ggml's order first
+            gathered.resize(mr.row_bytes);
+            packed_row(mr.qtype, mr.w, mr.row_bytes, n0 + i, gathered.data());
+            row = gathered.data();
+          }
+          dequant_row(mr.qtype, row, k, buf.data() + i * k);
+        }
         w = buf.data();
       }
       for (int64_t i = 0, r0 = 0; i < passes; r0 += base + (i < extra), ++i) {  // rows of x in L1, the tile's passing

@@ -38,7 +38,14 @@ struct Act8 {
   // room for rows x cols in the forms asked for (supers needs cols % 256 == 0)
   void shape(int64_t rows, int64_t cols, bool want_blocks, bool want_supers);
   void quantize(int64_t r, const float* x);  // row r from k floats, every form asked for, on the calling thread
+  // rows r and r + 1 from k floats: row r as quantize makes it, row r + 1 what row r leaves of x (x - its value), so
+  // x ~ row r + row r + 1 to about 15 bits (the int8x2 precision: a matrix multiplies both rows and adds the two)
+  void quantize_pair(int64_t r, const float* x);
   void quantize_rows(const float* x, int64_t ldx);  // every row, rows split over the threads (each row as alone)
+
+ private:
+  void quantize_blocks(int64_t r, const float* x);
+  void quantize_supers(int64_t r, const float* x);
 };
 
 // which forms a matrix of this type reads (F32 matrices read the float rows); false for types with no int8 kernel

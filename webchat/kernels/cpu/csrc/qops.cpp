@@ -26,9 +26,10 @@ inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
 }
 
 // y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]: the row kernels, or (gemm) the prompt rows' GEMM,
-// or (int8) x's rows quantized to 8 bits and the int8 kernels (qint8.h)
+// or (int8) x's rows quantized to 8 bits and the int8 kernels (qint8.h); x2: each row as two 8-bit rows, the value
+// and what its rounding leaves (the int8x2 precision), y the sum of their products
 torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
-                      const c10::optional<torch::Tensor>& bias, bool gemm, bool int8, bool packed) {
+                      const c10::optional<torch::Tensor>& bias, bool gemm, bool int8, bool packed, bool x2) {
   if (is_kquant(qtype)) {  // the C++ forward's K-quant rows (kq_rows), the op its tests call
     const int64_t bb = kq_block_bytes(static_cast<int>(qtype));
     TORCH_CHECK(k > 0 && k % 256 == 0, "K must be a positive multiple of 256 for Q4_K/Q5_K/Q6_K, got ", k);
@@ -49,7 +50,21 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qt
   TORCH_CHECK(!packed || (int8 && packs8(static_cast<int>(qtype), n)), "packed rows are read by the int8 kernels of ",
               "Q4_0, Q4_1 and Q4_K matrices with rows a multiple of 8 (got int8=", int8, ", ggml type ", qtype, ", ", n,
               " rows)");
-  if (int8) {
+  TORCH_CHECK(!x2 || int8, "x2 (two 8-bit terms a row) needs int8");
+  if (int8 && x2) {  // each row's pair (Act8::quantize_pair) through the kernels, y = y_hi + y_lo
+    const int qt = static_cast<int>(qtype);
+    Act8 a;
+    a.shape(2 * m, k, reads_blocks(qt), reads_supers(qt));
+    const float* xp = xc.data_ptr<float>();
+    at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) a.quantize_pair(2 * r, xp + r * k);
+    });
+    torch::Tensor two = torch::empty({2 * m, n}, xc.options());
+    const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), qt, two.data_ptr<float>(), packed};
+    qmatmul8_multi(a, 0, 2 * m, nullptr, &r, 1, gemm);
+    torch::Tensor pairs = two.view({m, 2, n});
+    y.copy_(pairs.select(1, 0) + pairs.select(1, 1));
+  } else if (int8) {
     const int qt = static_cast<int>(qtype);
     Act8 a;
     a.shape(m, k, reads_blocks(qt), reads_supers(qt));
@@ -255,8 +270,17 @@ class Step {
 
   // int8 activations on or off; with them, the matrices that have a packed form read it (the caller packs their bytes
   // in place first, webchat.model.precision; a head that is the embedding packs with it: the lookup gathers its rows)
-  void set_int8(bool on, bool pack) {
-    m_.int8 = on;
+  void set_int8(bool on, bool pack) { set_precision(on ? INT8 : EXACT, on ? INT8 : EXACT, pack); }
+
+  // the precision (Prec: 0 exact, 1 int8, 2 int8x2) of decode, verify and recomputed rows and that of a prompt's rows;
+  // where either quantizes, the matrices that have a packed form read it (pack), as set_int8
+  void set_precision(int64_t rows, int64_t prompt, bool pack) {
+    TORCH_CHECK(rows >= EXACT && rows <= INT8X2 && prompt >= EXACT && prompt <= INT8X2,
+                "precisions are 0 (exact), 1 (int8) or 2 (int8x2), got ", rows, " and ", prompt);
+    TORCH_CHECK(!(rows == EXACT && prompt != EXACT), "a prompt's rows quantize only where the other rows do (their ",
+                "matrices are packed for them), got exact rows and prompt precision ", prompt);
+    m_.prec = static_cast<Prec>(rows), m_.prompt_prec = static_cast<Prec>(prompt);
+    const bool on = rows != EXACT;
     pack = pack && on;
     for (Layer& L : m_.layers)
       for (Mat* mt : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w1, &L.w3, &L.w2}) mt->packed = pack && packs8(mt->qtype, mt->n);
@@ -265,13 +289,15 @@ class Step {
   }
 
   // logits (R, vocab) of a webchat.model.batch.Batch through the first n_layers layers, k/v written into the pool;
-  // prompt_ends (B) int64, or empty: rows of b at positions below prompt_ends[b] are prompt rows (qgemm.cpp)
+  // prompt_ends (B) int64, or empty: rows of b at positions below prompt_ends[b] are prompt rows (qgemm.cpp); exact
+  // (B) bool, or empty: b's rows and logit rows at float32 activations whatever the precision (a prompt scored)
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions, const torch::Tensor& slots,
                         const torch::Tensor& query_start, const torch::Tensor& block_tables,
                         const torch::Tensor& logit_rows, const torch::Tensor& prompt_ends,
                         const std::vector<torch::Tensor>& k,
                         const std::vector<torch::Tensor>& v, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& cos_l, const torch::Tensor& sin_l, int64_t n_layers) {
+                        const torch::Tensor& cos_l, const torch::Tensor& sin_l, int64_t n_layers,
+                        const torch::Tensor& exact) {
     const int64_t T = tokens.numel();
     for (const torch::Tensor* t : {&tokens, &positions, &slots, &logit_rows})
       TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->is_contiguous() && t->device().is_cpu(),
@@ -297,6 +323,13 @@ class Step {
                   prompt_ends.scalar_type(), " ", prompt_ends.sizes());
       bv.prompt_ends = prompt_ends.data_ptr<int64_t>();
     }
+    if (exact.numel() > 0) {
+      TORCH_CHECK((exact.scalar_type() == torch::kBool || exact.scalar_type() == torch::kUInt8) && exact.dim() == 1 &&
+                      exact.is_contiguous() && exact.device().is_cpu() && exact.numel() == bv.b,
+                  "exact must be a contiguous 1-D bool CPU tensor of ", bv.b, " values (or empty), got ",
+                  exact.scalar_type(), " ", exact.sizes());
+      bv.exact = reinterpret_cast<const uint8_t*>(exact.data_ptr());
+    }
     return run(bv, k, v, cos, sin, cos_l, sin_l, n_layers);
   }
 
@@ -308,7 +341,7 @@ class Step {
                              const std::vector<int64_t>& logit_rows, const std::vector<int64_t>& prompt_ends,
                              const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
                              const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& cos_l,
-                             const torch::Tensor& sin_l, int64_t n_layers) {
+                             const torch::Tensor& sin_l, int64_t n_layers, const std::vector<bool>& exact) {
     const int64_t T = static_cast<int64_t>(tokens.size()), B = static_cast<int64_t>(query_start.size()) - 1;
     TORCH_CHECK(T > 0 && positions.size() == tokens.size() && slots.size() == tokens.size(), "tokens, positions and ",
                 "slot_mapping must hold the same number (>0) of rows, got ", T, ", ", positions.size(), ", ",
@@ -322,6 +355,10 @@ class Step {
     bv.query_start = query_start.data(), bv.b = B, bv.block_tables = block_tables.data(), bv.width = width;
     bv.logit_rows = logit_rows.data(), bv.r = static_cast<int64_t>(logit_rows.size());
     bv.prompt_ends = prompt_ends.empty() ? nullptr : prompt_ends.data();
+    TORCH_CHECK(exact.empty() || static_cast<int64_t>(exact.size()) == B, "exact must hold ", B,
+                " values (or none), got ", exact.size());
+    std::vector<uint8_t> flags(exact.begin(), exact.end());
+    bv.exact = flags.empty() ? nullptr : flags.data();
     return run(bv, k, v, cos, sin, cos_l, sin_l, n_layers);
   }
 
@@ -430,7 +467,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &wq::qmatmul,
         "y = x @ dequant(w).T (+ bias), float32; gemm: as the forward computes prompt rows; int8: x's rows at 8 bits",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none(),
-        py::arg("gemm") = false, py::arg("int8") = false, py::arg("packed") = false);
+        py::arg("gemm") = false, py::arg("int8") = false, py::arg("packed") = false, py::arg("x2") = false);
   m.def("repack8", &wq::repack8_op,
         "w's rows packed 8 to a group for the int8 kernels (pack) or back to ggml's layout, in place (Q4_0, Q4_1, Q8_0, "
         "Q4_K)",
@@ -443,6 +480,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the int8 kernels' vpdpbusd: -1 where the CPU has it, 0 off, 1 on (AVX-512 VNNI's forms where the CPU has "
         "them, else AVX-VNNI's), 2 AVX-VNNI's forms; returns in use");
   m.def("vnni", &wq::vnni, "whether the int8 kernels use vpdpbusd");
+  m.def("set_amx", &wq::set_amx,
+        "the exact prompt GEMM's AMX-BF16 tiles (AVX-512 path): -1 where the CPU and the OS allow them, 0 off, 1 on; "
+        "returns on");
+  m.def("amx", &wq::amx, "whether the exact prompt GEMM takes AMX tiles (on the AVX-512 path)");
   m.def("dequantize", &wq::dequantize, "float32 rows of a quantized matrix", py::arg("w"), py::arg("qtype"),
         py::arg("k"), py::arg("ids") = py::none());
   m.def("set_path", &wq::set_path, "force a code path (-1 best, 0 scalar, 1 avx2, 2 avx512); returns the one set");
@@ -461,6 +502,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_int8", &wq::Step::set_int8,
            "int8 activations for the quantized matrices (False: float32); pack: the packed rows where a type has them",
            py::arg("on"), py::arg("pack") = true)
+      .def("set_precision", &wq::Step::set_precision,
+           "the precision of decode/verify rows and of a prompt's rows: 0 exact, 1 int8, 2 int8x2 (two 8-bit terms)",
+           py::arg("rows"), py::arg("prompt"), py::arg("pack") = true)
       .def("forward", &wq::Step::forward)
       .def("forward_rows", &wq::Step::forward_rows);
   wq::bind_suffix(m);

@@ -246,55 +246,6 @@ static void rope_heads(float* x, int64_t heads, int64_t hd, const float* c, cons
   }
 }
 
-// y_i (m, n_i) = x (m, k) @ W_i^T (+ bias_i) for matrices sharing x and k, in one parallel region per run of rows:
-// with `tokens` (x holds the batch's token rows), a prompt's rows take the GEMM (qgemm.cpp) and the others the row
-// kernels, each a row's numbers whatever the batch; otherwise (the head's logit rows) the row kernels
-//
-// int8: the int8 kernels (qint8.h) on act_, the rows of x at 8 bits made just before (quantize_for, or the norm or
-// SiLU that made x): a prompt's rows against the K-quants as a GEMM (qgemm8.cpp), every other row and format by the
-// row kernels, each row's numbers its own.
-void StepModel::linears(Mats mys, const float* x, int64_t m, bool tokens) {
-  const int64_t k = mys.begin()->first->k;
-  if (int8) {
-    MatRef refs[4];
-    int count = 0;
-    for (const auto& my : mys) refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype,
-                                                      my.second, my.first->packed};
-    if (!tokens) {
-      qmatmul8_multi(act_, 0, m, x, refs, count);
-    } else {
-      for (const Rows& run : runs_) {
-        MatRef part[4];
-        for (int c = 0; c < count; ++c) part[c] = refs[c], part[c].y += run.lo * refs[c].n;
-        qmatmul8_multi(act_, run.lo, run.hi - run.lo, x + run.lo * k, part, count, run.prompt);
-      }
-    }
-    add_biases(mys, m);
-    return;
-  }
-  const Rows all{0, m, false};
-  const Rows* runs = tokens ? runs_.data() : &all;
-  const size_t n_runs = tokens ? runs_.size() : 1;
-  for (size_t i = 0; i < n_runs; ++i) {
-    const Rows& run = runs[i];
-    MatRef refs[4];
-    int count = 0;
-    for (const auto& my : mys)
-      refs[count++] = MatRef{my.first->w, my.first->n, my.first->row_bytes, my.first->qtype,
-                             my.second + run.lo * my.first->n};
-    if (run.prompt) qgemm_multi(x + run.lo * k, run.hi - run.lo, k, refs, count);
-    else qmatmul_multi(x + run.lo * k, run.hi - run.lo, k, refs, count, xsum2_.data());
-  }
-  add_biases(mys, m);
-}
-
-void StepModel::add_biases(Mats mys, int64_t m) {
-  for (const auto& my : mys)
-    if (my.first->bias != nullptr)
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < my.first->n; ++i) my.second[r * my.first->n + i] += my.first->bias[i];
-}
-
 // fn(r) for rows [0, m), over the threads when there is enough of it (m rows of `width` values); rows independent,
 // so the result is the same either way
 template <typename Fn>
@@ -308,18 +259,111 @@ static void each_row(int64_t m, int64_t width, Fn fn) {
   });
 }
 
-// act_ shaped for m rows of k values in the forms mys's matrices read (int8 only; a no-op otherwise)
-void StepModel::shape_for(Mats mys, int64_t m, int64_t k) {
-  if (!int8) return;
-  bool blocks = false, supers = false;
-  for (const auto& my : mys) blocks |= reads_blocks(my.first->qtype), supers |= reads_supers(my.first->qtype);
-  act_.shape(m, k, blocks, supers);
+// y_i (m, n_i) = x (m, k) @ W_i^T (+ bias_i) for matrices sharing x and k, in one parallel region per run of the
+// plan's rows (the token rows, or the head's logit rows), each run at its precision, each row's numbers its own
+// whatever the batch:
+// - EXACT: float32 activations; a prompt's rows take the GEMM (qgemm.cpp), other rows the row kernels, and any row
+//   against a matrix packed for the int8 kernels the GEMM, which reads the packed rows (the row kernels read ggml's)
+// - INT8: the int8 kernels (qint8.h) on act_, the rows of x at 8 bits made just before (quantize_for, or the norm or
+//   SiLU that made x): a prompt's rows against the K-quants and Q8_0 as a GEMM, every other row the row kernels
+// - INT8X2: the same kernels on both of each row's 8-bit rows (act_'s pair), then y = y_hi + y_lo; a float32 matrix
+//   (qtype F32) takes x's rows through its float kernel as at INT8
+void StepModel::linears(Mats mys, const float* x, const Plan& plan) {
+  const int64_t k = mys.begin()->first->k;
+  for (const Rows& run : plan.runs) {
+    const int64_t m = run.hi - run.lo;
+    if (run.prec == EXACT) {
+      exact_rows(mys, x, run, k);
+      continue;
+    }
+    MatRef refs[4], floats[4];
+    int count = 0, nf = 0;
+    int64_t offset = 0;  // INT8X2: matrix c's 2m rows of products at pair_ + its offset
+    if (run.prec == INT8X2) {
+      int64_t need = 0;
+      for (const auto& my : mys) need += my.first->qtype == F32 ? 0 : 2 * m * my.first->n;
+      if (static_cast<int64_t>(pair_.size()) < need) pair_.resize(need);
+    }
+    for (const auto& my : mys) {
+      const Mat& w = *my.first;
+      float* y = my.second + run.lo * w.n;
+      if (run.prec == INT8X2 && w.qtype == F32) {
+        floats[nf++] = MatRef{w.w, w.n, w.row_bytes, w.qtype, y, false};
+      } else if (run.prec == INT8X2) {
+        refs[count++] = MatRef{w.w, w.n, w.row_bytes, w.qtype, pair_.data() + offset, w.packed};
+        offset += 2 * m * w.n;
+      } else {
+        refs[count++] = MatRef{w.w, w.n, w.row_bytes, w.qtype, y, w.packed};
+      }
+    }
+    const int64_t a_rows = run.prec == INT8X2 ? 2 * m : m;
+    if (count > 0) qmatmul8_multi(act_, run.a8, a_rows, x + run.lo * k, refs, count, run.prompt);
+    if (nf > 0) qmatmul8_multi(act_, run.a8, m, x + run.lo * k, floats, nf, run.prompt);
+    if (run.prec != INT8X2) continue;
+    int c = 0;
+    for (const auto& my : mys) {  // y = (x_hi + x_lo) W^T = x_hi W^T + x_lo W^T, a row's two products added
+      if (my.first->qtype == F32) continue;
+      const int64_t n = my.first->n;
+      const float* two = refs[c++].y;
+      float* y = my.second + run.lo * n;
+      each_row(m, n, [&](int64_t r) {
+        for (int64_t i = 0; i < n; ++i) y[r * n + i] = two[2 * r * n + i] + two[(2 * r + 1) * n + i];
+      });
+    }
+  }
+  add_biases(mys, plan.prec.size());
 }
 
-void StepModel::quantize_for(Mats mys, const float* x, int64_t m, int64_t k) {
-  if (!int8) return;
-  shape_for(mys, m, k);
-  each_row(m, k, [&](int64_t r) { act_.quantize(r, x + r * k); });
+// A run's rows at float32: the prompt GEMM for a prompt's rows and wherever a matrix is packed (qgemm.cpp reads the
+// packed rows), the row kernels otherwise (--exact's kernels, bit for bit)
+void StepModel::exact_rows(Mats mys, const float* x, const Rows& run, int64_t k) {
+  MatRef refs[4];
+  int count = 0;
+  bool packed = false;
+  for (const auto& my : mys) {
+    const Mat& w = *my.first;
+    refs[count++] = MatRef{w.w, w.n, w.row_bytes, w.qtype, my.second + run.lo * w.n, w.packed};
+    packed |= w.packed;
+  }
+  const int64_t m = run.hi - run.lo;
+  if (run.prompt || packed) qgemm_multi(x + run.lo * k, m, k, refs, count);
+  else qmatmul_multi(x + run.lo * k, m, k, refs, count, xsum2_.data());
+}
+
+void StepModel::add_biases(Mats mys, int64_t m) {
+  for (const auto& my : mys)
+    if (my.first->bias != nullptr)
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < my.first->n; ++i) my.second[r * my.first->n + i] += my.first->bias[i];
+}
+
+void StepModel::Plan::add(int64_t row, bool prompt, Prec p) {
+  const int64_t take = p == INT8X2 ? 2 : p == INT8 ? 1 : 0;
+  a8.push_back(take > 0 ? act_rows : -1);
+  prec.push_back(p);
+  if (runs.empty() || runs.back().prompt != prompt || runs.back().prec != p || runs.back().hi != row)
+    runs.push_back(Rows{row, row + 1, prompt, p, act_rows});
+  else
+    runs.back().hi = row + 1;
+  act_rows += take;
+}
+
+// act_ shaped for the plan's rows of k values in the forms mys's matrices read (a no-op where every row is exact)
+void StepModel::shape_for(Mats mys, const Plan& plan, int64_t k) {
+  if (plan.act_rows == 0) return;
+  bool blocks = false, supers = false;
+  for (const auto& my : mys) blocks |= reads_blocks(my.first->qtype), supers |= reads_supers(my.first->qtype);
+  act_.shape(plan.act_rows, k, blocks, supers);
+}
+
+void StepModel::quantize_row(const Plan& plan, int64_t r, const float* x) {
+  if (plan.prec[r] == INT8) act_.quantize(plan.a8[r], x);
+  else if (plan.prec[r] == INT8X2) act_.quantize_pair(plan.a8[r], x);
+}
+
+void StepModel::quantize_for(Mats mys, const float* x, const Plan& plan, int64_t k) {
+  shape_for(mys, plan, k);
+  if (plan.act_rows > 0) each_row(plan.prec.size(), k, [&](int64_t r) { quantize_row(plan, r, x + r * k); });
 }
 
 // o_ (T, H, hd): row t of sequence b, query head h attends softmax(cap(scale q k^T)) v over positions
@@ -441,13 +485,16 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
   float *x = x_.data(), *y = y_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data(), *o = o_.data();
   float *g = g_.data(), *u = u_.data(), *out = out_.data();
 
-  runs_.clear();  // rows in order, runs of one kind: a sequence's prompt rows come first, then any others
+  // each row's precision: its sequence's exact flag, else the prompt's or the other rows'; the token rows in runs of
+  // one kind (a sequence's prompt rows come first, then any others), the logit rows as their token rows
+  tokens_ = Plan{}, logits_ = Plan{};
   for (int64_t b = 0; b < bv.b; ++b)
     for (int64_t t = bv.query_start[b]; t < bv.query_start[b + 1]; ++t) {
       const bool prompt = bv.prompt_ends != nullptr && bv.positions[t] < bv.prompt_ends[b];
-      if (runs_.empty() || runs_.back().prompt != prompt) runs_.push_back(Rows{t, t + 1, prompt});
-      else runs_.back().hi = t + 1;
+      const bool exact = bv.exact != nullptr && bv.exact[b] != 0;
+      tokens_.add(t, prompt, exact ? EXACT : prompt ? prompt_prec : prec);
     }
+  for (int64_t r = 0; r < bv.r; ++r) logits_.add(r, false, tokens_.prec[bv.logit_rows[r]]);
   std::vector<uint8_t> gathered(emb.packed ? emb.row_bytes : 0);
   for (int64_t t = 0; t < T; ++t) {  // a packed table (a tied head at int8) gives each row's bytes back first
     const uint8_t* row = emb.w + bv.tokens[t] * emb.row_bytes;
@@ -458,17 +505,17 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
     for (int64_t c = 0; c < T * d; ++c) x[c] *= embed_scale;
   // y = rms_norm(x rows) with w, each row's 8-bit form made as it is written (int8) for the matrices that read it
   const auto norm_rows = [&](const float* w, Mats next) {
-    shape_for(next, T, d);
+    shape_for(next, tokens_, d);
     each_row(T, d, [&](int64_t t) {
       rms_norm_row(x + t * d, w, y + t * d, d, eps);
-      if (int8) act_.quantize(t, y + t * d);
+      quantize_row(tokens_, t, y + t * d);
     });
   };
   const bool avx2 = path() >= PATH_AVX2;
   for (int64_t i = 0; i < n_layers; ++i) {
     const Layer& L = layers[i];
     norm_rows(L.attn_norm, {{&L.wq, q}, {&L.wk, k}, {&L.wv, v}});
-    linears({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, y, T, true);
+    linears({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, y, tokens_);
     const bool local = L.local_rope && cos_l != nullptr;
     for (int64_t t = 0; t < T; ++t) {
       const float* c = (local ? cos_l : cos) + bv.positions[t] * half;
@@ -489,38 +536,38 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
       std::memcpy(kv.v[i] + bv.slots[t] * kvd, v + t * kvd, kvd * sizeof(float));
     }
     attend(bv, kv.k[i], kv.v[i], kv.page_size, L.window);
-    quantize_for({{&L.wo, out}}, o, T, qd);
-    linears({{&L.wo, out}}, o, T, true);
+    quantize_for({{&L.wo, out}}, o, tokens_, qd);
+    linears({{&L.wo, out}}, o, tokens_);
     if (L.attn_post_norm != nullptr)
       for (int64_t t = 0; t < T; ++t) rms_norm_row(out + t * d, L.attn_post_norm, out + t * d, d, eps);
     for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
     norm_rows(L.ffn_norm, {{&L.w1, g}, {&L.w3, u}});
-    linears({{&L.w1, g}, {&L.w3, u}}, y, T, true);
-    if (int8) {
-      shape_for({{&L.w2, out}}, T, ffn);
+    linears({{&L.w1, g}, {&L.w3, u}}, y, tokens_);
+    if (tokens_.act_rows > 0) {
+      shape_for({{&L.w2, out}}, tokens_, ffn);
       each_row(T, ffn, [&](int64_t t) {  // g = act(g) * u a row at a time, and its 8-bit form while in cache
         float* gt = g + t * ffn;
         const float* ut = u + t * ffn;
         if (gelu) avx2 ? gelu_mul_avx2(gt, ut, ffn) : gelu_mul_scalar(gt, ut, ffn);
         else avx2 ? silu_mul_avx2(gt, ut, ffn) : silu_mul_scalar(gt, ut, ffn);
-        act_.quantize(t, gt);
+        quantize_row(tokens_, t, gt);
       });
     } else if (gelu) {
       avx2 ? gelu_mul_avx2(g, u, T * ffn) : gelu_mul_scalar(g, u, T * ffn);
     } else {
       avx2 ? silu_mul_avx2(g, u, T * ffn) : silu_mul_scalar(g, u, T * ffn);
     }
-    linears({{&L.w2, out}}, g, T, true);
+    linears({{&L.w2, out}}, g, tokens_);
     if (L.ffn_post_norm != nullptr)
       for (int64_t t = 0; t < T; ++t) rms_norm_row(out + t * d, L.ffn_post_norm, out + t * d, d, eps);
     for (int64_t c = 0; c < T * d; ++c) x[c] += out[c];
   }
-  shape_for({{&head, logits}}, bv.r, d);
+  shape_for({{&head, logits}}, logits_, d);
   for (int64_t r = 0; r < bv.r; ++r) {
     rms_norm_row(x + bv.logit_rows[r] * d, final_norm, y + r * d, d, eps);
-    if (int8) act_.quantize(r, y + r * d);
+    quantize_row(logits_, r, y + r * d);
   }
-  linears({{&head, logits}}, y, bv.r, false);
+  linears({{&head, logits}}, y, logits_);
 }
 
 }  // namespace wq

@@ -44,7 +44,13 @@ struct BatchView {
   const int64_t* logit_rows = nullptr;  // (R)
   int64_t r = 0;
   const int64_t* prompt_ends = nullptr;  // (B) or none: b's rows at positions below it are its prompt's (a GEMM's)
+  const uint8_t* exact = nullptr;        // (B) or none: b's rows (and its logit rows) run exact whatever the precision
 };
+
+// How a row's matrix inputs are multiplied (docs/quant.md, "Precisions"): float32 (EXACT); quantized to 8 bits once
+// (INT8); or at 8 bits twice, the value and what its rounding leaves, both rows through the int8 kernels and their
+// products added (INT8X2: about 15 bits, qint8.h Act8::quantize_pair)
+enum Prec { EXACT = 0, INT8 = 1, INT8X2 = 2 };
 
 // webchat.model.kv_cache.KVPool: per layer k and v pages (num_pages, page_size, n_kv, hd)
 struct PoolView {
@@ -60,7 +66,8 @@ struct StepModel {
   float attn_scale = 0.f;    // the score scale; 0: 1 / sqrt(head_dim)
   float attn_softcap = 0.f;  // Gemma 2: scores = cap * tanh(scores / cap); 0: none
   bool gelu = false;         // Gemma: gelu_tanh(w1 y) * w3 y instead of silu
-  bool int8 = false;         // the quantized matrices' inputs at 8 bits (qint8.h); false: float32 (exact)
+  Prec prec = EXACT;         // decode, verify and recomputed rows, and their logit rows
+  Prec prompt_prec = EXACT;  // a prompt's rows (BatchView.prompt_ends) and its logit rows
   Mat emb, head;
   const float* final_norm = nullptr;
   std::vector<Layer> layers;
@@ -73,17 +80,28 @@ struct StepModel {
 
  private:
   std::mutex mu_;
-  std::vector<float> x_, y_, q_, k_, v_, o_, g_, u_, out_, xsum2_;
-  struct Rows {  // a run of the batch's rows that one kind of matmul computes
+  std::vector<float> x_, y_, q_, k_, v_, o_, g_, u_, out_, xsum2_, pair_;
+  struct Rows {  // a run of rows that one kind of matmul computes
     int64_t lo, hi;
     bool prompt;
+    Prec prec;
+    int64_t a8;  // its first row in act_ (INT8: a row each, INT8X2: two)
   };
-  std::vector<Rows> runs_;  // this forward's token rows in runs of prompt rows and other rows
-  Act8 act_;                // int8: the next matmul's input rows at 8 bits
+  struct Plan {  // a forward's rows (its token rows, or its logit rows) in runs, and each row's first row in act_
+    std::vector<Rows> runs;
+    std::vector<int64_t> a8;  // -1 for an exact row
+    std::vector<Prec> prec;
+    int64_t act_rows = 0;
+    void add(int64_t row, bool prompt, Prec p);
+  };
+  Plan tokens_, logits_;  // this forward's token rows and logit rows
+  Act8 act_;              // the next matmul's input rows at 8 bits (the rows of runs that are not exact)
   using Mats = std::initializer_list<std::pair<const Mat*, float*>>;
-  void linears(Mats mys, const float* x, int64_t m, bool tokens);
-  void shape_for(Mats mys, int64_t m, int64_t k);                     // act_ for m rows of k, mys's forms
-  void quantize_for(Mats mys, const float* x, int64_t m, int64_t k);  // ... and filled from m rows of x
+  void linears(Mats mys, const float* x, const Plan& plan);
+  void exact_rows(Mats mys, const float* x, const Rows& run, int64_t k);
+  void shape_for(Mats mys, const Plan& plan, int64_t k);                     // act_ for plan's rows of k, mys's forms
+  void quantize_row(const Plan& plan, int64_t r, const float* x);            // row r of plan from x (if it has one)
+  void quantize_for(Mats mys, const float* x, const Plan& plan, int64_t k);  // shape_for, then every row of x
   void add_biases(Mats mys, int64_t m);
   void attend(const BatchView& bv, const float* kc, const float* vc, int64_t page_size, int64_t window);
 };
