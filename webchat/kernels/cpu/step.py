@@ -30,9 +30,9 @@ log = logging.getLogger("webchat.kernels.cpu.step")
 
 MAX_ROWS = 64  # tokens per forward up to which the C++ step runs it
 PREC = {"exact": 0, "int8": 1, "int8x2": 2}  # qstep.h's Prec
-# a prompt's rows at each precision (docs/quant.md, "Precisions"): int8x2's at float32, so a prompt's k/v, its scores
-# and the first token's probabilities are exact's
-PROMPT_PRECISION = {"exact": "exact", "int8": "int8", "int8x2": "exact"}
+# a prompt's rows at each precision (docs/quant.md, "Precisions"): its own, so a prompt's rows take one kernel whatever
+# the chunk (exact rows for a prompt scored come from the batch's exact flags)
+PROMPT_PRECISION = {"exact": "exact", "int8": "int8", "int8x2": "int8x2"}
 F32 = 0  # ggml's type number for float32 rows
 NONE = torch.empty(0)
 

@@ -11,8 +11,8 @@
 // dequantized matrices), the products float32: exact to float32 up to the order of the additions, like every path.
 //
 // Threads: the tiles of every matrix of a call are split over torch's OpenMP pool, as the row kernels' rows are.
-// A matrix packed 8 rows to a group for the int8 kernels (MatRef.packed, qpack8.cpp) is read through packed_row, each
-// row's bytes gathered back into ggml's order before it is dequantized: the same floats as the file's rows give.
+// A matrix packed 8 rows to a group for the int8 kernels (MatRef.packed, qpack8.cpp) has each tile's groups put back
+// into ggml's layout before they are dequantized (packed_group): the same floats as the file's rows give.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -218,15 +218,13 @@ void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int c
         w = reinterpret_cast<const float*>(rows);
       } else {
         buf.resize(TILE * k);
-        for (int64_t i = 0; i < nn; ++i) {
-          const uint8_t* row = rows + i * mr.row_bytes;
-          if (mr.packed) {  // packed 8 rows to a group for the int8 kernels: the row's bytes in ggml's order first
-            gathered.resize(mr.row_bytes);
-            packed_row(mr.qtype, mr.w, mr.row_bytes, n0 + i, gathered.data());
-            row = gathered.data();
-          }
-          dequant_row(mr.qtype, row, k, buf.data() + i * k);
+        if (mr.packed) {  // packed 8 rows to a group for the int8 kernels: the tile's rows in ggml's layout first
+          gathered.resize(TILE * mr.row_bytes);
+          for (int64_t g = 0; g < nn / 8; ++g)
+            packed_group(mr.qtype, mr.w, mr.row_bytes, n0 / 8 + g, gathered.data() + g * 8 * mr.row_bytes);
+          rows = gathered.data();
         }
+        for (int64_t i = 0; i < nn; ++i) dequant_row(mr.qtype, rows + i * mr.row_bytes, k, buf.data() + i * k);
         w = buf.data();
       }
       for (int64_t i = 0, r0 = 0; i < passes; r0 += base + (i < extra), ++i) {  // rows of x in L1, the tile's passing

@@ -61,6 +61,8 @@ void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack);
 void packed_row_unit(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t u, uint8_t* out);
 // the file's bytes of row n of a packed matrix into out (row_bytes): a tied head's row read as the embedding's
 void packed_row(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, uint8_t* out);
+// the file's bytes of group g's 8 rows into out (8 rows of row_bytes): the exact GEMMs' tiles of a packed matrix
+void packed_group(int qtype, const uint8_t* w, int64_t row_bytes, int64_t g, uint8_t* out);
 
 // one call's share: y[r, n] for x rows [r0, r0 + m) of a, weight rows [n0, n1)
 struct Job8 {

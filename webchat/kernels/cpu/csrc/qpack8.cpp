@@ -499,6 +499,15 @@ void packed_row(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, uint8
   for (int64_t u = 0; u < row_bytes / ub; ++u) packed_row_unit(qtype, w, row_bytes, n, u, out + u * ub);
 }
 
+void packed_group(int qtype, const uint8_t* w, int64_t row_bytes, int64_t g, uint8_t* out) {
+  Field f[4];
+  const int nf = fields(qtype, f);
+  const int ub = unit_bytes(qtype);
+  const uint8_t* group = w + g * 8 * row_bytes;
+  for (int64_t u = 0; u < row_bytes / ub; ++u)
+    move_unit(f, nf, out + u * ub, row_bytes, const_cast<uint8_t*>(group + u * 8 * ub), false);
+}
+
 bool packs8(int qtype, int64_t n) {
   return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K) && n > 0 && n % 8 == 0;
 }

@@ -491,7 +491,7 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
   for (int64_t b = 0; b < bv.b; ++b)
     for (int64_t t = bv.query_start[b]; t < bv.query_start[b + 1]; ++t) {
       const bool prompt = bv.prompt_ends != nullptr && bv.positions[t] < bv.prompt_ends[b];
-      const bool exact = bv.exact != nullptr && bv.exact[b] != 0;
+      const bool exact = prompt && bv.exact != nullptr && bv.exact[b] != 0;  // a prompt scored: its rows
       tokens_.add(t, prompt, exact ? EXACT : prompt ? prompt_prec : prec);
     }
   for (int64_t r = 0; r < bv.r; ++r) logits_.add(r, false, tokens_.prec[bv.logit_rows[r]]);

@@ -44,7 +44,8 @@ struct BatchView {
   const int64_t* logit_rows = nullptr;  // (R)
   int64_t r = 0;
   const int64_t* prompt_ends = nullptr;  // (B) or none: b's rows at positions below it are its prompt's (a GEMM's)
-  const uint8_t* exact = nullptr;        // (B) or none: b's rows (and its logit rows) run exact whatever the precision
+  const uint8_t* exact = nullptr;        // (B) or none: b's prompt rows (and their logit rows) run exact whatever the
+                                         // precision (a prompt scored)
 };
 
 // How a row's matrix inputs are multiplied (docs/quant.md, "Precisions"): float32 (EXACT); quantized to 8 bits once
