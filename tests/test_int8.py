@@ -16,7 +16,7 @@ import torch
 from tests.kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
 from webchat.kernels.cpu import build as qkernels
 from webchat.model.loader import load_model
-from webchat.model.precision import default_precision
+from webchat.model.precision import QuantFormats, default_precision, quantized_formats
 from webchat.model.quant import K_QTYPES, QTYPES, QLinear, dequantize, dequantize_k, quantize
 from webchat.serve.config import ServerConfig
 from webchat.serve.runtime import load_runtime
@@ -423,7 +423,7 @@ def test_the_default_precision_is_int8_for_quantized_matrices_on_a_vector_path()
 def test_a_model_runs_the_precision_asked_for(kernels: Any, tiny_model_dir: Path) -> None:
     best = qkernels.available_paths()[-1]
     model = load_model(tiny_model_dir, quantize="q4_1")
-    assert model.precision == default_precision({"q4_1"}, best)
+    assert model.precision == default_precision(quantized_formats(model), best)  # a tiny model: int8x2
     exact = load_model(tiny_model_dir, quantize="q4_1", precision="exact")
     assert exact.precision == "exact"
     assert not any(m.int8 for m in exact.modules() if isinstance(m, QLinear))
@@ -439,13 +439,14 @@ def test_a_model_runs_the_precision_asked_for(kernels: Any, tiny_model_dir: Path
 
 
 def test_the_runtime_reports_its_precision(kernels: Any, tiny_model_dir: Path) -> None:
-    """`precision` in hello (and so /api/info): int8 by default on a vector path, exact with --exact."""
+    """`precision` in hello (and so /api/info): int8x2 by default for a small model on a vector path, exact with
+    --exact."""
     fast = load_runtime(ServerConfig(model_dir=tiny_model_dir, device="cpu", quantize="q8_0", max_seq_len=64))
     exact = load_runtime(ServerConfig(model_dir=tiny_model_dir, device="cpu", quantize="q8_0", max_seq_len=64,
                                       exact=True))
-    assert fast.hello().precision == default_precision({"q8_0"}, qkernels.available_paths()[-1])
+    assert fast.hello().precision == default_precision(QuantFormats({"q8_0"}, 1), qkernels.available_paths()[-1])
     assert exact.hello().precision == "exact" and exact.hello().weights == "q8_0"
-    assert fast.hello().model_dump()["precision"] in ("int8", "exact")
+    assert fast.hello().model_dump()["precision"] in ("int8x2", "exact")  # a tiny model: int8x2 on a vector path
 
 
 # ---------------------------------------------------------------- a K-quant model through the C++ forward

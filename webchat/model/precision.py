@@ -1,10 +1,11 @@
-"""What a quantized model's matmuls multiply at (docs/quant.md, "Two precisions"): "exact" (float32 activations,
-within float rounding of the float32 model on the same weights) or "int8" (each matrix input row quantized to 8 bits
-once, integer dot products), and which of the two a model runs by default."""
+"""What a quantized model's matmuls multiply at (docs/quant.md, "Precisions"): "exact" (float32 activations, within
+float rounding of the float32 model on the same weights), "int8" (each matrix input row quantized to 8 bits once,
+integer dot products) or "int8x2" (each row as two 8-bit rows, the value and its rounding's residual: about 15 bits,
+the exact path's greedy text at about int8's speed), and which a model runs by default."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -19,23 +20,42 @@ if TYPE_CHECKING:
 # the code paths on which int8 activations run faster than float32 for every format they cover (docs/quant.md: the
 # measurements); on the scalar path neither has vector arithmetic and the float kernels stay the default
 INT8_FASTER_ON = ("avx2", "avx512")
+# int8x2 (the exact path's greedy text, docs/quant.md "Which precision runs") where a model's quantized matrices hold
+# at most this many weights: SmolLM2-135M's 135M (its decode 1.06x / 1.34x int8's time at 1 / 4 sequences, one
+# thread, still several times llama-server's speed); the 1.1B files (1.14x / 1.51x) keep int8, whose served speed
+# issue 64 holds to within 5%
+INT8X2_MAX_WEIGHTS = 500_000_000
 QTYPE_IDS = {name: spec[0] for name, spec in {**QTYPES, **K_QTYPES}.items()}
 
 
+class QuantFormats(frozenset[str]):
+    """The formats of a model's quantized matrices, and how many weights those matrices hold."""
+
+    weights: int
+
+    def __new__(cls, names: Iterable[str], weights: int) -> QuantFormats:
+        self = super().__new__(cls, names)
+        self.weights = weights
+        return self
+
+
 def default_precision(qtypes: Collection[str], path: str) -> str:
-    """The faster precision for matrices of these formats on this code path: "exact" where there is no quantized
-    matrix (float weights have no int8 path) or no vector path."""
+    """The precision a model runs unless asked: "exact" where there is no quantized matrix (float weights have no int8
+    path) or no vector path; "int8x2" for a model of at most INT8X2_MAX_WEIGHTS quantized weights (qtypes a
+    QuantFormats: a bare set of names says nothing of size); "int8" otherwise."""
     if not qtypes or path not in INT8_FASTER_ON:
         return "exact"
+    if isinstance(qtypes, QuantFormats) and qtypes.weights <= INT8X2_MAX_WEIGHTS:
+        return "int8x2"
     return "int8"
 
 
 def set_precision(model: Transformer, precision: str, kernels: QKernels | None, pack: bool = True) -> str:
     """Make the model's quantized matrices multiply at `precision` (the C++ forward and the PyTorch path alike);
-    returns it. "int8" on a model without quantized matrices or without the kernels is an error naming why. With int8,
-    the matrices whose format has a packed form (Q4_0, Q4_1, Q8_0, Q4_K) are packed in place unless `pack` is False
-    (the bench's comparison); "exact" unpacks them. A tied head packs with the embedding's table, whose lookup then
-    gathers each row back (QEmbedding.packed)."""
+    returns it. "int8" or "int8x2" on a model without quantized matrices or without the kernels is an error naming
+    why. With either, the matrices whose format has a packed form (Q4_0, Q4_1, Q8_0, Q4_K) are packed in place unless
+    `pack` is False (the bench's comparison); "exact" unpacks them. A tied head packs with the embedding's table, whose
+    lookup then gathers each row back (QEmbedding.packed)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     linears = [m for m in model.modules() if isinstance(m, QLinear)]
@@ -68,6 +88,8 @@ def _pack(m: QLinear, on: bool, kernels: QKernels | None) -> None:
     m.packed = on
 
 
-def quantized_formats(model: nn.Module) -> set[str]:
-    """The formats of the model's quantized matrices (the embedding's lookup is exact either way)."""
-    return {m.qtype for m in model.modules() if isinstance(m, QLinear)}
+def quantized_formats(model: nn.Module) -> QuantFormats:
+    """The formats of the model's quantized matrices and their weights (the embedding's lookup is exact either way; a
+    tied head counts once, as the head)."""
+    linears = [m for m in model.modules() if isinstance(m, QLinear)]
+    return QuantFormats({m.qtype for m in linears}, sum(m.in_features * m.out_features for m in linears))
