@@ -85,21 +85,20 @@ def amx(kernels: Any) -> Iterator[None]:
 @pytest.mark.parametrize("qtype", [*QTYPES, *K_QTYPES])
 def test_amx_tiles_sum_float32_products(kernels: Any, amx: None, qtype: str) -> None:
     """Every format against float64 (x @ the dequantized W) within float32's rounding of the sum of |products|, as
-    the FMA tiles; a row's outputs the same bits alone or among 40 (each tile element is its own sum)."""
+    the FMA tiles (which `--exact` keeps); a row's outputs the same bits alone or among 40 (each tile element is its
+    own sum)."""
     n, k = 40, 768 if qtype in K_QTYPES else 544
     blocks, wd = weights(qtype, n, k, seed=7)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(8)) * 3
     want, scale = x.double() @ wd.T, x.double().abs() @ wd.abs().T
-    kernels.set_amx(1)
-    got = kernels.qmatmul(x, blocks, qtype_number(qtype), k, None, True)
-    kernels.set_amx(0)
-    fma = kernels.qmatmul(x, blocks, qtype_number(qtype), k, None, True)
-    kernels.set_amx(1)
+    got = kernels.qmatmul(x, blocks, qtype_number(qtype), k, None, True, amx=True)
+    fma = kernels.qmatmul(x, blocks, qtype_number(qtype), k, None, True)  # the FMA tiles (--exact's)
     bound = 2 * k * 2.0**-24 * scale
     assert ((got.double() - want).abs() <= bound).all()
     assert ((fma.double() - want).abs() <= bound).all()
+    assert not torch.equal(got, fma)  # two kernels: the same sums in other orders
     for r in (0, 17, 39):
-        alone = kernels.qmatmul(x[r : r + 1].contiguous(), blocks, qtype_number(qtype), k, None, True)
+        alone = kernels.qmatmul(x[r : r + 1].contiguous(), blocks, qtype_number(qtype), k, None, True, amx=True)
         assert torch.equal(alone[0], got[r])
 
 

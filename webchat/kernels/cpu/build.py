@@ -48,8 +48,8 @@ class QKernels(Protocol):
     extension handle."""
 
     def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
-                gemm: bool = False, int8: bool = False, packed: bool = False,
-                x2: bool = False) -> torch.Tensor: ...  # fmt: skip
+                gemm: bool = False, int8: bool = False, packed: bool = False, x2: bool = False,
+                amx: bool = False) -> torch.Tensor: ...  # fmt: skip
 
     def repack8(self, w: torch.Tensor, qtype: int, pack: bool) -> None: ...
 

@@ -170,8 +170,8 @@ struct MatRef {  // one matrix of a qmatmul_multi call and where its output goes
 // their output rows; xsum2 scratch (m, k/32, 2)
 void qmatmul_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, float* xsum2);
 // the same products for rows of a prompt, as a GEMM over dequantized tiles of W (qgemm.cpp): each output the same
-// whatever else is in x
-void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count);
+// whatever else is in x; amx_ok: on AMX tiles where amx_covers the call (qgemm_amx.cpp), FMA tiles otherwise
+void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, bool amx_ok = false);
 // the same on AMX tiles (qgemm_amx.cpp): where amx_covers the call (AMX-BF16 granted, the AVX-512 path, quantized
 // matrices of whole blocks), float32-accurate products summed in another order
 bool amx();            // the exact GEMM takes AMX tiles where it covers a call

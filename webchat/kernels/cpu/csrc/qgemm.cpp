@@ -196,9 +196,9 @@ static const Micro MICRO[3][MR_MAX][4] = {
 };
 #undef WQ_ROW
 
-void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count) {
+void qgemm_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, int count, bool amx_ok) {
   if (m == 0) return;
-  if (amx_covers(mats, count, k)) return qgemm_amx_multi(x, m, k, mats, count);
+  if (amx_ok && amx_covers(mats, count, k)) return qgemm_amx_multi(x, m, k, mats, count);
   const int p = path();
   const int64_t nr_max = p == PATH_AVX2 ? 2 : 4;  // AVX2 has 16 registers, AVX-512 32
   // rows in passes of at most MR_MAX, as even as they go (10 rows: 5 + 5, not 6 + 4 or 4 + 4 + 2)

@@ -27,9 +27,11 @@ inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
 
 // y (M, N) = x (M, K) @ dequant(w (N, row_bytes))^T [+ bias]: the row kernels, or (gemm) the prompt rows' GEMM,
 // or (int8) x's rows quantized to 8 bits and the int8 kernels (qint8.h); x2: each row as two 8-bit rows, the value
-// and what its rounding leaves (the int8x2 precision), y the sum of their products
+// and what its rounding leaves (the int8x2 precision), y the sum of their products; amx: the GEMM on AMX tiles where
+// the kernels take them (qgemm_amx.cpp: a flagged exact row's GEMM in the forward), else its FMA tiles
 torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t k,
-                      const c10::optional<torch::Tensor>& bias, bool gemm, bool int8, bool packed, bool x2) {
+                      const c10::optional<torch::Tensor>& bias, bool gemm, bool int8, bool packed, bool x2,
+                      bool amx) {
   if (is_kquant(qtype)) {  // the C++ forward's K-quant rows (kq_rows), the op its tests call
     const int64_t bb = kq_block_bytes(static_cast<int>(qtype));
     TORCH_CHECK(k > 0 && k % 256 == 0, "K must be a positive multiple of 256 for Q4_K/Q5_K/Q6_K, got ", k);
@@ -73,7 +75,7 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qt
     qmatmul8_multi(a, 0, m, xc.data_ptr<float>(), &r, 1, gemm);
   } else if (gemm) {
     const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype), y.data_ptr<float>()};
-    qgemm_multi(xc.data_ptr<float>(), m, k, &r, 1);
+    qgemm_multi(xc.data_ptr<float>(), m, k, &r, 1, amx);
   } else {
     torch::Tensor xsum2 = torch::empty({m, k / 32, 2}, xc.options());
     qmatmul_raw(xc.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype),
@@ -467,7 +469,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &wq::qmatmul,
         "y = x @ dequant(w).T (+ bias), float32; gemm: as the forward computes prompt rows; int8: x's rows at 8 bits",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("bias") = py::none(),
-        py::arg("gemm") = false, py::arg("int8") = false, py::arg("packed") = false, py::arg("x2") = false);
+        py::arg("gemm") = false, py::arg("int8") = false, py::arg("packed") = false, py::arg("x2") = false,
+        py::arg("amx") = false);
   m.def("repack8", &wq::repack8_op,
         "w's rows packed 8 to a group for the int8 kernels (pack) or back to ggml's layout, in place (Q4_0, Q4_1, Q8_0, "
         "Q4_K)",

@@ -315,7 +315,9 @@ void StepModel::linears(Mats mys, const float* x, const Plan& plan) {
 }
 
 // A run's rows at float32: the prompt GEMM for a prompt's rows and wherever a matrix is packed (qgemm.cpp reads the
-// packed rows), the row kernels otherwise (--exact's kernels, bit for bit)
+// packed rows), the row kernels otherwise. A model at exact (--exact) takes the GEMM's FMA tiles, bit for bit as before
+// AMX; flagged rows of a quantizing model (a prompt scored: up to 256-row chunks, every row's logits) its AMX tiles
+// where the CPU has them. Either way one kernel for every chunk, so a prompt's rows are the same however chunked.
 void StepModel::exact_rows(Mats mys, const float* x, const Rows& run, int64_t k) {
   MatRef refs[4];
   int count = 0;
@@ -326,7 +328,7 @@ void StepModel::exact_rows(Mats mys, const float* x, const Rows& run, int64_t k)
     packed |= w.packed;
   }
   const int64_t m = run.hi - run.lo;
-  if (run.prompt || packed) qgemm_multi(x + run.lo * k, m, k, refs, count);
+  if (run.prompt || packed) qgemm_multi(x + run.lo * k, m, k, refs, count, prec != EXACT);
   else qmatmul_multi(x + run.lo * k, m, k, refs, count, xsum2_.data());
 }
 
