@@ -31,7 +31,7 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.model.loader import load_model
+from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 
 

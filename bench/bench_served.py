@@ -354,10 +354,10 @@ def exact_available(args: argparse.Namespace) -> bool:
 def convert_first(gguf: Path, src: Path) -> None:
     """The file converted into webchat's cache (once, kept) before any round: a server that converted it at start
     would count the converter's memory in its peak RSS (the 3B file's first int8 round: 4.7 GB against 3.0). A
-    checkout without webchat.gguf_path (before GGUF files were served) is left to convert at start."""
+    checkout without webchat.files.gguf_cache (before GGUF files were served) is left to convert at start."""
     if not (src / "webchat" / "gguf_path.py").exists():
         return
-    code = "import sys, pathlib, webchat.gguf_path as g; g.model_folder(pathlib.Path(sys.argv[1]))"
+    code = "import sys, pathlib, webchat.files.gguf_cache as g; g.model_folder(pathlib.Path(sys.argv[1]))"
     env = dict(os.environ, PYTHONPATH=str(src))
     subprocess.run([sys.executable, "-c", code, str(gguf)], check=True, cwd=src, env=env)
 

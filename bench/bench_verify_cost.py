@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
-    from webchat.model.loader import load_model
+    from webchat.kernels.backend import load_model
 
     path = args.model or default_model()
     model = load_model(path)

@@ -32,7 +32,7 @@ from webchat.engine.adaptive import MAX_AUTO_DRAFT
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.model.loader import load_model
+from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 
 SUFFIX_MAX = 8  # the longest suffix looked up

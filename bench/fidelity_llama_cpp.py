@@ -204,7 +204,7 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 <= args.more <= open_questions:
         raise SystemExit(f"--more must be 0 to {open_questions} (the distinct open questions), got {args.more}")
-    from webchat.gguf_path import model_folder
+    from webchat.files.gguf_cache import model_folder
     from webchat.text.tokenizer import Tokenizer
 
     gguf, src = args.gguf.expanduser().resolve(), args.src.resolve()

@@ -91,7 +91,7 @@ def start_server(model_dir: Path, log_path: Path, *extra: str, port: int | None 
 
 @pytest.fixture(scope="session")
 def e2e_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from webchat.tiny import make_tiny_model
+    from bench.tiny import make_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-model")
     make_tiny_model(path, max_seq_len=TINY_CONTEXT)
@@ -122,7 +122,7 @@ def tiny_server(request: pytest.FixtureRequest, e2e_tiny_model_dir: Path,
 
 @pytest.fixture(scope="session")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from webchat.pull import ensure_default_model
+    from webchat.files.pull import ensure_default_model
 
     server = start_server(ensure_default_model(), tmp_path_factory.mktemp("logs") / "real-server.log")
     yield server

@@ -16,8 +16,8 @@ import pytest
 from conftest import TINY_CONTEXT, start_server
 from playwright.sync_api import expect
 
+from bench.tiny import make_tiny_qwen3
 from webchat.text.tokenizer import Tokenizer
-from webchat.tiny import make_tiny_qwen3
 
 if TYPE_CHECKING:
     from conftest import ChatPage, Server

@@ -31,9 +31,9 @@ from webchat.engine.settings import SamplingSettings
 from webchat.engine.suffix import MAX_MATCH, MAX_OCCURRENCES, MIN_SHARE, SPEC_OFFSET, SuffixIndex, follow
 from webchat.engine.suffix import Path as SuffixPath
 from webchat.engine.verify_cost import Cycles, VerifyCost, lowered, measure
+from webchat.kernels.backend import load_model
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool, PoolExhausted
-from webchat.model.loader import load_model
 from webchat.text.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu.step import cpu_step_declines
 from webchat.kernels.cuda.graphs import cuda_declines
 from webchat.model.batch import make_batch
 from webchat.model.config import ModelArgs
 from webchat.model.kv_cache import PageTable
-from webchat.model.loader import load_model
 from webchat.model.transformer import Transformer
 
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is not installed")
@@ -186,8 +186,9 @@ def test_phi3_refuses_partial_rotary() -> None:
 def test_quantized_at_load_matches_its_own_dequantized_weights(pair: tuple[str, Any, Transformer], qtype: str,
                                                                 tmp_path: Path) -> None:
     """--quantize on each architecture: the blocks' logits against the same model with the dequantized weights."""
+    from webchat.gguf.blocks import dequantize
     from webchat.kernels.cpu import build as qkernels
-    from webchat.model.quant import QEmbedding, QLinear, dequantize
+    from webchat.model.quant import QEmbedding, QLinear
 
     if qkernels.try_load() is None:
         pytest.skip("the C++ kernels could not be built here (no compiler or ninja)")

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from webchat.kernels.backend import load_model
 from webchat.model.arena import into_huge_pages
-from webchat.model.loader import load_model
 
 linux_thp = pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_HUGEPAGE"),
                                reason="needs Linux's /proc/self/smaps and MADV_HUGEPAGE")
@@ -45,7 +45,7 @@ def test_a_loaded_cpu_model_lives_in_one_huge_page_mapping_with_the_files_values
         embed = f.get_tensor("model.embed_tokens.weight")
     table = model.tok_embeddings.weight.data
     if model.tok_embeddings.packed:  # int8: the tied head's rows packed 8 to a group, the file's bytes moved
-        from webchat.model.quant import QTYPES
+        from webchat.gguf.blocks import QTYPES
 
         kernels = model.tok_embeddings.kernels
         assert kernels is not None

@@ -12,7 +12,7 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from webchat.model import loader
+from webchat.kernels import backend as loader
 from webchat.model.transformer import Transformer
 from webchat.serve.app import create_app
 from webchat.serve.config import ServerConfig

@@ -16,7 +16,7 @@ from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.verify_cost import VerifyCost
-from webchat.model.loader import load_model
+from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)

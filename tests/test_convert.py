@@ -18,9 +18,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-import webchat.pull as pull
-from webchat.convert import ConversionError, convert_gguf, permute_rows, unpermute_rows
-from webchat.paths import default_gguf_path, default_model_dir
+import webchat.files.pull as pull
+from webchat.files.home import default_gguf_path, default_model_dir
+from webchat.gguf.convert import ConversionError, convert_gguf, permute_rows, unpermute_rows
 from webchat.text.tokenizer import BYTE_DECODER, Tokenizer
 
 TINY = {"n_layers": 2, "dim": 16, "n_heads": 4, "n_kv": 2, "head_dim": 4, "ffn": 24}
@@ -276,9 +276,11 @@ def test_concurrent_pulls_convert_once(tmp_path: Path, monkeypatch: pytest.Monke
 
 @pytest.mark.real_model
 def test_pull_command_prints_paths(real_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from webchat.cli import pull as pull_command
+
     parser = argparse.ArgumentParser()
-    pull.add_arguments(parser)
-    assert pull.main(parser.parse_args([])) == 0
+    pull_command.add_arguments(parser)
+    assert pull_command.main(parser.parse_args([])) == 0
     out = capsys.readouterr().out
     assert f"model: {real_model_dir}" in out and f"gguf:  {default_gguf_path()}" in out
 

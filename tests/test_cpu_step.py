@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from bench.tiny import make_tiny_weights, tiny_config
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build as qkernels
 from webchat.kernels.cpu.step import MAX_ROWS, CpuStep, enable_cpu_step
 from webchat.model.batch import Batch, make_batch
 from webchat.model.kv_cache import KVPool, PageTable
-from webchat.model.loader import load_model
 from webchat.model.transformer import Transformer
-from webchat.tiny import make_tiny_weights, tiny_config
 
 PAGE = 16
 

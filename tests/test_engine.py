@@ -18,9 +18,9 @@ from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.verify_cost import VerifyCost
+from webchat.kernels.backend import load_model
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import KVPool, SeqCache
-from webchat.model.loader import load_model
 from webchat.serve.backend import Job
 from webchat.serve.worker import Worker
 from webchat.text.tokenizer import Tokenizer

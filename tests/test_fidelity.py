@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.model.loader import load_model
+from webchat.kernels.backend import load_model
 from webchat.model.transformer import Transformer
 from webchat.text.tokenizer import Tokenizer
 

@@ -14,17 +14,17 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.chat_cli import loop as chat_loop
+from bench.tiny import make_tiny_model
+from webchat.cli.chat import loop as chat_loop
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.verify_cost import VerifyCost
+from webchat.kernels.backend import load_model
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool
-from webchat.model.loader import load_model
 from webchat.text.detok import decode_all
 from webchat.text.tokenizer import Tokenizer
-from webchat.tiny import make_tiny_model
 
 GREEDY = SamplingSettings(temperature=0.0)
 PROMPT = [{"role": "user", "content": "Hello world! How are you today? The quick brown fox jumps over the lazy dog."}]

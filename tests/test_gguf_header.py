@@ -1,4 +1,4 @@
-"""Issue 42, rows 1-3 and 13 without a server: the bounded GGUF header reader (webchat.gguf_header) against header
+"""Issue 42, rows 1-3 and 13 without a server: the bounded GGUF header reader (webchat.gguf.header) against header
 bombs and broken files, each refused at once in one line that says what is wrong; the catalog leaves such entries
 out, one log line each; real files read as gguf's own GGUFReader reads them."""
 
@@ -16,9 +16,9 @@ import gguf
 import pytest
 from gguf_bombs import array_bomb, many_strings  # tests/ is on sys.path under pytest
 
-from webchat.convert import ConversionError, convert_gguf
+from bench.tiny import make_tiny_model
+from webchat.gguf.convert import ConversionError, convert_gguf
 from webchat.serve.models import scan
-from webchat.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,7 +39,7 @@ def rss_mb() -> float:
 
 def test_a_133_byte_file_declaring_2_to_the_60_items_is_refused_at_once(tmp_path: Path) -> None:
     """Row 1: gguf's reader walks the array item by item past the file's end (75 MB/s); this one never starts."""
-    from webchat.gguf_header import GGUFError, read_header
+    from webchat.gguf.header import GGUFError, read_header
 
     bomb = array_bomb(tmp_path / "bomb.gguf")
     assert bomb.stat().st_size == 133
@@ -57,7 +57,7 @@ def test_a_133_byte_file_declaring_2_to_the_60_items_is_refused_at_once(tmp_path
 
 def test_two_million_empty_strings_are_refused_by_count(tmp_path: Path) -> None:
     """Row 2: 16 MB of string lengths (gguf's reader: ~800 bytes and 20 µs each)."""
-    from webchat.gguf_header import GGUFError, read_header
+    from webchat.gguf.header import GGUFError, read_header
 
     path = many_strings(tmp_path / "strings.gguf")
     t0, peak = time.monotonic(), rss_mb()
@@ -79,7 +79,7 @@ def test_two_million_empty_strings_are_refused_by_count(tmp_path: Path) -> None:
      "the name of metadata key 0 needs 1000 bytes at byte 32, but the file ends 23 bytes later"),
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 10 else "")
 def test_broken_headers_are_one_line_saying_what_is_wrong(tmp_path: Path, name: str, data: bytes, words: str) -> None:
-    from webchat.gguf_header import GGUFError, read_header
+    from webchat.gguf.header import GGUFError, read_header
 
     path = tmp_path / f"{name}.gguf"
     path.write_bytes(data)
@@ -109,7 +109,7 @@ def test_a_truncated_file_is_named_in_words_by_the_catalog_and_the_converter(goo
 
 
 def test_a_real_file_reads_as_ggufs_own_reader_reads_it(good_gguf: Path) -> None:
-    from webchat.gguf_header import keep_none, read_header
+    from webchat.gguf.header import keep_none, read_header
 
     header, reader = read_header(good_gguf, keep=lambda key, n: True), gguf.GGUFReader(good_gguf)
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}

@@ -17,15 +17,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
 from tests.gguf_write import F32, write_gguf
 from tests.test_archs import ragged_greedy
-from webchat.cli import cli
-from webchat.convert import QUANT_FILE, QUANT_KEY, ConversionError
-from webchat.gguf_path import gguf_models_dir, model_folder, model_name
+from webchat.cli.main import cli
+from webchat.files.gguf_cache import gguf_models_dir, model_folder, model_name
+from webchat.gguf.convert import QUANT_FILE, QUANT_KEY, ConversionError
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build as qkernels
-from webchat.model.loader import load_model
 from webchat.model.transformer import Transformer
-from webchat.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is not installed")
 
@@ -181,7 +181,7 @@ def test_cli_complete_and_serve_take_a_gguf(tmp_path: Path, home: Path, capsys: 
             assert response.status_code == 200, response.text
             seen["models"] = response.json()
 
-    from webchat.serve.main import add_arguments, main
+    from webchat.cli.serve import add_arguments, main
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

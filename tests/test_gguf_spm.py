@@ -22,10 +22,10 @@ from safetensors import safe_open
 from tests.gguf_write import SpmVocab, train_spm, write_gguf
 from tests.test_archs import ragged_greedy, random_model
 from tests.test_gguf_path import greedy_logits
-from webchat.convert import QUANT_FILE, QUANT_KEY
-from webchat.gguf_path import model_folder
+from webchat.files.gguf_cache import model_folder
+from webchat.gguf.convert import QUANT_FILE, QUANT_KEY
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build as qkernels
-from webchat.model.loader import load_model
 from webchat.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is not installed")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from webchat.model.loader import load_model
+from webchat.kernels.backend import load_model
 from webchat.model.transformer import Transformer
 
 GOLDEN_PROMPT = [1, 20, 30, 40, 50, 60]

@@ -19,6 +19,7 @@ from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.verify_cost import VerifyCost
+from webchat.kernels.backend import load_model
 from webchat.kernels.cuda.graphs import (
     GraphRunner,
     GraphShape,
@@ -29,7 +30,6 @@ from webchat.kernels.cuda.graphs import (
     static_batch,
 )
 from webchat.model.batch import Batch, make_batch
-from webchat.model.loader import load_model
 from webchat.model.ops import PagedTorchOps
 from webchat.text.tokenizer import Tokenizer
 

@@ -20,7 +20,7 @@ from webchat.engine.verify_cost import VerifyCost
 from webchat.grammar import build as g
 from webchat.grammar import matcher as gm
 from webchat.grammar.bounds import GrammarError
-from webchat.model.loader import load_model
+from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 
 # the four schemas of the acceptance, shared with tests/test_openai_structured.py

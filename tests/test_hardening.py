@@ -18,7 +18,7 @@ import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from webchat.folder_check import ModelFolderError, check_model_folder
+from webchat.files.folder_check import ModelFolderError, check_model_folder
 from webchat.serve import protocol as p
 from webchat.serve.app import create_app
 from webchat.serve.config import ServerConfig
@@ -75,10 +75,10 @@ def test_continue_final_ends_inside_the_last_message(tok: Tokenizer) -> None:
 def test_terminal_chat_uses_encode_chat(tok: Tokenizer) -> None:
     import inspect
 
-    import webchat.chat_cli
     import webchat.cli
+    import webchat.cli.chat
 
-    for module in (webchat.chat_cli, webchat.cli):
+    for module in (webchat.cli.chat, webchat.cli):
         source = inspect.getsource(module)
         assert "encode_chat(" in source and "encode(tok.apply_chat_template" not in source, module.__name__
 
@@ -263,7 +263,7 @@ def test_model_folder_errors_name_the_file(tiny_model_dir: Path, tmp_path: Path,
 
 def test_cli_prints_one_line_and_the_traceback_only_with_debug(tiny_model_dir: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from webchat.cli import cli
+    from webchat.cli.main import cli
 
     folder = broken_folder(tiny_model_dir, tmp_path, "config.json", "{oops")
     assert cli(["serve", "--model", str(folder), "--device", "cpu"]) == 1
@@ -350,7 +350,7 @@ def test_an_access_token_guards_every_route_and_the_page_gets_a_cookie(config: S
 def test_off_loopback_an_access_token_is_enough(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from webchat.serve.main import add_arguments, main
+    from webchat.cli.serve import add_arguments, main
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -399,7 +399,7 @@ def test_complete_records_sizes_and_heads_and_a_changed_file_is_named(tiny_model
 
 
 def test_a_corrupt_gguf_is_one_line_naming_it(tmp_path: Path) -> None:
-    from webchat.gguf_path import model_folder
+    from webchat.files.gguf_cache import model_folder
 
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)

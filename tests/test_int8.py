@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from tests.kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
+from webchat.gguf.blocks import K_QTYPES, QTYPES, dequantize, dequantize_k, quantize
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build as qkernels
-from webchat.model.loader import load_model
 from webchat.model.precision import default_precision
-from webchat.model.quant import K_QTYPES, QTYPES, QLinear, dequantize, dequantize_k, quantize
+from webchat.model.quant import QLinear
 from webchat.serve.config import ServerConfig
 from webchat.serve.runtime import load_runtime
 
@@ -455,7 +456,7 @@ def kquant_folder(root: Path, tiny_model_dir: Path) -> Path:
     from safetensors.torch import load_file, save_file
     from test_cpu_step import model_dir
 
-    from webchat.convert import QUANT_FILE, QUANT_KEY, QUANT_LAYOUT, QUANT_LAYOUT_KEY
+    from webchat.gguf.convert import QUANT_FILE, QUANT_KEY, QUANT_LAYOUT, QUANT_LAYOUT_KEY
 
     out = root / "kquant"
     if out.exists():

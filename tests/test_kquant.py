@@ -16,11 +16,12 @@ from safetensors.numpy import load_file
 
 from tests.gguf_write import F32, write_gguf
 from tests.kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
-from webchat.convert import QUANT_FILE, QUANT_KEY, hf_tensor_name
-from webchat.gguf_path import model_folder
+from webchat.files.gguf_cache import model_folder
+from webchat.gguf.blocks import dequantize_k
+from webchat.gguf.convert import QUANT_FILE, QUANT_KEY, hf_tensor_name
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build as qkernels
-from webchat.model.loader import load_model
-from webchat.model.quant import QEmbedding, QLinear, dequantize_k
+from webchat.model.quant import QEmbedding, QLinear
 
 Q = gguf.GGMLQuantizationType
 FORMATS = {"q4_k": (encode_q4_k, Q.Q4_K, 144, 15), "q5_k": (encode_q5_k, Q.Q5_K, 176, 31),

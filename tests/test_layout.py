@@ -110,6 +110,39 @@ def test_the_mcp_client_imports_nothing_else_of_webchat() -> None:
             assert not bad, f"{name} imports {bad}"
 
 
+# the layer order docs/design.md draws, lowest first: a module imports its own layer or those below it
+LAYERS = ("gguf", "text", "model", "files", "engine", "kernels", "grammar", "vision", "mcp", "serve", "cli")
+
+
+def layer(module: str) -> int:
+    """The layer of a webchat module (the package itself and `python -m webchat` sit above every layer)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] == "__main__":
+        return len(LAYERS)
+    assert parts[1] in LAYERS, f"{module} is in no layer of {LAYERS}"
+    return LAYERS.index(parts[1])
+
+
+def against_the_order(g: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, deps in g.items() for b in deps if b != "webchat" and layer(b) > layer(a))
+
+
+def test_every_import_goes_down_the_layer_order() -> None:
+    assert against_the_order(graph()) == []
+
+
+def test_the_order_check_finds_an_arrow_back_up() -> None:
+    assert against_the_order({"webchat.model.loader": {"webchat.kernels.cpu.build", "webchat.gguf.blocks"},
+                              "webchat.gguf.blocks": set()}) == ["webchat.model.loader -> webchat.kernels.cpu.build"]
+
+
+def test_the_package_root_holds_its_entry_points_only() -> None:
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert root == ["__init__.py", "__main__.py"], root
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= set(LAYERS), f"{sorted(folders - set(LAYERS))} are in no layer"
+
+
 def test_kernels_live_inside_the_package() -> None:
     assert not (ROOT / "gpu").exists()
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())

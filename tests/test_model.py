@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.tiny import make_tiny_model, make_tiny_weights, tiny_config
+from webchat.kernels.backend import load_model
 from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelConfigError
-from webchat.model.loader import ModelLoadError, load_model
-from webchat.tiny import make_tiny_model, make_tiny_weights, tiny_config
+from webchat.model.loader import ModelLoadError
 
 
 def variant(tmp_path: Path, tiny_model_dir: Path, arch: str, **cfg_changes: Any) -> Path:

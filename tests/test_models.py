@@ -18,10 +18,10 @@ import torch
 from live_server import serve  # tests/ is on sys.path under pytest
 from websockets.sync.client import connect
 
+from bench.tiny import make_tiny_model
 from webchat.serve.config import ServerConfig
 from webchat.serve.models import Models, describe, scan
 from webchat.serve.runtime import Runtime, load_runtime
-from webchat.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 PROMPT = [{"role": "user", "content": "Tell me about the quick brown fox."}]

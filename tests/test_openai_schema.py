@@ -157,7 +157,7 @@ def test_merge_joins_consecutive_tokens_only() -> None:
 def test_api_key_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from webchat.serve.main import add_arguments, config_from_args
+    from webchat.cli.serve import add_arguments, config_from_args
 
     def key(argv: list[str]) -> str | None:
         parser = argparse.ArgumentParser()

@@ -15,8 +15,8 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
+from webchat.kernels.backend import load_model
 from webchat.model.kv_cache import SeqCache
-from webchat.model.loader import load_model
 from webchat.serve.worker import result_events
 from webchat.text.tokenizer import Tokenizer
 

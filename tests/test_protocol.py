@@ -518,7 +518,7 @@ def test_serve_command_warns_off_loopback_and_prints_the_url(
 ) -> None:
     import argparse
 
-    from webchat.serve.main import add_arguments, main
+    from webchat.cli.serve import add_arguments, main
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from test_kernels import BACKENDS, backend_ops  # tests/ is on sys.path under pytest
 
+from webchat.gguf.blocks import dequantize, quantize
 from webchat.kernels.cuda.launch import KernelInputError
 from webchat.kernels.cuda.ops import CudaOps
 from webchat.kernels.cuda.qgemv import BLOCK_BYTES, plan_qgemv, qgemv
-from webchat.model.quant import dequantize, quantize
 
 # float32 accumulation in another order, then one rounding to the output dtype
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float32: (2e-5, 2e-5)}

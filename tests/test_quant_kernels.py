@@ -15,8 +15,8 @@ import torch
 
 from webchat.engine.sampling import RowAsk, Sampler, sample_batch
 from webchat.engine.settings import SamplingSettings
+from webchat.gguf.blocks import QTYPES, dequantize, quantize
 from webchat.kernels.cpu import build as qkernels
-from webchat.model.quant import QTYPES, dequantize, quantize
 
 # (M activation rows, N output rows, K) — K is always whole blocks of 32
 SHAPES = [(1, 1, 32), (1, 192, 576), (3, 7, 96), (5, 33, 160), (4, 16, 64), (9, 40, 1536), (70, 17, 64),

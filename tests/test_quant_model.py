@@ -16,15 +16,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_fidelity import PROMPTS as FIDELITY  # tests/ is on sys.path under pytest
 
-from webchat.convert import QUANT_FILE, QUANT_KEY
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.verify_cost import VerifyCost
-from webchat.folder_check import check_recorded_files
+from webchat.files.folder_check import check_recorded_files
+from webchat.gguf.blocks import dequantize, quantize
+from webchat.gguf.convert import QUANT_FILE, QUANT_KEY
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build as qkernels
-from webchat.model.loader import load_model, weights_name
-from webchat.model.quant import QLinear, dequantize, quantize
+from webchat.model.loader import weights_name
+from webchat.model.quant import QLinear
 from webchat.model.transformer import Transformer
 from webchat.text.tokenizer import Tokenizer
 
@@ -205,7 +207,7 @@ def test_real_quantized_greedy_identical_in_every_speculative_mode(real: tuple[A
 @pytest.mark.real_model
 def test_pull_adds_the_quantized_file_to_an_older_folder(real_model_dir: Path, tmp_path: Path) -> None:
     from webchat import pull
-    from webchat.paths import default_gguf_path, default_model_dir
+    from webchat.files.home import default_gguf_path, default_model_dir
 
     home = tmp_path / "home"
     old = default_model_dir(home)
@@ -224,7 +226,7 @@ def test_pull_adds_the_quantized_file_to_an_older_folder(real_model_dir: Path, t
 def test_a_default_folder_that_no_longer_matches_its_record_is_converted_again(real_model_dir: Path,
                                                                                tmp_path: Path) -> None:
     from webchat import pull
-    from webchat.paths import default_gguf_path, default_model_dir
+    from webchat.files.home import default_gguf_path, default_model_dir
 
     home = tmp_path / "home"
     folder = default_model_dir(home)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.model.loader import load_model
+from webchat.kernels.backend import load_model
 from webchat.text.reasoning import Markers, PartSplitter, Reasoning
 from webchat.text.tokenizer import Tokenizer
 

@@ -16,7 +16,7 @@ from live_child import Child, serve  # tests/ is on sys.path under pytest
 from test_grammar_bounds import defs_chain, lark_chain, nested
 from websockets.sync.client import connect
 
-from webchat.tiny import make_tiny_model
+from bench.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 HI = [{"role": "user", "content": "Hi"}]

@@ -19,7 +19,7 @@ from gguf_bombs import array_bomb, many_strings  # tests/ is on sys.path under p
 from live_child import health_latencies, run_watched, serve
 from websockets.sync.client import connect
 
-from webchat.tiny import make_tiny_model
+from bench.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 HI = [{"role": "user", "content": "Hi"}]

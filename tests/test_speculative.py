@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from bench.tiny import make_tiny_model
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.speculative import DraftVocabError, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
 from webchat.engine.verify_cost import VerifyCost
-from webchat.model.loader import load_model
+from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
-from webchat.tiny import make_tiny_model
 
 GREEDY = SamplingSettings(temperature=0.0)
 TOP3 = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)

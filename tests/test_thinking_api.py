@@ -20,11 +20,11 @@ import pytest
 from live_server import Live, serve  # tests/ is on sys.path under pytest
 from websockets.sync.client import connect as sync_connect
 
+from bench.tiny import make_tiny_qwen3
 from webchat.serve.config import ServerConfig
 from webchat.serve.runtime import Runtime, load_runtime
 from webchat.serve.thinking import encode_tail
 from webchat.text.detok import decode_all
-from webchat.tiny import make_tiny_qwen3
 
 pytestmark = pytest.mark.timeout(300)
 QWEN3 = (Path(__file__).parent / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
@@ -266,7 +266,7 @@ def test_the_websocket_carries_each_tokens_part_and_a_branch_inside_thinking_goe
 
 
 def test_the_reasoning_budget_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    from webchat.serve.main import add_arguments, config_from_args
+    from webchat.cli.serve import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from bench.tiny import make_tiny_model, make_tiny_qwen3
 from webchat.serve.thinking import Ask, encode_chat, reasoning_for, wire
 from webchat.text.reasoning import Markers
 from webchat.text.thinking import check_kwargs, generation_prompt, split_text, thinking_format
 from webchat.text.tokenizer import Tokenizer
-from webchat.tiny import make_tiny_model, make_tiny_qwen3
 
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is not installed")
 

@@ -5,7 +5,7 @@ can hold start-up.
     scan(default, dir) = {name: Card}: the default first, then each entry of dir, described by DESCRIBE_THREADS daemon
                          threads; an entry not described within DESCRIBE_TIMEOUT_S, or that cannot be, is left out
                          with one log line naming the file and what was wrong
-A .gguf is described by webchat.gguf_header (every count checked against the bytes left, caps on the header's size,
+A .gguf is described by webchat.gguf.header (every count checked against the bytes left, caps on the header's size,
 strings and time); a folder from its config.json (at most CONFIG_BYTES) and its safetensors headers (at most
 SAFETENSORS_HEADER_BYTES, safetensors' own limit).
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from webchat.gguf_header import os_words, read_header
-from webchat.gguf_path import model_name
+from webchat.files.gguf_cache import model_name
+from webchat.gguf.header import os_words, read_header
 
 log = logging.getLogger("webchat.serve.models")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from webchat.engine.speculative import MODES
-from webchat.gguf_path import model_name
+from webchat.files.gguf_cache import model_name
 from webchat.grammar.compiler import NICE, lower_priority
 from webchat.serve import protocol as p
 from webchat.serve import thinking
@@ -116,8 +116,9 @@ class Runtime:
 
 def load_runtime(config: ServerConfig) -> Runtime:
     """Load the model (and draft) once onto the configured device."""
-    from webchat.folder_check import check_model_folder
-    from webchat.model.loader import load_model, resolve_device, resolve_dtype, weights_name
+    from webchat.files.folder_check import check_model_folder
+    from webchat.kernels.backend import load_model
+    from webchat.model.loader import resolve_device, resolve_dtype, weights_name
     from webchat.text.tokenizer import Tokenizer
 
     device = resolve_device(config.device)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from webchat.paths import webchat_home
+from webchat.files.home import webchat_home
 
 if TYPE_CHECKING:
     import torch

@@ -20,10 +20,11 @@ from typing import cast
 import torch
 from torch import nn
 
+from webchat.gguf.blocks import K_QTYPES, QTYPES
 from webchat.kernels.cpu.build import QKernels
 from webchat.model.batch import Batch
 from webchat.model.config import BEYOND_LLAMA, ModelArgs
-from webchat.model.quant import K_QTYPES, QTYPES, QEmbedding, QLinear
+from webchat.model.quant import QEmbedding, QLinear
 from webchat.model.transformer import Block, PagedKV, Transformer
 
 log = logging.getLogger("webchat.kernels.cpu.step")

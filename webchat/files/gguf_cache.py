@@ -1,6 +1,6 @@
 """A `.gguf` given as --model: converted once into $WEBCHAT_HOME/gguf-models/<stem>-<key>/, key from the file's hash.
 
-The folder is what webchat.convert writes (float32 model.safetensors, the Q4_0/Q4_1/Q8_0 blocks as they are in
+The folder is what webchat.gguf.convert writes (float32 model.safetensors, the Q4_0/Q4_1/Q8_0 blocks as they are in
 quantized.safetensors, every other type dequantized once), built under a temporary name and renamed into place, so a
 folder that exists is complete. The hash of a file is remembered by (path, size, mtime) in index.json beside the
 folders, so a second start reads no weights until the model loads.
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from webchat.convert import convert_gguf
-from webchat.gguf_header import keep_none, read_header
-from webchat.paths import webchat_home
+from webchat.files.home import webchat_home
+from webchat.gguf.convert import convert_gguf
+from webchat.gguf.header import keep_none, read_header
 
 KEY_HEX = 16  # hex digits of the SHA-256 that name a cache folder
 CHUNK = 8 << 20

@@ -70,10 +70,11 @@ def reply(gen: Generator, request: GenerationRequest, out: TextIO) -> tuple[str,
 
 
 def main(args: argparse.Namespace) -> int:
-    from webchat.folder_check import check_model_folder
-    from webchat.gguf_path import model_folder
-    from webchat.model.loader import load_model, resolve_device, resolve_dtype
-    from webchat.pull import ensure_default_model
+    from webchat.files.folder_check import check_model_folder
+    from webchat.files.gguf_cache import model_folder
+    from webchat.files.pull import ensure_default_model
+    from webchat.kernels.backend import load_model
+    from webchat.model.loader import resolve_device, resolve_dtype
     from webchat.text.tokenizer import Tokenizer
 
     try:

