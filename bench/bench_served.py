@@ -354,10 +354,13 @@ def exact_available(args: argparse.Namespace) -> bool:
 def convert_first(gguf: Path, src: Path) -> None:
     """The file converted into webchat's cache (once, kept) before any round: a server that converted it at start
     would count the converter's memory in its peak RSS (the 3B file's first int8 round: 4.7 GB against 3.0). A
-    checkout without webchat.files.gguf_cache (before GGUF files were served) is left to convert at start."""
-    if not (src / "webchat" / "gguf_path.py").exists():
+    checkout without a GGUF cache (before GGUF files were served) is left to convert at start; one from before the
+    package's folders (webchat/gguf_path.py) is asked in its own layout."""
+    layouts = {"webchat.files.gguf_cache": "files/gguf_cache.py", "webchat.gguf_path": "gguf_path.py"}
+    module = next((m for m, f in layouts.items() if (src / "webchat" / f).exists()), None)
+    if module is None:
         return
-    code = "import sys, pathlib, webchat.files.gguf_cache as g; g.model_folder(pathlib.Path(sys.argv[1]))"
+    code = f"import sys, pathlib, {module} as g; g.model_folder(pathlib.Path(sys.argv[1]))"
     env = dict(os.environ, PYTHONPATH=str(src))
     subprocess.run([sys.executable, "-c", code, str(gguf)], check=True, cwd=src, env=env)
 
