@@ -11,26 +11,26 @@ from typing import Any
 import pytest
 import torch
 
-from webchat.engine.adaptive import (
+from webchat.engine.engine import Engine
+from webchat.engine.generator import Generator
+from webchat.engine.sequence import GenerationRequest
+from webchat.engine.settings import SamplingSettings
+from webchat.engine.spec.offers import SeqDrafter
+from webchat.engine.spec.planner import AutoSpec
+from webchat.engine.spec.rates import (
     MAX_AUTO_DRAFT,
     PAYOFF_RANGE,
     PROBE_MAX,
     PROBE_MIN,
     RESUME_WITHIN,
     SEQ_DECAY,
-    AutoSpec,
     Proposal,
-    SeqDrafter,
     bucket,
     ends_break,
 )
-from webchat.engine.engine import Engine
-from webchat.engine.generator import Generator
-from webchat.engine.sequence import GenerationRequest
-from webchat.engine.settings import SamplingSettings
-from webchat.engine.suffix import MAX_MATCH, MAX_OCCURRENCES, MIN_SHARE, SPEC_OFFSET, SuffixIndex, follow
-from webchat.engine.suffix import Path as SuffixPath
-from webchat.engine.verify_cost import Cycles, VerifyCost, lowered, measure
+from webchat.engine.spec.suffix import MAX_MATCH, MAX_OCCURRENCES, MIN_SHARE, SPEC_OFFSET, SuffixIndex, follow
+from webchat.engine.spec.suffix import Path as SuffixPath
+from webchat.engine.spec.verify_cost import Cycles, VerifyCost, lowered, measure
 from webchat.kernels.backend import load_model
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool, PoolExhausted
@@ -132,7 +132,7 @@ def test_a_cpu_models_engine_plans_on_the_cpp_index(tiny_model_dir: Path, kernel
     g.begin_stream(GenerationRequest(prompt_ids=list(range(100, 140)) * 2, settings=GREEDY, max_new_tokens=8,
                                      speculative="auto"))
     seq = g._seq
-    assert seq is not None and isinstance(seq.drafter, SeqDrafter) and isinstance(seq.drafter.own, kernels.SuffixIndex)
+    assert seq is not None and isinstance(seq.offers, SeqDrafter) and isinstance(seq.offers.own, kernels.SuffixIndex)
     while not g.stream().eos:
         pass
     assert not isinstance(AutoSpec().shared, kernels.SuffixIndex)  # no backend's class: the Python one

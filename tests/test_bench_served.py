@@ -20,8 +20,8 @@ from bench.fidelity_llama_cpp import Agreement, wide_row
 from bench.served_files import matrix_bytes, precision_of
 from bench.served_prompts import ASKS, SETS, SUBJECTS, open_chat
 from bench.served_speculation import FILL_AT, Section, ceiling, fill, report
-from webchat.engine.adaptive import MAX_AUTO_DRAFT
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.rates import MAX_AUTO_DRAFT
+from webchat.engine.spec.verify_cost import VerifyCost
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "bench_standin.py"

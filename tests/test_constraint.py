@@ -15,7 +15,7 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.verify_cost import VerifyCost
 from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.verify_cost import VerifyCost
 from webchat.kernels.backend import load_model
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import KVPool, SeqCache

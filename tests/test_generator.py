@@ -19,7 +19,7 @@ from webchat.cli.chat import loop as chat_loop
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.verify_cost import VerifyCost
 from webchat.kernels.backend import load_model
 from webchat.model.batch import Batch
 from webchat.model.kv_cache import KVPool

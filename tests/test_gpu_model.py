@@ -18,7 +18,7 @@ from test_kernels import ScalarReads
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.verify_cost import VerifyCost
 from webchat.kernels.backend import load_model
 from webchat.kernels.cuda.graphs import (
     GraphRunner,

@@ -16,7 +16,7 @@ from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.verify_cost import VerifyCost
 from webchat.grammar import build as g
 from webchat.grammar import matcher as gm
 from webchat.grammar.bounds import GrammarError

@@ -131,6 +131,20 @@ def test_every_import_goes_down_the_layer_order() -> None:
     assert against_the_order(graph()) == []
 
 
+def test_the_engine_asks_its_parts_and_never_checks_their_types() -> None:
+    """The engine composes a Scheduler and a Speculation and asks each sequence's drafter, offers and thinking: no
+    isinstance on a drafter (or any other engine part) in webchat/engine/engine.py."""
+    parts = {*(PACKAGE / "engine" / "spec").glob("*.py"), PACKAGE / "engine" / "scheduler.py",
+             PACKAGE / "engine" / "thinking.py"}
+    names = {n.name for f in parts for n in ast.parse(f.read_text()).body if isinstance(n, ast.ClassDef)}
+    assert {"SelfDrafter", "SeqDrafter", "Scheduler"} <= names
+    tree = ast.parse((PACKAGE / "engine" / "engine.py").read_text())
+    checks = [ast.unparse(n) for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "isinstance"
+              and any(isinstance(a, ast.Name) and a.id in names for a in ast.walk(n.args[1]))]
+    assert checks == [], checks
+
+
 def test_the_order_check_finds_an_arrow_back_up() -> None:
     assert against_the_order({"webchat.model.loader": {"webchat.kernels.cpu.build", "webchat.gguf.blocks"},
                               "webchat.gguf.blocks": set()}) == ["webchat.model.loader -> webchat.kernels.cpu.build"]

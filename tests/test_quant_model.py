@@ -19,7 +19,7 @@ from test_fidelity import PROMPTS as FIDELITY  # tests/ is on sys.path under pyt
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.verify_cost import VerifyCost
 from webchat.files.folder_check import check_recorded_files
 from webchat.gguf.blocks import dequantize, quantize
 from webchat.gguf.convert import QUANT_FILE, QUANT_KEY

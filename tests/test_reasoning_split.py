@@ -1,4 +1,4 @@
-"""Thinking apart from the answer (webchat.text.reasoning and the engine's use of it): the split does not depend on
+"""Thinking apart from the answer (webchat.text.thinking_split and the engine's use of it): the split does not depend on
 how the text is cut into tokens or chunks, a reply that starts inside thinking or is cut inside it stays thinking,
 and a reasoning budget forces the closing marker after that many thinking tokens."""
 
@@ -15,7 +15,7 @@ from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
 from webchat.kernels.backend import load_model
-from webchat.text.reasoning import Markers, PartSplitter, Reasoning
+from webchat.text.thinking_split import Markers, PartSplitter, Thinking
 from webchat.text.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0.0)
@@ -102,10 +102,10 @@ def run(model: Any, tok: Tokenizer, req: GenerationRequest) -> list[Any]:
 def test_a_reasoning_budget_closes_thinking_after_that_many_tokens(tiny: tuple[Any, Tokenizer], budget: int) -> None:
     model, tok = tiny
     close = tok.encode("</think>")
-    r = Reasoning(inside=True, budget=budget, close=tuple(close))
+    r = Thinking(inside=True, budget=budget, close=tuple(close))
     tokens = run(model, tok, GenerationRequest(prompt_ids=tok.encode("Question?"), settings=GREEDY,
                                                max_new_tokens=budget + len(close) + 6, stop_token_ids=[],
-                                               reasoning=r, return_probs=True))
+                                               thinking=r, return_probs=True))
     ids = [t.id for t in tokens]
     assert ids[budget : budget + len(close)] == close  # forced right after the budget
     parts = [t.part for t in tokens]
@@ -114,10 +114,10 @@ def test_a_reasoning_budget_closes_thinking_after_that_many_tokens(tiny: tuple[A
     assert all(t.prob is not None for t in tokens)  # forced tokens keep the model's probability
     unbounded = run(model, tok, GenerationRequest(prompt_ids=tok.encode("Question?"), settings=GREEDY,
                                                   max_new_tokens=12, stop_token_ids=[],
-                                                  reasoning=Reasoning(inside=True)))
+                                                  thinking=Thinking(inside=True)))
     assert {t.part for t in unbounded} == {"thinking"}  # never closed by itself: thinking to the end
 
 
 def test_a_budget_needs_its_closing_tokens() -> None:
     with pytest.raises(ValueError, match="reasoning budget"):
-        Reasoning(budget=3)
+        Thinking(budget=3)

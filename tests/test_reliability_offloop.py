@@ -22,7 +22,7 @@ from webchat.serve.catalog import scan
 from webchat.serve.config import ServerConfig
 from webchat.serve.openai import routes
 from webchat.serve.runtime import Runtime, load_runtime
-from webchat.text.reasoning import Markers, PartSplitter
+from webchat.text.thinking_split import Markers, PartSplitter
 from webchat.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(300)

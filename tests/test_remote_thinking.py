@@ -1,4 +1,4 @@
-"""A remote engine's thinking in the same fold (webchat.serve.remote.reasoning): the upstream's reasoning_content /
+"""A remote engine's thinking in the same fold (webchat.serve.remote.thinking): the upstream's reasoning_content /
 reasoning mapped to token parts, markers out of the text; the kwargs and budget sent in each engine's fields; a
 branch continued as text from inside thinking split here. The chunks are written from the engines' documented
 shapes (vLLM's DeltaMessage.reasoning, llama-server's reasoning_content), not recorded; the last test runs a real
@@ -18,7 +18,7 @@ from test_thinking_api import ASK, forced, live, qwen3, qwen3_config, whole  # n
 
 from webchat.engine import events as ev
 from webchat.serve.remote.parse import StreamParser
-from webchat.serve.remote.reasoning import text_split, thinking_fields
+from webchat.serve.remote.thinking import text_split, thinking_fields
 from webchat.serve.runtime import Runtime
 from webchat.serve.thinking import Ask
 

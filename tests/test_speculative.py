@@ -16,8 +16,8 @@ from bench.tiny import make_tiny_model
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest, StreamResult
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.speculative import DraftVocabError, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.drafters import DraftVocabError, ModelDrafter, NgramDrafter, SelfDrafter, check_vocab
+from webchat.engine.spec.verify_cost import VerifyCost
 from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 

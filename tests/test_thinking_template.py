@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from bench.tiny import make_tiny_model, make_tiny_qwen3
-from webchat.serve.thinking import Ask, encode_chat, reasoning_for, wire
-from webchat.text.reasoning import Markers
+from webchat.serve.thinking import Ask, encode_chat, thinking_for, wire
 from webchat.text.thinking import check_kwargs, generation_prompt, split_text, thinking_format
+from webchat.text.thinking_split import Markers
 from webchat.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is not installed")
@@ -92,23 +92,23 @@ def test_markers_variables_and_closing_text_come_from_the_template(qwen3: Tokeni
 
 def test_each_reply_gets_the_split_its_prompt_needs(qwen3: Tokenizer, tiny_model_dir: Path, tmp_path: Path) -> None:
     question = [{"role": "user", "content": "Hi"}]
-    r = reasoning_for(qwen3, question, False, Ask())
+    r = thinking_for(qwen3, question, False, Ask())
     assert r is not None and not r.inside  # Qwen3 opens thinking itself: the split waits for its <think>
-    assert reasoning_for(qwen3, question, False, Ask(kwargs={"enable_thinking": False})) is None  # closed already
+    assert thinking_for(qwen3, question, False, Ask(kwargs={"enable_thinking": False})) is None  # closed already
     r1 = with_template(make_tiny_model(tmp_path / "r1"), DEEPSEEK_R1)
     assert generation_prompt(r1).endswith("<｜Assistant｜><think>\n")
-    r = reasoning_for(r1, question, False, Ask())
+    r = thinking_for(r1, question, False, Ask())
     assert r is not None and r.inside  # the generation prompt opened thinking: the reply starts inside it
     chatml = Tokenizer.from_dir(tiny_model_dir)
-    assert reasoning_for(chatml, question, False, Ask()) is None  # a model that does not think: no split
+    assert thinking_for(chatml, question, False, Ask()) is None  # a model that does not think: no split
     opened = [*question, {"role": "assistant", "content": "<think>\nhmm"}]
-    r = reasoning_for(chatml, opened, True, Ask(budget=4, message="Done."))
+    r = thinking_for(chatml, opened, True, Ask(budget=4, message="Done."))
     assert r is not None and r.inside and r.budget == 4  # any model, continued from inside <think>
     assert chatml.decode(list(r.close)) == "Done.\n</think>\n\n"  # llama-server's message, then the closing
     closed = [*question, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nYes"}]
-    assert reasoning_for(chatml, closed, True, Ask()) is None
-    assert reasoning_for(qwen3, question, False, Ask(split=False)) is None  # reasoning_format none
-    assert reasoning_for(qwen3, question, False, Ask(split=False, budget=2)) is not None  # its budget still counts
+    assert thinking_for(chatml, closed, True, Ask()) is None
+    assert thinking_for(qwen3, question, False, Ask(split=False)) is None  # reasoning_format none
+    assert thinking_for(qwen3, question, False, Ask(split=False, budget=2)) is not None  # its budget still counts
 
 
 def test_a_continued_reply_inside_thinking_is_the_generation_prompt_and_its_text(qwen3: Tokenizer) -> None:

@@ -15,7 +15,7 @@ from webchat.engine.events import Stats
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings, SettingsError
-from webchat.engine.speculative import MODES
+from webchat.engine.spec.drafters import MODES
 from webchat.model.weights import add_precision_argument, precision_of
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
-from webchat.engine.speculative import MODES
+from webchat.engine.spec.drafters import MODES
 from webchat.model.weights import add_weight_arguments
 from webchat.serve.app import create_app
 from webchat.serve.config import LOOPBACK_NAMES, ServerConfig, is_loopback

@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         # logits, or None to run eagerly; sampler_factory(settings, vocab_size) -> a webchat.engine.sampling.Sampler
         # subclass that runs where the logits live (None: the engine's own torch Sampler); row_scan: the C++ scans of
         # CPU logits rows (webchat.engine.sampling.RowScan, by webchat.model.loader where the kernels are built);
-        # suffix_index: the C++ class of the auto planner's suffix index (webchat.engine.suffix.new_index), likewise
+        # suffix_index: the C++ class of the auto planner's suffix index (engine.spec.suffix.new_index), likewise
         self.runner: Runner | None = None
         self.sampler_factory: Callable[..., object] | None = None
         self.row_scan: Any = None

@@ -254,7 +254,7 @@ class Connection:
             history = [m.model_dump() for m in msg.messages]
             fitted = await encode_text_work(fit_history, encode, history, budget, chars=text_chars(history))
             # its generation prompt under these template variables is rendered once (cached): a template's work too
-            reasoning = await encode_text_work(thinking.reasoning_for, rt.tokenizer, history, msg.continue_, ask,
+            reasoning = await encode_text_work(thinking.thinking_for, rt.tokenizer, history, msg.continue_, ask,
                                                chars=text_chars(history))
         except (jinja2.TemplateError, ContentRewritten) as exc:
             field = "continue" if msg.continue_ and isinstance(exc, ContentRewritten) else "messages"
@@ -270,7 +270,7 @@ class Connection:
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=msg.max_new_tokens,
                                     stop_strings=list(msg.stop), stop_token_ids=None,
                                     return_probs=msg.alternatives > 0, top_alts=msg.alternatives,
-                                    return_logits=False, speculative=mode, reasoning=reasoning,
+                                    return_logits=False, speculative=mode, thinking=reasoning,
                                     constraint=await format_constraint(msg, rt))
         return request, len(ids), fitted.dropped
 

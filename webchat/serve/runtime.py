@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from webchat.engine.speculative import MODES
+from webchat.engine.spec.drafters import MODES
 from webchat.files.gguf_cache import model_name
 from webchat.grammar.compiler import NICE, lower_priority
 from webchat.serve import protocol as p

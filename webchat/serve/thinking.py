@@ -1,8 +1,8 @@
 """A request's thinking, for both front ends: the chat encoded with its template variables and each assistant's
-thinking where the template reads it, and the `Reasoning` that splits (and bounds) the reply.
+thinking where the template reads it, and the `Thinking` that splits (and bounds) the reply.
 
     ids = encode_chat(tok, messages, continue_final, prefix_ids, kwargs)
-    reasoning = reasoning_for(tok, messages, continue_final, Ask(kwargs, budget, message))   # None: no split
+    reasoning = thinking_for(tok, messages, continue_final, Ask(kwargs, budget, message))   # None: no split
 
 A reply is split where the model thinks: its template writes the end marker, its vocabulary holds the markers, or
 the prompt leaves thinking open (a template whose generation prompt ends with `<think>`, a continued `<think>…`).
@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from webchat.text.reasoning import Reasoning
 from webchat.text.thinking import (
     ThinkingFormat,
     check_kwargs,
@@ -26,12 +25,13 @@ from webchat.text.thinking import (
     opens,
     thinking_format,
 )
+from webchat.text.thinking_split import Thinking
 
 if TYPE_CHECKING:
     from webchat.text.tokenizer import Tokenizer
 
 MAX_BUDGET = 1 << 24
-__all__ = ["Ask", "budget_value", "check_kwargs", "encode_chat", "encode_tail", "reasoning_for", "thinks", "wire"]
+__all__ = ["Ask", "budget_value", "check_kwargs", "encode_chat", "encode_tail", "thinking_for", "thinks", "wire"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def thinks(tok: Tokenizer, fmt: ThinkingFormat) -> bool:
     return fmt.writes_markers or all(len(encode_tail(tok, m)) == 1 for m in (fmt.markers.start, fmt.markers.end))
 
 
-def reasoning_for(tok: Tokenizer, messages: list[dict[str, Any]], continue_final: bool, ask: Ask) -> Reasoning | None:
+def thinking_for(tok: Tokenizer, messages: list[dict[str, Any]], continue_final: bool, ask: Ask) -> Thinking | None:
     """How the reply is split and bounded; None where it is not split (a model that does not think, a prompt that
     closed thinking, reasoning_format none without a budget)."""
     fmt = thinking_format(tok)
@@ -100,7 +100,7 @@ def reasoning_for(tok: Tokenizer, messages: list[dict[str, Any]], continue_final
     if closed or not (inside or thinks(tok, fmt)) or (not ask.split and ask.budget is None):
         return None
     close = tuple(encode_tail(tok, ask.message + fmt.close_text)) if ask.budget is not None else ()
-    return Reasoning(markers=fmt.markers, inside=inside, budget=ask.budget, close=close)
+    return Thinking(markers=fmt.markers, inside=inside, budget=ask.budget, close=close)
 
 
 def wire(tok: Tokenizer) -> dict[str, Any] | None:

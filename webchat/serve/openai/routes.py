@@ -147,7 +147,7 @@ class OpenAIApi:
                 self._tokenize_chat, rt, messages, req.add_generation_prompt is not False, cont, ask.kwargs,
                 template_tools, chars=text_chars(messages, template_tools or (plan.tools if plan else None)))
             reasoning = None if rt.tokenizer is None else await encode_text_work(
-                thinking.reasoning_for, rt.tokenizer, messages, cont, ask, chars=text_chars(messages))
+                thinking.thinking_for, rt.tokenizer, messages, cont, ask, chars=text_chars(messages))
         except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
             raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
                            "invalid_messages", "messages") from None
@@ -159,7 +159,7 @@ class OpenAIApi:
                       tools=ToolCalls(tools, plan is not None and plan.required) if tools is not None else None,
                       raw=not ask.split)
         gen = self._generation(rt, req, ids, req.limit(), reply, "messages")
-        gen.reasoning = reasoning
+        gen.thinking = reasoning
         kept = str(messages[-1].get("content") or "") if cont else ""  # a continued reply goes on under the format
         gen.constraint = await self._constraint(rt, grammar, "tools" if plan is not None else _format_field(req), kept)
         return await self._run(request, gen, reply, bool(req.stream), messages, cont, self._job_model(request, rt),

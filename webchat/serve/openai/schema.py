@@ -18,8 +18,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
-from webchat.serve.openai.reasoning import FORMATS
 from webchat.serve.openai.structured import ResponseFormat, StructuredOutputs
+from webchat.serve.openai.thinking import FORMATS
 from webchat.serve.openai.tools import Tool, ToolCall, ToolChoice
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import Ask, budget_value, check_kwargs
@@ -240,7 +240,7 @@ class ChatRequest(_Request):
     def _tool_choice(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         return _union(v, handler, "'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
-    # thinking (serve/openai/reasoning.py): template variables (vLLM's, SGLang's, llama-server's name), llama-server's
+    # thinking (serve/openai/thinking.py): template variables (vLLM's, SGLang's, llama-server's name), llama-server's
     # reasoning_format and reasoning budget; vLLM's name for the budget
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
     reasoning_format: str | None = None

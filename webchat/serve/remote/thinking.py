@@ -4,7 +4,7 @@
         → the first tokens, as long as `text` of thinking, are "thinking"; the rest "answer"     (vLLM, llama-server)
     logprobs {"reasoning_content": [...], "content": [...]}    → by list                       (webchat)
 A token that is only a marker (`<think>`, vLLM and llama-server send it in logprobs though not in the text) keeps
-its text as `raw` and shows nothing, as do whitespace tokens just after a marker, as webchat.text.reasoning does.
+its text as `raw` and shows nothing, as do whitespace tokens just after a marker, as webchat.text.thinking_split does.
 Where the upstream sends no logprobs, the thinking and the answer come as a token each, with nothing known of them.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from webchat.engine import events as ev
-from webchat.text.reasoning import Markers, Part, PartSplitter
 from webchat.text.thinking import KNOWN_MARKERS, opens
+from webchat.text.thinking_split import Markers, Part, PartSplitter
 
 if TYPE_CHECKING:
     from webchat.serve.thinking import Ask
@@ -80,7 +80,7 @@ class ThinkingLabels:
 
 class TextSplit:
     """A continuation the upstream sends as plain text (a branch given as token ids, continued by /v1/completions)
-    from inside thinking: split here as the local engine splits it (webchat.text.reasoning)."""
+    from inside thinking: split here as the local engine splits it (webchat.text.thinking_split)."""
 
     def __init__(self, markers: Markers, inside: bool) -> None:
         self.splitter: PartSplitter[ev.TokenInfo] = PartSplitter(markers, inside)

@@ -36,7 +36,7 @@ class Markers:
 
 
 @dataclass(frozen=True)
-class Reasoning:
+class Thinking:
     """How a request's reply is split into thinking and answer, and how long its thinking may run.
 
     inside: the prompt already opened thinking. budget: thinking tokens after which `close` is forced (llama-server's

@@ -13,7 +13,7 @@ import torch
 
 from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelArgs
-from webchat.model.kv_cache import KVPool, SeqCache
+from webchat.model.kv_cache import KVPool, PageTable, PoolExhausted, SeqCache
 
 MODES = ("auto", "none", "self", "ngram", "draft")  # in the order the page and the CLIs list them
 
@@ -22,9 +22,19 @@ class DraftVocabError(ValueError):
     """The draft model does not share the main model's vocabulary."""
 
 
+class Drafting(Protocol):
+    """What a drafter reads of a sequence (webchat.engine.sequence.Sequence)."""
+
+    tokens: list[int]  # prompt + reply so far; the last one pending (sampled, not yet fed)
+    n_cached: int  # tokens whose k/v are in `table`
+    table: PageTable
+
+
 class Drafter(Protocol):
-    def draft(self, context: list[int], k: int) -> list[int]:
-        """Up to k token ids likely to follow context (prompt + reply so far)."""
+    """Drafts for the fixed modes (self, ngram, draft): the engine asks for them, never which drafter it has."""
+
+    def propose(self, seq: Drafting, k: int) -> list[int]:
+        """Up to k token ids likely to follow seq.tokens."""
         ...
 
 
@@ -59,6 +69,7 @@ class DraftModel(Protocol):
 
     def __call__(self, batch: Batch, kv: KVPool) -> torch.Tensor: ...
     def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool: ...
+    def ensure_rope(self, n_positions: int) -> None: ...
     def truncated(self, n_layers: int) -> DraftModel: ...
 
 
@@ -77,6 +88,9 @@ class ModelDrafter:
         todo = context[n:-1]
         for i in range(0, len(todo), self.chunk):
             self.cache.feed(self.model, todo[i : i + self.chunk])
+
+    def propose(self, seq: Drafting, k: int) -> list[int]:
+        return self.draft(seq.tokens, k)[:k]
 
     def draft(self, context: list[int], k: int) -> list[int]:
         k = min(k, self.cache.capacity - len(context))
@@ -97,15 +111,21 @@ class SelfDrafter:
 
     The first n layers compute the same k/v for the same tokens, so the context never needs a second prefill: the
     draft writes only at positions >= n_cached (pages the sequence holds alone), which the verifying forward then
-    overwrites. The engine calls draft_at() with the sequence's page table.
+    overwrites.
     """
 
     def __init__(self, model: DraftModel, n_layers: int, pool: KVPool) -> None:
         self.model = model.truncated(n_layers)
         self.pool = pool
 
-    def draft(self, context: list[int], k: int) -> list[int]:
-        raise TypeError("SelfDrafter drafts on a sequence's pages: the engine calls draft_at()")
+    def propose(self, seq: Drafting, k: int) -> list[int]:
+        """Drafts on the sequence's own pages (none where the pool has no room for them: drafts change speed, never
+        output)."""
+        try:
+            seq.table.ensure(seq.n_cached + k + 1)
+        except PoolExhausted:
+            return []
+        return self.draft_at(seq.tokens, k, seq.table.pages, seq.n_cached)[:k]
 
     def draft_at(self, context: list[int], k: int, pages: list[int], n_cached: int) -> list[int]:
         """Up to k drafts after context, whose first n_cached tokens are in `pages` (enough for len(context) + k)."""
@@ -141,6 +161,9 @@ class NgramDrafter:
                 if j - n >= 0:
                     self.index[tuple(context[j - n : j])] = j
         self.ids = list(context)
+
+    def propose(self, seq: Drafting, k: int) -> list[int]:
+        return self.draft(seq.tokens, k)[:k]
 
     def draft(self, context: list[int], k: int) -> list[int]:
         if k <= 0 or not context:
