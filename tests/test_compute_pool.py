@@ -61,7 +61,7 @@ def test_a_short_prompt_is_encoded_on_the_event_loop_and_a_long_one_on_a_worker_
     the loop that serves every other connection."""
     import asyncio
 
-    from webchat.serve.runtime import INLINE_TEXT_CHARS, encode_text_work, text_chars
+    from webchat.serve.encode import INLINE_TEXT_CHARS, encode_text_work, text_chars
 
     def where(_text: str) -> int:
         return threading.get_ident()

@@ -75,10 +75,10 @@ def test_continue_final_ends_inside_the_last_message(tok: Tokenizer) -> None:
 def test_terminal_chat_uses_encode_chat(tok: Tokenizer) -> None:
     import inspect
 
-    import webchat.cli
     import webchat.cli.chat
+    import webchat.cli.complete
 
-    for module in (webchat.cli.chat, webchat.cli):
+    for module in (webchat.cli.chat, webchat.cli.complete):
         source = inspect.getsource(module)
         assert "encode_chat(" in source and "encode(tok.apply_chat_template" not in source, module.__name__
 
@@ -284,7 +284,7 @@ def test_a_bad_cached_gguf_is_fetched_again_and_a_failed_conversion_says_force(t
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import hashlib
 
-    from webchat import pull
+    from webchat.files import pull
 
     good = b"GGUF stand-in, the pinned bytes"
     monkeypatch.setattr(pull, "GGUF_SHA256", hashlib.sha256(good).hexdigest())
@@ -381,7 +381,7 @@ def test_a_truncated_safetensors_file_is_one_line_naming_it(tiny_model_dir: Path
 
 
 def test_complete_records_sizes_and_heads_and_a_changed_file_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from webchat import pull
+    from webchat.files import pull
 
     folder = copied_folder(tiny_model_dir, tmp_path)
     pull.write_marker(folder)
@@ -412,7 +412,7 @@ def test_a_full_disk_is_named_as_a_disk_error(tmp_path: Path, monkeypatch: pytes
     import errno
     import subprocess
 
-    from webchat import pull
+    from webchat.files import pull
 
     def full(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess([], 1, "ERROR: Could not install packages due to an OSError: [Errno 28] "

@@ -206,7 +206,7 @@ def test_real_quantized_greedy_identical_in_every_speculative_mode(real: tuple[A
 
 @pytest.mark.real_model
 def test_pull_adds_the_quantized_file_to_an_older_folder(real_model_dir: Path, tmp_path: Path) -> None:
-    from webchat import pull
+    from webchat.files import pull
     from webchat.files.home import default_gguf_path, default_model_dir
 
     home = tmp_path / "home"
@@ -225,7 +225,7 @@ def test_pull_adds_the_quantized_file_to_an_older_folder(real_model_dir: Path, t
 @pytest.mark.real_model
 def test_a_default_folder_that_no_longer_matches_its_record_is_converted_again(real_model_dir: Path,
                                                                                tmp_path: Path) -> None:
-    from webchat import pull
+    from webchat.files import pull
     from webchat.files.home import default_gguf_path, default_model_dir
 
     home = tmp_path / "home"

@@ -18,9 +18,9 @@ from live_server import Live, serve  # tests/ is on sys.path under pytest
 
 from webchat.engine.constraint import ConstraintError, empty_mask
 from webchat.grammar import build, matcher
+from webchat.serve import requests
 from webchat.serve.catalog import scan
 from webchat.serve.config import ServerConfig
-from webchat.serve.openai import routes
 from webchat.serve.runtime import Runtime, load_runtime
 from webchat.text.thinking_split import Markers, PartSplitter
 from webchat.text.tokenizer import Tokenizer
@@ -89,18 +89,18 @@ def test_tools_are_planned_and_templated_off_the_event_loop(live: Live, monkeypa
     """Row 9: 128 tools of 60 required parameters: their schemas are checked on a compiler thread and the prompt is
     rendered on an encode thread (the prompt is then too long for the context: a 400 saying so)."""
     where: dict[str, str] = {}
-    plan, render = routes.chat_tools, routes.OpenAIApi._tokenize_chat
+    plan, render = requests.chat_tools, requests.LocalPreparer._encode
 
     def planned(*args: Any) -> Any:
         where["plan"] = threading.current_thread().name
         return plan(*args)
 
-    def rendered(*args: Any) -> Any:
+    def rendered(self: requests.LocalPreparer, *args: Any, **kwargs: Any) -> Any:
         where["render"] = threading.current_thread().name
-        return render(*args)
+        return render(self, *args, **kwargs)
 
-    monkeypatch.setattr(routes, "chat_tools", planned)
-    monkeypatch.setattr(routes.OpenAIApi, "_tokenize_chat", staticmethod(rendered))
+    monkeypatch.setattr(requests, "chat_tools", planned)
+    monkeypatch.setattr(requests.LocalPreparer, "_encode", rendered)
     params = {"type": "object", "properties": {f"a{j}": {"type": "string"} for j in range(60)},
               "required": [f"a{j}" for j in range(60)]}
     tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": params}} for i in range(128)]

@@ -129,7 +129,7 @@ def test_stop_takes_effect_within_one_step(config: ServerConfig, runtime: Runtim
 def test_fast_tokens_reach_the_page_paced_and_whole(config: ServerConfig, runtime: Runtime) -> None:
     """However fast the model runs, a connection gets at most one chunk per CHUNK_INTERVAL (the rest merge into the
     next one), and every token arrives, in order: a page never falls behind a backlog of messages."""
-    from webchat.serve.app import CHUNK_INTERVAL
+    from webchat.serve.ws import CHUNK_INTERVAL
 
     with serve(config, runtime) as live, sync_connect(live.ws_url) as ws:
         assert json.loads(ws.recv(10))["type"] == "hello"

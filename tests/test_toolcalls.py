@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from webchat.grammar import matcher as gm
-from webchat.serve.openai.toolgrammar import tool_grammar
-from webchat.serve.openai.tools import ToolCalls, chat_tools
 from webchat.serve.rules import RuleError
+from webchat.serve.toolgrammar import tool_grammar
+from webchat.serve.tools import ToolCalls, Tools, chat_tools
 from webchat.text.tokenizer import Tokenizer, render_chat_template
 from webchat.text.toolformat import GENERIC, HERMES, LLAMA3, MISTRAL, ToolFormat, detect
 
@@ -111,7 +111,7 @@ def test_a_tool_conversation_renders_through_the_template(name: str) -> None:
                {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "content": '{"temp": 21, "sky": "clear"}', "tool_call_id": call_id}]
-    messages, tools, plan = chat_tools(history, [_tool(t) for t in TOOLS], None, None, template(name), lambda s: None)
+    messages, tools, plan = chat_tools(history, Tools([_tool(t) for t in TOOLS]), template(name), lambda s: None)
     assert plan is not None and plan.fmt is fmt and tools == TOOLS
     text = render_chat_template(template(name), messages, True, tools=tools, bos_token="<s>", eos_token="</s>")
     assert "get_weather" in text and "Paris" in text and "21" in text
@@ -124,7 +124,7 @@ def test_a_template_without_tools_gets_the_generic_prompt_and_history(tiny_model
                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                    "name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
                {"role": "tool", "content": "5", "tool_call_id": "call_1"}]
-    messages, tools, plan = chat_tools(history, [_tool(t) for t in TOOLS], "auto", None, tok.chat_template,
+    messages, tools, plan = chat_tools(history, Tools([_tool(t) for t in TOOLS], "auto"), tok.chat_template,
                                        tok.control_id)
     assert plan is not None and plan.fmt is GENERIC and tools is None
     text = tok.apply_chat_template(messages)
@@ -158,7 +158,7 @@ def test_the_grammar_accepts_the_formats_calls_and_refuses_others(tiny_model_dir
 
 def test_tool_choice_errors_name_the_field() -> None:
     tools = [_tool(t) for t in TOOLS]
-    from webchat.serve.openai.tools import NamedChoice, plan_tools
+    from webchat.serve.tools import NamedChoice, plan_tools
 
     with pytest.raises(RuleError, match="not one of the tools") as info:
         plan_tools(tools, NamedChoice.model_validate({"type": "function", "function": {"name": "nope"}}), None,
@@ -171,6 +171,6 @@ def test_tool_choice_errors_name_the_field() -> None:
 
 
 def _tool(t: dict[str, Any]) -> Any:
-    from webchat.serve.openai.tools import Tool
+    from webchat.serve.tools import Tool
 
     return Tool.model_validate(t if "type" in t else {"type": "function", "function": t})

@@ -3,22 +3,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import json
 from collections.abc import Awaitable, Callable
 from collections.abc import Generator as Steps
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from webchat.engine.spec.drafters import MODES
 from webchat.files.gguf_cache import model_name
-from webchat.grammar.compiler import NICE, lower_priority
 from webchat.serve import protocol as p
 from webchat.serve import thinking
 from webchat.serve.config import ServerConfig
-from webchat.text.template_budget import FULL, INLINE, Budget, InlineExhausted, budget
+from webchat.serve.requests import LocalPreparer, Preparer
 
 if TYPE_CHECKING:
     from webchat.engine.engine import Engine
@@ -29,42 +24,6 @@ if TYPE_CHECKING:
     from webchat.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
-
-INLINE_TEXT_CHARS = 4096  # a prompt this short is templated and tokenized on the event loop (well under 1 ms)
-ENCODE_THREADS = 2  # templating and tokenizing off the loop, at most this many at once (one per core)
-# below the device thread's priority: a long template's render takes the CPU the forward leaves (the streams keep pace)
-_ENCODE = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="webchat-encode", initializer=lower_priority,
-                             initargs=(NICE,))
-
-
-async def encode_text_work(fn: Callable[..., T], *args: object, chars: int) -> T:
-    """fn(*args), a prompt's templating and tokenizing over `chars` characters of text.
-
-    Short prompts run on the event loop, where a worker thread's two hand-offs cost more than the work (measured:
-    encode_chat 1.34 ms inline, 1.84 ms through a thread; docs/api.md), under the template's INLINE budget (10k
-    steps, 1M characters, 50 ms: a real template's short chat takes a few hundred steps); a template that needs more
-    is run again on a worker thread and never tried on the loop again. Long prompts go to a worker thread at once.
-    There each request's renders spend one FULL budget (500k steps, about a second at most), so no template holds a
-    thread or a core for long; ENCODE_THREADS such threads bound the memory that runaway renders can hold at once."""
-    if chars <= INLINE_TEXT_CHARS:
-        try:
-            with budget(INLINE):
-                return fn(*args)
-        except InlineExhausted:
-            pass
-    return await asyncio.get_running_loop().run_in_executor(_ENCODE, functools.partial(_spend, FULL, fn, *args))
-
-
-def _spend(spend: Budget, fn: Callable[..., T], *args: object) -> T:
-    with budget(spend):
-        return fn(*args)
-
-
-def text_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-    """What templating and tokenizing chat messages costs, in characters: their text, the template's markers counted
-    as 64 a message (many short messages are not cheap), and the tools the template writes out (as JSON)."""
-    return sum(64 + len(str(m.get("content") or "")) for m in messages) + (len(json.dumps(tools)) if tools else 0)
-
 
 @dataclass
 class Runtime:
@@ -81,6 +40,14 @@ class Runtime:
     engine: Engine | None = None  # one KV pool and one batched forward for every connection
     weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
     precision: str = "exact"  # webchat.model.precision: "exact" (float32 activations) or "int8"
+
+    @property
+    def prep(self) -> Preparer:
+        """The request path for this model (webchat.serve.requests): template, tokens, grammar, thinking."""
+        _, tokenizer, _ = self.local()
+        assert self.model is not None
+        return LocalPreparer(tokenizer, self.model.args.vocab_size, self.context_length, self.default_mode,
+                             self.modes)
 
     def local(self) -> tuple[Transformer, Tokenizer, Engine]:
         """The local model, its tokenizer and the engine; a remote runtime has none of them (RuntimeError)."""
@@ -210,6 +177,13 @@ class RemoteRuntime(Runtime):
 
     def new_generator(self) -> Generator:
         raise RuntimeError("a remote engine has no local generator")
+
+    @property
+    def prep(self) -> Preparer:
+        """The request path on the upstream (webchat.serve.remote.prepare): the chat sent as it is."""
+        from webchat.serve.remote.prepare import RemotePreparer
+
+        return RemotePreparer(lambda: self.remote().caps)
 
     def remote(self) -> RemoteEngine:
         if self.backend is None:

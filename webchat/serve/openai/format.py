@@ -22,7 +22,7 @@ from webchat.serve.openai import thinking as reasoning_api
 from webchat.serve.openai.scoring import echo_logprobs, logprob, vllm_prompt_logprobs
 
 if TYPE_CHECKING:
-    from webchat.serve.openai.tools import ToolCalls
+    from webchat.serve.tools import ToolCalls
     from webchat.text.tokenizer import Tokenizer
 
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_full": "length",

@@ -20,9 +20,9 @@ from pydantic_core import PydanticCustomError
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
 from webchat.serve.openai.structured import ResponseFormat, StructuredOutputs
 from webchat.serve.openai.thinking import FORMATS
-from webchat.serve.openai.tools import Tool, ToolCall, ToolChoice
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import Ask, budget_value, check_kwargs
+from webchat.serve.tools import Tool, ToolCall, ToolChoice
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 200

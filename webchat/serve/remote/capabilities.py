@@ -45,7 +45,7 @@ class Capabilities:
     # apply_template (the chat's prompt text from /apply-template, then the ids, one mixed prompt) | absent (as text)
     token_prompt: str = "unknown"
     prompt_logprobs: str = "unknown"  # returned (vLLM, webchat: the page can score texts) | absent | unknown
-    # structured output passed through (webchat.serve.openai.tools.upstream_fields): json_schema (it takes a JSON
+    # structured output passed through (webchat.serve.tools.upstream_fields): json_schema (it takes a JSON
     # schema's response_format) | json_object (only JSON mode) | absent; tools: accepted | absent
     response_format: str = "unknown"
     tools: str = "unknown"

@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from webchat.grammar.bounds import GrammarError
 from webchat.grammar.build import validate
-from webchat.serve.openai.toolgrammar import tool_grammar
 from webchat.serve.replyformat import schema_grammar
 from webchat.serve.rules import RuleError
+from webchat.serve.toolgrammar import tool_grammar
 from webchat.text.toolformat import ToolFormat, detect, for_template
 from webchat.text.toolparse import Delta, ToolCallParser
 
@@ -111,13 +111,22 @@ def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bo
     return ToolPlan(fmt, [{"type": "function", "function": f} for f in functions], grammar, required)
 
 
-def chat_tools(messages: list[dict[str, Any]], tools: list[Tool] | None, choice: ToolChoice | None,
-               parallel: bool | None, template: str | None, special: Callable[[str], int | None],
+@dataclass(frozen=True)
+class Tools:
+    """What a request asks of tools: the functions, the choice, whether calls may come several at once."""
+
+    tools: list[Tool] | None = None
+    choice: ToolChoice | None = None
+    parallel: bool | None = None
+
+
+def chat_tools(messages: list[dict[str, Any]], tools: Tools, template: str | None,
+               special: Callable[[str], int | None],
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolPlan | None]:  # fmt: skip
     """A chat with tools for a local model: its messages shaped for the template's format, the template's `tools`
     (None when the tools go in the generic system prompt instead), and the plan (None: no tools in play)."""
     fmt = detect(template)
-    plan = plan_tools(tools, choice, parallel, fmt, special)
+    plan = plan_tools(tools.tools, tools.choice, tools.parallel, fmt, special)
     if plan is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return messages, None, None
     shaped = for_template(fmt, messages, plan.tools if plan is not None else None)
