@@ -94,7 +94,8 @@ def _open(data: bytes, limits: ImageLimits) -> PILImage.Image:
             warnings.simplefilter("error", PILImage.DecompressionBombWarning)
             im = PILImage.open(io.BytesIO(data), formats=FORMATS)
     except (PILImage.DecompressionBombWarning, PILImage.DecompressionBombError) as exc:
-        raise ImageError("too_many_pixels", f"the image declares too many pixels ({exc})") from None
+        raise ImageError("too_many_pixels", f"the image declares more pixels than the {limits.max_pixels} accepted "
+                                            f"(Pillow: {exc})") from None
     except UnidentifiedImageError:
         head = data[:8]
         raise ImageError("not_an_image", f"not an image in a format webchat reads ({', '.join(FORMATS)}); the data "
