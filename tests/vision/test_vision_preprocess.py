@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image as PILImage
 
-from webchat.vision.image import Image
+from tests.vision.pictures import as_image, picture
 from webchat.vision.layout import expand
 from webchat.vision.preprocess import grid, resized_size
 from webchat.vision.projector import Projector, load_projector
@@ -19,22 +17,6 @@ PROMPTS = {
     "idefics3": "<|im_start|>User:<image>What is in this picture?<end_of_utterance>\nAssistant:",
     "gemma3": "<bos><start_of_turn>user\n<start_of_image>What is in this picture?<end_of_turn>\n<start_of_turn>model\n",
 }
-
-
-def picture(width: int, height: int, seed: int = 0) -> PILImage.Image:
-    """Gradients, stripes and noise: every resize filter's weights show in the result."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    r = (255 * x / max(width - 1, 1)).astype(np.int64)
-    g = (255 * y / max(height - 1, 1)).astype(np.int64)
-    b = ((x // 7 + y // 5) % 2) * 200
-    noise = rng.integers(0, 40, size=(height, width, 3))
-    rgb = np.clip(np.stack([r, g, b], axis=-1) + noise, 0, 255).astype(np.uint8)
-    return PILImage.fromarray(rgb)
-
-
-def as_image(pil: PILImage.Image) -> Image:
-    return Image(pil, f"test-{pil.width}x{pil.height}", "PNG")
 
 
 @pytest.fixture(scope="module")
