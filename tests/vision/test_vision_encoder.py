@@ -106,3 +106,19 @@ def test_int8_needs_the_kernels(tmp_path: Path) -> None:
         load_projector(write_projector(tmp_path / "p.gguf"), precision="int8", backend="torch")
     with pytest.raises(ValueError, match="precision must be one of exact, int8; got 'fp8'"):
         load_projector(write_projector(tmp_path / "q.gguf"), precision="fp8")
+
+
+def test_exact_matrices_take_amx_only_where_they_split_into_two_bfloat16(tmp_path: Path, kernels: Any) -> None:
+    from webchat.vision.native import build_tower
+    from webchat.vision.projector_file import read_projector
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX on this CPU: every exact matrix takes torch's sgemm")
+    tiles = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    for f16, expected in ((True, 4 * 2 + 1), (False, 0)):  # the layers' matrices and the projection; F32: none
+        pf = read_projector(write_projector(tmp_path / f"f16-{f16}.gguf", f16=f16))
+        ref = load_projector(pf.path, backend="torch").encode_tiles(tiles)
+        tower = build_tower(kernels, pf, "exact", amx=True)
+        assert tower.amx_matrices() == expected
+        assert rel(tower.forward(tiles), ref) < EXACT
+        assert build_tower(kernels, pf, "exact", amx=False).amx_matrices() == 0

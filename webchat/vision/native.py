@@ -1,13 +1,16 @@
 """The C++ vision encoder (`VisionTower`, webchat/kernels/cpu/csrc/vision.cpp) built from a projector file's tensors.
 
-exact: every matrix in float32 (F16, BF16 and Q8_0 converted once here) through torch's sgemm; the results stay within
-float rounding of the PyTorch encoder. int8: the layer matrices and idefics3's projection as Q8_0 blocks (the file's
+exact: every matrix in float32 (F16, BF16 and Q8_0 converted once here); one whose values each split exactly into two
+bfloat16 (every F16 and BF16 weight) takes the split-bfloat16 GEMM on AMX where the CPU has it (csrc/vgemm.cpp, about
+1e-5 relative), any other torch's sgemm; the results stay within 1e-5 of the PyTorch encoder. int8: the layer matrices and idefics3's projection as Q8_0 blocks (the file's
 own where it holds Q8_0, F16 and BF16 rounded to Q8_0 here by ggml's rule, `gguf.quants.quantize`) against 8-bit
 activation rows (a scale per 8 values); a matrix whose k is not a multiple of 32 (Gemma 3's 4304-wide ffn_down) stays
 float32. The patch embedding and gemma3's projection (k = D, kept float16 by the converter) stay float32 on both paths.
 """
 
 from __future__ import annotations
+
+import os
 
 import gguf
 import numpy as np
@@ -21,8 +24,9 @@ F32 = 0
 PRECISIONS = ("exact", "int8")
 
 
-def build_tower(kernels: QKernels, pf: ProjectorFile, precision: str) -> VisionHandle:
-    """The compiled encoder over `pf`'s weights at `precision` (exact or int8)."""
+def build_tower(kernels: QKernels, pf: ProjectorFile, precision: str, amx: bool | None = None) -> VisionHandle:
+    """The compiled encoder over `pf`'s weights at `precision` (exact or int8); `amx` (default: unless
+    WEBCHAT_VISION_AMX=0) lets exact matrices that split into two bfloat16 take the AMX GEMM where the CPU has it."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     c = pf.config
@@ -52,7 +56,9 @@ def build_tower(kernels: QKernels, pf: ProjectorFile, precision: str) -> VisionH
         qtypes.append(t)
     dims = [0 if c.kind == "idefics3" else 1, c.image_size, c.patch_size, c.width, c.ffn, c.layers, c.heads, c.text_dim,
             c.scale_factor]
-    return kernels.VisionTower(dims, c.eps, embed, norms, mats, qtypes, biases)
+    if amx is None:
+        amx = os.environ.get("WEBCHAT_VISION_AMX", "").strip() != "0"
+    return kernels.VisionTower(dims, c.eps, embed, norms, mats, qtypes, biases, amx)
 
 
 def _vectors(pf: ProjectorFile) -> dict[str, torch.Tensor]:

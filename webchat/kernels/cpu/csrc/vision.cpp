@@ -6,21 +6,25 @@
 //   x = post_ln(x)
 //   idefics3: y = shuffle_s(x) W_fc^T;  gemma3: y = rms(avgpool_s(x)) * w W_proj
 //
-// A matrix is either float32 (exact: torch's sgemm, the weights converted once at load) or Q8_0 blocks (int8: each
-// input row quantized to 8 bits with a scale per 8 values, Act8, and the Q8_0 GEMM of qgemm8b.cpp, float32 per 8-value
-// group). Attention is torch's CPU flash-attention kernel in float32 on both paths. Every parallel loop is
-// at::parallel_for on torch's OpenMP team; torch's sgemm and attention run on the same team.
+// A matrix is float32 (exact), or Q8_0 blocks (int8: each input row quantized to 8 bits with a scale per 8 values,
+// Act8, and the Q8_0 GEMM of qgemm8b.cpp, float32 per 8-value group). An exact matrix whose values are each a sum of
+// two bfloat16 (the file's F16 or BF16 weights) takes the split-bfloat16 GEMM on AMX where it runs (vgemm.cpp: about
+// 1e-5 relative to float32), any other torch's sgemm on the weights converted once at load. Attention is torch's CPU
+// flash-attention kernel in float32 on both paths. Every parallel loop is at::parallel_for on torch's OpenMP team;
+// torch's sgemm, attention and brgemm calls run on the same team.
 #include "vision.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "qcommon.h"
 #include "qint8.h"
+#include "vgemm.h"
 
 namespace wq {
 
@@ -36,15 +40,21 @@ struct VMat {
   torch::Tensor bias;  // (n) float32, or undefined
   int qtype = F32;
   int64_t n = 0, k = 0;
+  bool amx = false;  // F32 taken as bfloat16 pieces on AMX (split)
+  SplitMat split;
 };
 
-VMat make_mat(const torch::Tensor& w, int64_t qtype, const torch::Tensor& bias, const char* what) {
+VMat make_mat(const torch::Tensor& w, int64_t qtype, const torch::Tensor& bias, const char* what, bool amx = false) {
   VMat m;
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), what, ": expected a contiguous 2-d matrix, got ", w.sizes());
   m.qtype = static_cast<int>(qtype), m.w = w, m.n = w.size(0);
   if (qtype == F32) {
     TORCH_CHECK(w.scalar_type() == torch::kFloat32, what, ": an F32 matrix must be float32, got ", w.scalar_type());
     m.k = w.size(1), m.wt = w.t();
+    if (amx && splits_exactly(w)) {
+      m.split = split_pack(w), m.amx = true;
+      m.w = m.wt = torch::Tensor();
+    }
   } else {
     TORCH_CHECK(qtype == Q8_0 && w.scalar_type() == torch::kUInt8 && w.size(1) % Q8_BYTES == 0, what,
                 ": expected float32 (ggml type 0) or Q8_0 blocks (8) as uint8 rows of 34-byte blocks; got type ", qtype,
@@ -87,7 +97,10 @@ void gemm_q8(const torch::Tensor& x, const VMat& m, torch::Tensor& y, Act8& act)
 // y = x W^T + bias (y preallocated (M, n))
 void linear(const torch::Tensor& x, const VMat& m, torch::Tensor& y, Act8& act) {
   TORCH_CHECK(x.size(1) == m.k, "a matrix of k = ", m.k, " was given rows of ", x.size(1));
-  if (m.qtype == F32) {
+  if (m.amx) {
+    split_gemm(x.data_ptr<float>(), x.size(0), m.split, m.bias.defined() ? m.bias.data_ptr<float>() : nullptr,
+               y.data_ptr<float>());
+  } else if (m.qtype == F32) {
     if (m.bias.defined()) {
       at::addmm_out(y, m.bias, x, m.wt);
     } else {
@@ -118,6 +131,20 @@ void add_layer_norm(float* x, const float* t, const float* w, const float* wb, f
   });
 }
 
+enum Phase { EMBED, NORMS, MATMULS, ATTENTION, GELU, PROJECT, PHASES };
+
+// the time since the last lap, added to a phase's total
+struct Clock {
+  std::vector<double>& total;
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  explicit Clock(std::vector<double>& t) : total(t) {}
+  void lap(Phase p) {
+    const auto now = std::chrono::steady_clock::now();
+    total[p] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
 }  // namespace
 
 // One projector's weights, converted once; forward(pixels) runs every tile through the tower and the projector.
@@ -127,10 +154,12 @@ class VisionTower {
   // embed: patch weight (D, 3 p p) float32, patch bias (D), positions (P, D), post_ln weight, bias; gemma3: norm (D)
   // norms: per layer ln1 weight, bias, ln2 weight, bias; mats: per layer qkv (3D, D), out, up, down, then the
   // projection (T, D s^2) or gemma3's (T, D); qtypes: each matrix's (0 F32, 8 Q8_0); biases: per layer qkv, out, up,
-  // down
+  // down; amx: F32 matrices that split exactly into two bfloat16 take the AMX GEMM where it runs
   VisionTower(std::vector<int64_t> dims, double eps, std::vector<torch::Tensor> embed, std::vector<torch::Tensor> norms,
-              std::vector<torch::Tensor> mats, std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases)
+              std::vector<torch::Tensor> mats, std::vector<int64_t> qtypes, std::vector<torch::Tensor> biases,
+              bool amx)
       : eps_(eps), embed_(std::move(embed)), norms_(std::move(norms)) {
+    amx = amx && amx_bf16();
     TORCH_CHECK(dims.size() == 9, "dims: expected 9 values, got ", dims.size());
     kind_ = dims[0], S_ = dims[1], p_ = dims[2], D_ = dims[3], F_ = dims[4], L_ = dims[5], H_ = dims[6], T_ = dims[7];
     s_ = dims[8];
@@ -144,18 +173,25 @@ class VisionTower {
                 qtypes.size(), ", ", biases.size(), ", ", norms_.size());
     const int64_t want_n[4] = {3 * D_, D_, F_, D_}, want_k[4] = {D_, D_, D_, F_};
     for (int64_t i = 0; i < 4 * L_; ++i) {
-      mats_.push_back(make_mat(mats[i], qtypes[i], biases[i], "a layer matrix"));
+      mats_.push_back(make_mat(mats[i], qtypes[i], biases[i], "a layer matrix", amx));
       TORCH_CHECK(mats_.back().n == want_n[i % 4] && mats_.back().k == want_k[i % 4], "layer ", i / 4, " matrix ",
                   i % 4, ": expected ", want_n[i % 4], " x ", want_k[i % 4], ", got ", mats_.back().n, " x ",
                   mats_.back().k);
     }
-    proj_ = make_mat(mats[4 * L_], qtypes[4 * L_], torch::Tensor(), "the projection");
+    proj_ = make_mat(mats[4 * L_], qtypes[4 * L_], torch::Tensor(), "the projection", amx);
     TORCH_CHECK(proj_.n == T_ && proj_.k == (kind_ == 0 ? D_ * s_ * s_ : D_), "projection: expected ", T_, " rows");
-    patch_ = make_mat(embed_[0], F32, embed_[1], "the patch embedding");
+    patch_ = make_mat(embed_[0], F32, embed_[1], "the patch embedding", amx);
     TORCH_CHECK(patch_.n == D_ && patch_.k == 3 * p_ * p_ && embed_[2].numel() == P_ * D_, "patch embedding shapes");
   }
 
   int64_t tokens_per_tile() const { return (side_ / s_) * (side_ / s_); }
+
+  // how many matrices take the AMX GEMM (the patch embedding, the layers' and the projection)
+  int64_t amx_matrices() const {
+    int64_t count = patch_.amx + proj_.amx;
+    for (const VMat& m : mats_) count += m.amx;
+    return count;
+  }
 
   torch::Tensor forward(const torch::Tensor& pixels) {
     TORCH_CHECK(pixels.dim() == 4 && pixels.size(1) == 3 && pixels.size(2) == S_ && pixels.size(3) == S_ &&
@@ -167,23 +203,39 @@ class VisionTower {
     torch::Tensor x = torch::empty({M, D_}, f32), h = torch::empty({M, D_}, f32), t = torch::empty({M, D_}, f32);
     torch::Tensor qkv = torch::empty({M, 3 * D_}, f32), u = torch::empty({M, F_}, f32);
     Act8 act;  // this call's 8-bit rows (int8 matrices); a tower may run on several threads at once
+    Clock clock(seconds_);
     embed(px, x, act);
+    clock.lap(EMBED);
     for (int64_t l = 0; l < L_; ++l) {  // t holds the last layer's MLP output (with its bias) until ln1 adds it
       add_layer_norm(x.data_ptr<float>(), l > 0 ? t.data_ptr<float>() : nullptr, norm(l, 0), norm(l, 1),
                      h.data_ptr<float>(), M, D_, eps_);
+      clock.lap(NORMS);
       linear(h, mats_[4 * l], qkv, act);
+      clock.lap(MATMULS);
       attention(qkv, N, t);
+      clock.lap(ATTENTION);
       linear(t, mats_[4 * l + 1], h, act);  // h: the attention's output projected (ln1's h is spent)
+      clock.lap(MATMULS);
       add_layer_norm(x.data_ptr<float>(), h.data_ptr<float>(), norm(l, 2), norm(l, 3), t.data_ptr<float>(), M, D_,
                      eps_);
+      clock.lap(NORMS);
       linear(t, mats_[4 * l + 2], u, act);
+      clock.lap(MATMULS);
       at::gelu_(u, "tanh");
+      clock.lap(GELU);
       linear(u, mats_[4 * l + 3], t, act);
+      clock.lap(MATMULS);
     }
     add_layer_norm(x.data_ptr<float>(), L_ > 0 ? t.data_ptr<float>() : nullptr, embed_[3].data_ptr<float>(),
                    embed_[4].data_ptr<float>(), h.data_ptr<float>(), M, D_, eps_);
-    return project(h, N, act);
+    clock.lap(NORMS);
+    torch::Tensor y = project(h, N, act);
+    clock.lap(PROJECT);
+    return y;
   }
+
+  // seconds spent in each phase over every forward so far: embed, norms, matmuls, attention, gelu, project
+  std::vector<double> phase_seconds() const { return seconds_; }
 
  private:
   const float* norm(int64_t l, int i) const { return norms_[4 * l + i].data_ptr<float>(); }
@@ -261,6 +313,7 @@ class VisionTower {
 
   int64_t kind_ = 0, S_ = 0, p_ = 0, D_ = 0, F_ = 0, L_ = 0, H_ = 0, T_ = 0, s_ = 1, side_ = 0, P_ = 0;
   double eps_;
+  std::vector<double> seconds_ = std::vector<double>(PHASES, 0.0);
   std::vector<torch::Tensor> embed_, norms_;
   std::vector<VMat> mats_;
   VMat proj_, patch_;
@@ -269,10 +322,13 @@ class VisionTower {
 void bind_vision(pybind11::module_& m) {
   pybind11::class_<VisionTower>(m, "VisionTower")
       .def(pybind11::init<std::vector<int64_t>, double, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>>())
+                          std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, bool>())
       .def("forward", &VisionTower::forward, "pixels (N, 3, S, S) float32 -> (N * tokens, T) float32",
            pybind11::arg("pixels"), pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("tokens_per_tile", &VisionTower::tokens_per_tile);
+      .def("tokens_per_tile", &VisionTower::tokens_per_tile)
+      .def("amx_matrices", &VisionTower::amx_matrices)
+      .def("phase_seconds", &VisionTower::phase_seconds,
+           "seconds in each phase over every forward: embed, norms, matmuls, attention, gelu, project");
 }
 
 }  // namespace wq

@@ -1,0 +1,114 @@
+// The vision encoder's exact GEMM on AMX (docs/vision.md): y = x W^T in float32 from bfloat16 pieces.
+//
+//   w = wh + wl exactly (an F16 or BF16 weight: 11 significant bits, 8 in wh and the rest in wl)
+//   x = xh + xl + r, xh = bf16(x), xl = bf16(x - xh), |r| <= 2^-17 |x|
+//   y = xh wh + xh wl + xl wh          (dropped: r w and xl wl, each at most ~2^-17 |x w|)
+//
+// Three bfloat16 products accumulated in float32 by AMX (TDPBF16PS) through torch's oneDNN brgemm: about 1e-5
+// relative to the float32 product, within float rounding of a 3072-term sum, at a third of the sgemm's time where
+// AMX runs (measured in docs/vision.md). Tasks are (64-row block, 64-column panel), rows-major, over
+// at::parallel_for; each thread releases AMX's tile state when its share is done.
+#include "vgemm.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace wq {
+
+namespace {
+
+constexpr int64_t VG_MB = 128;  // x rows a brgemm call (measured 64 / 128 / 256: 128 the fastest by a little)
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even, as c10::BFloat16 does (no NaN here: weights, activations)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// hi[i] = bf16(x[i]), lo[i] = bf16(x[i] - hi[i])
+void split_rows(const float* x, int64_t count, uint16_t* hi, uint16_t* lo) {
+  at::parallel_for(0, count, 16384, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const uint16_t h = bf16_bits(x[i]);
+      hi[i] = h;
+      lo[i] = bf16_bits(x[i] - bf16_float(h));
+    }
+  });
+}
+
+}  // namespace
+
+bool amx_bf16() {
+  static const bool ok = at::native::cpublas::could_pack(at::kBFloat16) && at::cpu::init_amx();
+  return ok;
+}
+
+bool splits_exactly(const torch::Tensor& w) {
+  if (w.dim() != 2 || w.scalar_type() != torch::kFloat32 || w.size(1) % 2 != 0) return false;
+  const torch::Tensor hi = w.to(torch::kBFloat16).to(torch::kFloat32);
+  const torch::Tensor lo = (w - hi).to(torch::kBFloat16).to(torch::kFloat32);
+  return torch::equal(hi + lo, w);
+}
+
+SplitMat split_pack(const torch::Tensor& w) {
+  TORCH_CHECK(splits_exactly(w), "split_pack: the matrix is not a sum of two bfloat16 everywhere (or k is odd)");
+  SplitMat m;
+  m.n = w.size(0), m.k = w.size(1);
+  const int64_t panels = (m.n + VG_NB - 1) / VG_NB, n_pad = panels * VG_NB;
+  const torch::Tensor hi = w.to(torch::kBFloat16);
+  const torch::Tensor lo = (w - hi.to(torch::kFloat32)).to(torch::kBFloat16);
+  for (const auto& [piece, out] : {std::pair{hi, &m.hi}, std::pair{lo, &m.lo}}) {
+    torch::Tensor kn = torch::zeros({m.k, n_pad}, piece.options());  // (k, n) row-major, zero columns past n
+    kn.narrow(1, 0, m.n).copy_(piece.t());
+    *out = torch::empty({panels, m.k * VG_NB}, piece.options());
+    for (int64_t p = 0; p < panels; ++p)
+      at::native::cpublas::pack(m.k, VG_NB, n_pad, VG_NB, at::kBFloat16, at::kBFloat16,
+                                kn.data_ptr<at::BFloat16>() + p * VG_NB, out->data_ptr<at::BFloat16>() + p * m.k * VG_NB);
+  }
+  return m;
+}
+
+void split_gemm(const float* x, int64_t M, const SplitMat& m, const float* bias, float* y) {
+  const int64_t K = m.k, panels = m.hi.size(0), blocks = (M + VG_MB - 1) / VG_MB;
+  const torch::Tensor xh = torch::empty({M * K}, torch::kBFloat16), xl = torch::empty({M * K}, torch::kBFloat16);
+  const auto* ah = xh.data_ptr<at::BFloat16>();
+  const auto* al = xl.data_ptr<at::BFloat16>();
+  split_rows(x, M * K, reinterpret_cast<uint16_t*>(xh.data_ptr()), reinterpret_cast<uint16_t*>(xl.data_ptr()));
+  const auto* wh = m.hi.data_ptr<at::BFloat16>();
+  const auto* wl = m.lo.data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> c(VG_MB * VG_NB);
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t r0 = t / panels * VG_MB, p = t % panels, rows = std::min(VG_MB, M - r0);
+      const int64_t n0 = p * VG_NB, cols = std::min(VG_NB, m.n - n0);
+      const at::BFloat16 *bh = wh + p * K * VG_NB, *bl = wl + p * K * VG_NB;
+      at::native::cpublas::brgemm(rows, VG_NB, K, K, VG_NB, VG_NB, false, ah + r0 * K, bh, c.data());
+      at::native::cpublas::brgemm(rows, VG_NB, K, K, VG_NB, VG_NB, true, ah + r0 * K, bl, c.data());
+      at::native::cpublas::brgemm(rows, VG_NB, K, K, VG_NB, VG_NB, true, al + r0 * K, bh, c.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = y + (r0 + r) * m.n + n0;
+        const float* src = c.data() + r * VG_NB;
+        if (bias != nullptr) {
+          for (int64_t j = 0; j < cols; ++j) out[j] = src[j] + bias[n0 + j];
+        } else {
+          std::copy(src, src + cols, out);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+}  // namespace wq
