@@ -2,10 +2,11 @@
 
 exact: every matrix in float32 (F16, BF16 and Q8_0 converted once here); one whose values each split exactly into two
 bfloat16 (every F16 and BF16 weight) takes the split-bfloat16 GEMM on AMX where the CPU has it (csrc/vgemm.cpp, about
-1e-5 relative), any other torch's sgemm; the results stay within 1e-5 of the PyTorch encoder. int8: the layer matrices and idefics3's projection as Q8_0 blocks (the file's
-own where it holds Q8_0, F16 and BF16 rounded to Q8_0 here by ggml's rule, `gguf.quants.quantize`) against 8-bit
-activation rows (a scale per 8 values); a matrix whose k is not a multiple of 32 (Gemma 3's 4304-wide ffn_down) stays
-float32. The patch embedding and gemma3's projection (k = D, kept float16 by the converter) stay float32 on both paths.
+1e-5 relative), any other torch's sgemm; the results stay within 1e-5 of the PyTorch encoder.
+int8: the layer matrices and idefics3's projection as Q8_0 blocks (the file's own where it holds Q8_0, F16 and BF16
+rounded to Q8_0 here by ggml's rule, `gguf.quants.quantize`) against 8-bit activation rows (a scale per 8 values); a
+matrix whose k is not a multiple of 32 (Gemma 3's 4304-wide ffn_down) stays float32. The patch embedding and gemma3's
+projection (k = D, kept float16 by the converter) stay float32 on both paths.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -37,18 +40,79 @@ inline float bf16_float(uint16_t b) {
   return f;
 }
 
-// hi[i] = bf16(x[i]), lo[i] = bf16(x[i] - hi[i])
+// hi[i] = bf16(x[i]), lo[i] = bf16(x[i] - hi[i]) for i in [b, e): 16 at a time with vcvtneps2bf16 (the same rounding,
+// to nearest even; AMX's CPUs have AVX512-BF16), the rest one by one
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void split_avx512(const float* x, int64_t b,
+                                                                                   int64_t e, uint16_t* hi,
+                                                                                   uint16_t* lo) {
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+  }
+  for (; i < e; ++i) hi[i] = bf16_bits(x[i]), lo[i] = bf16_bits(x[i] - bf16_float(hi[i]));
+}
+
 void split_rows(const float* x, int64_t count, uint16_t* hi, uint16_t* lo) {
+  static const bool wide = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
   at::parallel_for(0, count, 16384, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const uint16_t h = bf16_bits(x[i]);
-      hi[i] = h;
-      lo[i] = bf16_bits(x[i] - bf16_float(h));
-    }
+    if (wide) return split_avx512(x, b, e, hi, lo);
+    for (int64_t i = b; i < e; ++i) hi[i] = bf16_bits(x[i]), lo[i] = bf16_bits(x[i] - bf16_float(hi[i]));
   });
 }
 
+// e^x for 16 lanes: exp256's Cephes expf (qcommon.h) on AVX-512, within ~2 ulp for x in [-87.3, 88.7], saturating
+// outside it
+__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f)), _mm512_set1_ps(88.3762626647949f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+
+// x = x/2 (1 + tanh(a)), a = sqrt(2/pi) (x + 0.044715 x^3), tanh(a) = 1 - 2 / (e^(2a) + 1), for x[b, e)
+__attribute__((target("avx512f"))) void gelu_avx512(float* x, int64_t b, int64_t e) {
+  const __m512 c = _mm512_set1_ps(0.7978845608028654f), k = _mm512_set1_ps(0.044715f), one = _mm512_set1_ps(1.f);
+  const __m512 two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(0.5f);
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 a = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(k, v), _mm512_mul_ps(v, v), v));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp512(_mm512_mul_ps(two, a)), one)));
+    _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, t)));
+  }
+  for (; i < e; ++i) {
+    const float a = 0.7978845608028654f * (x[i] + 0.044715f * x[i] * x[i] * x[i]);
+    x[i] = 0.5f * x[i] * (1.f + std::tanh(a));
+  }
+}
+
 }  // namespace
+
+bool gelu_wide() {
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  return wide;
+}
+
+void gelu_span(float* x, int64_t n) {
+  if (gelu_wide()) return gelu_avx512(x, 0, n);
+  for (int64_t i = 0; i < n; ++i)
+    x[i] = 0.5f * x[i] * (1.f + std::tanh(0.7978845608028654f * (x[i] + 0.044715f * x[i] * x[i] * x[i])));
+}
 
 bool amx_bf16() {
   static const bool ok = at::native::cpublas::could_pack(at::kBFloat16) && at::cpu::init_amx();
@@ -80,7 +144,7 @@ SplitMat split_pack(const torch::Tensor& w) {
   return m;
 }
 
-void split_gemm(const float* x, int64_t M, const SplitMat& m, const float* bias, float* y) {
+void split_gemm(const float* x, int64_t M, const SplitMat& m, const float* bias, float* y, bool gelu) {
   const int64_t K = m.k, panels = m.hi.size(0), blocks = (M + VG_MB - 1) / VG_MB;
   const torch::Tensor xh = torch::empty({M * K}, torch::kBFloat16), xl = torch::empty({M * K}, torch::kBFloat16);
   const auto* ah = xh.data_ptr<at::BFloat16>();
@@ -105,6 +169,7 @@ void split_gemm(const float* x, int64_t M, const SplitMat& m, const float* bias,
         } else {
           std::copy(src, src + cols, out);
         }
+        if (gelu) gelu_span(out, cols);  // while the tile is in cache: one pass over the (M, n) output saved
       }
     }
     at::native::cpublas::brgemm_release();

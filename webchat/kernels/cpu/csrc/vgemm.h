@@ -18,7 +18,12 @@ bool amx_bf16();                           // torch's oneDNN brgemm packs bfloat
 bool splits_exactly(const torch::Tensor& w);  // float32 (n, k), k even: w == bf16(w) + bf16(w - bf16(w)) everywhere
 SplitMat split_pack(const torch::Tensor& w);  // its pieces packed (splits_exactly must hold)
 
-// y (M, n) = x (M, k) W^T (+ bias): x split likewise, y = xh wh + xh wl + xl wh with float32 accumulation (AMX)
-void split_gemm(const float* x, int64_t M, const SplitMat& m, const float* bias, float* y);
+// y (M, n) = x (M, k) W^T (+ bias): x split likewise, y = xh wh + xh wl + xl wh with float32 accumulation (AMX);
+// gelu: y = gelu_tanh(y) as each tile is written
+void split_gemm(const float* x, int64_t M, const SplitMat& m, const float* bias, float* y, bool gelu = false);
+
+// x[0, n) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) on the calling thread: 16 lanes where gelu_wide()
+bool gelu_wide();
+void gelu_span(float* x, int64_t n);
 
 }  // namespace wq

@@ -2,7 +2,8 @@
 //
 //   x = im2col(pixels) W_patch^T + b_patch + pos                       (M = N P rows of D)
 //   per layer: h = ln1(x); qkv = h W_qkv^T + b; a = softmax(q k^T / sqrt(hd)) v over each tile's P patches
-//              x += a W_o^T + b_o; h = ln2(x); x += gelu_tanh(h W_up^T + b_up) W_down^T + b_down
+//              x += a W_o^T + b_o; h = ln2(x); x += gelu_tanh(h W_up^T + b_up) W_down^T + b_down (the GELU applied as
+//              the up projection's output is written, where the AMX GEMM runs)
 //   x = post_ln(x)
 //   idefics3: y = shuffle_s(x) W_fc^T;  gemma3: y = rms(avgpool_s(x)) * w W_proj
 //
@@ -15,6 +16,7 @@
 #include "vision.h"
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <chrono>
@@ -94,13 +96,25 @@ void gemm_q8(const torch::Tensor& x, const VMat& m, torch::Tensor& y, Act8& act)
   if (m.bias.defined()) y.add_(m.bias);
 }
 
-// y = x W^T + bias (y preallocated (M, n))
-void linear(const torch::Tensor& x, const VMat& m, torch::Tensor& y, Act8& act) {
+// gelu (tanh) in place: 16 lanes where the CPU has AVX-512 (gelu_span), torch's otherwise
+void gelu_tanh(torch::Tensor& u) {
+  if (!gelu_wide()) {
+    at::gelu_(u, "tanh");
+    return;
+  }
+  float* x = u.data_ptr<float>();
+  at::parallel_for(0, u.numel(), 16384, [&](int64_t b, int64_t e) { gelu_span(x + b, e - b); });
+}
+
+// y = x W^T + bias (y preallocated (M, n)); gelu: y = gelu_tanh(y) (in the AMX GEMM's tiles where it runs)
+void linear(const torch::Tensor& x, const VMat& m, torch::Tensor& y, Act8& act, bool gelu = false) {
   TORCH_CHECK(x.size(1) == m.k, "a matrix of k = ", m.k, " was given rows of ", x.size(1));
   if (m.amx) {
     split_gemm(x.data_ptr<float>(), x.size(0), m.split, m.bias.defined() ? m.bias.data_ptr<float>() : nullptr,
-               y.data_ptr<float>());
-  } else if (m.qtype == F32) {
+               y.data_ptr<float>(), gelu);
+    return;
+  }
+  if (m.qtype == F32) {
     if (m.bias.defined()) {
       at::addmm_out(y, m.bias, x, m.wt);
     } else {
@@ -109,6 +123,7 @@ void linear(const torch::Tensor& x, const VMat& m, torch::Tensor& y, Act8& act) 
   } else {
     gemm_q8(x, m, y, act);
   }
+  if (gelu) gelu_tanh(y);
 }
 
 // x += t (if given); h = (x - mean) / sqrt(var + eps) * w + wb, row by row
@@ -131,7 +146,7 @@ void add_layer_norm(float* x, const float* t, const float* w, const float* wb, f
   });
 }
 
-enum Phase { EMBED, NORMS, MATMULS, ATTENTION, GELU, PROJECT, PHASES };
+enum Phase { EMBED, NORMS, MATMULS, ATTENTION, PROJECT, PHASES };  // MATMULS: the MLP's GELU too
 
 // the time since the last lap, added to a phase's total
 struct Clock {
@@ -219,10 +234,8 @@ class VisionTower {
       add_layer_norm(x.data_ptr<float>(), h.data_ptr<float>(), norm(l, 2), norm(l, 3), t.data_ptr<float>(), M, D_,
                      eps_);
       clock.lap(NORMS);
-      linear(t, mats_[4 * l + 2], u, act);
+      linear(t, mats_[4 * l + 2], u, act, true);
       clock.lap(MATMULS);
-      at::gelu_(u, "tanh");
-      clock.lap(GELU);
       linear(u, mats_[4 * l + 3], t, act);
       clock.lap(MATMULS);
     }
@@ -234,7 +247,7 @@ class VisionTower {
     return y;
   }
 
-  // seconds spent in each phase over every forward so far: embed, norms, matmuls, attention, gelu, project
+  // seconds spent in each phase over every forward so far: embed, norms, matmuls (with the GELU), attention, project
   std::vector<double> phase_seconds() const { return seconds_; }
 
  private:
@@ -328,7 +341,7 @@ void bind_vision(pybind11::module_& m) {
       .def("tokens_per_tile", &VisionTower::tokens_per_tile)
       .def("amx_matrices", &VisionTower::amx_matrices)
       .def("phase_seconds", &VisionTower::phase_seconds,
-           "seconds in each phase over every forward: embed, norms, matmuls, attention, gelu, project");
+           "seconds in each phase over every forward: embed, norms, matmuls (with the GELU), attention, project");
 }
 
 }  // namespace wq
