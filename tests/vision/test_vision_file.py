@@ -36,8 +36,10 @@ def test_the_converters_keys_on_the_gemma3_fixture(gemma3: Any) -> None:
 
 
 def test_a_tiny_projector_reads_back(tmp_path: Path) -> None:
-    c = read_projector(write_projector(tmp_path / "p.gguf")).config
-    assert (c.image_size, c.side, c.tokens_per_tile, c.head_dim) == (32, 4, 4, 16)
+    c = read_projector(write_projector(tmp_path / "p.gguf", meta={"clip.vision.preproc_image_size": 96})).config
+    assert (c.image_size, c.side, c.tokens_per_tile, c.head_dim, c.longest_edge) == (32, 4, 4, 16, 96)
+    old = read_projector(write_projector(tmp_path / "old.gguf", meta={"clip.vision.preproc_image_size": None}))
+    assert old.config.longest_edge == 4 * 32  # the processor's default where an older converter wrote no size
 
 
 @pytest.mark.parametrize(("meta", "words"), [

@@ -6,7 +6,8 @@ by exact key into one dataclass, its tensors checked by name, shape and type aga
                  attention.layer_norm_epsilon, projection_dim, image_mean, image_std}
     clip.vision.projector.scale_factor               idefics3: the pixel shuffle (4 for SmolVLM); gemma3: the pooling
                                                      kernel, written only when it is not 4
-    clip.vision.preproc_image_size                   idefics3: the longest edge images are resized to (2048)
+    clip.vision.preproc_image_size                   idefics3: the longest edge images are resized to (2048;
+                                                     4 tiles' worth when absent, as the processor's default)
 
 Tensors (ggml order, ne0 first; the table `names` maps ours to the file's):
     v.patch_embd.weight (p, p, 3, D) + .bias (D)      v.position_embd.weight (D, P)
@@ -108,7 +109,8 @@ def read_config(name: str, meta: dict[str, Any]) -> ProjectorConfig:
            "text_dim": _int(name, meta, v + "projection_dim")}
     default_scale = 4 if kind == "gemma3" else None
     got["scale_factor"] = _int(name, meta, v + "projector.scale_factor", default_scale)
-    got["longest_edge"] = (_int(name, meta, v + "preproc_image_size", got["image_size"]) if kind == "idefics3"
+    # a file from before the converter wrote it: the processor's own default, 4 tiles a side (SmolVLM's 2048)
+    got["longest_edge"] = (_int(name, meta, v + "preproc_image_size", 4 * got["image_size"]) if kind == "idefics3"
                            else got["image_size"])
     for key, value in got.items():
         lo, hi = BOUNDS[key]
