@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from webchat.kernels.cpu.build import VisionHandle
 
 
+BATCH_TILES = 8  # tiles a forward: SmolVLM's 17 (4 x 4 + 1) in three, each large enough for the GEMMs' full rate
+
+
 @dataclass(frozen=True)
 class ImagePlan:
     """One image made ready: its tiles, grid, prompt layout and the key its embeddings are cached under."""
@@ -109,10 +112,12 @@ class Projector:
         return rows
 
     def encode_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
-        """Tiles (N, 3, S, S) through the encoder, uncached."""
-        if self._tower is not None:
-            return self._tower.forward(tiles)
-        return self.encode_reference(tiles)
+        """Tiles (N, 3, S, S) through the encoder, uncached, at most BATCH_TILES at a time (the activations of a batch:
+        ~45 MB a SmolVLM tile, ~250 MB a Gemma 3 image)."""
+        if self._tower is None:
+            return self.encode_reference(tiles)
+        tower = self._tower
+        return torch.cat([tower.forward(tiles[i:i + BATCH_TILES]) for i in range(0, tiles.shape[0], BATCH_TILES)])
 
     def encode_reference(self, tiles: torch.Tensor) -> torch.Tensor:
         """The PyTorch encoder (float32 weights from the file, loaded on first use)."""

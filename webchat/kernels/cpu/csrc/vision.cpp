@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "qcommon.h"
@@ -148,13 +149,15 @@ void add_layer_norm(float* x, const float* t, const float* w, const float* wb, f
 
 enum Phase { EMBED, NORMS, MATMULS, ATTENTION, PROJECT, PHASES };  // MATMULS: the MLP's GELU too
 
-// the time since the last lap, added to a phase's total
+// the time since the last lap, added to a phase's total (under the tower's lock: forwards may run at once)
 struct Clock {
   std::vector<double>& total;
+  std::mutex& lock;
   std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
-  explicit Clock(std::vector<double>& t) : total(t) {}
+  Clock(std::vector<double>& t, std::mutex& m) : total(t), lock(m) {}
   void lap(Phase p) {
     const auto now = std::chrono::steady_clock::now();
+    const std::lock_guard<std::mutex> held(lock);
     total[p] += std::chrono::duration<double>(now - last).count();
     last = now;
   }
@@ -218,7 +221,7 @@ class VisionTower {
     torch::Tensor x = torch::empty({M, D_}, f32), h = torch::empty({M, D_}, f32), t = torch::empty({M, D_}, f32);
     torch::Tensor qkv = torch::empty({M, 3 * D_}, f32), u = torch::empty({M, F_}, f32);
     Act8 act;  // this call's 8-bit rows (int8 matrices); a tower may run on several threads at once
-    Clock clock(seconds_);
+    Clock clock(seconds_, seconds_lock_);
     embed(px, x, act);
     clock.lap(EMBED);
     for (int64_t l = 0; l < L_; ++l) {  // t holds the last layer's MLP output (with its bias) until ln1 adds it
@@ -248,7 +251,10 @@ class VisionTower {
   }
 
   // seconds spent in each phase over every forward so far: embed, norms, matmuls (with the GELU), attention, project
-  std::vector<double> phase_seconds() const { return seconds_; }
+  std::vector<double> phase_seconds() {
+    const std::lock_guard<std::mutex> held(seconds_lock_);
+    return seconds_;
+  }
 
  private:
   const float* norm(int64_t l, int i) const { return norms_[4 * l + i].data_ptr<float>(); }
@@ -327,6 +333,7 @@ class VisionTower {
   int64_t kind_ = 0, S_ = 0, p_ = 0, D_ = 0, F_ = 0, L_ = 0, H_ = 0, T_ = 0, s_ = 1, side_ = 0, P_ = 0;
   double eps_;
   std::vector<double> seconds_ = std::vector<double>(PHASES, 0.0);
+  std::mutex seconds_lock_;
   std::vector<torch::Tensor> embed_, norms_;
   std::vector<VMat> mats_;
   VMat proj_, patch_;
