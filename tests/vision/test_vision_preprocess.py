@@ -79,6 +79,9 @@ def test_two_images_in_one_prompt_expand_in_order(projectors: dict[str, Projecto
     assert ours == ref["input_ids"][0].tolist()
     with pytest.raises(ValueError, match="2 image markers"):
         expand(text, "idefics3", layouts[:1])
+    private = text.replace("<image>", "\x00img\x00", 1) + " a typed <image>"
+    mixed = expand(private, "idefics3", layouts[:1], marker="\x00img\x00")
+    assert mixed.count("<global-img>") == 1 and mixed.endswith(" a typed <image>")
 
 
 def test_the_long_side_goes_to_2048_and_tiles_are_row_major() -> None:

@@ -63,10 +63,13 @@ def as_text(segments: tuple[Segment, ...], slot_token: str) -> str:
     return "".join(s if isinstance(s, str) else slot_token * s.count for s in segments)
 
 
-def expand(prompt: str, kind: str, layouts: list[tuple[Segment, ...]]) -> str:
+def expand(prompt: str, kind: str, layouts: list[tuple[Segment, ...]], marker: str | None = None) -> str:
     """`prompt` (a rendered chat template) with its image markers replaced, in order, by the images' layouts; a count
-    of markers other than the images' is a ValueError naming both."""
-    marker = MARKER[kind]
+    of markers other than the images' is a ValueError naming both. `marker` (default: the family's, which a user may
+    also type) lets a caller that rendered its own unforgeable placeholder expand only that."""
+    marker = MARKER[kind] if marker is None else marker
+    if not marker:
+        raise ValueError("the image marker must not be empty")
     pieces = prompt.split(marker)
     if len(pieces) - 1 != len(layouts):
         raise ValueError(f"the prompt has {len(pieces) - 1} image markers {marker!r}; {len(layouts)} images were given")
