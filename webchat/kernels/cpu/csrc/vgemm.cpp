@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -119,29 +120,39 @@ bool amx_bf16() {
   return ok;
 }
 
-bool splits_exactly(const torch::Tensor& w) {
-  if (w.dim() != 2 || w.scalar_type() != torch::kFloat32 || w.size(1) % 2 != 0) return false;
-  const torch::Tensor hi = w.to(torch::kBFloat16).to(torch::kFloat32);
-  const torch::Tensor lo = (w - hi).to(torch::kBFloat16).to(torch::kFloat32);
-  return torch::equal(hi + lo, w);
-}
-
-SplitMat split_pack(const torch::Tensor& w) {
-  TORCH_CHECK(splits_exactly(w), "split_pack: the matrix is not a sum of two bfloat16 everywhere (or k is odd)");
-  SplitMat m;
-  m.n = w.size(0), m.k = w.size(1);
-  const int64_t panels = (m.n + VG_NB - 1) / VG_NB, n_pad = panels * VG_NB;
-  const torch::Tensor hi = w.to(torch::kBFloat16);
-  const torch::Tensor lo = (w - hi.to(torch::kFloat32)).to(torch::kBFloat16);
-  for (const auto& [piece, out] : {std::pair{hi, &m.hi}, std::pair{lo, &m.lo}}) {
-    torch::Tensor kn = torch::zeros({m.k, n_pad}, piece.options());  // (k, n) row-major, zero columns past n
-    kn.narrow(1, 0, m.n).copy_(piece.t());
-    *out = torch::empty({panels, m.k * VG_NB}, piece.options());
-    for (int64_t p = 0; p < panels; ++p)
-      at::native::cpublas::pack(m.k, VG_NB, n_pad, VG_NB, at::kBFloat16, at::kBFloat16,
-                                kn.data_ptr<at::BFloat16>() + p * VG_NB, out->data_ptr<at::BFloat16>() + p * m.k * VG_NB);
-  }
-  return m;
+bool split_pack(const torch::Tensor& w, SplitMat& m) {
+  if (w.dim() != 2 || w.scalar_type() != torch::kFloat32 || !w.is_contiguous() || w.size(1) % 2 != 0) return false;
+  const int64_t n = w.size(0), K = w.size(1), panels = (n + VG_NB - 1) / VG_NB;
+  torch::Tensor hi_t = torch::empty({panels, K * VG_NB}, torch::kBFloat16);
+  torch::Tensor lo_t = torch::empty({panels, K * VG_NB}, torch::kBFloat16);
+  // brgemm's packed bfloat16 B (oneDNN's VNNI form, as cpublas::pack lays it out): a panel's (k, 64) matrix as pairs
+  // of k, element (kk, j) at (kk / 2) * 128 + 2 j + kk % 2; columns past n are zeros. Written pair by pair (the
+  // writes in order, the reads from the panel's 64 rows in L1)
+  const float* x = w.data_ptr<float>();
+  auto* hi = reinterpret_cast<uint16_t*>(hi_t.data_ptr());
+  auto* lo = reinterpret_cast<uint16_t*>(lo_t.data_ptr());
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
+    bool ok = true;
+    for (int64_t p = b; p < e; ++p) {
+      const int64_t rows = std::min(VG_NB, n - p * VG_NB);
+      uint16_t *ph = hi + p * K * VG_NB, *pl = lo + p * K * VG_NB;
+      for (int64_t q = 0; q < K / 2; ++q) {
+        uint16_t *oh = ph + q * 2 * VG_NB, *ol = pl + q * 2 * VG_NB;
+        for (int64_t j = 0; j < VG_NB; ++j)
+          for (int64_t t = 0; t < 2; ++t) {
+            const float v = j < rows ? x[(p * VG_NB + j) * K + 2 * q + t] : 0.f;
+            const uint16_t h = bf16_bits(v), l = bf16_bits(v - bf16_float(h));
+            oh[2 * j + t] = h, ol[2 * j + t] = l;
+            ok &= bf16_float(h) + bf16_float(l) == v;
+          }
+      }
+    }
+    if (!ok) exact = false;
+  });
+  if (!exact) return false;
+  m.n = n, m.k = K, m.hi = hi_t, m.lo = lo_t;
+  return true;
 }
 
 void split_gemm(const float* x, int64_t M, const SplitMat& m, const float* bias, float* y, bool gelu) {

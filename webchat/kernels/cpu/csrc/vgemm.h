@@ -14,9 +14,10 @@ struct SplitMat {
   int64_t n = 0, k = 0;
 };
 
-bool amx_bf16();                           // torch's oneDNN brgemm packs bfloat16 here and AMX is granted
-bool splits_exactly(const torch::Tensor& w);  // float32 (n, k), k even: w == bf16(w) + bf16(w - bf16(w)) everywhere
-SplitMat split_pack(const torch::Tensor& w);  // its pieces packed (splits_exactly must hold)
+bool amx_bf16();  // torch's oneDNN brgemm packs bfloat16 here and AMX is granted
+// w float32 (n, k), k even, with w == bf16(w) + bf16(w - bf16(w)) everywhere: its pieces packed into m (true); false
+// (m unchanged) for any other matrix
+bool split_pack(const torch::Tensor& w, SplitMat& m);
 
 // y (M, n) = x (M, k) W^T (+ bias): x split likewise, y = xh wh + xh wl + xl wh with float32 accumulation (AMX);
 // gelu: y = gelu_tanh(y) as each tile is written

@@ -54,8 +54,8 @@ VMat make_mat(const torch::Tensor& w, int64_t qtype, const torch::Tensor& bias, 
   if (qtype == F32) {
     TORCH_CHECK(w.scalar_type() == torch::kFloat32, what, ": an F32 matrix must be float32, got ", w.scalar_type());
     m.k = w.size(1), m.wt = w.t();
-    if (amx && splits_exactly(w)) {
-      m.split = split_pack(w), m.amx = true;
+    if (amx && split_pack(w, m.split)) {
+      m.amx = true;
       m.w = m.wt = torch::Tensor();
     }
   } else {
