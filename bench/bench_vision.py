@@ -79,12 +79,18 @@ def main() -> None:
     fx = vision_fixtures.build(args.fixture)
     width, height = (int(v) for v in args.image.lower().split("x"))
     data = picture(width, height)
+    t0 = time.perf_counter()
     exact = load_projector(fx.mmproj_f16, precision="exact")
+    t1 = time.perf_counter()
     int8 = load_projector(fx.mmproj_f16, precision="int8")
+    print(f"load: exact {t1 - t0:.2f} s, int8 {time.perf_counter() - t1:.2f} s", flush=True)
+    t0 = time.perf_counter()
     plan = exact.plan(decode_image(data))
+    prepare = time.perf_counter() - t0
     n = plan.tiles.shape[0]
     print(f"{fx.name}: {fx.mmproj_f16.name}, a {width}x{height} image: {n} tiles of {exact.image_size}, "
-          f"{plan.n_tokens} image tokens; {args.threads} threads; backend {exact.backend}", flush=True)
+          f"{plan.n_tokens} image tokens; {args.threads} threads; backend {exact.backend}; decode + plan "
+          f"{prepare:.2f} s", flush=True)
     runs: dict[str, list[float]] = {"exact": [], "int8": [], "pytorch": [], "llama.cpp": []}
     rows: dict[str, torch.Tensor] = {}
     with tempfile.TemporaryDirectory() as tmp:
