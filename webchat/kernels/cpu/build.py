@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     import torch
 
 SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp", "qact.cpp", "qint8.cpp",
-           "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp", "qsuffix.cpp")
+           "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp", "qsuffix.cpp", "vision.cpp",
+           "vgemm.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
@@ -39,6 +40,18 @@ class StepHandle(Protocol):
     def forward_rows(self, *args: Any) -> torch.Tensor: ...
 
     def set_int8(self, on: bool, pack: bool = True) -> None: ...
+
+
+class VisionHandle(Protocol):
+    """A compiled vision encoder (`VisionTower` in csrc/vision.cpp) over one projector's weights (webchat.vision)."""
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+    def tokens_per_tile(self) -> int: ...
+
+    def amx_matrices(self) -> int: ...
+
+    def phase_seconds(self) -> list[float]: ...
 
 
 class QKernels(Protocol):
@@ -76,6 +89,10 @@ class QKernels(Protocol):
 
     def SuffixIndex(self, max_tokens: int, max_occurrences: int, max_match: int, min_share: float,  # noqa: N802
                     spec_offset: int, path: type) -> Any: ...  # fmt: skip
+
+    def VisionTower(self, dims: list[int], eps: float, embed: list[torch.Tensor],  # noqa: N802
+                    norms: list[torch.Tensor], mats: list[torch.Tensor], qtypes: list[int],
+                    biases: list[torch.Tensor], amx: bool) -> VisionHandle: ...  # fmt: skip
 
 
 class KernelsUnavailable(RuntimeError):

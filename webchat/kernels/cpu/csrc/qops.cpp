@@ -13,6 +13,7 @@
 #include "qint8.h"
 #include "qstep.h"
 #include "qsuffix.h"
+#include "vision.h"
 
 namespace wq {
 
@@ -464,4 +465,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &wq::Step::forward)
       .def("forward_rows", &wq::Step::forward_rows);
   wq::bind_suffix(m);
+  wq::bind_vision(m);
 }
