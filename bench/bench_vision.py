@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import vision_fixtures
 from PIL import Image as PILImage
 
+from bench import vision_fixtures
 from webchat.files.home import webchat_home
 from webchat.vision.image import decode_image
 from webchat.vision.projector import Projector, load_projector

@@ -67,8 +67,8 @@ check() {
     models=("Llama-3.2-1B shape" "Llama-3.1-8B shape")
   fi
   "$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' || dry=(--dry-run)
-  "$py" -m pytest -p no:cacheprovider -q -rs -m "$marks" tests/test_kernels.py tests/test_paged_kernels.py \
-    tests/test_gpu_model.py tests/test_emulator.py tests/test_nvcc.py tests/test_nvrtc.py 2>&1 \
+  "$py" -m pytest -p no:cacheprovider -q -rs -m "$marks" tests/kernels/test_kernels.py tests/kernels/test_paged_kernels.py \
+    tests/kernels/test_gpu_model.py tests/kernels/test_emulator.py tests/kernels/test_nvcc.py tests/kernels/test_nvrtc.py 2>&1 \
     | tee "$out/pytest.log" | tail -25
   "$py" -m bench.bench_gpu "${dry[@]}" --models "${models[@]}" --json "$out/bench_gpu.json" 2>&1 \
     | grep -v "^Loading weights" | tee "$out/bench_gpu.txt" | tail -20

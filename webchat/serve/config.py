@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import webchat
-
-REPO_ROOT = Path(webchat.__file__).resolve().parent.parent
+PAGE = Path(__file__).resolve().parent / "page"  # the page's template and assets: inside the package, in a wheel
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -52,8 +50,8 @@ class ServerConfig:
     engine_key: str | None = None  # sent upstream as Authorization: Bearer; never shown
     engine_timeout: float = 60.0  # seconds the upstream may send nothing before the request fails
     engine_affinity_header: str | None = None  # also send the conversation key in this header (routers' affinity)
-    templates_dir: Path = REPO_ROOT / "templates"
-    static_dir: Path = REPO_ROOT / "static"
+    templates_dir: Path = PAGE / "templates"
+    static_dir: Path = PAGE / "static"
 
 
 # ---------------------------------------------------------------- security

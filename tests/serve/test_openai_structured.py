@@ -14,9 +14,9 @@ import instructor
 import jsonschema
 import openai
 import pytest
+from grammars import SCHEMAS
 from live_server import Live, serve  # tests/ is on sys.path under pytest
 from pydantic import BaseModel, ConfigDict, Field
-from test_grammar import SCHEMAS
 
 from webchat.serve.config import ServerConfig
 from webchat.serve.runtime import load_runtime

@@ -11,6 +11,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from grammars import SCHEMAS  # tests/ is on sys.path under pytest
 
 from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
@@ -23,25 +24,7 @@ from webchat.grammar.bounds import GrammarError
 from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 
-# the four schemas of the acceptance, shared with tests/test_openai_structured.py
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "flat_minimum": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
-                                                      "age": {"type": "integer", "minimum": 18}},
-                     "required": ["name", "age"], "additionalProperties": False},
-    "enum_array": {"type": "object", "properties": {"colors": {
-        "type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 2, "maxItems": 3}},
-        "required": ["colors"], "additionalProperties": False},
-    "nested_lengths": {"type": "object", "properties": {"user": {
-        "type": "object", "properties": {"first": {"type": "string", "minLength": 2, "maxLength": 12},
-                                         "address": {"type": "object", "properties": {
-                                             "city": {"type": "string", "minLength": 1, "maxLength": 16}},
-                                             "required": ["city"], "additionalProperties": False}},
-        "required": ["first", "address"], "additionalProperties": False}},
-        "required": ["user"], "additionalProperties": False},
-    "pattern_unit": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-                                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
-                     "required": ["code", "score"], "additionalProperties": False},
-}
+# the four schemas of the acceptance, shared with tests/serve/test_openai_structured.py
 SAMPLED = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
 

@@ -19,7 +19,7 @@ from webchat.text import template_budget as tb
 from webchat.text.tokenizer import _GenerationTag, _raise_exception, _tojson, render_chat_template
 
 pytestmark = pytest.mark.timeout(120)
-FIXTURES = Path(__file__).parent / "fixtures" / "templates"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "templates"
 NINE_LOOPS = "{% set xs = range(10) %}" + "".join(f"{{% for a{i} in xs %}}" for i in range(9)) + "{% endfor %}" * 9
 
 # (name, template): each would build gigabytes, or loop ~forever, or recurse, without the budgets

@@ -16,8 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from live_server import Live, free_port, serve  # tests/ is on sys.path under pytest
+from live_server import Live, free_port, serve, uvicorn_thread  # tests/ is on sys.path under pytest
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as sync_connect
 
@@ -50,19 +49,8 @@ def front(upstream_url: str, **overrides: Any) -> Iterator[str]:
     """A webchat with generation on `upstream_url` (its lifespan probes the upstream); yields its base URL."""
     port = free_port()
     cfg = ServerConfig(model_dir=Path("."), port=port, engine_url=upstream_url, **overrides)
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, ws="websockets-sansio",
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the front webchat did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with uvicorn_thread(create_app(cfg), port) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -470,21 +458,11 @@ def fake_upstream_app() -> Any:
 @pytest.mark.parametrize(("mode", "words"), [("malformed", "sent a malformed chunk: a chunk is not JSON"),
                                              ("error", "reported an error mid-reply: the engine ran out of memory")])
 def test_a_bad_chunk_mid_reply_keeps_the_text_and_names_the_upstream(mode: str, words: str) -> None:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fake_upstream_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        with front(f"http://127.0.0.1:{port}") as base:
-            _, msgs = converse(base, [{"role": "user", "content": mode}], alternatives=1)
-            assert text_of(msgs) == "Hello" and tokens_of(msgs)[0]["p"] == pytest.approx(0.6065, abs=1e-4)
-            assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "upstream"
-            assert f"127.0.0.1:{port}" in msgs[-1]["message"] and words in msgs[-1]["message"]
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with uvicorn_thread(fake_upstream_app()) as upstream, front(upstream) as base:
+        _, msgs = converse(base, [{"role": "user", "content": mode}], alternatives=1)
+        assert text_of(msgs) == "Hello" and tokens_of(msgs)[0]["p"] == pytest.approx(0.6065, abs=1e-4)
+        assert msgs[-1]["type"] == "error" and msgs[-1]["code"] == "upstream"
+        assert upstream.removeprefix("http://") in msgs[-1]["message"] and words in msgs[-1]["message"]
 
 
 CHOICE = {"type": "object", "properties": {"c": {"enum": ["up", "down"]}, "n": {"type": "integer", "minimum": 0,

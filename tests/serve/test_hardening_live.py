@@ -21,7 +21,7 @@ from websockets.sync.client import connect as ws_connect
 
 from webchat.serve.limits import AcceptErrorLog
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @contextmanager

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from tests.test_archs import ragged_greedy
 
 from bench.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
 from tests.gguf_write import F32, write_gguf
-from tests.test_archs import ragged_greedy
 from webchat.cli.main import cli
 from webchat.files.gguf_cache import gguf_models_dir, model_folder, model_name
 from webchat.gguf.convert import QUANT_FILE, QUANT_KEY, ConversionError

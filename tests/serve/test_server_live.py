@@ -89,7 +89,8 @@ def test_eight_concurrent_connections_complete_correctly_and_interleave(config: 
     # 5 ms a step: eight websockets' chunks are sent (and read, by this process) between steps; at 2 ms the loop fell
     # behind the tiny model's steps often enough to merge a stream into 9 chunks (merging is what a lagging reader
     # gets, by design) in one of five full runs this session, its steps made faster by the C++ sampler scans likely
-    # every step sent (no stream interval: tests/test_stream_interval.py), so the interleaving is seen step by step;
+    # every step sent (no stream interval: tests/serve/test_stream_interval.py), so the interleaving is seen step by
+    # step;
     # one token a step (speculation off: the auto mode's accepted drafts put several tokens in a step's chunk)
     with serve(replace(config, stream_interval=0.0), runtime, delay=0.005) as live:
         results = asyncio.run(all_clients(live.ws_url))

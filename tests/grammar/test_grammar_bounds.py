@@ -13,6 +13,7 @@ from typing import Any
 
 import llguidance as llg
 import pytest
+from grammars import alias_chain, defs_chain, lark_chain, nested  # tests/ is on sys.path under pytest
 
 from webchat.grammar import build
 from webchat.grammar.bounds import (
@@ -29,31 +30,6 @@ from webchat.grammar.bounds import (
 from webchat.grammar.compiler import Compiler
 from webchat.grammar.matcher import grammars_for
 from webchat.text.tokenizer import Tokenizer
-
-
-def defs_chain(n: int) -> dict[str, Any]:
-    """Row 2: n `$defs`, each an array whose items are the next."""
-    defs: dict[str, Any] = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def alias_chain(n: int) -> dict[str, Any]:
-    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def lark_chain(n: int) -> str:
-    """Row 1: n rules `r{i}: r{i+1} "a" | "b"`."""
-    return "\n".join(["start: r0", *(f'r{i}: r{i + 1} "a" | "b"' for i in range(n)), f'r{n}: "c"'])
-
-
-def nested(n: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(n):
-        schema = {"type": "array", "items": schema}
-    return schema
 
 
 # ---------------------------------------------------------------- the bounds

@@ -12,13 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
+from grammars import defs_chain, lark_chain, nested
 from live_child import Child, serve  # tests/ is on sys.path under pytest
-from test_grammar_bounds import defs_chain, lark_chain, nested
 from websockets.sync.client import connect
 
 from bench.tiny import make_tiny_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HI = [{"role": "user", "content": "Hi"}]
 
 

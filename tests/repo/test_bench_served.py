@@ -23,8 +23,8 @@ from bench.served_speculation import FILL_AT, Section, ceiling, fill, report
 from webchat.engine.spec.rates import MAX_AUTO_DRAFT
 from webchat.engine.spec.verify_cost import VerifyCost
 
-ROOT = Path(__file__).resolve().parents[1]
-STANDIN = Path(__file__).resolve().parent / "bench_standin.py"
+ROOT = Path(__file__).resolve().parents[2]
+STANDIN = Path(__file__).resolve().parents[1] / "bench_standin.py"
 
 
 def tiny_gguf(path: Path, tied: bool) -> Path:

@@ -343,7 +343,7 @@ def test_prompt_too_long_names_the_numbers(client: TestClient, stack: ExitStack,
     err = p.Error.model_validate(ws.receive_json())
     assert err.code == "prompt_too_long" and err.id == "long", err
     assert err.message.startswith(f"prompt is {n} tokens; the context of 256 allows at most 255"), err.message
-    # a prompt that fits without room for max_new_tokens runs and ends at context_full (tests/test_hardening.py)
+    # a prompt that fits without room for max_new_tokens runs and ends at context_full (tests/serve/test_hardening.py)
     assert_still_works(ws)
 
 

@@ -202,7 +202,7 @@ def test_a_prompt_is_computed_alike_however_it_is_chunked(tiny_model_dir: Path, 
                                                            code_path: str) -> None:
     """Bit for bit: a prompt's k/v and its last row's logits fed whole, in chunks of 1, 7 and 22, or row by row
     (a GEMM row depends on its own x only), so a recomputation after a preemption meets the same cache. (The
-    K-quants' int8 GEMM: tests/test_int8.py.)"""
+    K-quants' int8 GEMM: tests/kernels/test_int8.py.)"""
     path = model_dir(shapes_root, tiny_model_dir, "hd64-gqa2")
     precision = "int8" if weights.endswith("-int8") else "exact"
     model = (load_model(path, weights="float32") if weights == "float32"

@@ -21,7 +21,7 @@ from websockets.sync.client import connect
 
 from bench.tiny import make_tiny_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HI = [{"role": "user", "content": "Hi"}]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,8 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from live_child import Child, free_port, serve
+from live_child import Child, serve
+from live_server import uvicorn_thread
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +27,7 @@ from webchat.serve.remote import client as client_module
 from webchat.serve.remote.client import Upstream, UpstreamError
 from webchat.serve.remote.parse import ChunkError, StreamParser
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TIMEOUT = 3.0  # --engine-timeout of the front
 MODELS = 100_000
 
@@ -91,15 +90,8 @@ def upstream_app() -> Starlette:
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(upstream_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_thread(upstream_app()) as url:
+        yield url
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from webchat.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is not installed")
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "fixtures" / "templates"
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
 DEEPSEEK_R1 = (TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
 CHAT: list[dict[str, Any]] = [

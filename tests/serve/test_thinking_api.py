@@ -27,7 +27,7 @@ from webchat.serve.thinking import encode_tail
 from webchat.text.detok import decode_all
 
 pytestmark = pytest.mark.timeout(300)
-QWEN3 = (Path(__file__).parent / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+QWEN3 = (Path(__file__).parents[1] / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
 ASK = [{"role": "user", "content": "What is two plus two?"}]
 OPENED = [*ASK, {"role": "assistant", "content": "<think>\n"}]
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}

@@ -210,7 +210,7 @@ def test_a_job_stopped_before_its_task_ran_frees_its_slot_and_is_answered() -> N
 
 
 # ---------------------------------------------------------------- recorded from llama-server
-RECORDED = Path(__file__).parent / "fixtures" / "llama_server.json"  # bench/record_llama_server.py wrote it
+RECORDED = Path(__file__).parents[1] / "fixtures" / "llama_server.json"  # bench/record_llama_server.py wrote it
 
 
 def recorded() -> dict[str, Any]:

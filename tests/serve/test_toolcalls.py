@@ -19,7 +19,7 @@ from webchat.serve.tools import ToolCalls, Tools, chat_tools
 from webchat.text.tokenizer import Tokenizer, render_chat_template
 from webchat.text.toolformat import GENERIC, HERMES, LLAMA3, MISTRAL, ToolFormat, detect
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "fixtures" / "templates"
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                            "unit": {"enum": ["C", "F"]}}, "required": ["city"]}}

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-
-from tests.gguf_write import SpmVocab, train_spm, write_gguf
 from tests.test_archs import ragged_greedy, random_model
 from tests.test_gguf_path import greedy_logits
+
+from tests.gguf_write import SpmVocab, train_spm, write_gguf
 from webchat.files.gguf_cache import model_folder
 from webchat.gguf.convert import QUANT_FILE, QUANT_KEY
 from webchat.kernels.backend import load_model
@@ -31,7 +31,7 @@ from webchat.text.tokenizer import Tokenizer
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is not installed")
 pytest.importorskip("sentencepiece", reason="sentencepiece (the tokenizer reference) is not installed")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 Q = gguf.GGMLQuantizationType
 CONTROL = ("<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|end|>")
 USER_DEFINED = ("<think>",)
