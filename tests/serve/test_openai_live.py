@@ -232,7 +232,7 @@ def chat_body(runtime: Runtime, **extra: Any) -> dict[str, Any]:
      "invalid_value", "response_format.json_schema.schema", "Unimplemented keys"),
     ({"max_tokens": 300}, "context_length_exceeded", "max_tokens", "context is 256 tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "invalid_value", "messages.0.content.0.type", "text only"),
+     "unsupported_value", "messages.0.content.0", "text only"),
     ({"model": None}, "invalid_value", "model", "valid string"),
 ])
 def test_invalid_requests_are_400_naming_the_field(live: Live, runtime: Runtime, extra: dict[str, Any], code: str,

@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
 from webchat.engine.settings import BIAS_RANGE, RANGES, Range, SamplingSettings, SettingsError, token_id
+from webchat.serve.parts import Parts, neutral, text_of
 from webchat.serve.replyformat import ResponseFormat
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import MAX_BUDGET
@@ -26,6 +27,8 @@ ERROR_CODES = (
     "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable", "grammar",
     "load_limit",
 )
+MAX_TOOL_CALLS = 32  # calls in one assistant message
+MAX_TOOL_ARGUMENTS = 64 * 1024  # a call's arguments, as JSON text
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
@@ -74,9 +77,51 @@ class WireSettings(_Strict):
         return {int(k): b for k, b in self.token_bias.items()}
 
 
+class ToolCallFunction(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: Annotated[str, Field(max_length=MAX_TOOL_ARGUMENTS)]  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (OpenAI's shape; docs/protocol.md, "Messages and their parts")."""
+
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    """A message of a chat: its content text or parts (text, image_url: webchat.serve.parts); an assistant's tool
+    calls; a tool message's result for the call it names."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | Parts
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "only assistant messages carry tool_calls, got a {role} message",
+                                      {"role": repr(self.role)})
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("tool_call_id", "a tool message needs tool_call_id (and only a tool message "
+                                      "has one), got role {role}", {"role": repr(self.role)})
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content's text (its text parts joined by newlines)."""
+        return text_of(self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the request path takes it (webchat.serve.requests): content text, or neutral parts."""
+        out: dict[str, Any] = {"role": self.role, "content": neutral(self.content)}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 RequestId = Annotated[str, Field(min_length=1, max_length=64)]
@@ -109,7 +154,7 @@ class Generate(_Strict):
     @model_validator(mode="after")
     def _last_message_fits(self) -> Generate:
         last = self.messages[-1]
-        if self.continue_ and (last.role != "assistant" or last.content.strip() == ""):
+        if self.continue_ and (last.role != "assistant" or last.text.strip() == ""):
             got = f"role {last.role!r}" if last.role != "assistant" else "an empty assistant message"
             raise PydanticCustomError("last_not_user", "with continue the last message must be an assistant message "
                                       "with text, got {got}", {"got": got})
@@ -120,9 +165,9 @@ class Generate(_Strict):
         if bad is not None:
             raise PydanticCustomError("prefix_ids", "prefix_ids[{i}] = {t} is not a token id (ids are >= 0)",
                                       {"i": bad, "t": (self.prefix_ids or [])[bad]})
-        if not self.continue_ and last.role != "user":
-            raise PydanticCustomError("last_not_user", "the last message must be from the user, got role {role}",
-                                      {"role": repr(last.role)})
+        if not self.continue_ and last.role not in ("user", "tool"):
+            raise PydanticCustomError("last_not_user", "the last message must be from the user (or a tool's result), "
+                                      "got role {role}", {"role": repr(last.role)})
         return self
 
 
@@ -148,7 +193,7 @@ class Score(_Strict):
             raise PydanticCustomError("score_what", "give either 'messages' (score the last one in its chat) or "
                                       "'text' (score it alone), got {got}",
                                       {"got": "both" if self.text is not None else "neither"})
-        if self.messages is not None and self.messages[-1].content.strip() == "":
+        if self.messages is not None and self.messages[-1].text.strip() == "":
             raise PydanticCustomError("score_what", "the last message is the one scored: it needs text")
         return self
 

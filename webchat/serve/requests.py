@@ -29,6 +29,7 @@ from webchat.grammar.matcher import GrammarConstraint
 from webchat.serve import thinking
 from webchat.serve.backend import Job, Scoring
 from webchat.serve.encode import encode_text_work, text_chars
+from webchat.serve.parts import images_in, text_of
 from webchat.serve.replyformat import grammar_work, kept_ids, make_constraint
 from webchat.serve.rules import RuleError, context_room, short_repr, speculative_mode
 from webchat.serve.tools import ToolPlan, Tools, chat_tools
@@ -150,6 +151,7 @@ class LocalPreparer:
 
     # ------------------------------------------------------------ a chat
     async def chat(self, turn: Turn) -> Prepared:
+        refuse_images(turn.messages)
         settings = self._settings(turn.settings)
         mode = self._mode(turn.speculative)
         if turn.prefix_ids is not None:
@@ -177,7 +179,7 @@ class LocalPreparer:
                                               turn.thinking, chars=chars)
         kept = turn.prefix_ids
         if kept is None and turn.continue_final:  # a continued reply goes on under the format
-            kept = kept_ids(self.tokenizer, str(messages[-1].get("content") or ""))
+            kept = kept_ids(self.tokenizer, text_of(messages[-1].get("content")))
         field_name = "tools" if plan is not None else turn.format_field
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=limit, stop_strings=turn.stop,
                                     return_probs=turn.want_probs, top_alts=turn.top_alts, speculative=mode,
@@ -246,7 +248,8 @@ class LocalPreparer:
     # ------------------------------------------------------------ a text scored
     async def score(self, score: Score) -> Prepared:
         """The text read in one prefill (greedy, nothing generated, every prompt position scored)."""
-        target = score.text if score.text is not None else str((score.messages or [{}])[-1].get("content") or "")
+        refuse_images(score.messages or [])
+        target = score.text if score.text is not None else text_of((score.messages or [{}])[-1].get("content"))
         if score.text is not None:
             ids = await encode_text_work(self.tokenizer.encode_text, score.text, chars=len(score.text))
         else:
@@ -290,7 +293,7 @@ class LocalPreparer:
             check_token_ids(ids, self.vocab_size, "prefix_ids")
         except SettingsError as exc:
             raise RequestError("prefix", "prefix_ids", f"field 'prefix_ids': {exc}") from None
-        text, content = decode_all(self.tokenizer.token_bytes, ids), str(turn.messages[-1].get("content") or "")
+        text, content = decode_all(self.tokenizer.token_bytes, ids), text_of(turn.messages[-1].get("content"))
         if text != content:
             at = next((i for i, (a, b) in enumerate(zip(text, content, strict=False)) if a != b),
                       min(len(text), len(content)))
@@ -312,6 +315,14 @@ class LocalPreparer:
             return await make_constraint(self.tokenizer, self.vocab_size, grammar, field_name, kept or None)
         except RuleError as exc:
             raise RequestError("format", exc.field, exc.message) from None
+
+
+def refuse_images(messages: list[dict[str, Any]]) -> None:
+    """A model that reads text refuses an image part by name (a vision model's Preparer takes them)."""
+    found = images_in(messages)
+    if found:
+        raise RequestError("unsupported", found[0][0], f"{found[0][0]} is an image: this model reads text only (a "
+                           "vision model reads images: its GGUF served with --mmproj, docs/vision.md)")
 
 
 async def _format_work(fn: Callable[..., Any], *args: Any, field: str) -> Any:

@@ -154,7 +154,7 @@ class Connection:
         """The request path's Turn for a `generate` (webchat.serve.requests), prepared by the model's Preparer."""
         ask = self._thinking(msg)
         fmt = msg.response_format
-        turn = Turn(messages=[m.model_dump() for m in msg.messages], settings=functools.partial(_settings, msg),
+        turn = Turn(messages=[m.for_template() for m in msg.messages], settings=functools.partial(_settings, msg),
                     max_new_tokens=msg.max_new_tokens, fit=True, stop=list(msg.stop), top_alts=msg.alternatives,
                     want_probs=msg.alternatives > 0, speculative=msg.speculative, continue_final=msg.continue_,
                     prefix_ids=msg.prefix_ids, thinking=ask,
@@ -167,7 +167,7 @@ class Connection:
 
     async def _score_job(self, msg: p.Score, rt: Runtime) -> Job:
         """A `score` (webchat.serve.scoring): the text read in one prefill, its tokens answered as `scored`."""
-        score = Score(msg.alternatives, None if msg.messages is None else [m.model_dump() for m in msg.messages],
+        score = Score(msg.alternatives, None if msg.messages is None else [m.for_template() for m in msg.messages],
                       msg.text)
         prepared = await self._prepared(rt.prep.score(score), msg.id)
         assert prepared.scoring is not None  # a Score's preparation says what it scores

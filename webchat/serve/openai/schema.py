@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
 from webchat.serve.openai.structured import ResponseFormat, StructuredOutputs
 from webchat.serve.openai.thinking import FORMATS
+from webchat.serve.parts import Parts, neutral
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import Ask, budget_value, check_kwargs
 from webchat.serve.tools import Tool, ToolCall, ToolChoice
@@ -60,28 +61,15 @@ def _union(v: Any, handler: ValidatorFunctionWrapHandler, expected: str) -> Any:
         raise PydanticCustomError("expected", "expected {expected}", {"expected": expected}) from None
 
 
-class TextPart(_Strict):
-    type: str
-    text: str
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise PydanticCustomError("part_type", "content parts of type {type} are not supported: webchat's models "
-                                      "read text only (type 'text')", {"type": repr(v)})
-        return v
-
-
 def _content_kind(v: Any) -> str | None:
     return "text" if isinstance(v, str) else PARTS if isinstance(v, list) else None
 
 
 PARTS = "(parts)"  # the union tag of content given as parts; left out of error paths
 Content = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[TextPart], Tag(PARTS)],
+    Annotated[str, Tag("text")] | Annotated[Parts, Tag(PARTS)],
     Discriminator(_content_kind, custom_error_type="expected",
-                  custom_error_message="expected a string or a list of text parts"),
+                  custom_error_message="expected a string or a list of content parts (text, image_url)"),
 ]
 
 
@@ -110,11 +98,12 @@ class Message(_Strict):
         return self
 
     def for_template(self) -> dict[str, Any]:
-        """role/content as the chat template reads them: developer → system, text parts joined by newlines; an
+        """role/content as the chat template reads them: developer → system, text parts joined by newlines (image parts
+        kept as parts, webchat.serve.parts); an
         assistant's calls and a tool result's call id kept (webchat.text.toolformat shapes them per format); an
         assistant's thinking as `reasoning_content`."""
-        text = self.content if isinstance(self.content, str | None) else "\n".join(p.text for p in self.content)
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": neutral(self.content) if self.content is not None else None}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:

@@ -9,9 +9,10 @@ from typing import Any
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings, SettingsError
 from webchat.serve.backend import Scoring
+from webchat.serve.parts import text_of
 from webchat.serve.remote.capabilities import Capabilities
 from webchat.serve.replyformat import grammar_work, upstream_bounds
-from webchat.serve.requests import Prepared, RequestError, Score, Settings, Text, Turn
+from webchat.serve.requests import Prepared, RequestError, Score, Settings, Text, Turn, refuse_images
 from webchat.serve.rules import RuleError, speculative_mode
 
 UNAVAILABLE = "scoring needs an engine with prompt logprobs"
@@ -29,6 +30,7 @@ class RemotePreparer:
         return caps
 
     async def chat(self, turn: Turn) -> Prepared:
+        refuse_images(turn.messages)
         if turn.prompt_logprobs is not None:
             raise RequestError("unsupported", "prompt_logprobs", "prompt scores (prompt_logprobs, echo) are not "
                                "forwarded to the remote engine; ask the upstream itself")
@@ -61,7 +63,8 @@ class RemotePreparer:
         if caps.prompt_logprobs == "absent":
             raise RequestError("unsupported", "score", f"{UNAVAILABLE}: the upstream at {caps.url} ({caps.kind}) "
                                "returns none (vLLM and webchat do)")
-        target = score.text if score.text is not None else str((score.messages or [{}])[-1].get("content") or "")
+        refuse_images(score.messages or [])
+        target = score.text if score.text is not None else text_of((score.messages or [{}])[-1].get("content"))
         request = GenerationRequest(prompt_ids=[], settings=SamplingSettings(temperature=0.0), max_new_tokens=0,
                                     prompt_logprobs=score.alternatives)
         return Prepared(request, messages=score.messages, scoring=Scoring(target=target, text=score.text is not None))

@@ -1,0 +1,70 @@
+"""A message's parts, the same on both wires (OpenAI's content parts): text, and an image as a `data:` URL; a tool
+call and a tool result are a message's own fields (`tool_calls` on an assistant message, `tool_call_id` on a `tool`
+message). The one place both wires read them.
+
+    content: "text" | [{"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": "data:image/png;..."}}]
+    neutral(content) -> "text" | [{"type": "text", "text": ...}, {"type": "image", "url": ...}]   # the request path's
+    text_of(content) -> its text parts joined by newlines
+
+The request path (webchat.serve.requests) takes the neutral form: a model that reads text refuses an image part by
+name; a vision model's Preparer decodes it (webchat.vision).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_PARTS = 64  # parts in one message
+MAX_URL_CHARS = 24 << 20  # a data URL's characters (the body limit bounds it further)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: Annotated[str, Field(min_length=1, max_length=MAX_URL_CHARS)]
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the projector's tiling decides
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+Parts = Annotated[list[Part], Field(max_length=MAX_PARTS)]
+Neutral = str | list[dict[str, Any]]
+
+
+def neutral(content: str | list[TextPart | ImagePart] | None) -> Neutral:
+    """The content as the request path takes it: text as it is; parts as {"type": "text"} and {"type": "image"}."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if all(isinstance(p, TextPart) for p in content):
+        return "\n".join(p.text for p in content if isinstance(p, TextPart))
+    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image", "url": p.image_url.url}
+            for p in content]
+
+
+def text_of(content: Neutral | list[TextPart | ImagePart] | None) -> str:
+    """A content's text: its text parts joined by newlines (images leave no text)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = [p.text if isinstance(p, TextPart) else p.get("text", "") if isinstance(p, dict) and
+             p.get("type") == "text" else None for p in content]
+    return "\n".join(t for t in texts if t is not None)
+
+
+def images_in(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(field, part) of every image part in neutral messages: `messages.3.content.1`."""
+    return [(f"messages.{i}.content.{j}", part) for i, m in enumerate(messages)
+            if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
+            if isinstance(part, dict) and part.get("type") == "image"]
