@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import httpx
 import pytest
+from live_child import launch, wait_healthy  # tests/ is on sys.path under pytest
 from playwright.sync_api import ConsoleMessage, Locator, Page, WebSocket, expect
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,34 +56,19 @@ class Server:
             pytest.fail(f"webchat serve exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(model_dir: Path, log_path: Path, *extra: str, port: int | None = None) -> Server:
-    """Start `python -m webchat.cli serve` and wait until /healthz answers; fail with the log tail if it dies."""
-    port = port or free_port()
+    """`webchat serve --model DIR` on loopback (tests/live_child.py's launch), waited for until /healthz answers;
+    the test fails with the log tail if it dies."""
     if "--models-dir" not in extra and "--engine-url" not in extra:  # the one model, not the user's shelf
         extra = (*extra, "--models-dir", str(log_path.parent / "no-models"))
-    cmd = [sys.executable, "-m", "webchat.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", *extra]
-    log = log_path.open("wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    server = Server(proc=proc, url=f"http://127.0.0.1:{port}/", log_path=log_path, log=log)
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        server.check_alive()
-        try:
-            if httpx.get(f"{server.url}healthz", timeout=1.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    pytest.fail(f"webchat serve did not answer /healthz within {SERVER_START_S:.0f} s; log tail:\n{server.log_tail()}")
+    proc, port = launch(log_path, "--model", str(model_dir), "--host", "127.0.0.1", *extra, port=port)
+    server = Server(proc=proc, url=f"http://127.0.0.1:{port}/", log_path=log_path, log=log_path.open("ab"))
+    try:
+        wait_healthy(server.url.rstrip("/"), proc, SERVER_START_S, server.log_tail)
+    except AssertionError as exc:
+        server.stop()
+        pytest.fail(str(exc))
+    return server
 
 
 @dataclass
