@@ -1,0 +1,167 @@
+"""The websocket's tools (issue 66) on a served tiny model and a real MCP server over stdio (tests/mcp/toolserver.py):
+the servers listed, a forced call parsed with where it is in the reply, call_tool checked and run, stop, a time limit,
+a crash, a huge result, HTML kept as text."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from live_server import Live
+from tools_live import client, descendants, served, write_config
+
+from webchat.mcp.result import DEFAULT_MAX_RESULT_CHARS
+from webchat.serve.config import ServerConfig
+from webchat.serve.runtime import Runtime, load_runtime
+
+pytestmark = pytest.mark.timeout(180)
+HTML = '<b>bold</b><script>alert("x")</script> & <img src=x onerror=alert(1)> \u00e9\u4e2d'
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir: Path) -> ServerConfig:
+    return ServerConfig(model_dir=tiny_model_dir, device="cpu", max_sessions=8, max_queue=8, max_seq_len=4096)
+
+
+@pytest.fixture(scope="module")
+def runtime(config: ServerConfig) -> Runtime:
+    return load_runtime(config)
+
+
+@pytest.fixture(scope="module")
+def live(config: ServerConfig, runtime: Runtime, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    path = write_config(tmp_path_factory.mktemp("mcp") / "mcp.json", timeout_s=3.0)
+    with served(config, runtime, path) as live:
+        yield live
+
+
+def test_hello_is_followed_by_the_servers_and_their_tools(live: Live) -> None:
+    with client(live) as c:
+        assert c.hello["type"] == "hello"
+        tools = c.ready()
+        server = tools["servers"][0]
+        assert [s["name"] for s in tools["servers"]] == ["t"] and server["transport"] == "stdio"
+        names = {t["name"] for t in server["tools"]}
+        assert {"t__add", "t__pid", "t__sleep", "t__crash", "t__big", "t__html"} <= names
+        add = next(t for t in server["tools"] if t["name"] == "t__add")
+        assert add["tool"] == "add" and add["description"] == "Add two integers."
+        assert add["parameters"]["required"] == ["a", "b"] and 10 < add["tokens"] < 1000
+        assert tools["max_result_chars"] == DEFAULT_MAX_RESULT_CHARS
+
+
+def test_a_forced_call_comes_back_in_done_with_its_span_and_runs(live: Live) -> None:
+    with client(live) as c:
+        c.ready()
+        c.send(type="generate", id="g1", messages=[{"role": "user", "content": "which process are you?"}],
+               max_new_tokens=200, alternatives=2, tools=["t__pid", "t__add"],
+               tool_choice={"type": "function", "function": {"name": "t__pid"}})
+        text, tokens = "", []
+        while (msg := c.next("chunk", "done", "error", rid="g1"))["type"] == "chunk":
+            text += msg["text"]
+            tokens += msg["tokens"]
+        assert msg["type"] == "done", msg
+        [call] = msg["tool_calls"]
+        assert call["function"] == {"name": "t__pid", "arguments": "{}"} and call["id"].startswith("call_")
+        start, end = call["span"]
+        assert text[start:end].startswith("<tool_call>") and text[start:end].endswith("</tool_call>")
+        assert json.loads(text[start:end].removeprefix("<tool_call>").removesuffix("</tool_call>"))["name"] == "t__pid"
+        assert "".join(t["text"] for t in tokens) == text and all(0 <= t["p"] <= 1 for t in tokens)
+        result = c.call("c1", "t__pid", {})
+        assert result["type"] == "tool_result" and not result["is_error"] and result["error"] is None
+        assert int(result["text"]) in descendants()  # a real server process, started by this server
+
+
+def test_call_tool_refuses_what_was_not_listed_enabled_or_an_object(live: Live) -> None:
+    with client(live) as c:
+        c.ready()
+        assert c.enable("g1", "t__pid")["type"] == "done"
+        refused = {
+            "unknown_tool": c.call("c1", "t__nope", {}),
+            "tool_not_enabled": c.call("c2", "t__add", {"a": 1, "b": 2}),
+        }
+        c.send(type="call_tool", id="c3", name="t__pid", arguments="[1, 2]")
+        refused["bad_arguments"] = c.next("error", rid="c3")
+        c.send(type="call_tool", id="c4", name="t__pid", arguments="not json")
+        not_json = c.next("error", rid="c4")
+        for code, msg in refused.items():
+            assert msg["type"] == "error" and msg["code"] == code, msg
+        assert "expected a JSON object, got list [1, 2]" in refused["bad_arguments"]["message"]
+        assert not_json["code"] == "bad_arguments" and "not JSON" in not_json["message"]
+        assert "t__nope" in refused["unknown_tool"]["message"]
+        c.send(type="generate", id="g2", messages=[{"role": "user", "content": "hi"}], tools=["t__nope"])
+        unknown = c.next("error", rid="g2")
+        assert unknown["code"] == "unknown_tool" and "tools.0" in unknown["message"]
+        c.send(type="generate", id="g3", messages=[{"role": "user", "content": "hi"}], tool_choice="required")
+        assert "tool_choice" in c.next("error", rid="g3")["message"]
+        c.send(type="generate", id="g4", messages=[{"role": "user", "content": "hi"}], max_new_tokens=1)
+        assert c.next("done", "error", rid="g4")["type"] == "done"  # no tools: none is enabled any more
+        assert c.call("c5", "t__pid", {})["code"] == "tool_not_enabled"
+
+
+def test_stop_cancels_a_running_call_and_its_server_is_told(live: Live, tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    with client(live) as c:
+        c.ready()
+        c.enable("g1", "t__sleep", "t__pid")
+        c.send(type="call_tool", id="c1", name="t__sleep", arguments=json.dumps({"seconds": 600,
+                                                                                "marker": str(marker)}))
+        deadline = time.monotonic() + 30
+        while not (marker.exists() and marker.read_text() == "started"):
+            assert time.monotonic() < deadline, "the call never started"
+            time.sleep(0.02)
+        c.send(type="call_tool", id="c2", name="t__pid", arguments="{}")
+        assert c.next("error", rid="c2")["code"] == "busy_connection"
+        c.send(type="stop", id="c1")
+        result = c.next("tool_result", rid="c1")
+        assert result["error"] == "cancelled" and result["is_error"] and result["ms"] < 30_000
+        while marker.read_text() != "cancelled":  # the SDK sent notifications/cancelled
+            assert time.monotonic() < deadline, f"the server was not told: marker {marker.read_text()!r}"
+            time.sleep(0.02)
+        assert c.call("c3", "t__pid", {})["type"] == "tool_result"  # the connection is free again
+
+
+def test_a_call_past_its_time_limit_is_that_calls_timeout(live: Live) -> None:
+    with client(live) as c:
+        c.ready()
+        c.enable("g1", "t__sleep")
+        result = c.call("c1", "t__sleep", {"seconds": 600})
+        assert result["error"] == "timeout" and "within 3 s" in result["text"], result
+        assert 3000 <= result["ms"] < 30_000
+
+
+def test_a_server_that_dies_mid_call_is_that_calls_error_and_comes_back(live: Live) -> None:
+    with client(live) as c:
+        c.ready()
+        c.enable("g1", "t__crash", "t__pid")
+        first = int(c.call("c0", "t__pid", {})["text"])
+        result = c.call("c1", "t__crash", {})
+        assert result["type"] == "tool_result" and result["error"] == "server_died", result
+        again = c.call("c2", "t__pid", {})  # a call made while its server restarts waits for it
+        assert again["type"] == "tool_result" and int(again["text"]) != first
+        assert any(s["state"] != "ready" for m in c.tools for s in m["servers"])  # the page saw it go
+
+
+def test_a_huge_result_is_cut_with_a_note_and_html_stays_text(live: Live) -> None:
+    with client(live) as c:
+        c.ready()
+        c.enable("g1", "t__big", "t__html")
+        big = c.call("c1", "t__big", {"chars": 10_000_000})
+        assert big["truncated"] and big["total_chars"] == 10_000_000
+        assert big["text"].startswith("0123456789")
+        assert "[truncated: the result was 10,000,000 characters" in big["text"]
+        assert len(big["text"]) < DEFAULT_MAX_RESULT_CHARS + 200
+        html = c.call("c2", "t__html", {})
+        assert html["text"] == HTML and not html["is_error"]
+
+
+def test_a_server_without_mcp_config_refuses_tools(config: ServerConfig, runtime: Runtime) -> None:
+    with served(config, runtime, None) as live, client(live) as c:
+        c.send(type="generate", id="g1", messages=[{"role": "user", "content": "hi"}], tools=["t__pid"])
+        assert "--mcp-config" in c.next("error", rid="g1")["message"]
+        c.send(type="call_tool", id="c1", name="t__pid", arguments="{}")
+        refused = c.next("error", rid="c1")
+        assert refused["code"] == "bad_message" and "--mcp-config" in refused["message"]
+        assert c.tools == []
