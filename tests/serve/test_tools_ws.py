@@ -165,3 +165,57 @@ def test_a_server_without_mcp_config_refuses_tools(config: ServerConfig, runtime
         refused = c.next("error", rid="c1")
         assert refused["code"] == "bad_message" and "--mcp-config" in refused["message"]
         assert c.tools == []
+
+
+def test_a_continued_call_is_parsed_from_its_kept_text(live: Live) -> None:
+    kept = '<tool_call>\n{"name": "t__add", "arguments": {"a": 1'
+    with client(live) as c:
+        c.ready()
+        c.send(type="generate", id="g1", max_new_tokens=200, tools=["t__add"], **{"continue": True},
+               messages=[{"role": "user", "content": "add"}, {"role": "assistant", "content": kept}])
+        text = ""
+        while (msg := c.next("chunk", "done", "error", rid="g1"))["type"] == "chunk":
+            text += msg["text"]
+        assert msg["type"] == "done", msg
+        [call] = msg["tool_calls"]
+        start, end = call["span"]
+        assert start == 0 and (kept + text)[start:end].endswith("</tool_call>")
+        arguments = json.loads(call["function"]["arguments"])
+        assert arguments["a"] == 1 and set(arguments) == {"a", "b"} and isinstance(arguments["b"], int)
+
+
+def test_tools_that_fill_the_context_say_so(config: ServerConfig, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    small = replace(config, max_seq_len=1024)
+    with served(small, load_runtime(small), write_config(tmp_path / "mcp.json")) as live, client(live) as c:
+        names = [t["name"] for t in c.ready()["servers"][0]["tools"]]
+        c.send(type="generate", id="g1", messages=[{"role": "user", "content": "hi"}], max_new_tokens=16,
+               tools=names)
+        refused = c.next("error", rid="g1")
+        assert refused["code"] == "prompt_too_long", refused
+        assert "the tools switched on take about" in refused["message"]
+
+
+def test_a_remote_engine_gets_the_tools_and_its_calls_are_parsed(live: Live, tmp_path: Path) -> None:
+    from live_server import free_port, uvicorn_thread
+
+    from webchat.serve.app import create_app
+
+    port = free_port()
+    cfg = ServerConfig(model_dir=Path("."), port=port, engine_url=live.url,
+                       mcp_config=write_config(tmp_path / "m.json"))
+    with uvicorn_thread(create_app(cfg), port) as url:
+        front = Live(url, url.replace("http://", "ws://") + "/ws", None, live.probe)
+        with client(front) as c:
+            c.ready()
+            c.send(type="generate", id="g1", messages=[{"role": "user", "content": "pid?"}], max_new_tokens=200,
+                   tools=["t__pid"], tool_choice={"type": "function", "function": {"name": "t__pid"}})
+            text = ""
+            while (msg := c.next("chunk", "done", "error", rid="g1"))["type"] == "chunk":
+                text += msg["text"]
+            assert msg["type"] == "done", msg
+            [call] = msg["tool_calls"]
+            assert call["function"]["name"] == "t__pid" and json.loads(call["function"]["arguments"]) == {}
+            assert text[call["span"][0] : call["span"][1]].startswith("<tool_call>")
+            assert c.call("c1", "t__pid", {})["type"] == "tool_result"
