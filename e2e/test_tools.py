@@ -170,6 +170,7 @@ def test_a_forced_call_shows_its_heatmap_and_allow_runs_it(tools_chat: ChatPage,
 
 
 def test_deny_tells_the_model_and_runs_nothing(tools_chat: ChatPage) -> None:
+    tools_chat.set_settings(tool_rounds="1")  # one round of calls a question: then the model answers in words
     use_tool(tools_chat, "local__now")
     card = ask_for_call(tools_chat, "What time is it?")
     card.get_by_test_id("tool-deny").click()
@@ -177,6 +178,7 @@ def test_deny_tells_the_model_and_runs_nothing(tools_chat: ChatPage) -> None:
     expect(card).to_have_attribute("data-status", "denied")
     after = generates(tools_chat)[-1]
     assert after["messages"][-1]["role"] == "tool" and after["messages"][-1]["content"] == DENIED
+    assert after["tools"] == ["local__now"] and after["tool_choice"] == "none"  # the round used up
     assert [f for f in tools_chat.sent if f.get("type") == "call_tool"] == []
 
 

@@ -176,7 +176,12 @@ class Connection:
         self.call = RunningCall(msg.id, msg.name, task, time.monotonic())
 
     async def _run_call(self, tools: ToolHub, request_id: str, name: str, arguments: dict[str, Any]) -> None:
-        result = await tools.call(request_id, name, arguments)
+        try:
+            result = await tools.call(request_id, name, arguments)
+        except Exception as exc:  # a bug: the call still gets its one answer
+            log.exception("tool call %r failed", request_id)
+            result = p.ToolResult(id=request_id, name=name, text=f"webchat failed: {type(exc).__name__}: {exc}",
+                                  is_error=True, error="internal")
         if self.call is not None and self.call.id == request_id:  # not stopped meanwhile
             self.call = self.current = None
             self.outbox.push(result)

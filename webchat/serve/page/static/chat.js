@@ -5,6 +5,7 @@ import { renderText } from "./blocks.js";
 import { ReplyView } from "./reply.js";
 import { rawText } from "./thinking.js";
 import { renderToolResult } from "./toolcards.js";
+import { outsideCalls } from "./toolwire.js";
 
 /**
  * @typedef {import("./store.js").Message} Message
@@ -116,7 +117,9 @@ export class ChatView {
       bar.append(who);
     }
     if (msg.role === "assistant") {
-      bar.append(button("Copy", "copy", (b) => copy(msg.content, b)));  // the answer, never the thinking
+      // the answer, never the thinking, nor its tool calls' markup
+      const words = msg.toolCalls ? outsideCalls(msg.content, msg.toolCalls) : msg.content;
+      bar.append(button("Copy", "copy", (b) => copy(words, b)));
       bar.append(button("Regenerate", "regenerate", () => a.onRegenerate(step), this.busy));
       if (last) bar.append(button("Continue", "continue", () => a.onContinue(step), this.busy || rawText(msg) === ""));
     } else if (msg.role === "tool") {

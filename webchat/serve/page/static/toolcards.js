@@ -185,8 +185,9 @@ export function renderToolResult(body, msg) {
   head.className = "tool-result-head";
   const name = document.createElement("code");
   name.textContent = splitName(msg.toolName ?? "")[1] || "a tool";
-  const notes = [msg.error ? `no result: ${msg.error.replace(/_/g, " ")}` : msg.isError ? "the tool reported an error" : "",
-    msg.truncated ? "cut to its first characters" : ""].filter((n) => n);
+  const why = msg.error ? `no result: ${msg.error.replace(/_/g, " ")}`
+    : msg.isError ? "the tool reported an error" : "";
+  const notes = [why, msg.truncated ? "cut to its first characters" : ""].filter((n) => n);
   head.append("Result of ", name, notes.length ? ` · ${notes.join(" · ")}` : "");
   const pre = document.createElement("pre");
   pre.className = "tool-result";

@@ -27,13 +27,15 @@ import { allMessages, append, path } from "./tree.js";
  */
 
 const STOP_TIMEOUT_MS = 15000;
+/** A call not yet settled: the loop still holds it. */
+const UNSETTLED = ["pending", "allowed", "running"];
 
 /** Calls left undecided or unfinished in stored conversations: the page that would run them is gone. */
 /** @param {Conversation[]} convs */
 export function settleStored(convs) {
   for (const conv of convs) {
     for (const m of allMessages(conv.root)) {
-      for (const c of m.toolCalls ?? []) if (["pending", "allowed", "running"].includes(c.status)) c.status = "cancelled";
+      for (const c of m.toolCalls ?? []) if (UNSETTLED.includes(c.status)) c.status = "cancelled";
     }
   }
 }
@@ -102,7 +104,9 @@ export class ToolLoop {
   afterReply(conv, msg, reason, calls) {
     if (!calls?.length) return;
     msg.toolCalls = fromDone(calls, reason === "cancelled");
-    for (const c of msg.toolCalls) if (c.status === "pending" && conv.allowedTools?.includes(c.name)) c.status = "allowed";
+    for (const c of msg.toolCalls) {
+      if (c.status === "pending" && conv.allowedTools?.includes(c.name)) c.status = "allowed";
+    }
     this.advance(conv, msg);
   }
 
@@ -210,7 +214,7 @@ export class ToolLoop {
     const call = /** @type {ToolCall} */ (r.msg.toolCalls?.[r.index]);
     call.ms = out.ms;
     if (out.error === "cancelled") {
-      for (const c of r.msg.toolCalls ?? []) if (["pending", "allowed", "running"].includes(c.status)) c.status = "cancelled";
+      for (const c of r.msg.toolCalls ?? []) if (UNSETTLED.includes(c.status)) c.status = "cancelled";
       this.d.lib.save(r.conv);
       this.d.progress("Stopped: the tool call was cancelled");
       this.d.refresh();
@@ -253,7 +257,7 @@ export class ToolLoop {
    */
   skipPending(conv) {
     for (const s of path(conv)) {
-      for (const c of s.msg.toolCalls ?? []) if (c.status === "pending" || c.status === "allowed") c.status = "cancelled";
+      for (const c of s.msg.toolCalls ?? []) if (["pending", "allowed"].includes(c.status)) c.status = "cancelled";
     }
   }
 }

@@ -28,11 +28,17 @@ export function checkToolFields(msg, at) {
     if (typeof msg.toolCallId !== "string" || msg.toolCallId === "") {
       return `${at}.toolCallId: expected the id of the call it answers, got ${shown(msg.toolCallId)}`;
     }
-    if (msg.toolName !== undefined && !name(msg.toolName)) return `${at}.toolName: expected a tool's name, got ${shown(msg.toolName)}`;
-    for (const key of ["isError", "truncated"]) {
-      if (msg[key] !== undefined && typeof msg[key] !== "boolean") return `${at}.${key}: expected true or false, got ${shown(msg[key])}`;
+    if (msg.toolName !== undefined && !name(msg.toolName)) {
+      return `${at}.toolName: expected a tool's name, got ${shown(msg.toolName)}`;
     }
-    if (msg.error !== undefined && typeof msg.error !== "string") return `${at}.error: expected a string, got ${shown(msg.error)}`;
+    for (const key of ["isError", "truncated"]) {
+      if (msg[key] !== undefined && typeof msg[key] !== "boolean") {
+        return `${at}.${key}: expected true or false, got ${shown(msg[key])}`;
+      }
+    }
+    if (msg.error !== undefined && typeof msg.error !== "string") {
+      return `${at}.error: expected a string, got ${shown(msg.error)}`;
+    }
   } else if (msg.toolCallId !== undefined) {
     return `${at}.toolCallId: only a tool message answers a call, got one on a ${msg.role} message`;
   }
@@ -55,7 +61,9 @@ export function checkToolFields(msg, at) {
         && /** @type {number} */ (span[1]) <= /** @type {string} */ (msg.content).length)) {
       return `${here}.span: expected [start, end] within the reply's text, got ${shown(call.span)}`;
     }
-    if (call.ms !== undefined && !(typeof call.ms === "number" && call.ms >= 0)) return `${here}.ms: expected a number ≥ 0, got ${shown(call.ms)}`;
+    if (call.ms !== undefined && !(typeof call.ms === "number" && call.ms >= 0)) {
+      return `${here}.ms: expected a number ≥ 0, got ${shown(call.ms)}`;
+    }
   }
   return "";
 }

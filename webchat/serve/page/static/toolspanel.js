@@ -52,7 +52,8 @@ export class ToolsPanel {
 
   /** @returns {Set<string>} the names of the tools ready servers list */
   ready() {
-    return new Set((this.state?.servers ?? []).filter((s) => s.state === "ready").flatMap((s) => s.tools.map((t) => t.name)));
+    const ready = (this.state?.servers ?? []).filter((s) => s.state === "ready");
+    return new Set(ready.flatMap((s) => s.tools.map((t) => t.name)));
   }
 
   /**
@@ -94,7 +95,8 @@ export class ToolsPanel {
     state.textContent = s.state;
     legend.append(name, " ", state, ` · ${s.transport} · ${s.tools.length} tool${s.tools.length === 1 ? "" : "s"}`);
     box.append(legend);
-    const notes = [s.message, ...s.notes, s.retry_in_s !== null ? `next try in ${s.retry_in_s} s` : ""].filter((n) => n);
+    const retry = s.retry_in_s !== null ? `next try in ${s.retry_in_s} s` : "";
+    const notes = [s.message, ...s.notes, retry].filter((n) => n);
     for (const note of notes) {
       const p = document.createElement("p");
       p.className = "tools-note";

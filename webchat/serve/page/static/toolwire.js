@@ -54,7 +54,8 @@ export function toWire(messages) {
     const out = { role: m.role, content: head + outsideCalls(m.content, m.toolCalls) };
     const calls = m.toolCalls.filter((c) => told.has(c.id));
     if (calls.length) {
-      out.tool_calls = calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+      out.tool_calls = calls.map((c) => ({ id: c.id, type: "function",
+        function: { name: c.name, arguments: c.arguments } }));
     }
     return out;
   });
@@ -69,7 +70,8 @@ export function toWire(messages) {
 export function fromDone(calls, cut) {
   return calls.map((c) => {
     /** @type {ToolCall} */
-    const call = { id: c.id, name: c.function.name, arguments: c.function.arguments, status: cut ? "cancelled" : "pending" };
+    const call = { id: c.id, name: c.function.name, arguments: c.function.arguments,
+      status: cut ? "cancelled" : "pending" };
     if (Array.isArray(c.span) && c.span.length === 2) call.span = [c.span[0], c.span[1]];
     return call;
   });
@@ -124,8 +126,8 @@ export class CallRouter {
   /** @param {ToolCall[]} calls */
   constructor(calls) {
     /** @type {[number, number, number][]} start, end, call index */
-    this.spans = calls.flatMap((c, i) => (c.span ? [/** @type {[number, number, number]} */ ([c.span[0], c.span[1], i])] : []))
-      .sort((a, b) => a[0] - b[0]);
+    const spans = calls.flatMap((c, i) => (c.span ? [[c.span[0], c.span[1], i]] : []));
+    this.spans = /** @type {[number, number, number][]} */ (spans).sort((a, b) => a[0] - b[0]);
     this.at = 0;
   }
 
