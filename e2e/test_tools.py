@@ -281,3 +281,29 @@ def test_axe_finds_no_serious_violations_in_the_tools(tools_server: Server,
     use_tool(chat, "local__weather")
     ask_for_call(chat, "Weather?")
     assert run_axe(chat.page) == [], "the tools panel and a call waiting"
+
+
+CALL = {"id": "call_1", "name": "local__now", "arguments": "{}", "status": "done", "span": [0, 2]}
+
+
+@pytest.mark.parametrize(("reply", "result", "field"), [
+    ({"toolCalls": [{**CALL, "status": "hacked"}]}, {}, "toolCalls[0].status"),
+    ({"toolCalls": [{**CALL, "span": [0, 99]}]}, {}, "toolCalls[0].span"),
+    ({"toolCalls": [CALL]}, {"toolCallId": None}, "toolCallId"),
+])
+def test_a_crafted_tool_field_is_refused_by_name(tools_server: Server, new_page: Callable[..., ChatPage],
+                                                 tmp_path: Path, reply: dict[str, Any], result: dict[str, Any],
+                                                 field: str) -> None:  # fmt: skip
+    msgs = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "{}", **reply},
+            {"role": "tool", "content": "noon", "toolCallId": "call_1", **result}]
+    thread = None
+    for msg in reversed(msgs):
+        thread = {"versions": [{"msg": msg, "next": thread}], "current": 0}
+    conv = {"id": "x", "title": "crafted", "created": 1, "updated": 2, "root": thread}
+    path = tmp_path / "crafted.json"
+    path.write_text(json.dumps({"format": "webchat-conversations", "version": 3, "conversations": [conv]}))
+    chat = new_page(tools_server)
+    chat.page.get_by_test_id("import-file").set_input_files(str(path))
+    status = chat.page.get_by_test_id("import-status")
+    expect(status).to_contain_text(field)
+    expect(status).to_contain_text("nothing was imported")
