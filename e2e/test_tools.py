@@ -52,7 +52,8 @@ def tools_server(launch_tiny: Callable[..., Server], tmp_path_factory: pytest.Te
     http = HttpTools()
     config = tmp_path_factory.mktemp("mcp") / "mcp.json"
     config.write_text(json.dumps({"mcpServers": {
-        "local": {"command": sys.executable, "args": [str(TOOLS_SERVER), "stdio"], "timeout": 3},
+        "local": {"command": sys.executable, "args": [str(TOOLS_SERVER), "stdio"]},
+        "strict": {"command": sys.executable, "args": [str(TOOLS_SERVER), "stdio"], "timeout": 3},
         "web": {"url": http.url},
         "time": {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]},
     }}))
@@ -73,7 +74,7 @@ def open_tools(chat: ChatPage) -> None:
     page = chat.page
     if page.get_by_test_id("tools-view").is_hidden():
         page.get_by_test_id("tools-open").click()
-    expect(page.locator("[data-testid=tools-server][data-state=ready]")).to_have_count(3, timeout=CALL_S)
+    expect(page.locator("[data-testid=tools-server][data-state=ready]")).to_have_count(4, timeout=CALL_S)
 
 
 def use_tool(chat: ChatPage, name: str) -> None:
@@ -213,7 +214,7 @@ def test_the_published_time_server(tools_chat: ChatPage, e2e_tiny_model_dir: Pat
 def test_each_limit_is_that_calls_outcome_shown_as_text(tools_chat: ChatPage) -> None:
     page = tools_chat.page
     title = page.title()
-    expected = {"local__slow": "within 3 s", "local__crash": "closed the connection",
+    expected = {"strict__slow": "within 3 s", "local__crash": "closed the connection",
                 "local__huge": "[truncated: the result was 10,000,000 characters",
                 "local__html": '<script>document.title = "pwned"</script>'}
     for i, (tool, words) in enumerate(expected.items()):

@@ -21,10 +21,12 @@ TOOLSERVER = Path(__file__).resolve().parents[1] / "mcp" / "toolserver.py"
 BOUND_S = 60.0  # a guard against a hang, never an expectation
 
 
-def write_config(path: Path, timeout_s: float = 60.0) -> Path:
-    """An --mcp-config with one stdio server, `t`: the test tool server."""
-    path.write_text(json.dumps({"mcpServers": {"t": {"command": sys.executable, "args": [str(TOOLSERVER), "stdio"],
-                                                     "timeout": timeout_s}}}))
+def write_config(path: Path, **timeouts: float) -> Path:
+    """An --mcp-config of stdio servers running the test tool server, each with its call time limit (seconds); by
+    default one, `t`, with 60 s."""
+    servers = {name: {"command": sys.executable, "args": [str(TOOLSERVER), "stdio"], "timeout": timeout}
+               for name, timeout in (timeouts or {"t": 60.0}).items()}
+    path.write_text(json.dumps({"mcpServers": servers}))
     return path
 
 
