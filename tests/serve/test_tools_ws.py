@@ -222,3 +222,23 @@ def test_a_remote_engine_gets_the_tools_and_its_calls_are_parsed(live: Live, tmp
             assert call["function"]["name"] == "t__pid" and json.loads(call["function"]["arguments"]) == {}
             assert text[call["span"][0] : call["span"][1]].startswith("<tool_call>")
             assert c.call("c1", "t__pid", {})["type"] == "tool_result"
+
+
+def test_the_servers_start_and_stop_with_the_app(config: ServerConfig, runtime: Runtime, tmp_path: Path) -> None:
+    before = descendants()
+    with served(config, runtime, write_config(tmp_path / "mcp.json")) as live, client(live) as c:
+        c.ready()
+        c.enable("g", "t__pid")
+        assert int(c.call("c0", "t__pid", {})["text"]) in descendants() - before
+    assert descendants() <= before, "a server's process outlived the app"
+
+
+def test_a_bad_config_file_stops_serve_before_anything_starts(tiny_model_dir: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from webchat.cli.main import cli
+
+    bad = tmp_path / "mcp.json"
+    bad.write_text(json.dumps({"mcpServers": {"files": {"command": "npx", "args": ["-y", 3]}}}))
+    assert cli(["serve", "--model", str(tiny_model_dir), "--device", "cpu", "--mcp-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: mcpServers.files.args[1]" in err and "got a number" in err, err
