@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-affinity-header", default=None, metavar="NAME",
                         help="also send each conversation's stable key in this header (e.g. x-session-id) for a "
                         "router's session affinity; it always goes in the body's 'user' field")
+    parser.add_argument("--mcp-config", type=Path, default=None, metavar="FILE",
+                        help="start the MCP servers this file names (the mcpServers form of Claude Desktop, Cursor and "
+                        "LM Studio) and offer their tools in the page; only this file defines servers (docs/tools.md)")
+    parser.add_argument("--mcp-result-chars", type=_positive, default=16_000, metavar="N",
+                        help="a tool result's text is cut to N characters, with a note (default 16000)")
 
 
 def _positive(text: str) -> int:
@@ -131,7 +136,9 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         engine_timeout=getattr(args, "engine_timeout", 60.0),
                         engine_affinity_header=getattr(args, "engine_affinity_header", None),
                         models_dir=getattr(args, "models_dir", None), max_models=getattr(args, "max_models", 2),
-                        memory_budget=parse_size(args.memory_budget) if getattr(args, "memory_budget", None) else None)
+                        memory_budget=parse_size(args.memory_budget) if getattr(args, "memory_budget", None) else None,
+                        mcp_config=getattr(args, "mcp_config", None),
+                        mcp_result_chars=getattr(args, "mcp_result_chars", 16_000))
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
@@ -158,6 +165,14 @@ def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> in
     except ValueError as exc:
         print(f"webchat serve: {exc}", file=sys.stderr)
         return 2
+    if config.mcp_config is not None:
+        from webchat.mcp.config import McpConfigError, load_config  # no MCP SDK import: the file is only read
+
+        try:
+            load_config(config.mcp_config)  # refused here, naming the file, the server and the field
+        except McpConfigError as exc:
+            print(f"webchat serve: {exc}", file=sys.stderr)
+            return 2
     if not is_loopback(config.host):
         if not config.allow_origins and not config.access_token:
             print(f"webchat serve: refusing to bind to {config.host}, which is not loopback, without --allow-origin "

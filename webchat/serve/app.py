@@ -40,7 +40,7 @@ from webchat.serve.worker import Worker
 from webchat.serve.ws import Connection
 
 if TYPE_CHECKING:
-    pass
+    from webchat.serve.toolhub import ToolHub
 
 log = logging.getLogger("webchat.serve.app")
 
@@ -102,6 +102,11 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
                 models = _models(config, rt, device)
                 worker = models.fleet
         worker.start()
+        try:
+            tools = await _start_tools(config, rt)
+        except BaseException:
+            worker.stop()
+            raise
         loop = asyncio.get_running_loop()
         previous_handler = loop.get_exception_handler()
         loop.set_exception_handler(AcceptErrorLog())
@@ -113,9 +118,11 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
             print(f"webchat: {rt.model_name} on {rt.device} ({rt.dtype}, weights {rt.weights}) ready at "
                   f"{display_url(config)}", flush=True)
         try:
-            yield {"runtime": rt, "worker": worker, "config": config, "models": models}
+            yield {"runtime": rt, "worker": worker, "config": config, "models": models, "tools": tools}
         finally:
             loop.set_exception_handler(previous_handler)
+            if tools is not None:
+                await tools.manager.stop()  # every server's process stopped, in the task that started them
             api.close()
             worker.stop()
             if isinstance(rt, RemoteRuntime):
@@ -160,7 +167,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
             return
         await websocket.accept()
         conn = Connection(websocket, websocket.state.runtime, websocket.state.worker, config, guard,
-                          websocket.state.models)
+                          websocket.state.models, websocket.state.tools)
         await conn.serve()
 
     routes = [
@@ -179,6 +186,24 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
         app.add_middleware(TokenCheck, token=config.access_token, skip_prefix="/v1" if config.api_key else None)
     app.state.openai = api
     return app
+
+
+async def _start_tools(config: ServerConfig, rt: Runtime) -> ToolHub | None:
+    """The --mcp-config servers started (each connects in the background); None without the flag. The MCP SDK is
+    imported only here."""
+    if config.mcp_config is None:
+        return None
+    from webchat.mcp.config import load_config
+    from webchat.mcp.manager import McpManager
+    from webchat.serve.toolhub import ToolHub
+
+    manager = McpManager(load_config(config.mcp_config))
+    await manager.start()
+    names = ", ".join(f"{s.name} ({s.transport})" for s in manager.config.servers) or "none"
+    print(f"webchat: MCP servers from {config.mcp_config}: {names}", flush=True)
+    tokenizer = rt.tokenizer
+    count = None if tokenizer is None else (lambda text: len(tokenizer.encode_text(text)))
+    return ToolHub(manager, config.mcp_result_chars, count)
 
 
 def _secure_headers(response: Response, host: str | None) -> None:

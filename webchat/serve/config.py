@@ -50,6 +50,8 @@ class ServerConfig:
     engine_key: str | None = None  # sent upstream as Authorization: Bearer; never shown
     engine_timeout: float = 60.0  # seconds the upstream may send nothing before the request fails
     engine_affinity_header: str | None = None  # also send the conversation key in this header (routers' affinity)
+    mcp_config: Path | None = None  # the MCP servers' file (webchat.mcp.config): the only place servers are defined
+    mcp_result_chars: int = 16_000  # a tool result's text is cut there, with a note
     templates_dir: Path = PAGE / "templates"
     static_dir: Path = PAGE / "static"
 

@@ -17,6 +17,7 @@ from webchat.serve.parts import Parts, check_tool_fields, neutral, text_of
 from webchat.serve.replyformat import ResponseFormat
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import MAX_BUDGET
+from webchat.serve.tools import MAX_TOOLS, ToolChoice
 
 VERSION = 1
 MAX_ALTERNATIVES = 20
@@ -25,7 +26,7 @@ MAX_TEMPLATE_KWARGS = 32
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
     "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable", "grammar",
-    "load_limit",
+    "load_limit", "unknown_tool", "tool_not_enabled", "bad_arguments",
 )
 MAX_TOOL_CALLS = 32  # calls in one assistant message
 MAX_TOOL_ARGUMENTS = 64 * 1024  # a call's arguments, as JSON text
@@ -120,6 +121,7 @@ class ChatMessage(_Strict):
 
 
 RequestId = Annotated[str, Field(min_length=1, max_length=64)]
+ToolName = Annotated[str, Field(min_length=1, max_length=64)]
 
 
 class Generate(_Strict):
@@ -143,6 +145,9 @@ class Generate(_Strict):
     # more variables for the chat template (`enable_thinking`: the page's Think switch); webchat.serve.thinking
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     reasoning_budget: Annotated[int, Field(ge=-1, le=MAX_BUDGET)] | None = None  # None: --reasoning-budget; -1: none
+    # the MCP tools this reply may call, by the names the `tools` message lists (only those: never a definition)
+    tools: Annotated[list[ToolName], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None  # as the API's; needs `tools`; None: auto
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
@@ -193,9 +198,19 @@ class Score(_Strict):
         return self
 
 
-ClientMessage = Generate | Stop | Score
-_CLIENT_TYPES: dict[str, type[Generate] | type[Stop] | type[Score]] = {"generate": Generate, "stop": Stop,
-                                                                       "score": Score}
+class CallTool(_Strict):
+    """Run one call the model made (issue 66): a tool the `tools` message listed and the last `generate` enabled, its
+    arguments the JSON object text the model wrote; answered by `tool_result`, stopped by `stop` with this id."""
+
+    type: Literal["call_tool"]
+    id: RequestId
+    name: ToolName
+    arguments: Annotated[str, Field(max_length=MAX_TOOL_ARGUMENTS)]
+
+
+ClientMessage = Generate | Stop | Score | CallTool
+_CLIENT_TYPES: dict[str, type[Generate] | type[Stop] | type[Score] | type[CallTool]] = {
+    "generate": Generate, "stop": Stop, "score": Score, "call_tool": CallTool}
 
 
 # ---------------------------------------------------------------- server → client
@@ -282,6 +297,8 @@ class Done(_Strict):
     reason: Literal["stop_token", "stop_string", "max_new_tokens", "context_full", "cancelled"]
     trigger: str | None = None
     stats: Stats
+    # a reply that had tools: its calls as parsed ({id, type, function: {name, arguments}, span: [start, end]})
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class Error(_Strict):
@@ -290,7 +307,7 @@ class Error(_Strict):
     code: Literal[
         "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy",
         "internal", "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
-        "scoring_unavailable", "grammar", "load_limit",
+        "scoring_unavailable", "grammar", "load_limit", "unknown_tool", "tool_not_enabled", "bad_arguments",
     ]
     message: str
 
@@ -320,7 +337,30 @@ class Scored(_Strict):
     stats: Stats
 
 
-ServerMessage = Hello | Queued | Start | Chunk | Done | Error | Loading | Scored
+class Tools(_Strict):
+    """The --mcp-config servers (issue 66): each one's state and tools; sent after `hello` and again on every change."""
+
+    type: Literal["tools"] = "tools"
+    servers: list[dict[str, Any]]
+    max_result_chars: int  # a result's text is cut there, with a note
+
+
+class ToolResult(_Strict):
+    """A `call_tool`'s answer: the result as plain text (never HTML), or why there is none (`error`: a kind of
+    webchat.mcp.result.ErrorKind, or `cancelled`), the text then saying so."""
+
+    type: Literal["tool_result"] = "tool_result"
+    id: str
+    name: str
+    text: str
+    is_error: bool = False  # the tool reported a failure, or there is no result (`error`)
+    error: str | None = None
+    truncated: bool = False
+    total_chars: int = 0
+    ms: float = 0.0
+
+
+ServerMessage = Hello | Queued | Start | Chunk | Done | Error | Loading | Scored | Tools | ToolResult
 
 
 # ---------------------------------------------------------------- the websocket adapter of the worker's events

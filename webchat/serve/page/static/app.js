@@ -21,6 +21,8 @@ import { Scorer } from "./score.js";
 import { renderSidebar } from "./sidebar.js";
 import { titleOf } from "./store.js";
 import { ThinkSwitch } from "./thinking.js";
+import { ToolLoop, settleStored } from "./tools.js";
+import { ToolsPanel } from "./toolspanel.js";
 import { path, removeVersion, show } from "./tree.js";
 import { Turns } from "./turns.js";
 
@@ -38,11 +40,13 @@ const scoreInput = /** @type {HTMLTextAreaElement} */ ($("score-input"));
 const settings = new SettingsPanel($("settings-form"));
 new Presets($("settings-form"), settings);
 const lib = await Library.load();
+settleStored(lib.all);  // tool calls a closed page left waiting or running are not run
 const replyFormat = new ReplyFormatField($("settings-form"), (conv) => lib.save(conv));
 const announcer = new Announcer($("announcer"));
 const connection = new Connection(socketUrl(), {
-  onState: showConn, onClose: () => { turns.lost(); scorer.lost(); },
-  onMessage: (m) => (m.type === "hello" ? applyHello(m) : scorer.onServer(m) || turns.onServer(m)),
+  onState: showConn, onClose: () => { turns.lost(); scorer.lost(); tools.lost(); },
+  onMessage: (m) => (m.type === "hello" ? applyHello(m) : m.type === "tools" ? toolsPanel.set(m)
+    : tools.onServer(m) || scorer.onServer(m) || turns.onServer(m)),
 });
 const turns = new Turns({
   connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
@@ -57,7 +61,16 @@ const turns = new Turns({
   format: () => replyFormat.value(),
   formatError: () => replyFormat.error(),
   templateKwargs: (conv) => think.kwargs(conv),
+  toolFields: (conv, history, cont) => tools.fields(conv, history, cont),
+  afterReply: (conv, msg, reason, calls) => tools.afterReply(conv, msg, reason, calls),
 });
+const tools = new ToolLoop({
+  connection, lib, turns, refresh, error: (text, code) => view.showError(text, code),
+  progress: (text) => { activity.textContent = text; }, rounds: () => settings.toolRounds(),
+  ready: () => toolsPanel.ready(),
+});
+const toolsPanel = new ToolsPanel($("tools-view"), /** @type {HTMLButtonElement} */ ($("tools-open")),
+  (conv) => lib.save(conv), () => settings.limits.contextLength);
 const think = new ThinkSwitch($("think-switch"), /** @type {HTMLInputElement} */ ($("think")), (on) => {
   lib.current.think = on;
   lib.save();
@@ -67,7 +80,7 @@ let defaultThinking = null;
 const scorer = new Scorer({
   connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
   progress: (text) => { activity.textContent = text; },
-  models: () => picker.cards.map((c) => c.name), model: () => picker.value, busy: () => turns.active !== null,
+  models: () => picker.cards.map((c) => c.name), model: () => picker.value, busy: () => tools.busy,
 });
 /** The header while a model is picked: its name and what it is; with one model, hello's line stays. */
 const picker = new ModelPicker(/** @type {HTMLSelectElement} */ ($("model-picker")), (card) => {
@@ -96,8 +109,8 @@ const view = new ChatView(messagesEl, {
     decorate: (el, step) => scorer.decorate(el, step) },
 });
 const popover = new TokenPopover(messagesEl, $("popover"), {
-  enabled: (span) => heat.on || span.closest(".score") !== null,
-  canPick: (span) => turns.active === null && connection.isOpen && span.closest(".score") === null,
+  enabled: (span) => heat.on || span.closest(".score, .tool-call") !== null,  // a call's tokens: always coloured
+  canPick: (span) => !tools.busy && connection.isOpen && span.closest(".score") === null,
   settingsOf: (span) => stepOf(span)?.msg.settings,
   onPick: (span, alt) => {
     const step = stepOf(span);
@@ -125,11 +138,12 @@ function stepOf(span) {
 function refresh() {
   const a = turns.active;
   const live = a && a.conv === lib.current ? a.msg : null;
-  const liveView = view.render(path(lib.current), live, a !== null || scorer.active !== null);
+  const liveView = view.render(path(lib.current), live, tools.busy || scorer.active !== null);
   if (a) a.view = liveView;
   scorer.renderText(scoreInput, $("score-result"));
   if (replyFormat.conv !== lib.current || !a) replyFormat.show(lib.current);
   think.show(lib.current);
+  toolsPanel.show(lib.current);
   renderList();
   updateButtons();
   view.scrollToEnd(true);
@@ -172,7 +186,7 @@ function showConn(state, detail) {
 }
 
 function updateButtons() {
-  const a = turns.active;
+  const a = turns.active ?? tools.running;  // a reply streaming, or a tool call running
   const here = a !== null && a.conv === lib.current;
   sendBtn.hidden = here;
   stopBtn.hidden = !here;
@@ -223,9 +237,10 @@ function applyHello(hello) {
 }
 
 function send() {
-  if (turns.active || scorer.active) return;
+  if (tools.busy || scorer.active) return;
   view.clearError();
   if (turns.ask(input.value)) {
+    tools.skipPending(lib.current);  // calls of the last reply still waiting are not run
     input.value = "";
     saveDraft();
   } else if (turns.d.settings.validateAll().length > 0) {
@@ -259,10 +274,11 @@ $("composer").addEventListener("submit", (e) => {
   e.preventDefault();
   send();
 });
-stopBtn.addEventListener("click", () => turns.stop());
+stopBtn.addEventListener("click", () => (tools.running ? tools.stop() : turns.stop()));
 document.addEventListener("keydown", (e) => {
   if (e.key !== "Escape") return;
-  if (turns.active && turns.active.conv === lib.current) turns.stop();
+  if (tools.running && tools.running.conv === lib.current) tools.stop();
+  else if (turns.active && turns.active.conv === lib.current) turns.stop();
   else if (drawer.isOpen) drawer.close();
   else popover.hide();
 });
@@ -307,6 +323,7 @@ $("sidebar-toggle").addEventListener("click", () => {
   const open = document.body.classList.toggle("sidebar-open");
   $("sidebar-toggle").setAttribute("aria-expanded", String(open));
 });
+tools.attach(messagesEl);
 input.value = sessionStorage.getItem("webchat.draft") ?? "";
 heat.apply();
 refresh();

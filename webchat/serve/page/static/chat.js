@@ -4,6 +4,8 @@
 import { renderText } from "./blocks.js";
 import { ReplyView } from "./reply.js";
 import { rawText } from "./thinking.js";
+import { renderToolResult } from "./toolcards.js";
+import { outsideCalls } from "./toolwire.js";
 
 /**
  * @typedef {import("./store.js").Message} Message
@@ -67,6 +69,10 @@ export class ChatView {
         renderText(/** @type {HTMLElement} */ (el.querySelector(".msg-body")), step.msg.content);
         continue;
       }
+      if (step.msg.role === "tool") {  // a call's result, as the model is told it
+        renderToolResult(/** @type {HTMLElement} */ (el.querySelector(".msg-body")), step.msg);
+        continue;
+      }
       const view = new ReplyView(el, step.msg, this.focusable);
       if (step.msg === live) {
         liveView = view;
@@ -91,7 +97,8 @@ export class ChatView {
     const el = document.createElement("article");
     el.className = `msg msg-${msg.role}`;
     el.dataset.testid = `${msg.role}-message`;
-    el.setAttribute("aria-label", msg.role === "user" ? "You said" : "The model replied");
+    el.setAttribute("aria-label", msg.role === "user" ? "You said" : msg.role === "tool" ? "A tool's result"
+      : "The model replied");
     const body = document.createElement("div");
     body.className = "msg-body";
     body.dataset.testid = "message-body";
@@ -110,13 +117,17 @@ export class ChatView {
       bar.append(who);
     }
     if (msg.role === "assistant") {
-      bar.append(button("Copy", "copy", (b) => copy(msg.content, b)));  // the answer, never the thinking
+      // the answer, never the thinking, nor its tool calls' markup
+      const words = msg.toolCalls ? outsideCalls(msg.content, msg.toolCalls) : msg.content;
+      bar.append(button("Copy", "copy", (b) => copy(words, b)));
       bar.append(button("Regenerate", "regenerate", () => a.onRegenerate(step), this.busy));
       if (last) bar.append(button("Continue", "continue", () => a.onContinue(step), this.busy || rawText(msg) === ""));
+    } else if (msg.role === "tool") {
+      bar.append(button("Copy", "copy", (b) => copy(msg.content, b)));
     } else {
       bar.append(button("Edit", "edit", () => this.edit(el, step), this.busy));
     }
-    const score = a.score?.state(step);
+    const score = msg.role === "tool" ? null : a.score?.state(step);
     if (a.score && score) {
       const idle = !this.busy || score.label !== "Score";
       const b = button(score.label, "score", () => a.score?.onScore(step), score.disabled || !idle);

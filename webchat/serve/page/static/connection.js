@@ -19,12 +19,21 @@
  * @typedef {{type: "queued", id: string, position: number}
  *         | {type: "start", id: string, prompt_tokens: number, reused_tokens: number, trimmed_messages?: number}
  *         | {type: "chunk", id: string, text: string, thinking?: string, tokens?: WireToken[]}
- *         | {type: "done", id: string, reason: string, trigger?: unknown, stats: import("./store.js").Stats}
+ *         | {type: "done", id: string, reason: string, trigger?: unknown, stats: import("./store.js").Stats,
+ *            tool_calls?: import("./toolwire.js").WireCall[]}
+ *         | {type: "tools", servers: ToolServer[], max_result_chars: number}
+ *         | {type: "tool_result", id: string, name: string, text: string, is_error: boolean, error: string | null,
+ *            truncated: boolean, total_chars: number, ms: number}
  *         | {type: "error", id: string | null, code: string, message: string}
  *         | {type: "loading", id: string, model: string, state: "loading" | "loaded", size_bytes?: number,
  *            estimate_bytes?: number, seconds?: number, loaded?: string[]}
  *         | {type: "scored", id: string, model: string, tokens: WireToken[], stats: import("./store.js").Stats}
  *         | Hello} ServerMessage
+ * @typedef {{name: string, transport: string, state: string, message: string, notes: string[],
+ *            retry_in_s: number | null, tools: ServerTool[]}} ToolServer  an MCP server of --mcp-config (issue 66)
+ * @typedef {{name: string, tool: string, title: string | null, description: string,
+ *            parameters: Record<string, unknown>, tokens: number}} ServerTool
+ *   `name` is what the model calls it by (`server__tool`), `tokens` about what its definition takes of the context.
  * @typedef {{onState: (state: ConnState, detail: string) => void, onMessage: (msg: ServerMessage) => void,
  *            onClose: () => void}} Handlers
  */

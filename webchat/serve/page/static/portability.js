@@ -1,11 +1,13 @@
 // @ts-check
 /**
  * Export and import of conversations as JSON: every version, every token with its probability and alternatives.
- * Format: {"format": "webchat-conversations", "version": 2, "exported": ISO date, "conversations": [...]}.
+ * Format: {"format": "webchat-conversations", "version": 3, "exported": ISO date, "conversations": [...]}.
+ * Version 3 adds messages' parts (docs/protocol.md, "Messages and their parts"): a reply's `toolCalls`, `tool`
+ * messages, a chat's tools; versions 1 and 2 (no such fields) import as they are.
  */
 
 export const FORMAT = "webchat-conversations";
-export const VERSION = 2;
+export const VERSION = 3;
 
 /**
  * Starts a download of the conversations as one JSON file.

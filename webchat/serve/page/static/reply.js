@@ -8,6 +8,7 @@ import { MarkdownWriter } from "./blocks.js";
 import { JsonWriter } from "./jsonview.js";
 import { paintToken } from "./heatmap.js";
 import { ThinkingFold, tokensFit } from "./thinking.js";
+import { CallCards } from "./toolcards.js";
 
 /**
  * @typedef {import("./heatmap.js").Tok} Tok
@@ -161,6 +162,8 @@ export class ReplyView {
     const span = (piece, primary) => this.span(piece, primary);
     // a reply made under a JSON format: highlighted JSON, every token still its own span (jsonview.js)
     this.writer = msg.format ? new JsonWriter(this.body, span) : new MarkdownWriter(this.body, span);
+    /** @type {CallCards | null} its tool calls as cards (toolcards.js), given the answer's text that spells them */
+    this.cards = msg.toolCalls?.length ? new CallCards(el, msg, span) : null;
     this.queuedFlush = false;
     this.flushedAt = 0;
     this.flushCost = 0;  // ms a flush takes on the main thread, averaged
@@ -196,7 +199,13 @@ export class ReplyView {
    */
   push(text, tok, part, index) {
     if (tok) this.indexOf.set(tok, index);
-    if (text !== "") (part === "thinking" ? this.openFold().writer : this.writer).push(text, tok);
+    if (text === "") return;
+    if (part === "thinking") this.openFold().writer.push(text, tok);
+    else if (!this.cards) this.writer.push(text, tok);
+    else for (const [piece, call] of this.cards.route(text)) {
+      if (call < 0) this.writer.push(piece, tok);
+      else this.cards.push(call, piece, tok);
+    }
   }
 
   /**
@@ -223,6 +232,7 @@ export class ReplyView {
   /** Renders what is stored as final (a finished reply). */
   finishRender() {
     this.writer.finish();
+    this.cards?.finish();
     if (this.fold) {
       this.fold.writer.finish();
       this.fold.show(this.msg, false);

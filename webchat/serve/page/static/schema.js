@@ -13,6 +13,7 @@
  */
 
 import { checkFormat } from "./replyformat.js";
+import { checkConversationTools, checkToolFields } from "./toolschema.js";
 
 const MAX_DEPTH = 10000;
 const STATS = ["ttft_ms", "decode_tps", "new_tokens", "prompt_tokens", "reused_tokens", "drafted", "accepted"];
@@ -36,8 +37,12 @@ const shown = (v) => {
 export function checkMessage(m, at) {
   if (!isObject(m)) return `${at}: expected a message object, got ${shown(m)}`;
   const msg = /** @type {Record<string, unknown>} */ (m);
-  if (msg.role !== "user" && msg.role !== "assistant") return `${at}.role: expected "user" or "assistant", got ${shown(msg.role)}`;
+  if (msg.role !== "user" && msg.role !== "assistant" && msg.role !== "tool") {
+    return `${at}.role: expected "user", "assistant" or "tool", got ${shown(msg.role)}`;
+  }
   if (typeof msg.content !== "string") return `${at}.content: expected a string, got ${shown(msg.content)}`;
+  const tools = checkToolFields(msg, at);
+  if (tools) return tools;
   if (msg.reason !== undefined && typeof msg.reason !== "string") return `${at}.reason: expected a string, got ${shown(msg.reason)}`;
   if (msg.settings !== undefined && !isObject(msg.settings)) return `${at}.settings: expected an object, got ${shown(msg.settings)}`;
   if (msg.model !== undefined && typeof msg.model !== "string") return `${at}.model: expected a string, got ${shown(msg.model)}`;
@@ -179,6 +184,8 @@ export function checkConversation(c) {
   if (conv.model !== undefined && typeof conv.model !== "string") return `model: expected a string, got ${shown(conv.model)}`;
   if (conv.format !== undefined && checkFormat(conv.format, "format")) return checkFormat(conv.format, "format");
   if (conv.think !== undefined && typeof conv.think !== "boolean") return `think: expected true or false, got ${shown(conv.think)}`;
+  const tools = checkConversationTools(conv);
+  if (tools) return tools;
   for (const key of ["created", "updated"]) {
     if (conv[key] !== undefined && !finite(conv[key])) return `${key}: expected a time in ms, got ${shown(conv[key])}`;
   }
@@ -201,15 +208,19 @@ export function checkConversation(c) {
 function repairMessage(m) {
   if (!isObject(m)) return null;
   const raw = /** @type {Record<string, unknown>} */ (m);
-  if (raw.role !== "user" && raw.role !== "assistant") return null;
+  if (raw.role !== "user" && raw.role !== "assistant" && raw.role !== "tool") return null;
   /** @type {Message} */
   const msg = { role: raw.role, content: typeof raw.content === "string" ? raw.content : "" };
+  if (raw.role === "tool") {  // a result is nothing without the call it answers
+    if (typeof raw.toolCallId !== "string" || raw.toolCallId === "") return null;
+    msg.toolCallId = raw.toolCallId;
+  }
   const keys = /** @type {const} */ (["reason", "settings", "stats", "thinking", "thoughtMs", "tokens", "model",
-    "format", "scores", "scoreHidden"]);
+    "format", "scores", "scoreHidden", "toolCalls", "toolName", "isError", "error", "truncated"]);
   for (const key of keys) {
     if (raw[key] === undefined) continue;
     const trial = /** @type {Record<string, unknown>} */ ({ role: msg.role, content: msg.content, thinking: msg.thinking,
-      [key]: raw[key] });
+      toolCallId: msg.toolCallId, [key]: raw[key] });
     if (!checkMessage(trial, "m")) /** @type {Record<string, unknown>} */ (msg)[key] = raw[key];
   }
   return msg;
@@ -257,6 +268,7 @@ export function repairConversation(c, newId) {
     ...(raw.format !== undefined && !checkFormat(raw.format, "format")
       ? { format: /** @type {import("./replyformat.js").ReplyFormat} */ (raw.format) } : {}),
     ...(typeof raw.think === "boolean" ? { think: raw.think } : {}),
+    ...(!checkConversationTools({ tools: raw.tools }) && Array.isArray(raw.tools) ? { tools: raw.tools } : {}),
     created: finite(raw.created) ? /** @type {number} */ (raw.created) : now,
     updated: finite(raw.updated) ? /** @type {number} */ (raw.updated) : now,
     root: repairThread(raw.root, 0),

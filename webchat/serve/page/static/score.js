@@ -157,7 +157,8 @@ export class Scorer {
    */
   chatUpTo(step) {
     const system = this.d.settings.request().system;
-    const msgs = path(this.d.lib.current).slice(0, step.index + 1).map((s) => ({ role: s.msg.role, content: s.msg.content }));
+    const msgs = path(this.d.lib.current).slice(0, step.index + 1).map((s) => ({ role: s.msg.role, content: s.msg.content,
+      ...(s.msg.toolCallId ? { tool_call_id: s.msg.toolCallId } : {}) }));  // a tool's result names its call
     return system.trim() ? [{ role: "system", content: system }, ...msgs] : msgs;
   }
 

@@ -39,6 +39,8 @@ export const FIELDS = [
   { key: "speculative", label: "Speculative decoding", kind: "select", def: "",
     hint: "Modes the server offers; its default is its --speculative (auto: drafts only where they pay)." },
   { key: "seed", label: "Seed", kind: "seed", def: "", min: 0, max: 4294967295, hint: "Empty = random." },
+  { key: "tool_rounds", label: "Tool rounds", kind: "int", def: "8", min: 1, max: 64,
+    hint: "Times the model may call tools and read their results for one question; then it answers without tools." },
 ];
 
 /**
@@ -210,6 +212,12 @@ export class SettingsPanel {
     const def = /** @type {FieldSpec} */ (FIELDS.find((f) => f.key === "max_new_tokens")).def;
     if (raw !== def) return Number(raw);
     return Math.min(Number(def), Math.max(1, Math.floor(this.limits.contextLength / 2)));
+  }
+
+  /** @returns {number} the most rounds of tool calls one question may take (the page's tool loop, tools.js) */
+  toolRounds() {
+    const n = Number(this.values.tool_rounds.trim());
+    return Number.isInteger(n) && n >= 1 ? n : 8;
   }
 
   /** @returns {RequestSettings} the validated values; call validateAll() first */

@@ -11,16 +11,25 @@ import { fromFlat, messages } from "./tree.js";
  * @typedef {import("./heatmap.js").Tok} Tok
  * @typedef {{ttft_ms?: number, decode_tps?: number, new_tokens?: number, prompt_tokens?: number,
  *            reused_tokens?: number, drafted?: number, accepted?: number}} Stats
- * @typedef {{role: "user" | "assistant", content: string, tokens?: Tok[], reason?: string, stats?: Stats,
+ * @typedef {{role: "user" | "assistant" | "tool", content: string, tokens?: Tok[], reason?: string, stats?: Stats,
  *            settings?: Record<string, unknown>, model?: string, format?: import("./replyformat.js").ReplyFormat,
  *            thinking?: string, thoughtMs?: number, scores?: import("./scoreview.js").Score[],
- *            scoreHidden?: boolean}} Message
+ *            scoreHidden?: boolean, toolCalls?: ToolCall[], toolCallId?: string, toolName?: string,
+ *            isError?: boolean, error?: string, truncated?: boolean}} Message
  *   `reason` is the `done` reason of an assistant reply (`cancelled` = stopped by the user), or `interrupted`;
  *   `settings` the sampling settings it was generated with (for the post-sampling probability); `model` the model
  *   that wrote the reply, on a server with several (hello.models); `format` the reply format it was made under.
  *   `content` is a reply's answer; `thinking` its thinking (shown folded, never as answer text), `thoughtMs` how long
  *   the thinking streamed (thinking.js); `scores` how one or two models read the message (score.js), `scoreHidden`
  *   its panel folded away.
+ *   Tools (issue 66, tools.js): `toolCalls` an assistant reply's calls; a `tool` message is a call's outcome as the
+ *   model is told it: `toolCallId` and `toolName` its call, `content` the result as text, `isError` the tool failed
+ *   or gave no result (`error` why: `timeout`, `server_died`, …), `truncated` the result was cut.
+ * @typedef {{id: string, name: string, arguments: string, span?: number[], ms?: number,
+ *            status: "pending" | "allowed" | "running" | "done" | "error" | "denied" | "cancelled"}} ToolCall
+ *   One call as the model wrote it (`arguments`: its JSON text; `span`: [start, end) of its text in the reply's answer,
+ *   markup included) and what became of it: waiting for the user, allowed (queued), running, done, failed, denied, or
+ *   cancelled (stopped, skipped by a new question, or left when the page closed: never run, the model is not told).
  * @typedef {import("./tree.js").Conversation} Conversation
  */
 

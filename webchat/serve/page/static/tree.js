@@ -11,11 +11,14 @@
  * @typedef {{msg: Message, next: Thread | null}} Version
  * @typedef {{id: string, title: string, named?: boolean, created: number, updated: number, root: Thread | null,
  *            model?: string, format?: import("./replyformat.js").ReplyFormat, think?: boolean,
- *            scoredText?: {text: string, scores: import("./scoreview.js").Score[]}}} Conversation
+ *            scoredText?: {text: string, scores: import("./scoreview.js").Score[]}, tools?: string[],
+ *            allowedTools?: string[], toolChoice?: string}} Conversation
  *   `model`: the model its latest request ran on (the picker follows it); `format`: its reply format (Settings);
  *   `think` false: its Think switch is off (thinking.js); `scoredText`: the text last pasted into "Score a text" in
  *   this chat, with its scores (score.js).
  *   `named`: the user renamed it (the title no longer follows the first question).
+ *   `tools`: the MCP tools switched on in it; `allowedTools`: those whose calls run without asking; `toolChoice`:
+ *   "auto" (the model decides), "required" or a tool's name, for its first reply to each question (tools.js).
  * @typedef {{msg: Message, thread: Thread, index: number}} Step  one message of the shown path and where it lives
  */
 

@@ -8,6 +8,7 @@ import { sizeText } from "./models.js";
 import { ReplyData } from "./reply.js";
 import { newId } from "./store.js";
 import { MARKERS, rawText, tokensFit } from "./thinking.js";
+import { toWire } from "./toolwire.js";
 import { addVersion, append, path, removeVersion, show } from "./tree.js";
 
 /**
@@ -28,10 +29,15 @@ import { addVersion, append, path, removeVersion, show } from "./tree.js";
  *   progress: (text: string) => void, announce: (text: string, final: boolean) => void,
  *   restoreInput: (text: string) => void, model: () => string | null, loaded: (names: string[]) => void,
  *   format: () => import("./replyformat.js").ReplyFormat | null, formatError: () => string,
- *   templateKwargs: (conv: Conversation) => Record<string, unknown> | null}} Deps
+ *   templateKwargs: (conv: Conversation) => Record<string, unknown> | null,
+ *   toolFields: (conv: Conversation, history: Message[], cont: boolean) => Record<string, unknown>,
+ *   afterReply: (conv: Conversation, msg: Message, reason: string,
+ *                calls: import("./toolwire.js").WireCall[] | undefined) => void}} Deps
  *   `model`: the picked model the next request names (null: the server's one); `loaded`: the models loaded now;
  *   `format`: the chat's reply format (Settings), `formatError` what is wrong with the one being typed;
  *   `templateKwargs`: the chat's template variables (its Think switch: `enable_thinking`), null for none.
+ *   `toolFields`: a generate's `tools` and `tool_choice` (tools.js); `afterReply`: a reply ended (`done`), with the
+ *   calls it made: the tool loop goes on from there.
  */
 
 const STOP_TIMEOUT_MS = 15000;
@@ -155,6 +161,21 @@ export class Turns {
   }
 
   /**
+   * The model goes on after the results of its tool calls (the last messages are `tool` messages): a new reply.
+   * @param {Conversation} conv
+   * @returns {boolean} whether it was sent
+   */
+  resume(conv) {
+    if (this.active) return false;
+    const reply = /** @type {Message} */ ({ role: "assistant", content: "" });
+    const step = append(conv, reply);
+    const undo = () => removeVersion(conv, step.thread);
+    const ok = this.start(conv, path(conv).map((s) => s.msg), reply, false, undo, null);
+    if (!ok) undo();
+    return ok;
+  }
+
+  /**
    * Continue the last reply from where it ended.
    * @param {Step} step
    */
@@ -195,7 +216,7 @@ export class Turns {
     }
     const req = d.settings.request();
     // a reply's text as the model wrote it: the server moves its thinking where the template reads it
-    const wire = messages.slice(0, cont ? messages.length : -1).map((m) => ({ role: m.role, content: rawText(m) }));
+    const wire = toWire(messages.slice(0, cont ? messages.length : -1));
     const all = req.system.trim() ? [{ role: "system", content: req.system }, ...wire] : wire;
     const id = `r${++this.counter}-${newId()}`;
     /** @type {Record<string, unknown>} */
@@ -208,6 +229,7 @@ export class Turns {
     }
     const kwargs = d.templateKwargs(conv);
     if (kwargs) frame.chat_template_kwargs = kwargs;
+    Object.assign(frame, d.toolFields(conv, messages.slice(0, -1), cont));
     if (cont) {
       frame.continue = true;
       const ids = prefixIds(reply);
@@ -221,6 +243,7 @@ export class Turns {
       return false;
     }
     delete reply.reason;
+    delete reply.toolCalls;  // a continued reply's calls come again with its done
     reply.settings = req.settings;
     if (format) reply.format = format;
     if (model) reply.model = model;
@@ -276,7 +299,7 @@ export class Turns {
       this.d.announce(msg.text, false);
       this.d.lib.saveSoon(a.conv);
     } else if (msg.type === "done") {
-      this.finish(msg.reason, msg.stats);
+      this.finish(msg.reason, msg.stats, msg.tool_calls);
     } else if (msg.type === "error") {
       this.fail(msg.message, msg.code);
     }
@@ -290,8 +313,9 @@ export class Turns {
   /**
    * @param {string} reason
    * @param {import("./store.js").Stats | undefined} stats
+   * @param {import("./toolwire.js").WireCall[] | undefined} calls the tool calls the reply made
    */
-  finish(reason, stats) {
+  finish(reason, stats, calls) {
     const a = /** @type {Active} */ (this.active);
     if (a.view) a.view.finish(reason, stats);
     else {
@@ -300,6 +324,7 @@ export class Turns {
     }
     this.d.announce("", true);
     this.end();
+    this.d.afterReply(a.conv, a.msg, reason, calls);
   }
 
   /**
