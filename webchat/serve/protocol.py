@@ -25,7 +25,7 @@ MAX_TEMPLATE_KWARGS = 32
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
     "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable", "grammar",
-    "load_limit",
+    "load_limit", "bad_image",
 )
 MAX_TOOL_CALLS = 32  # calls in one assistant message
 MAX_TOOL_ARGUMENTS = 64 * 1024  # a call's arguments, as JSON text
@@ -148,6 +148,8 @@ class Generate(_Strict):
     # more variables for the chat template (`enable_thinking`: the page's Think switch); webchat.serve.thinking
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     reasoning_budget: Annotated[int, Field(ge=-1, le=MAX_BUDGET)] | None = None  # None: --reasoning-budget; -1: none
+    # an image's tiles at most (a vision model: webchat.serve.images); None: the server's --image-max-tiles
+    image_max_tiles: Annotated[int, Field(ge=1, le=36)] | None = None
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
@@ -222,6 +224,9 @@ class Hello(_Strict):
     models: list[dict[str, Any]] | None = None
     # the model's thinking (webchat.serve.thinking.wire): {start, end, switch}; null where it does not think
     thinking: dict[str, Any] | None = None
+    # the model reads images (--mmproj; webchat.serve.images.Vision.wire): {projector, image_size, tokens_per_tile,
+    # max_tiles, max_images, formats}; null where it reads text only
+    vision: dict[str, Any] | None = None
 
 
 class Queued(_Strict):
@@ -279,6 +284,8 @@ class Stats(_Strict):
     decode_tps: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    image_tokens: int = 0  # the prompt's image slots (in prompt_tokens too)
+    encode_ms: float = 0.0  # encoding its images (in prefill_ms and ttft_ms too); 0 where they were cached
 
 
 class Done(_Strict):
@@ -295,7 +302,7 @@ class Error(_Strict):
     code: Literal[
         "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy",
         "internal", "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
-        "scoring_unavailable", "grammar", "load_limit",
+        "scoring_unavailable", "grammar", "load_limit", "bad_image",
     ]
     message: str
 
@@ -361,7 +368,8 @@ def token_out(info: ev.TokenInfo) -> TokenOut:
 def stats_out(stats: ev.Stats) -> Stats:
     return Stats(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens, new_tokens=stats.new_tokens,
                  prefill_ms=float(stats.prefill_ms), ttft_ms=float(stats.ttft_ms), decode_tps=float(stats.decode_tps),
-                 drafted=stats.drafted, accepted=stats.accepted)
+                 drafted=stats.drafted, accepted=stats.accepted, image_tokens=stats.image_tokens,
+                 encode_ms=float(stats.encode_ms))
 
 
 def dump(msg: ServerMessage) -> str:

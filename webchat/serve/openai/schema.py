@@ -236,6 +236,8 @@ class ChatRequest(_Request):
     reasoning_budget_tokens: int | None = None
     reasoning_budget_message: Annotated[str, Field(max_length=1000)] | None = None
     thinking_token_budget: int | None = None
+    # an image's tiles at most (webchat's extension, the websocket's generate.image_max_tiles); None: the server's
+    image_max_tiles: Annotated[int, Field(ge=1, le=36)] | None = None
 
     def thinking(self, default_budget: int | None) -> Ask:
         """What the request asks of thinking, checked: 400 naming the field."""
