@@ -282,7 +282,7 @@ class Engine:
                     try:
                         placed = self._placed(seq, n)
                     except Exception as exc:  # noqa: BLE001 - an encoder's failure ends its own request
-                        self._fail(seq, out, exc, "image")
+                        self._fail(seq, out, exc, "internal")
                         n = 0
                 if n > 0:
                     budget -= n
@@ -519,8 +519,8 @@ class Engine:
     @staticmethod
     def _fail(seq: Sequence, out: StreamResult, exc: Exception, code: str = "grammar") -> None:
         """The sequence's constraint (or its image's encoder) cannot go on: it ends with the error (`grammar`,
-        `image`), the others carry on. Its pages go (the k/v of drafts fed this step may be in them), its tokens so far
-        are delivered."""
+        `internal`), the others carry on. Its pages go (the k/v of drafts fed this step may be in them), its tokens so
+        far are delivered."""
         seq.n_cached = 0
         seq.table.truncate(0)
         seq.end(out, "error", None)

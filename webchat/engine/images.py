@@ -99,15 +99,16 @@ class PromptImages:
 
     def ensure(self, start: int, end: int) -> float:
         """The images whose slots [start, end) overlaps, encoded where they are not yet; the seconds it took."""
-        began = time.perf_counter()
+        spent = 0.0
         for r in self.runs:
             if r.start < end and start < r.end and r.image.rows is None:
+                began = time.perf_counter()
                 rows = r.image.encode()
+                spent += time.perf_counter() - began
                 if rows.dim() != 2 or rows.shape[0] != r.image.n_tokens:
                     raise ValueError(f"the image's encoder gave rows of shape {tuple(rows.shape)}; its "
                                      f"{r.image.n_tokens} slots need ({r.image.n_tokens}, dim)")
                 r.image.rows = rows
-        spent = time.perf_counter() - began
         self.encode_s += spent
         return spent
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 MAX_PARTS = 64  # parts in one message
 MAX_URL_CHARS = 24 << 20  # a data URL's characters (the body limit bounds it further)
@@ -42,6 +42,18 @@ class ImagePart(_Strict):
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 Parts = Annotated[list[Part], Field(max_length=MAX_PARTS)]
 Neutral = str | list[dict[str, Any]]
+PARTS = "(parts)"  # the union tag of content given as parts; left out of error paths (`messages.0.content.64`)
+
+
+def _content_kind(v: Any) -> str | None:
+    return "text" if isinstance(v, str) else PARTS if isinstance(v, list) else None
+
+
+Content = Annotated[  # a message's content on both wires: text, or parts (one error, naming the part, when wrong)
+    Annotated[str, Tag("text")] | Annotated[Parts, Tag(PARTS)],
+    Discriminator(_content_kind, custom_error_type="expected",
+                  custom_error_message="expected a string or a list of content parts (text, image_url)"),
+]
 
 
 def neutral(content: str | list[TextPart | ImagePart] | None) -> Neutral:

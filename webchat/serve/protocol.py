@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
 from webchat.engine.settings import BIAS_RANGE, RANGES, Range, SamplingSettings, SettingsError, token_id
-from webchat.serve.parts import Parts, neutral, text_of
+from webchat.serve.parts import PARTS, Content, neutral, text_of
 from webchat.serve.replyformat import ResponseFormat
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import MAX_BUDGET
@@ -95,7 +95,7 @@ class ChatMessage(_Strict):
     calls; a tool message's result for the call it names."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | Parts
+    content: Content
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
@@ -434,7 +434,7 @@ def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
 def validation_error(exc: ValidationError, model: type[BaseModel], request_id: str | None) -> ProtocolError:
     """The first error of a ValidationError: `bad_settings` for a value out of range, else `bad_message`."""
     err = exc.errors(include_url=False)[0]
-    loc = ".".join(str(part) for part in err["loc"]) or "messages"  # a whole-message check: the last message
+    loc = ".".join(str(part) for part in err["loc"] if part != PARTS) or "messages"  # whole-message check: the last
     if err["type"] in _RANGE_ERRORS:
         allowed = describe_range(model, err["loc"])
         return ProtocolError("bad_settings", f"{loc} = {err['input']!r} is out of range: allowed {allowed}", request_id)

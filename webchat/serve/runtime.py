@@ -210,7 +210,8 @@ class RemoteRuntime(Runtime):
         return p.Hello(model=caps.model or self.model_name, context_length=caps.context_length or 0,
                        device="remote", dtype="remote", speculative=list(self.modes), weights="remote",
                        precision="remote", max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES,
-                       engine=caps.wire(), thinking=caps.thinking)
+                       engine=caps.wire(), thinking=caps.thinking,
+                       vision={"projector": "upstream"} if caps.images == "accepted" else None)
 
 
 async def load_remote_runtime(config: ServerConfig) -> RemoteRuntime:
