@@ -196,3 +196,26 @@ def test_an_upstream_that_reads_images_gets_them_one_that_does_not_refuses_by_na
         resp = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
             "model": model, "messages": [{"role": "user", "content": ws_parts(url)}], "max_tokens": 2})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.0.content.0"
+
+
+def test_logprobs_a_format_and_stop_work_on_a_reply_about_an_image(live: Live) -> None:
+    url = vf.data_url(picture(640, 480, 3))
+    resp = completion(live, ws_parts(url), logprobs=True, top_logprobs=3, response_format={"type": "json_object"})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["message"]["content"].startswith("{")  # the grammar held from the first token
+    assert len(choice["logprobs"]["content"][0]["top_logprobs"]) == 3
+    live.probe.delay = 0.05
+    try:
+        with connect(live.ws_url, max_size=None) as ws:
+            ws.send(json.dumps({"type": "generate", "id": "s", "alternatives": 2, "max_new_tokens": 200,
+                                "messages": [{"role": "user", "content": ws_parts(url)}]}))
+            while (msg := json.loads(ws.recv(timeout=120)))["type"] != "chunk":
+                pass
+            assert len(msg["tokens"][0]["top"]) == 2  # the heatmap's alternatives
+            ws.send(json.dumps({"type": "stop", "id": "s"}))
+            while (msg := json.loads(ws.recv(timeout=120)))["type"] != "done":
+                pass
+    finally:
+        live.probe.delay = 0.0
+    assert msg["reason"] == "cancelled" and msg["stats"]["new_tokens"] < 200
