@@ -15,11 +15,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_write import F32, write_gguf
 from safetensors import safe_open
-from tests.test_archs import ragged_greedy
+from test_archs import ragged_greedy
 
 from bench.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
-from tests.gguf_write import F32, write_gguf
 from webchat.cli.main import cli
 from webchat.files.gguf_cache import gguf_models_dir, model_folder, model_name
 from webchat.gguf.convert import QUANT_FILE, QUANT_KEY, ConversionError

@@ -17,11 +17,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_write import SpmVocab, train_spm, write_gguf
 from safetensors import safe_open
-from tests.test_archs import ragged_greedy, random_model
-from tests.test_gguf_path import greedy_logits
+from test_archs import ragged_greedy, random_model
+from test_gguf_cache import greedy_logits
 
-from tests.gguf_write import SpmVocab, train_spm, write_gguf
 from webchat.files.gguf_cache import model_folder
 from webchat.gguf.convert import QUANT_FILE, QUANT_KEY
 from webchat.kernels.backend import load_model

@@ -11,11 +11,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_write import F32, write_gguf
+from kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from tests.gguf_write import F32, write_gguf
-from tests.kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
 from webchat.files.gguf_cache import model_folder
 from webchat.gguf.blocks import dequantize_k
 from webchat.gguf.convert import QUANT_FILE, QUANT_KEY, hf_tensor_name
@@ -74,7 +74,7 @@ def test_a_q4_k_m_style_gguf_runs_by_path(tmp_path: Path, monkeypatch: pytest.Mo
     blocks kept as they are and run by the C++ K-quant kernels, the float copy exactly as gguf.quants decodes them,
     and the model within 1e-4 of transformers on those weights."""
     transformers = pytest.importorskip("transformers", reason="transformers (for the tiny model) is not installed")
-    from tests.test_gguf_path import PROMPT, greedy_logits, tiny_folder
+    from test_gguf_cache import PROMPT, greedy_logits, tiny_folder
 
     qkernels.try_load()
     monkeypatch.setenv("WEBCHAT_HOME", str(tmp_path / "home"))

@@ -168,7 +168,7 @@ GEMMAS = {
 @pytest.mark.parametrize("kind", list(GEMMAS))
 def test_gemma_in_cpp_matches_the_pytorch_path(shapes_root: Path, kind: str, code_path: str) -> None:
     transformers = pytest.importorskip("transformers", reason="transformers builds the Gemma checkpoints")
-    from tests.test_archs import random_model
+    from test_archs import random_model
 
     folder = shapes_root / kind
     if not folder.exists():

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
 
-from tests.kquant_encode import encode_q4_k, encode_q5_k, encode_q6_k
 from webchat.gguf.blocks import K_QTYPES, QTYPES, dequantize, dequantize_k, quantize
 from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build as qkernels

@@ -45,7 +45,7 @@ def test_extensions_and_integers_for_floats() -> None:
 @pytest.mark.parametrize(("extra", "param", "says"), [
     ('"stop": 5', "stop", "expected a string or a list of strings, got 5"),
     ('"max_tokens": true', "max_tokens", "valid integer"),
-    ('"messages": [{"role": "user", "content": 5}]', "messages", "expected a string or a list of text parts"),
+    ('"messages": [{"role": "user", "content": 5}]', "messages", "expected a string or a list of content parts"),
     ('"messages": [{"role": "robot", "content": "x"}]', "messages.0.role", 'got "robot"'),
     ('"messages": [{"role": "tool", "content": "x"}]', "messages.0", "needs tool_call_id"),
     ('"messages": [{"role": "user", "content": null}]', "messages.0", "content is required"),

@@ -4,6 +4,7 @@ broken link in the models folder is named in the log."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -170,3 +171,38 @@ def test_a_broken_link_in_the_models_folder_is_named_in_the_log(tiny_model_dir: 
     lines = [r.getMessage() for r in caplog.records]
     assert f"models dir: {tmp_path / 'loop'} left out: a symbolic link loop" in lines
     assert f"models dir: {tmp_path / 'dangling'} left out: a symbolic link to nothing" in lines
+
+
+def test_a_long_scored_prompt_is_formatted_off_the_event_loop(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row 7: 8,000 scored tokens with 20 alternatives each are 11 MB of JSON, most of a second of the loop's time;
+    past OFFLOAD_TOKENS the scores are formatted and rendered on an encode thread (the API's and the websocket's)."""
+    from webchat.serve.openai.format import Reply
+    from webchat.serve.scoring import ScoreReply
+
+    where: list[str] = []
+    prompt, messages = Reply.prompt, ScoreReply.messages
+
+    def formatted(self: Reply, event: Any) -> Any:
+        where.append(threading.current_thread().name)
+        return prompt(self, event)
+
+    def scored(self: ScoreReply, event: Any) -> Any:
+        if self.tokens is not None:
+            where.append(threading.current_thread().name)
+        return messages(self, event)
+
+    monkeypatch.setattr(Reply, "prompt", formatted)
+    monkeypatch.setattr(ScoreReply, "messages", scored)
+    text = "the quick brown fox " * 200  # ~800 tokens of the tiny model: past OFFLOAD_TOKENS
+    r = httpx.post(f"{live.url}/v1/completions", timeout=120,
+                   json={"model": model(live), "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 3})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) > 512
+    from websockets.sync.client import connect
+
+    with connect(live.ws_url) as ws:
+        ws.recv(10)
+        ws.send(json.dumps({"type": "score", "id": "s", "text": text, "alternatives": 3}))
+        while (msg := json.loads(ws.recv(120)))["type"] not in ("scored", "error"):
+            pass
+    assert msg["type"] == "scored" and len(msg["tokens"]) > 512
+    assert where and all(name.startswith("webchat-encode") for name in where), where

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gguf_bombs import array_bomb, header
 
-from tests.gguf_bombs import array_bomb, header
 from tests.vision.tiny_projector import write_projector
 from webchat.gguf.header import GGUFError
 from webchat.vision.projector_file import ProjectorError, read_projector

@@ -17,8 +17,7 @@ from live_server import Live, serve  # tests/ is on sys.path under pytest
 from websockets.sync.client import connect
 
 from bench import vision_fidelity as vf
-from tests.vision.pictures import picture
-from tests.vision.test_vision_requests import png_declaring
+from tests.vision.pictures import picture, png_declaring
 from webchat.serve.config import ServerConfig
 from webchat.serve.images import IMAGE_MESSAGE_BYTES
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import struct
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +14,7 @@ import pytest
 from PIL import Image as PILImage
 
 from bench import vision_fidelity as vf
-from tests.vision.pictures import picture
+from tests.vision.pictures import picture, png_declaring
 from webchat.engine.settings import SamplingSettings
 from webchat.serve.images import MAX_IMAGES, load_vision
 from webchat.serve.requests import LocalPreparer, Prepared, RequestError, Turn
@@ -101,15 +99,6 @@ def test_low_detail_and_max_tiles_pick_the_tiles(prep: LocalPreparer) -> None:
     assert [i.n_tokens for i in chat(prep, [user(image(big))], image_max_tiles=16).request.images] == [17 * 64]
     error = refused(prep, [user(image(big))], image_max_tiles=99)
     assert (error.kind, error.field) == ("image", "image_max_tiles") and "got 99" in error.message
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A few hundred bytes: a PNG header that declares width x height, then one empty IDAT (a decompression bomb)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(
-        b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
 def b64(data: bytes, kind: str = "image/png") -> str:

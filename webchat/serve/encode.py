@@ -15,6 +15,7 @@ from webchat.text.template_budget import FULL, INLINE, Budget, InlineExhausted, 
 
 T = TypeVar("T")
 
+OFFLOAD_TOKENS = 512  # a reply of more tokens than this (a scored prompt) is formatted and rendered off the loop
 INLINE_TEXT_CHARS = 4096  # a prompt this short is templated and tokenized on the event loop (well under 1 ms)
 ENCODE_THREADS = 2  # templating and tokenizing off the loop, at most this many at once (one per core)
 # below the device thread's priority: a long template's render takes the CPU the forward leaves (the streams keep pace)
@@ -51,3 +52,11 @@ def text_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
     return sum(64 + len(str(m.get("content") or "")) for m in messages) + (len(json.dumps(tools)) if tools else 0)
 
 
+
+
+async def offload(fn: Callable[..., T], *args: object, heavy: bool) -> T:
+    """fn(*args): on an encode thread when `heavy` (formatting thousands of scored tokens takes the loop most of a
+    second: 8,000 tokens with 20 alternatives each are 11 MB of JSON), else here."""
+    if not heavy:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_ENCODE, functools.partial(fn, *args))

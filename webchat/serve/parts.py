@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic_core import PydanticCustomError
 
 MAX_PARTS = 64  # parts in one message
 MAX_URL_CHARS = 24 << 20  # a data URL's characters (the body limit bounds it further)
@@ -97,3 +98,13 @@ def images_in(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]
     return [(f"messages.{i}.content.{j}", part) for i, m in enumerate(messages)
             if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
             if isinstance(part, dict) and part.get("type") == "image"]
+
+
+def check_tool_fields(role: str, tool_calls: list[Any] | None, tool_call_id: str | None) -> None:
+    """Only an assistant message carries tool_calls; a tool message, and only it, names the call it answers."""
+    if tool_calls is not None and role != "assistant":
+        raise PydanticCustomError("tool_calls", "only assistant messages carry tool_calls, got a {role} message",
+                                  {"role": repr(role)})
+    if (role == "tool") != (tool_call_id is not None):
+        raise PydanticCustomError("tool_call_id", "a tool message needs tool_call_id (and only a tool message has "
+                                  "one), got role {role}", {"role": repr(role)})

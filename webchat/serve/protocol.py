@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
 from webchat.engine.settings import BIAS_RANGE, RANGES, Range, SamplingSettings, SettingsError, token_id
-from webchat.serve.parts import PARTS, Content, neutral, text_of
+from webchat.serve.parts import PARTS, Content, check_tool_fields, neutral, text_of
 from webchat.serve.replyformat import ResponseFormat
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import MAX_BUDGET
@@ -101,12 +101,7 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise PydanticCustomError("tool_calls", "only assistant messages carry tool_calls, got a {role} message",
-                                      {"role": repr(self.role)})
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise PydanticCustomError("tool_call_id", "a tool message needs tool_call_id (and only a tool message "
-                                      "has one), got role {role}", {"role": repr(self.role)})
+        check_tool_fields(self.role, self.tool_calls, self.tool_call_id)
         return self
 
     @property

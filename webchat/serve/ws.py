@@ -19,6 +19,7 @@ from webchat.serve import protocol as p
 from webchat.serve import thinking
 from webchat.serve.backend import Backend, Job
 from webchat.serve.config import ServerConfig
+from webchat.serve.encode import OFFLOAD_TOKENS, offload
 from webchat.serve.limits import ConnectionGuard
 from webchat.serve.models import ModelError, Models
 from webchat.serve.outbox import Outbox, SendClock
@@ -194,7 +195,15 @@ class Connection:
     def _deliver_score(self, reply: ScoreReply, event: ev.Event) -> None:
         if isinstance(event, ev.Finished | ev.Failed) and reply.request_id == self.current:
             self.current = None
+        if isinstance(event, ev.Finished) and len(reply.tokens or []) > OFFLOAD_TOKENS:  # thousands of scored tokens
+            task = asyncio.get_running_loop().create_task(self._push_formatted(reply, event))
+            task.add_done_callback(_log_failure)
+            return
         for msg in reply.messages(event):
+            self.outbox.push(msg)
+
+    async def _push_formatted(self, reply: ScoreReply, event: ev.Event) -> None:
+        for msg in await offload(reply.messages, event, heavy=True):
             self.outbox.push(msg)
 
     async def _model(self, msg: p.Generate | p.Score) -> Runtime:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator
@@ -22,6 +23,7 @@ from starlette.routing import BaseRoute, Route
 
 from webchat.engine import events as ev
 from webchat.serve.config import ServerConfig, origin_allowed
+from webchat.serve.encode import OFFLOAD_TOKENS, offload
 from webchat.serve.models import ModelError, Models
 from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import (
@@ -200,10 +202,12 @@ class OpenAIApi:
                     _raise_failure(event)
                     if isinstance(event, ev.Tokens):
                         reply.add(event)
-                    elif isinstance(event, ev.PromptTokens):
-                        reply.prompt(event)
+                    elif isinstance(event, ev.PromptTokens):  # thousands of scored tokens: formatted off the loop
+                        await offload(reply.prompt, event, heavy=len(event.tokens) > OFFLOAD_TOKENS)
                     elif isinstance(event, ev.Finished):
-                        return JSONResponse(reply.response(event), headers=self._cors(request))
+                        heavy = reply.scored is not None or len(reply.entries) > OFFLOAD_TOKENS
+                        body = await offload(_json_body, reply.response(event), heavy=heavy)
+                        return Response(body, media_type="application/json", headers=self._cors(request))
                 events = await pending.next()
         finally:
             if not streaming:
@@ -312,6 +316,11 @@ def _request_errors(prompt_field: str) -> Iterator[None]:
                 "unsupported": "unsupported_value", "image": "invalid_image"}.get(exc.kind, "invalid_value")
         field = prompt_field if exc.kind == "too_long" else exc.field
         raise APIError(400, exc.message, code, field) from None
+
+
+def _json_body(content: Any) -> bytes:
+    """JSON as Starlette's JSONResponse renders it."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 def _format_field(req: ChatRequest | CompletionRequest) -> str:

@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
 from webchat.serve.openai.structured import ResponseFormat, StructuredOutputs
 from webchat.serve.openai.thinking import FORMATS
-from webchat.serve.parts import PARTS, Content, neutral
+from webchat.serve.parts import PARTS, Content, check_tool_fields, neutral
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import Ask, budget_value, check_kwargs
 from webchat.serve.tools import Tool, ToolCall, ToolChoice
@@ -77,12 +77,7 @@ class Message(_Strict):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise PydanticCustomError("content", "content is required unless an assistant message has tool_calls, "
                                       "got null on a {role} message", {"role": repr(self.role)})
-        if self.tool_calls is not None and self.role != "assistant":
-            raise PydanticCustomError("tool_calls", "only assistant messages carry tool_calls, got a {role} message",
-                                      {"role": repr(self.role)})
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise PydanticCustomError("tool_call_id", "a tool message needs tool_call_id (and only a tool message "
-                                      "has one), got role {role}", {"role": repr(self.role)})
+        check_tool_fields(self.role, self.tool_calls, self.tool_call_id)
         return self
 
     def for_template(self) -> dict[str, Any]:
