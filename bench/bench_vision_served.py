@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--fixture", nargs="+", default=["smolvlm", "gemma3"], choices=list(vision_fixtures.SPECS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
-X
+    parser.add_argument("--llama", type=Path, default=None,
+                        help="llama-server (default: bench/build_llama_server.sh's)")
     args = parser.parse_args()
     llama = find_llama_server(args.llama)
     before = os.getloadavg()
