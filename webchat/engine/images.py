@@ -16,6 +16,7 @@ slot of a run attends to the run's end: its `key_end`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable
@@ -44,6 +45,10 @@ class ImageInput:
     def key_id(self) -> int:
         """The id its slots have in the prefix cache's keys: negative (no token has it), 60 bits of the key's hash."""
         return -1 - int(hashlib.sha256(self.key.encode()).hexdigest()[:15], 16)
+
+
+def _same(rows: torch.Tensor) -> torch.Tensor:
+    return rows
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ class PromptImages:
                     raise ValueError(f"the image's encoder gave rows of shape {tuple(rows.shape)}; its "
                                      f"{r.image.n_tokens} slots need ({r.image.n_tokens}, dim)")
                 r.image.rows = rows
+                r.image.encode = functools.partial(_same, rows)  # what it held (an image's tiles) goes now
         self.encode_s += spent
         return spent
 

@@ -91,17 +91,18 @@ class Vision:
                 raise ImagePartError(name, f"{name} has no URL; expected a data: URL")
             key = (url, 1 if part.get("detail") == "low" else tiles)  # OpenAI's low detail: one tile
             if key not in index:
-                data = image_bytes(url, name)
-                try:
-                    plan = await loop.run_in_executor(_DECODE, functools.partial(self._plan, data, key[1]))
-                except ImageError as exc:
-                    raise ImagePartError(name, f"{name}: {exc}") from None
+                plan = await loop.run_in_executor(_DECODE, functools.partial(self._plan, url, name, key[1]))
                 index[key] = len(plans)
                 plans.append(plan)
         return Pictures(_template_messages(messages, index, tiles), plans, self)
 
-    def _plan(self, data: bytes, max_tiles: int) -> ImagePlan:
-        return self.projector.plan(decode_image(data), max_tiles=max_tiles)
+    def _plan(self, url: str, name: str, max_tiles: int) -> ImagePlan:
+        """On a decode thread: the URL's bytes (base64 decoded here, off the event loop), the image, its plan."""
+        data = image_bytes(url, name)
+        try:
+            return self.projector.plan(decode_image(data), max_tiles=max_tiles)
+        except ImageError as exc:
+            raise ImagePartError(name, f"{name}: {exc}") from None
 
 
 @dataclass
