@@ -38,7 +38,7 @@ from typing import Any
 
 from webchat.files.home import default_model_dir, webchat_home
 
-VERSION = 2  # bump when what a fixture holds changes: an older folder is rebuilt
+VERSION = 3  # bump when what a fixture holds changes: an older folder is rebuilt
 TILE_ROWS = 6  # SmolVLM's tokenizer has <row_r_col_c> for r, c in 1..6
 
 
@@ -231,6 +231,7 @@ def write_idefics3(spec: Spec, hf_dir: Path) -> None:
 # --- Gemma 3 ------------------------------------------------------------------------------------------------------
 
 GEMMA3_SPECIAL = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+NEWLINES = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
@@ -274,8 +275,9 @@ def write_gemma3_tokenizer(hf_dir: Path, seed: int) -> Any:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(gemma3_corpus(seed)), model_writer=model, vocab_size=1024, model_type="bpe",
         byte_fallback=True, split_digits=True, add_dummy_prefix=False, remove_extra_whitespaces=False,
-        normalization_rule_name="identity", pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        user_defined_symbols=[*GEMMA3_SPECIAL, "\n", "\n\n", "\n\n\n", "\n\n\n\n"], allow_whitespace_only_pieces=True,
+        normalization_rule_name="identity", pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+        eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=[*GEMMA3_SPECIAL, *NEWLINES], allow_whitespace_only_pieces=True,
         num_threads=1, minloglevel=2, character_coverage=1.0, seed_sentencepiece_size=100000)
     (hf_dir / "tokenizer.model").write_bytes(model.getvalue())
     write_json(hf_dir / "tokenizer_config.json", {
@@ -287,6 +289,13 @@ def write_gemma3_tokenizer(hf_dir: Path, seed: int) -> Any:
         "chat_template": GEMMA3_TEMPLATE, "model_max_length": 8192})
     tok = AutoTokenizer.from_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)  # tokenizer.json beside tokenizer.model
+    # as Gemma 3's release writes it: the added tokens by id, the markers special, so llama.cpp's converter types them
+    # CONTROL (and the newline runs USER_DEFINED) instead of the NORMAL pieces a SentencePiece model's own are
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {str(tok.convert_tokens_to_ids(t)): {
+        "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+        "special": t not in NEWLINES} for t in ["<pad>", "<eos>", "<bos>", "<unk>", *GEMMA3_SPECIAL, *NEWLINES]}
+    write_json(hf_dir / "tokenizer_config.json", config)
     return tok
 
 

@@ -77,7 +77,7 @@ def uvicorn_thread(app: Any, port: int | None = None) -> Iterator[str]:
     process. Yields its base URL once it answers, stops it afterwards."""
     port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio",
-                                           log_level="warning"))
+                                           log_level="warning", ws_max_size=64 << 20))  # `serve`'s with images
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

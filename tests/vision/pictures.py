@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import struct
+import zlib
 
 import numpy as np
 from PIL import Image as PILImage
@@ -26,3 +28,12 @@ def as_image(pil: PILImage.Image) -> Image:
     """The picture as decode_image would give it (its pixels hashed), without an encoding round trip."""
     digest = hashlib.sha256(f"{pil.width}x{pil.height}:".encode() + pil.tobytes()).hexdigest()
     return Image(pil, digest, "PNG")
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A few hundred bytes: a PNG header that declares width x height, then one empty IDAT (a decompression bomb)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(
+        b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")

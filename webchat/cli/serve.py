@@ -19,6 +19,14 @@ from webchat.serve.limits import default_max_connections, guarded_protocols
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="folder or .gguf (default: the pulled SmolLM2)")
+    parser.add_argument("--mmproj", type=Path, default=None, metavar="FILE",
+                        help="the model's projector GGUF (llama.cpp's mmproj-*.gguf: SmolVLM, Gemma 3): the model then "
+                        "reads images (docs/vision.md); in --models-dir an mmproj*.gguf beside a model pairs with it")
+    parser.add_argument("--mmproj-precision", default="exact", choices=["exact", "int8"],
+                        help="the vision encoder's matmuls: exact (float32, the faster on AMX) or int8 (default exact)")
+    parser.add_argument("--image-max-tiles", type=_positive, default=4, metavar="N",
+                        help="an image's tiles at most, unless a request asks for others (default 4: a square photo "
+                        "is 2 x 2 tiles and an overview, encoded in seconds on two cores; at most 36)")
     parser.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
                         help="serve every model folder and .gguf in DIR too, each loaded on first use (default: "
                         "$WEBCHAT_HOME/models, where `webchat pull` puts the default)")
@@ -138,13 +146,43 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         models_dir=getattr(args, "models_dir", None), max_models=getattr(args, "max_models", 2),
                         memory_budget=parse_size(args.memory_budget) if getattr(args, "memory_budget", None) else None,
                         mcp_config=getattr(args, "mcp_config", None),
-                        mcp_result_chars=getattr(args, "mcp_result_chars", 16_000))
+                        mcp_result_chars=getattr(args, "mcp_result_chars", 16_000),
+                        mmproj=getattr(args, "mmproj", None),
+                        mmproj_precision=getattr(args, "mmproj_precision", "exact"),
+                        image_max_tiles=getattr(args, "image_max_tiles", 4),
+                        max_message_bytes=message_bytes(getattr(args, "mmproj", None),
+                                                        getattr(args, "models_dir", None)))
+
+
+def message_bytes(mmproj: Path | None, models_dir: Path | None) -> int:
+    """A frame's and a body's size limit: 1 MiB; IMAGE_MESSAGE_BYTES where a model reads images (--mmproj, or a
+    projector in --models-dir), whose messages carry them as base64."""
+    from webchat.serve.catalog import is_projector
+    from webchat.serve.images import IMAGE_MESSAGE_BYTES
+
+    vision = mmproj is not None
+    if not vision and models_dir is not None and models_dir.is_dir():
+        try:
+            vision = any(is_projector(p) for entry in models_dir.iterdir()
+                         for p in ([entry] if not entry.is_dir() else entry.iterdir()))
+        except OSError:
+            vision = False
+    return IMAGE_MESSAGE_BYTES if vision else ServerConfig.max_message_bytes
 
 
 def main(args: argparse.Namespace, run: Callable[..., None] = uvicorn.run) -> int:
     """Load the model and serve until Ctrl-C."""
     if args.speculative == "draft" and args.draft is None:
         print("webchat serve: --speculative draft needs --draft DIR", file=sys.stderr)
+        return 2
+    from webchat.serve.catalog import is_projector
+
+    if args.model is not None and is_projector(args.model):
+        print(f"webchat serve: {args.model.name} is a vision projector (mmproj), not a model: pass the model's GGUF as "
+              f"--model and this one as --mmproj", file=sys.stderr)
+        return 2
+    if getattr(args, "mmproj", None) is not None and not args.mmproj.is_file():
+        print(f"webchat serve: --mmproj {args.mmproj}: no such file", file=sys.stderr)
         return 2
     if getattr(args, "engine_url", None) is not None:
         model_dir = args.model or Path(".")  # not loaded: generation runs upstream

@@ -29,6 +29,7 @@ import torch
 
 from webchat.engine import constraint as cst
 from webchat.engine.events import Stats, TokenInfo
+from webchat.engine.images import PromptImages
 from webchat.engine.sampling import Choice, RowAsk, RowScan, Sampler, describe, sample_batch
 from webchat.engine.scheduler import Retained, Scheduler
 from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult
@@ -37,7 +38,7 @@ from webchat.engine.spec.modes import Speculation
 from webchat.engine.spec.planner import AutoSpec
 from webchat.engine.spec.rates import MAX_STEP_ROWS, Proposal
 from webchat.engine.thinking import ThinkingState
-from webchat.model.batch import Batch, make_batch
+from webchat.model.batch import Batch, Placed, make_batch
 from webchat.model.config import ModelArgs
 from webchat.model.kv_cache import PAGE_SIZE, KVPool
 from webchat.text.detok import IncrementalDecoder
@@ -86,6 +87,7 @@ class _Row:
     forced: bool = False  # drafts are forced tokens (not speculation: not counted as drafted or accepted)
     score: bool = False  # a prefill chunk of a request that scores its prompt: logits for every row
     plan: bool = False  # an auto sequence's decode row: its drafts come from the step's plan (_plan_drafts)
+    placed: Placed | None = None  # a prefill chunk's image slots: their rows (webchat.engine.images)
 
     def logit_offsets(self) -> list[int]:
         """The feed positions whose logits this row wants (make_batch's logit_offsets)."""
@@ -163,7 +165,9 @@ class Engine:
         self._check(req)
         prompt = list(req.prompt_ids)
         scoring = req.prompt_logprobs is not None  # every prompt row's logits are wanted: nothing is reused
-        table, reused, first = self.scheduler.admit(owner, prompt, scoring)
+        images = PromptImages(req.images, len(prompt)) if req.images else None
+        keyed = images.cache_ids(prompt) if images is not None else None  # an image's pages keyed by its content
+        table, reused, first = self.scheduler.admit(owner, keyed or prompt, scoring)
         sampler = self._sampler(req)
         stop_ids = self.tokenizer.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
         drafter, offers = self.spec.for_request(owner, req.speculative, len(prompt))
@@ -171,7 +175,9 @@ class Engine:
                        holder=StopHolder(req.stop_strings), stop_ids=frozenset(stop_ids), tokens=prompt, table=table,
                        stats=Stats(prompt_tokens=len(prompt), reused_tokens=reused), drafter=drafter,
                        limit=self.capacity, n_cached=reused, owner=owner, first_logits=first, offers=offers,
-                       thinking=None if req.thinking is None else ThinkingState(req.thinking))
+                       thinking=None if req.thinking is None else ThinkingState(req.thinking),
+                       images=images, keyed_prompt=keyed)
+        seq.stats.image_tokens = images.n_tokens if images is not None else 0
         self._spend(seq)  # a prompt that opened thinking with a budget of 0: closed at once
         if scoring:  # each prompt token with the text it adds; scored as the prefill reaches it (the first never)
             text = IncrementalDecoder(self.tokenizer.token_bytes)
@@ -266,16 +272,24 @@ class Engine:
                 self._first_from_kept(seq)
             elif seq.prefilling or seq.n_cached < len(seq.tokens) - 1:  # the prompt, or recomputing after preemption
                 if not seq.table.pages and seq.n_cached == 0 and seq.req.prompt_logprobs is None:
-                    seq.n_cached = self.scheduler.reuse(seq.table, seq.tokens, len(seq.tokens) - 1)
+                    seq.n_cached = self.scheduler.reuse(seq.table, seq.cache_ids, len(seq.tokens) - 1)
                     seq.table.truncate(seq.n_cached)
                 end = len(seq.tokens) if seq.prefilling else len(seq.tokens) - 1
                 n = min(end - seq.n_cached, budget)
+                placed = None
+                if n > 0 and seq.images is not None:  # an image's run of slots in one chunk, its rows made first
+                    n = seq.images.chunk_end(seq.n_cached, seq.n_cached + n) - seq.n_cached
+                    try:
+                        placed = self._placed(seq, n)
+                    except Exception as exc:  # noqa: BLE001 - an encoder's failure ends its own request
+                        self._fail(seq, out, exc, "internal")
+                        n = 0
                 if n > 0:
                     budget -= n
                     last = seq.prefilling and n == end - seq.n_cached
                     rows.append(_Row(seq, seq.tokens[seq.n_cached : seq.n_cached + n],
                                      sample=last and seq.req.max_new_tokens > 0,
-                                     score=seq.prefilling and seq.req.prompt_logprobs is not None))
+                                     score=seq.prefilling and seq.req.prompt_logprobs is not None, placed=placed))
             else:
                 try:
                     rows.append(self._decode_row(seq))
@@ -289,6 +303,14 @@ class Engine:
             self._forward(rows)
         self.scheduler.running = [s for s in self.running if not s.done]
         self.steps += 1
+
+    @staticmethod
+    def _placed(seq: Sequence, n: int) -> Placed | None:
+        """The image rows of a prefill chunk of n tokens, its images encoded first (here, on the device thread)."""
+        assert seq.images is not None
+        start = seq.n_cached
+        seq.stats.encode_ms += seq.images.ensure(start, start + n) * 1000
+        return seq.images.placed(start, n)
 
     def _first_from_kept(self, seq: Sequence) -> None:
         """A prompt whose k/v the pool holds whole and whose last row's logits were kept: its first token, sampled from
@@ -399,8 +421,9 @@ class Engine:
             spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, r.logit_offsets()))
         # a prompt's positions: computed alike however the prompt is chunked, recomputed alike after a preemption
         ends = [r.seq.stats.prompt_tokens for r in rows]
+        placed = [r.placed for r in rows] if any(r.placed is not None for r in rows) else None
         began = time.perf_counter()
-        logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends), self.pool)  # (R, vocab)
+        logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends, placed), self.pool)  # (R, vocab)
         ended = time.perf_counter()
         decode_only = not any(r.seq.prefilling for r in rows)
         self.auto.timed(began, ended, sum(len(r.feed) for r in rows) if decode_only else 0)
@@ -414,7 +437,7 @@ class Engine:
             first = at + n_logits - n_rows
             if seq.prefilling and seq.n_cached == len(seq.tokens):  # the whole prompt is in
                 if r.sample:
-                    self.scheduler.keep_first(seq.tokens, logits[first])
+                    self.scheduler.keep_first(seq.cache_ids, logits[first])
                 self._prompt_done(seq, out)
             todo.append((r, first, n_rows if not seq.done else 0, out))
             at += n_logits
@@ -449,7 +472,7 @@ class Engine:
                     self._verify(r.seq, out, r.drafts, logits, sampled, first, not r.forced)
                 except cst.ConstraintError as exc:
                     self._fail(r.seq, out, exc)
-            r.seq.table.register(r.seq.tokens, r.seq.n_cached)
+            r.seq.table.register(r.seq.cache_ids, r.seq.n_cached)
             self._post(r.seq, out)
         if judged:
             self.auto.outcome(sum(len(r.seq.tokens) for r in rows) - before, began, ended)
@@ -494,13 +517,14 @@ class Engine:
             seq.table.truncate(seq.n_cached)
 
     @staticmethod
-    def _fail(seq: Sequence, out: StreamResult, exc: cst.ConstraintError) -> None:
-        """The sequence's constraint cannot go on: it ends with the error (`grammar`), the others carry on. Its pages
-        go (the k/v of drafts fed this step may be in them), its tokens so far are delivered."""
+    def _fail(seq: Sequence, out: StreamResult, exc: Exception, code: str = "grammar") -> None:
+        """The sequence's constraint (or its image's encoder) cannot go on: it ends with the error (`grammar`,
+        `internal`), the others carry on. Its pages go (the k/v of drafts fed this step may be in them), its tokens so
+        far are delivered."""
         seq.n_cached = 0
         seq.table.truncate(0)
         seq.end(out, "error", None)
-        out.error = ("grammar", str(exc))
+        out.error = (code, str(exc) if code == "grammar" else f"{type(exc).__name__}: {exc}")
 
     def _ask(self, seq: Sequence) -> RowAsk:
         req = seq.req

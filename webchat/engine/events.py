@@ -47,6 +47,8 @@ class Stats:
     decode_tps: float = 0.0  # (new_tokens - 1) / time from first token to the end
     drafted: int = 0
     accepted: int = 0
+    image_tokens: int = 0  # the prompt's image slots (counted in prompt_tokens too)
+    encode_ms: float = 0.0  # time spent encoding its images (in prefill_ms and ttft_ms too); 0 where cached
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ class Scheduler:
         return sorted(kept)
 
     def preempt(self, seq: Sequence) -> None:
-        seq.table.release(seq.tokens[: seq.n_cached])
+        seq.table.release(seq.cache_ids[: seq.n_cached])
         seq.n_cached = 0
         self.preemptions += 1
 
@@ -144,7 +144,7 @@ class Scheduler:
     # ------------------------------------------------------------------ turns and owners
     def retire(self, seq: Sequence) -> None:
         """A finished sequence: its pages stay with its owner for the next turn (the most recently used)."""
-        self.retained[seq.owner] = Retained(seq.table, seq.tokens[: seq.n_cached])
+        self.retained[seq.owner] = Retained(seq.table, seq.cache_ids[: seq.n_cached])
         self.retained.move_to_end(seq.owner)
 
     def keep_first(self, prompt: list[int], row: torch.Tensor) -> None:
@@ -179,7 +179,7 @@ class Scheduler:
             for seq in self.running:
                 if seq.owner is owner and not seq.done:
                     seq.end(StreamResult(), "cancelled", None)
-                    seq.table.release(seq.tokens[: seq.n_cached])
+                    seq.table.release(seq.cache_ids[: seq.n_cached])
                     ended.append(seq)
             self.running = [s for s in self.running if not s.done]
             kept = self.retained.pop(owner, None)
@@ -195,10 +195,11 @@ class Scheduler:
         self.first_logits.clear()
 
     def cached_ids(self, owner: object) -> list[int]:
-        """The tokens whose k/v the owner holds (its running sequence's or its last turn's)."""
+        """The tokens whose k/v the owner holds (its running sequence's or its last turn's), as the prefix cache keys
+        them (an image's slots as its key id)."""
         for seq in self.running:
             if seq.owner is owner:
-                return seq.tokens[: seq.n_cached]
+                return seq.cache_ids[: seq.n_cached]
         kept = self.retained.get(owner)
         return list(kept.ids) if kept is not None else []
 

@@ -15,6 +15,7 @@ import torch
 
 from webchat.engine.constraint import Constraint
 from webchat.engine.events import Stats, TokenInfo
+from webchat.engine.images import ImageInput, PromptImages
 from webchat.engine.sampling import Sampler
 from webchat.engine.settings import SamplingSettings
 from webchat.engine.spec.drafters import Drafter
@@ -43,6 +44,8 @@ class GenerationRequest:
     thinking: Thinking | None = None  # split the reply into thinking and answer (and bound the thinking)
     # score the prompt: each prompt token's probability, rank and this many alternatives (max_new_tokens may be 0)
     prompt_logprobs: int | None = None
+    # the prompt's images: their slots' positions, content keys and rows (webchat.engine.images)
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +104,15 @@ class Sequence:
     offers: SeqDrafter | None = None  # speculative auto: this sequence's offers to the step's plan
     thinking: ThinkingState | None = None  # thinking / answer, and its budget (req.thinking)
     scored: list[TokenInfo] = field(default_factory=list)  # the prompt's tokens, scored as prefilled (prompt_logprobs)
+    images: PromptImages | None = None  # the prompt's images (req.images)
+    keyed_prompt: list[int] | None = None  # with images: the prompt as the prefix cache keys it (cache_ids)
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """tokens as the prefix cache keys their pages: an image's slots as its key id (webchat.engine.images)."""
+        if self.keyed_prompt is None:
+            return self.tokens
+        return self.keyed_prompt + self.tokens[len(self.keyed_prompt) :]
 
     @property
     def constrained(self) -> bool:

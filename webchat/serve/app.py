@@ -56,10 +56,10 @@ def _models(config: ServerConfig, rt: Runtime, device: DeviceThread) -> Models:
 
     try:
         cards = scan(config.model_dir, config.models_dir)
-        default = next(iter(cards.values()))
-        if default.name != rt.model_name:  # a .gguf's cache folder: the name the runtime serves it under
-            cards = {rt.model_name: dataclasses.replace(default, name=rt.model_name), **{
-                k: v for k, v in cards.items() if k != default.name}}
+        first = next(iter(cards.values()))
+        # a .gguf's cache folder: the name the runtime serves it under; its projector: --mmproj's
+        default = dataclasses.replace(first, name=rt.model_name, projector=config.mmproj)
+        cards = {rt.model_name: default, **{k: v for k, v in cards.items() if k not in (first.name, rt.model_name)}}
     except (OSError, ValueError) as exc:  # a runtime handed in without its folder (tests): described from itself
         log.info("the default model's folder is not described (%s); serving it alone", exc)
         cards = {rt.model_name: Card(rt.model_name, config.model_dir, 0, "unknown", rt.weights, rt.context_length,

@@ -18,6 +18,9 @@ class ServerConfig:
     """Everything `webchat serve` is told; `create_app` reads only this."""
 
     model_dir: Path
+    mmproj: Path | None = None  # the model's projector GGUF (--mmproj): it reads images (webchat.serve.images)
+    mmproj_precision: str = "exact"  # the vision encoder's matmuls: exact (float32) or int8 (docs/vision.md)
+    image_max_tiles: int = 4  # an image's tiles at most, unless a request asks (webchat.serve.images)
     draft_dir: Path | None = None
     speculative: str = "auto"  # the mode for requests that name none
     device: str = "auto"

@@ -3,7 +3,7 @@ call and a tool result are a message's own fields (`tool_calls` on an assistant 
 message). The one place both wires read them.
 
     content: "text" | [{"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": "data:image/png;..."}}]
-    neutral(content) -> "text" | [{"type": "text", "text": ...}, {"type": "image", "url": ...}]   # the request path's
+    neutral(content) -> "text" | [{"type": "text", "text": ...}, {"type": "image", "url": ..., "detail"?: "low"}]
     text_of(content) -> its text parts joined by newlines
 
 The request path (webchat.serve.requests) takes the neutral form: a model that reads text refuses an image part by
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
 MAX_PARTS = 64  # parts in one message
@@ -32,7 +32,7 @@ class TextPart(_Strict):
 
 class ImageURL(_Strict):
     url: Annotated[str, Field(min_length=1, max_length=MAX_URL_CHARS)]
-    detail: Literal["auto", "low", "high"] | None = None  # accepted; the projector's tiling decides
+    detail: Literal["auto", "low", "high"] | None = None  # "low": one tile (webchat.serve.images); else the request's
 
 
 class ImagePart(_Strict):
@@ -43,6 +43,18 @@ class ImagePart(_Strict):
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 Parts = Annotated[list[Part], Field(max_length=MAX_PARTS)]
 Neutral = str | list[dict[str, Any]]
+PARTS = "(parts)"  # the union tag of content given as parts; left out of error paths (`messages.0.content.64`)
+
+
+def _content_kind(v: Any) -> str | None:
+    return "text" if isinstance(v, str) else PARTS if isinstance(v, list) else None
+
+
+Content = Annotated[  # a message's content on both wires: text, or parts (one error, naming the part, when wrong)
+    Annotated[str, Tag("text")] | Annotated[Parts, Tag(PARTS)],
+    Discriminator(_content_kind, custom_error_type="expected",
+                  custom_error_message="expected a string or a list of content parts (text, image_url)"),
+]
 
 
 def neutral(content: str | list[TextPart | ImagePart] | None) -> Neutral:
@@ -51,8 +63,13 @@ def neutral(content: str | list[TextPart | ImagePart] | None) -> Neutral:
         return content or ""
     if all(isinstance(p, TextPart) for p in content):
         return "\n".join(p.text for p in content if isinstance(p, TextPart))
-    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image", "url": p.image_url.url}
-            for p in content]
+    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else _image(p) for p in content]
+
+
+def _image(part: ImagePart) -> dict[str, Any]:
+    """An image part in the neutral form: its URL, and OpenAI's `detail` where given ("low": one tile)."""
+    out = {"type": "image", "url": part.image_url.url}
+    return out if part.image_url.detail is None else {**out, "detail": part.image_url.detail}
 
 
 def text_of(content: Neutral | list[TextPart | ImagePart] | None) -> str:
@@ -62,6 +79,18 @@ def text_of(content: Neutral | list[TextPart | ImagePart] | None) -> str:
     texts = [p.text if isinstance(p, TextPart) else p.get("text", "") if isinstance(p, dict) and
              p.get("type") == "text" else None for p in content]
     return "\n".join(t for t in texts if t is not None)
+
+
+def openai_form(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Neutral messages as an OpenAI-compatible upstream takes them: image parts as `image_url` parts again."""
+    def part(p: Any) -> Any:
+        if not (isinstance(p, dict) and p.get("type") == "image"):
+            return p
+        url = {"url": p.get("url")} | ({"detail": p["detail"]} if "detail" in p else {})
+        return {"type": "image_url", "image_url": url}
+
+    return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in messages]
 
 
 def images_in(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:

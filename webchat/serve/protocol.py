@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
 from webchat.engine.settings import BIAS_RANGE, RANGES, Range, SamplingSettings, SettingsError, token_id
-from webchat.serve.parts import Parts, check_tool_fields, neutral, text_of
+from webchat.serve.parts import PARTS, Content, check_tool_fields, neutral, text_of
 from webchat.serve.replyformat import ResponseFormat
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import MAX_BUDGET
@@ -26,7 +26,7 @@ MAX_TEMPLATE_KWARGS = 32
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
     "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable", "grammar",
-    "load_limit", "unknown_tool", "tool_not_enabled", "bad_arguments",
+    "load_limit", "unknown_tool", "tool_not_enabled", "bad_arguments", "bad_image",
 )
 MAX_TOOL_CALLS = 32  # calls in one assistant message
 MAX_TOOL_ARGUMENTS = 64 * 1024  # a call's arguments, as JSON text
@@ -96,7 +96,7 @@ class ChatMessage(_Strict):
     calls; a tool message's result for the call it names."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | Parts
+    content: Content
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
@@ -148,6 +148,8 @@ class Generate(_Strict):
     # the MCP tools this reply may call, by the names the `tools` message lists (only those: never a definition)
     tools: Annotated[list[ToolName], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None  # as the API's; needs `tools`; None: auto
+    # an image's tiles at most (a vision model: webchat.serve.images); None: the server's --image-max-tiles
+    image_max_tiles: Annotated[int, Field(ge=1, le=36)] | None = None
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
@@ -232,6 +234,9 @@ class Hello(_Strict):
     models: list[dict[str, Any]] | None = None
     # the model's thinking (webchat.serve.thinking.wire): {start, end, switch}; null where it does not think
     thinking: dict[str, Any] | None = None
+    # the model reads images (--mmproj; webchat.serve.images.Vision.wire): {projector, image_size, tokens_per_tile,
+    # max_tiles, max_images, formats}; null where it reads text only
+    vision: dict[str, Any] | None = None
 
 
 class Queued(_Strict):
@@ -289,6 +294,8 @@ class Stats(_Strict):
     decode_tps: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    image_tokens: int = 0  # the prompt's image slots (in prompt_tokens too)
+    encode_ms: float = 0.0  # encoding its images (in prefill_ms and ttft_ms too); 0 where they were cached
 
 
 class Done(_Strict):
@@ -308,6 +315,7 @@ class Error(_Strict):
         "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy",
         "internal", "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
         "scoring_unavailable", "grammar", "load_limit", "unknown_tool", "tool_not_enabled", "bad_arguments",
+        "bad_image",
     ]
     message: str
 
@@ -396,7 +404,8 @@ def token_out(info: ev.TokenInfo) -> TokenOut:
 def stats_out(stats: ev.Stats) -> Stats:
     return Stats(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens, new_tokens=stats.new_tokens,
                  prefill_ms=float(stats.prefill_ms), ttft_ms=float(stats.ttft_ms), decode_tps=float(stats.decode_tps),
-                 drafted=stats.drafted, accepted=stats.accepted)
+                 drafted=stats.drafted, accepted=stats.accepted, image_tokens=stats.image_tokens,
+                 encode_ms=float(stats.encode_ms))
 
 
 def dump(msg: ServerMessage) -> str:
@@ -461,7 +470,7 @@ def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
 def validation_error(exc: ValidationError, model: type[BaseModel], request_id: str | None) -> ProtocolError:
     """The first error of a ValidationError: `bad_settings` for a value out of range, else `bad_message`."""
     err = exc.errors(include_url=False)[0]
-    loc = ".".join(str(part) for part in err["loc"]) or "messages"  # a whole-message check: the last message
+    loc = ".".join(str(part) for part in err["loc"] if part != PARTS) or "messages"  # whole-message check: the last
     if err["type"] in _RANGE_ERRORS:
         allowed = describe_range(model, err["loc"])
         return ProtocolError("bad_settings", f"{loc} = {err['input']!r} is out of range: allowed {allowed}", request_id)

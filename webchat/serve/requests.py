@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import jinja2
 
 from webchat.engine import events as ev
+from webchat.engine.images import ImageInput
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings, SettingsError, check_token_ids
 from webchat.grammar.matcher import GrammarConstraint
 from webchat.serve import thinking
 from webchat.serve.backend import Job, Scoring
 from webchat.serve.encode import encode_text_work, text_chars
+from webchat.serve.images import ImagePartError, Pictures, Vision
 from webchat.serve.parts import images_in, text_of
 from webchat.serve.replyformat import grammar_work, kept_ids, make_constraint
 from webchat.serve.rules import RuleError, context_room, short_repr, speculative_mode
@@ -36,19 +38,19 @@ from webchat.serve.tools import ToolPlan, Tools, chat_tools
 from webchat.text.chat_encode import ContentRewritten
 from webchat.text.detok import decode_all
 from webchat.text.thinking import for_template, thinking_format
-from webchat.text.trim import fit_history
+from webchat.text.trim import fit_history, kept_messages
 
 if TYPE_CHECKING:
     from webchat.text.tokenizer import Tokenizer
 
-Kind = Literal["settings", "messages", "too_long", "limit", "format", "prefix", "unsupported"]
+Kind = Literal["settings", "messages", "too_long", "limit", "format", "prefix", "unsupported", "image"]
 
 
 class RequestError(Exception):
     """A request that cannot run as asked. kind: settings (a value out of range), messages (the chat template refused
     them), too_long (no room for one new token), limit (the tokens asked for pass the context), format (a reply
     format or tools it cannot have), prefix (prefix_ids that are not the final message), unsupported (what this
-    engine cannot do). `field` names the input on the wire."""
+    engine cannot do), image (an image part that cannot be read). `field` names the input on the wire."""
 
     def __init__(self, kind: Kind, field: str, message: str) -> None:
         super().__init__(message)
@@ -79,6 +81,7 @@ class Turn:
     tools: Tools | None = None
     prompt_logprobs: int | None = None
     upstream: dict[str, Any] | None = None  # the client's format and tools as sent (a remote engine passes them on)
+    image_max_tiles: int | None = None  # an image's tiles at most (webchat.serve.images); None: the server's default
 
 
 @dataclass
@@ -145,21 +148,22 @@ class LocalPreparer:
     """The local model's request path: its tokenizer, vocabulary, context and speculative modes."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, context_length: int, default_mode: str,
-                 modes: list[str]) -> None:  # fmt: skip
+                 modes: list[str], vision: Vision | None = None) -> None:  # fmt: skip
         self.tokenizer, self.vocab_size, self.context = tokenizer, vocab_size, context_length
         self.default_mode, self.modes = default_mode, modes
+        self.vision = vision  # a vision model's projector (webchat.serve.images); None: images are refused
 
     # ------------------------------------------------------------ a chat
     async def chat(self, turn: Turn) -> Prepared:
-        refuse_images(turn.messages)
+        pictures = await self._pictures(turn.messages, turn.image_max_tiles)
         settings = self._settings(turn.settings)
         mode = self._mode(turn.speculative)
         if turn.prefix_ids is not None:
             self._check_prefix(turn)
-        messages, template_tools, plan = turn.messages, None, None
+        messages, template_tools, plan = turn.messages if pictures is None else pictures.messages, None, None
         if turn.tools is not None:
             messages, template_tools, plan = await _format_work(
-                chat_tools, turn.messages, turn.tools, self.tokenizer.chat_template, self.tokenizer.control_id,
+                chat_tools, messages, turn.tools, self.tokenizer.chat_template, self.tokenizer.control_id,
                 field="tools")
         grammar = plan.grammar if plan is not None else None
         if turn.reply_format is not None:
@@ -169,7 +173,8 @@ class LocalPreparer:
                                    "may be called; send tool_choice 'none', or leave the format out")
             grammar = grammar if grammar is not None else asked
         chars = text_chars(messages, template_tools or (plan.tools if plan is not None else None))
-        ids, trimmed = await self._chat_ids(turn, messages, template_tools, chars)
+        ids, trimmed = await self._chat_ids(turn, messages, template_tools, chars, pictures)
+        images = [] if pictures is None else self._images(pictures, ids, kept_messages(messages, trimmed))
         room = self._room(len(ids), turn.fit)
         limit = turn.max_new_tokens if turn.max_new_tokens is not None else room
         if not turn.fit and limit > room:
@@ -183,16 +188,17 @@ class LocalPreparer:
         field_name = "tools" if plan is not None else turn.format_field
         request = GenerationRequest(prompt_ids=ids, settings=settings, max_new_tokens=limit, stop_strings=turn.stop,
                                     return_probs=turn.want_probs, top_alts=turn.top_alts, speculative=mode,
-                                    thinking=reasoning, prompt_logprobs=turn.prompt_logprobs,
+                                    thinking=reasoning, prompt_logprobs=turn.prompt_logprobs, images=images,
                                     constraint=await self._constraint(grammar, field_name, kept))
         return Prepared(request, len(ids), trimmed, messages, turn.continue_final, turn.prefix_ids, turn.thinking,
                         plan)
 
     async def _chat_ids(self, turn: Turn, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                        chars: int) -> tuple[list[int], int]:  # fmt: skip
+                        chars: int, pictures: Pictures | None = None) -> tuple[list[int], int]:  # fmt: skip
         """The prompt ids and how many older messages were left out (the page's chats fit the context)."""
         encode = functools.partial(self._encode, continue_final=turn.continue_final, prefix_ids=turn.prefix_ids,
-                                   add=turn.add_generation_prompt, kwargs=turn.thinking.kwargs, tools=tools)
+                                   add=turn.add_generation_prompt, kwargs=turn.thinking.kwargs, tools=tools,
+                                   pictures=pictures)
         if not turn.fit:
             return await self._template_work(encode, messages, chars=chars), 0
         budget = max(self.context - (turn.max_new_tokens or 0), 1)
@@ -200,20 +206,29 @@ class LocalPreparer:
         return fitted.ids, fitted.dropped
 
     def _encode(self, messages: list[dict[str, Any]], continue_final: bool, prefix_ids: list[int] | None, add: bool,
-                kwargs: dict[str, Any], tools: list[dict[str, Any]] | None) -> list[int]:  # fmt: skip
-        """The chat's prompt (its thinking and tools too), or without the generation prompt (a chat scored as it
-        stands)."""
+                kwargs: dict[str, Any], tools: list[dict[str, Any]] | None,
+                pictures: Pictures | None = None) -> list[int]:  # fmt: skip
+        """The chat's prompt (its thinking, tools and images too), or without the generation prompt (a chat scored as
+        it stands)."""
         kwargs = {**kwargs, **({"tools": tools} if tools else {})}
+        expand = pictures.expander(messages) if pictures is not None else None
         if add or continue_final or prefix_ids is not None:
-            return thinking.encode_chat(self.tokenizer, messages, continue_final, prefix_ids, kwargs)
-        return self.tokenizer.encode_chat(for_template(messages, thinking_format(self.tokenizer)), False, **kwargs)
+            ids = thinking.encode_chat(self.tokenizer, messages, continue_final, prefix_ids, kwargs, expand)
+        else:
+            ids = self.tokenizer.encode_chat(for_template(messages, thinking_format(self.tokenizer)), False,
+                                             expand=expand, **kwargs)
+        if expand is not None:
+            expand.check()
+        return ids
 
     async def tokens(self, messages: list[dict[str, Any]] | None, prompt: str | None, add_generation_prompt: bool,
                      continue_final: bool, kwargs: dict[str, Any]) -> list[int]:  # fmt: skip
         """The prompt ids a chat (as a Turn is templated) or a text would run on (vLLM's /tokenize)."""
         if messages is not None:
+            pictures = await self._pictures(messages, None)
+            messages = messages if pictures is None else pictures.messages
             encode = functools.partial(self._encode, continue_final=continue_final, prefix_ids=None,
-                                       add=add_generation_prompt, kwargs=kwargs, tools=None)
+                                       add=add_generation_prompt, kwargs=kwargs, tools=None, pictures=pictures)
             ids: list[int] = await self._template_work(encode, messages, chars=text_chars(messages))
             return ids
         return await encode_text_work(self.tokenizer.encode_text, prompt or "", chars=len(prompt or ""))
@@ -248,6 +263,10 @@ class LocalPreparer:
     # ------------------------------------------------------------ a text scored
     async def score(self, score: Score) -> Prepared:
         """The text read in one prefill (greedy, nothing generated, every prompt position scored)."""
+        found = images_in(score.messages or [])
+        if found and self.vision is not None:
+            raise RequestError("unsupported", found[0][0], f"{found[0][0]} is an image: scoring a chat that holds "
+                               "images is not done (score its text alone)")
         refuse_images(score.messages or [])
         target = score.text if score.text is not None else text_of((score.messages or [{}])[-1].get("content"))
         if score.text is not None:
@@ -264,6 +283,28 @@ class LocalPreparer:
                                     prompt_logprobs=score.alternatives)
         return Prepared(request, len(ids), messages=score.messages,
                         scoring=Scoring(target=target, text=score.text is not None))
+
+    # ------------------------------------------------------------ images
+    async def _pictures(self, messages: list[dict[str, Any]], max_tiles: int | None) -> Pictures | None:
+        """The chat's images decoded and planned (webchat.serve.images); None where it holds none; refused by name on
+        a model that reads text only."""
+        if not images_in(messages):
+            return None
+        if self.vision is None:
+            refuse_images(messages)
+        assert self.vision is not None
+        try:
+            return await self.vision.prepare(messages, max_tiles)
+        except ImagePartError as exc:
+            raise RequestError("image", exc.field, exc.message) from None
+
+    @staticmethod
+    def _images(pictures: Pictures, ids: list[int], kept: list[dict[str, Any]]) -> list[ImageInput]:
+        """The kept images' slots in the prompt (the template put each marker where its image goes)."""
+        try:
+            return pictures.inputs(ids, kept)
+        except ValueError as exc:
+            raise RequestError("messages", "messages", str(exc)) from None
 
     # ------------------------------------------------------------ checks
     def _settings(self, settings: Settings) -> SamplingSettings:

@@ -13,6 +13,7 @@ from webchat.files.gguf_cache import model_name
 from webchat.serve import protocol as p
 from webchat.serve import thinking
 from webchat.serve.config import ServerConfig
+from webchat.serve.images import Vision
 from webchat.serve.requests import LocalPreparer, Preparer
 
 if TYPE_CHECKING:
@@ -40,14 +41,15 @@ class Runtime:
     engine: Engine | None = None  # one KV pool and one batched forward for every connection
     weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
     precision: str = "exact"  # webchat.model.precision: "exact" (float32 activations) or "int8"
+    vision: Vision | None = None  # its projector (--mmproj): the model reads images (webchat.serve.images)
 
     @property
     def prep(self) -> Preparer:
-        """The request path for this model (webchat.serve.requests): template, tokens, grammar, thinking."""
+        """The request path for this model (webchat.serve.requests): template, tokens, grammar, thinking, images."""
         _, tokenizer, _ = self.local()
         assert self.model is not None
         return LocalPreparer(tokenizer, self.model.args.vocab_size, self.context_length, self.default_mode,
-                             self.modes)
+                             self.modes, self.vision)
 
     def local(self) -> tuple[Transformer, Tokenizer, Engine]:
         """The local model, its tokenizer and the engine; a remote runtime has none of them (RuntimeError)."""
@@ -78,7 +80,8 @@ class Runtime:
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
                        dtype=self.dtype, speculative=list(self.modes), weights=self.weights, precision=self.precision,
-                       thinking=None if self.tokenizer is None else thinking.wire(self.tokenizer))
+                       thinking=None if self.tokenizer is None else thinking.wire(self.tokenizer),
+                       vision=None if self.vision is None else self.vision.wire())
 
 
 def load_runtime(config: ServerConfig) -> Runtime:
@@ -109,10 +112,15 @@ def load_runtime(config: ServerConfig) -> Runtime:
 
     engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
                     pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
+    vision = None
+    if config.mmproj is not None:
+        from webchat.serve.images import load_vision
+
+        vision = load_vision(config.mmproj, model.args.dim, tokenizer, config.mmproj_precision, config.image_max_tiles)
     return Runtime(model=model, tokenizer=tokenizer, model_name=model_name(config.model_dir), device=str(device),
                    dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
                    default_mode=config.speculative, engine=engine, weights=weights_name(model),
-                   precision=model.precision)
+                   precision=model.precision, vision=vision)
 
 
 def warm_up(rt: Runtime) -> Runtime:
@@ -202,7 +210,8 @@ class RemoteRuntime(Runtime):
         return p.Hello(model=caps.model or self.model_name, context_length=caps.context_length or 0,
                        device="remote", dtype="remote", speculative=list(self.modes), weights="remote",
                        precision="remote", max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES,
-                       engine=caps.wire(), thinking=caps.thinking)
+                       engine=caps.wire(), thinking=caps.thinking,
+                       vision={"projector": "upstream"} if caps.images == "accepted" else None)
 
 
 async def load_remote_runtime(config: ServerConfig) -> RemoteRuntime:

@@ -13,6 +13,7 @@ A continued reply that holds thinking is the chat's generation prompt followed b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,20 +70,22 @@ def _continues_thinking(tok: Tokenizer, fmt: ThinkingFormat, final: str, kwargs:
 
 
 def encode_chat(tok: Tokenizer, messages: list[dict[str, Any]], continue_final: bool = False,
-                prefix_ids: list[int] | None = None, kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+                prefix_ids: list[int] | None = None, kwargs: dict[str, Any] | None = None,
+                expand: Callable[[str], str] | None = None) -> list[int]:  # fmt: skip
     """The prompt ids (message contents as text, webchat.text.tokenizer.encode_chat); prefix_ids: the final
-    assistant message as the model's own tokens, after the rest of the chat's generation prompt."""
+    assistant message as the model's own tokens, after the rest of the chat's generation prompt. expand: the images'
+    markers written out (webchat.serve.images)."""
     kwargs = kwargs or {}
     fmt = thinking_format(tok)
     if prefix_ids is not None or continue_final:
         history = for_template(messages[:-1], fmt)
         if prefix_ids is not None:
-            return tok.encode_chat(history, **kwargs) + list(prefix_ids)
+            return tok.encode_chat(history, expand=expand, **kwargs) + list(prefix_ids)
         final = str(messages[-1].get("content") or "")
         if _continues_thinking(tok, fmt, final, kwargs):
-            return tok.encode_chat(history, **kwargs) + encode_tail(tok, final)
-        return tok.encode_chat([*history, messages[-1]], continue_final=True, **kwargs)
-    return tok.encode_chat(for_template(messages, fmt), **kwargs)
+            return tok.encode_chat(history, expand=expand, **kwargs) + encode_tail(tok, final)
+        return tok.encode_chat([*history, messages[-1]], continue_final=True, expand=expand, **kwargs)
+    return tok.encode_chat(for_template(messages, fmt), expand=expand, **kwargs)
 
 
 def thinks(tok: Tokenizer, fmt: ThinkingFormat) -> bool:

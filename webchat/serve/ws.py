@@ -245,7 +245,7 @@ class Connection:
         turn = Turn(messages=[m.for_template() for m in msg.messages], settings=functools.partial(_settings, msg),
                     max_new_tokens=msg.max_new_tokens, fit=True, stop=list(msg.stop), top_alts=msg.alternatives,
                     want_probs=msg.alternatives > 0, speculative=msg.speculative, continue_final=msg.continue_,
-                    prefix_ids=msg.prefix_ids, thinking=ask,
+                    prefix_ids=msg.prefix_ids, thinking=ask, image_max_tiles=msg.image_max_tiles,
                     reply_format=None if fmt is None else functools.partial(format_grammar, fmt, "response_format"),
                     tools=tools, upstream=upstream or None)
         prepared = await self._prepared(rt.prep.chat(turn), msg.id, cost)
@@ -295,6 +295,7 @@ class Connection:
                 "too_long": ("prompt_too_long", exc.message + tools_note),
                 "unsupported": ("scoring_unavailable", exc.message),
                 "prefix": ("bad_message", exc.message),
+                "image": ("bad_image", f"field '{exc.field}': {exc.message}"),
                 "messages": ("bad_message", f"field '{exc.field}': the chat template failed on them: {exc.message}"),
             }.get(exc.kind, ("bad_message", f"field '{exc.field}': {exc.message}"))
             raise p.ProtocolError(code, message, request_id) from None

@@ -5,7 +5,8 @@ matmuls. `CpuStep` hands the whole batch (tokens, positions, slot mapping, block
 pool to `Step.forward`, which runs every layer with the quantized (or float32) matrices, RoPE, the paged KV write and
 attention in C++ on torch's thread pool. Each row is computed on its own, so its logits do not depend on the batch.
 Gemma's parts run there too: the embedding scale, the post norms, GELU-tanh, the score scale and soft cap, sliding
-windows per layer and Gemma 3's local rope tables; the final soft cap is one op on the logits here.
+windows per layer and Gemma 3's local rope tables; the final soft cap is one op on the logits here. An image's slots
+(webchat.model.batch.Placed) go in as given embedding rows, and Gemma 3's image attention as per-row key ends.
 With float32 activations (exact), batches of more than MAX_ROWS tokens (long prefill chunks) return None and run the
 PyTorch path, whose matmuls are GEMMs (webchat.model.quant.QLinear dequantizes a layer's matrix for them); with int8
 activations (set_int8) the C++ forward runs every batch, each row through the same int8 kernels whatever its chunk.
@@ -107,7 +108,11 @@ class CpuStep:
         if rows is not None:  # make_batch's lists as they are: no tensor made for them
             logits = self.step.forward_rows(
                 rows.tokens, rows.positions, rows.slot_mapping, rows.query_start, rows.block_tables, rows.width,
-                rows.logit_rows, rows.prompt_ends or [], kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n)
+                rows.logit_rows, rows.prompt_ends or [], kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n,
+                rows.embed_rows or [], NONE if batch.embeds is None else batch.embeds.contiguous(),
+                rows.key_ends or [])
+        elif batch.embeds is not None:
+            return None  # an image's rows come with host rows only (make_batch)
         else:
             logits = self.step.forward(
                 batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,

@@ -128,7 +128,7 @@ class OpenAIApi:
                     reply_format=functools.partial(request_grammar, req.response_format, req.structured_outputs),
                     format_field=_format_field(req),
                     tools=Tools(req.tools, req.tool_choice, req.parallel_tool_calls),
-                    prompt_logprobs=req.scored(), upstream=upstream_fields(req))
+                    prompt_logprobs=req.scored(), upstream=upstream_fields(req), image_max_tiles=req.image_max_tiles)
         with _request_errors("messages"):
             prepared = await rt.prep.chat(turn)
         plan = prepared.plan
@@ -313,7 +313,7 @@ def _request_errors(prompt_field: str) -> Iterator[None]:
             raise APIError(400, f"the chat template refused the messages: {exc.message}", "invalid_messages",
                            "messages") from None
         code = {"too_long": "context_length_exceeded", "limit": "context_length_exceeded",
-                "unsupported": "unsupported_value"}.get(exc.kind, "invalid_value")
+                "unsupported": "unsupported_value", "image": "invalid_image"}.get(exc.kind, "invalid_value")
         field = prompt_field if exc.kind == "too_long" else exc.field
         raise APIError(400, exc.message, code, field) from None
 

@@ -7,9 +7,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     BaseModel,
     ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
@@ -20,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
 from webchat.serve.openai.structured import ResponseFormat, StructuredOutputs
 from webchat.serve.openai.thinking import FORMATS
-from webchat.serve.parts import Parts, check_tool_fields, neutral
+from webchat.serve.parts import PARTS, Content, check_tool_fields, neutral
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import Ask, budget_value, check_kwargs
 from webchat.serve.tools import Tool, ToolCall, ToolChoice
@@ -61,16 +59,6 @@ def _union(v: Any, handler: ValidatorFunctionWrapHandler, expected: str) -> Any:
         raise PydanticCustomError("expected", "expected {expected}", {"expected": expected}) from None
 
 
-def _content_kind(v: Any) -> str | None:
-    return "text" if isinstance(v, str) else PARTS if isinstance(v, list) else None
-
-
-PARTS = "(parts)"  # the union tag of content given as parts; left out of error paths
-Content = Annotated[
-    Annotated[str, Tag("text")] | Annotated[Parts, Tag(PARTS)],
-    Discriminator(_content_kind, custom_error_type="expected",
-                  custom_error_message="expected a string or a list of content parts (text, image_url)"),
-]
 
 
 class Message(_Strict):
@@ -231,6 +219,8 @@ class ChatRequest(_Request):
     reasoning_budget_tokens: int | None = None
     reasoning_budget_message: Annotated[str, Field(max_length=1000)] | None = None
     thinking_token_budget: int | None = None
+    # an image's tiles at most (webchat's extension, the websocket's generate.image_max_tiles); None: the server's
+    image_max_tiles: Annotated[int, Field(ge=1, le=36)] | None = None
 
     def thinking(self, default_budget: int | None) -> Ask:
         """What the request asks of thinking, checked: 400 naming the field."""

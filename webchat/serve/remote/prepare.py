@@ -9,7 +9,7 @@ from typing import Any
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings, SettingsError
 from webchat.serve.backend import Scoring
-from webchat.serve.parts import text_of
+from webchat.serve.parts import images_in, openai_form, text_of
 from webchat.serve.remote.capabilities import Capabilities
 from webchat.serve.replyformat import grammar_work, upstream_bounds
 from webchat.serve.requests import Prepared, RequestError, Score, Settings, Text, Turn, refuse_images
@@ -30,7 +30,7 @@ class RemotePreparer:
         return caps
 
     async def chat(self, turn: Turn) -> Prepared:
-        refuse_images(turn.messages)
+        messages = self._images(turn.messages)
         if turn.prompt_logprobs is not None:
             raise RequestError("unsupported", "prompt_logprobs", "prompt scores (prompt_logprobs, echo) are not "
                                "forwarded to the remote engine; ask the upstream itself")
@@ -50,7 +50,7 @@ class RemotePreparer:
         request = GenerationRequest(prompt_ids=[], settings=settings, max_new_tokens=turn.max_new_tokens or 0,
                                     stop_strings=turn.stop, return_probs=turn.want_probs, top_alts=turn.top_alts,
                                     speculative=mode)
-        return Prepared(request, messages=turn.messages, continue_final=turn.continue_final,
+        return Prepared(request, messages=messages, continue_final=turn.continue_final,
                         prefix_ids=turn.prefix_ids, thinking=turn.thinking, upstream=upstream,
                         tools_format=bool(upstream and upstream.get("tools")))
 
@@ -72,6 +72,24 @@ class RemotePreparer:
     async def tokens(self, messages: list[dict[str, Any]] | None, prompt: str | None, add_generation_prompt: bool,
                      continue_final: bool, kwargs: dict[str, Any]) -> list[int]:  # fmt: skip
         raise RequestError("unsupported", "prompt", "this server's model is upstream (--engine-url); tokenize there")
+
+    def _images(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chat as the upstream takes it: its image parts passed on where the upstream reads images (its probe),
+        as data: URLs only (webchat fetches nothing, and has no upstream fetch for it); refused by name otherwise."""
+        found = images_in(messages)
+        if not found:
+            return messages
+        caps = self.caps
+        if caps.images != "accepted":
+            raise RequestError("unsupported", found[0][0], f"{found[0][0]} is an image: the upstream engine at "
+                               f"{caps.url} ({caps.kind}) does not take images (its probe was refused one; serve a "
+                               "vision model there, e.g. llama-server --mmproj)")
+        for name, part in found:
+            url = str(part.get("url", ""))
+            if not url.lower().startswith("data:"):
+                raise RequestError("image", name, f"{name} must be a data: URL (data:image/png;base64,...); webchat "
+                                   f"passes no other on, got one starting {url[:24]!r}")
+        return openai_form(messages)
 
     def _takes(self, fields: dict[str, Any]) -> None:
         """What the upstream was found not to take (its capability probe) is refused before anything is sent."""

@@ -44,6 +44,13 @@ struct BatchView {
   const int64_t* logit_rows = nullptr;  // (R)
   int64_t r = 0;
   const int64_t* prompt_ends = nullptr;  // (B) or none: b's rows at positions below it are its prompt's (a GEMM's)
+  // an image's slots (webchat.engine.images): rows embed_rows[i] take embeds[i] (dim floats) in place of their token's
+  // embedding, after the embedding scale (Gemma scales text only); key_ends (T) or none: row t attends positions below
+  // key_ends[t] (an image's slots see each other both ways, Gemma 3) instead of positions[t] + 1
+  const int64_t* embed_rows = nullptr;  // (E)
+  const float* embeds = nullptr;        // (E, dim)
+  int64_t e = 0;
+  const int64_t* key_ends = nullptr;
 };
 
 // webchat.model.kv_cache.KVPool: per layer k and v pages (num_pages, page_size, n_kv, hd)
