@@ -26,12 +26,12 @@ from pathlib import Path
 
 from bench.common import default_model, table_header, table_row
 from bench.served_prompts import SETS
-from webchat.engine import adaptive
 from webchat.engine.engine import Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.model.loader import load_model
+from webchat.engine.spec import planner as adaptive
+from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 
 

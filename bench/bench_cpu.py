@@ -60,7 +60,7 @@ def time_stream(step_iter: Callable[[], object]) -> tuple[float, float]:
 
 
 def webchat_runner(model_dir: Path, gguf: Path, weights: str = "auto") -> Callable[[list[int]], Callable[[], object]]:
-    from webchat.model.loader import load_model
+    from webchat.kernels.backend import load_model
 
     model = load_model(model_dir, weights=weights)
 
@@ -137,8 +137,10 @@ def fidelity() -> None:
     import numpy as np
     import torch
 
-    from webchat.model.loader import load_model, weights_name
-    from webchat.pull import default_gguf_path, ensure_default_model
+    from webchat.files.home import default_gguf_path
+    from webchat.files.pull import ensure_default_model
+    from webchat.kernels.backend import load_model
+    from webchat.model.loader import weights_name
 
     torch.set_num_threads(THREADS)
     model_dir = ensure_default_model()
@@ -168,7 +170,8 @@ def fidelity() -> None:
 def child(engine: str, repeat: bool = False) -> None:
     import torch
 
-    from webchat.pull import default_gguf_path, ensure_default_model
+    from webchat.files.home import default_gguf_path
+    from webchat.files.pull import ensure_default_model
 
     torch.set_num_threads(1 if engine == "webchat-1t" else THREADS)  # 1t: one thread, for comparison under load
     model_dir = ensure_default_model()

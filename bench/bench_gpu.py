@@ -176,8 +176,8 @@ def random_pair(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -
 def folder_pair(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
+    from webchat.kernels.backend import load_model
     from webchat.kernels.cuda.graphs import disable_cuda_backend
-    from webchat.model.loader import load_model
 
     ours = load_model(path, device, dtype)
     disable_cuda_backend(ours)  # bench() switches engines itself
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def default_dir(dry_run: bool) -> Path:
     if dry_run:
-        from webchat.tiny import make_tiny_model
+        from bench.tiny import make_tiny_model
 
         return make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-gpu-dry-")))
     return default_model()

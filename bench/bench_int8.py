@@ -24,12 +24,13 @@ from pathlib import Path
 import torch
 
 from bench.common import default_model, table_header, table_row
+from webchat.gguf.blocks import K_QTYPES, QTYPES
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import PageTable
-from webchat.model.loader import load_model
 from webchat.model.precision import QTYPE_IDS, set_precision
-from webchat.model.quant import K_QTYPES, QTYPES, QLinear
+from webchat.model.quant import QLinear
 from webchat.model.transformer import Transformer
 
 PAGE = 16
@@ -120,7 +121,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="decode steps of each precision, alternating")
     ap.add_argument("--prompt", type=int, default=1000)
     args = ap.parse_args()
-    from webchat.gguf_path import model_folder
+    from webchat.files.gguf_cache import model_folder
 
     folder = model_folder(args.model) if args.model else default_model()
     model = load_model(folder)

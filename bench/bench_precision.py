@@ -33,10 +33,10 @@ from bench.common import THREADS, default_gguf, table_header, table_row
 from bench.fidelity_llama_cpp import PROMPTS, TOP, Run, reference_runs
 from bench.served_files import bench_files_dir
 from bench.served_prompts import open_chat
+from webchat.kernels.backend import load_model
 from webchat.kernels.cpu import build
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import PageTable
-from webchat.model.loader import load_model
 from webchat.model.precision import set_precision
 from webchat.model.transformer import Transformer
 
@@ -141,6 +141,7 @@ def main() -> None:
                     help="auto: transformers for the SmolLM2 files, webchat's exact path for the 1.1B files")
     args = ap.parse_args()
     from webchat.gguf_path import model_folder
+
     from webchat.text.tokenizer import Tokenizer
 
     names = {"smollm": list(SMOLLM), "large": list(LARGE), "all": [*SMOLLM, *LARGE]}.get(args.files)

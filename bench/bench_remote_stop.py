@@ -64,7 +64,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="remote-stop-") as tmp:
         model = args.model
         if model is None:
-            from webchat.tiny import make_tiny_model
+            from bench.tiny import make_tiny_model
 
             model = make_tiny_model(Path(tmp) / "tiny", max_seq_len=8192)
         up_port, front_port = free_port(), free_port()

@@ -43,6 +43,7 @@ penalised or favoured.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -288,6 +289,12 @@ def webchat_makers(gguf: Path, src: Path, precision: str, exact_flag: bool) -> d
     return makers
 
 
+def commit_of(src: Path) -> str:
+    """A checkout's short commit (its folder's name where it is no git checkout)."""
+    out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or src.name
+
+
 def peer_maker(binary: Path, gguf: Path, ctx: int, parallel: int) -> Callable[[int], Server]:
     return lambda port: llama_server(binary, gguf, port, ctx, parallel)
 
@@ -317,6 +324,9 @@ def parse_args() -> argparse.Namespace:
                              "WEBCHAT_VNNI=0, llama-server built without AVX-512 or VNNI (LLAMA_ISA=avx2 "
                              "bench/build_llama_server.sh, its own build tree)")
     parser.add_argument("--src", type=Path, default=ROOT, help="the webchat checkout to serve from")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another webchat checkout served in the same run, alternating, as its own column "
+                             "(before and after a change: `--against ../old --only webchat`)")
     parser.add_argument("--bare", action="store_true",
                         help="each round, bench.bench_cpu's bare webchat decode too (the default model; needs "
                              "clients 1)")
@@ -354,10 +364,13 @@ def exact_available(args: argparse.Namespace) -> bool:
 def convert_first(gguf: Path, src: Path) -> None:
     """The file converted into webchat's cache (once, kept) before any round: a server that converted it at start
     would count the converter's memory in its peak RSS (the 3B file's first int8 round: 4.7 GB against 3.0). A
-    checkout without webchat.gguf_path (before GGUF files were served) is left to convert at start."""
-    if not (src / "webchat" / "gguf_path.py").exists():
+    checkout without a GGUF cache (before GGUF files were served) is left to convert at start; one from before the
+    package's folders (webchat/gguf_path.py) is asked in its own layout."""
+    layouts = {"webchat.files.gguf_cache": "files/gguf_cache.py", "webchat." + "gguf_path": "gguf_path.py"}
+    module = next((m for m, f in layouts.items() if (src / "webchat" / f).exists()), None)
+    if module is None:
         return
-    code = "import sys, pathlib, webchat.gguf_path as g; g.model_folder(pathlib.Path(sys.argv[1]))"
+    code = f"import sys, pathlib, {module} as g; g.model_folder(pathlib.Path(sys.argv[1]))"
     env = dict(os.environ, PYTHONPATH=str(src))
     subprocess.run([sys.executable, "-c", code, str(gguf)], check=True, cwd=src, env=env)
 
@@ -383,6 +396,11 @@ def main() -> None:
         if args.only != "llama-server":
             convert_first(gguf, src)
         makers = webchat_makers(gguf, src, args.precision, exact_flag) if args.only != "llama-server" else {}
+        if args.against is not None:
+            against = args.against.resolve()
+            convert_first(gguf, against)
+            makers[f"webchat@{commit_of(against)}"] = functools.partial(webchat_server, model=gguf, src=against,
+                                                                         stops=stop_token_ids(gguf))
         if binary is not None:
             makers["llama-server"] = peer_maker(binary, gguf, ctx, parallel)
         gbps = None

@@ -74,8 +74,9 @@ def measure(rt: Runtime, rows: int, alts: int, steps: int, bias: bool = False) -
 
 def streamed_vs_cached(rt: Runtime, repeats: int = 20) -> tuple[float, float]:
     """(ms for one call on each quantized matrix in turn, ms for the same calls each on a matrix already in cache)."""
+    from webchat.gguf.blocks import QTYPES
     from webchat.kernels.cpu import build
-    from webchat.model.quant import QTYPES, QLinear
+    from webchat.model.quant import QLinear
 
     kernels, model = build.load(), rt.model
     assert model is not None, "a local model"

@@ -12,7 +12,8 @@ passes: the machine is shared and its noise only slows), as ms and as one-row st
 and the ceiling of speculation at B = 1, 4, 16 sequences: tokens per ms if every sequence verified k drafts a step
 and all were accepted (the `all B` shapes at their best k, rows at most the step's 64), over B decoding sequences'
 tokens per ms. No draft source, however good, gets decode past it on this model and CPU.
-and the cost curve the auto mode's planner would measure here (webchat.engine.verify_cost, as at the server's warm-up).
+and the cost curve the auto mode's planner would measure here (webchat.engine.spec.verify_cost, as at the server's
+warm-up).
 The marginal row (ms per extra row) against the one-row step is what a drafted token must beat: at ratio x a draft
 of k tokens pays only when its expected accepted tokens exceed k * x.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import default_model, table_header, table_row
-from webchat.engine import verify_cost
+from webchat.engine.spec import verify_cost
 from webchat.model.batch import make_batch
 from webchat.model.kv_cache import KVPool, PageTable
 from webchat.model.transformer import Transformer
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
-    from webchat.model.loader import load_model
+    from webchat.kernels.backend import load_model
 
     path = args.model or default_model()
     model = load_model(path)

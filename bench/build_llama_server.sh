@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server`, and `llama-quantize` beside it (same cmake tree, bin/), from the llama.cpp vendored
-# in the llama-cpp-python source package the `bench` extra pins, for bench.bench_served and bench/make_bench_files.sh.
+# Builds llama.cpp's `llama-server`, and `llama-quantize` and `llama-mtmd-cli` beside it (same cmake tree, bin/), from the
+# llama.cpp vendored in the llama-cpp-python source package the `bench` extra pins, for bench.bench_served,
+# bench/make_bench_files.sh and bench.bench_vision (llama-mtmd-cli: about a minute more).
 # Outside the test set-up: about 9-12 minutes on 2 cores, once.
 # Idempotent: a second run prints llama-server's path. Usage: bash bench/build_llama_server.sh  (prints the path last;
 # llama-quantize is $(dirname path)/llama-quantize)
@@ -26,7 +27,7 @@ case "$isa" in
   *) echo "LLAMA_ISA must be native or avx2, got '$isa'" >&2; exit 2 ;;
 esac
 bin="$tree/bin/llama-server"
-if [ ! -x "$bin" ] || [ ! -x "$tree/bin/llama-quantize" ] || [ "${REBUILD:-0}" = 1 ]; then
+if [ ! -x "$bin" ] || [ ! -x "$tree/bin/llama-quantize" ] || [ ! -x "$tree/bin/llama-mtmd-cli" ] || [ "${REBUILD:-0}" = 1 ]; then
   [ -d "$src" ] || tar -xzf "$sdist" -C "$root"
   # This CPU's x86 features, named (GGML_NATIVE would also turn on AMX, which some VMs list in /proc/cpuinfo but do
   # not grant: llama-server then dies with SIGILL at the first matmul).
@@ -45,6 +46,6 @@ if [ ! -x "$bin" ] || [ ! -x "$tree/bin/llama-quantize" ] || [ "${REBUILD:-0}" =
   cmake -S "$src/vendor/llama.cpp" -B "$tree" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON "${flags[@]}" \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-  cmake --build "$tree" --target llama-server llama-quantize -j "$(nproc)" >&2
+  cmake --build "$tree" --target llama-server llama-quantize llama-mtmd-cli -j "$(nproc)" >&2
 fi
 echo "$bin"

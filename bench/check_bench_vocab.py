@@ -1,6 +1,6 @@
 """Both servers read a bench file's vocabulary alike: for each GGUF, llama-server's /tokenize of every text the served
 bench and the fidelity script send (the short chats, the ~1,000-token prompt, the fidelity prompts) against the
-tokenizer webchat's converter builds from the same file's fields (webchat.text.gguf_vocab.build_tokenizer), and its
+tokenizer webchat's converter builds from the same file's fields (webchat.gguf.vocab.build_tokenizer), and its
 /detokenize of a few ids, padded ones included, against that tokenizer's decoding. Prints one line per file; exits 1
 on any difference.
 
@@ -29,7 +29,7 @@ def texts() -> list[str]:
 def webchat_tokenizer(gguf: Path) -> object:
     import gguf as gg
 
-    from webchat.text.gguf_vocab import Fields, build_tokenizer
+    from webchat.gguf.vocab import Fields, build_tokenizer
 
     reader = gg.GGUFReader(str(gguf))
     fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}

@@ -285,14 +285,14 @@ def find_llama_server(given: Path | None) -> Path:
 
 def default_gguf() -> Path:
     """The default model's GGUF (SmolLM2-135M-Instruct Q4_1), pulled once."""
-    from webchat.pull import ensure_default_gguf
+    from webchat.files.pull import ensure_default_gguf
 
     return ensure_default_gguf().resolve()
 
 
 def default_model() -> Path:
     """The default model's folder, converted once from its GGUF."""
-    from webchat.pull import ensure_default_model
+    from webchat.files.pull import ensure_default_model
 
     return ensure_default_model()
 

@@ -21,7 +21,7 @@ GGUF_VERSION=0.19.0
 prepare() {
   set -e
   local py=.venv/bin/python gguf
-  gguf=$("$py" -c 'from webchat.pull import ensure_default_gguf; print(ensure_default_gguf())')
+  gguf=$("$py" -c 'from webchat.files.pull import ensure_default_gguf; print(ensure_default_gguf())')
   rm -rf .device && mkdir -p .device/a .device/b
   split -n 2 -d "$gguf" .device/part.
   mv .device/part.00 .device/a/ && mv .device/part.01 .device/b/
@@ -59,7 +59,7 @@ check() {
   { nvidia-smi -L 2>/dev/null; "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
     | tee "$out/device.txt"
   if [ "$real" = 1 ]; then
-    "$py" -c 'from webchat.pull import ensure_default_model as e; print("model:", e())' 2>&1 | tail -1 || real=0
+    "$py" -c 'from webchat.files.pull import ensure_default_model as e; print("model:", e())' 2>&1 | tail -1 || real=0
   fi
   local marks="not e2e" models=(default "Llama-3.2-1B shape" "Llama-3.1-8B shape") dry=()
   if [ "$real" = 0 ]; then
@@ -67,8 +67,8 @@ check() {
     models=("Llama-3.2-1B shape" "Llama-3.1-8B shape")
   fi
   "$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' || dry=(--dry-run)
-  "$py" -m pytest -p no:cacheprovider -q -rs -m "$marks" tests/test_kernels.py tests/test_paged_kernels.py \
-    tests/test_gpu_model.py tests/test_emulator.py tests/test_nvcc.py tests/test_nvrtc.py 2>&1 \
+  "$py" -m pytest -p no:cacheprovider -q -rs -m "$marks" tests/kernels/test_kernels.py tests/kernels/test_paged_kernels.py \
+    tests/kernels/test_gpu_model.py tests/kernels/test_emulator.py tests/kernels/test_nvcc.py tests/kernels/test_nvrtc.py 2>&1 \
     | tee "$out/pytest.log" | tail -25
   "$py" -m bench.bench_gpu "${dry[@]}" --models "${models[@]}" --json "$out/bench_gpu.json" 2>&1 \
     | grep -v "^Loading weights" | tee "$out/bench_gpu.txt" | tail -20

@@ -12,7 +12,8 @@ others` over the other replies too (the engine-wide index of vLLM's `suffix` met
 Printed per set: the median share of reply tokens the oracle guessed right (each way), and the decode speed it
 allows against none's on this machine: each step verifies exactly the run of right guesses that starts at its token
 (at most MAX_AUTO_DRAFT, no wrong draft ever granted) and emits it and one more token, costing a forward of that many
-rows on the verify-cost curve measured here (webchat.engine.verify_cost, as the server measures it at warm-up); every
+rows on the verify-cost curve measured here (webchat.engine.spec.verify_cost, as the server measures it at warm-up);
+every
 token the oracle misses ends a step. No draft source of the suffix kind (n-gram, prompt lookup, suffix trees) with
 this guess gets past it; the auto mode's measured drafting (bench.bench_served --speculation) can be read against it.
 """
@@ -27,12 +28,12 @@ from pathlib import Path
 from bench.common import default_model, table_header, table_row
 from bench.served_prompts import SETS
 from bench.served_speculation import FILL_AT  # the fill's prompts: bench_served --spec-fill's
-from webchat.engine import verify_cost
-from webchat.engine.adaptive import MAX_AUTO_DRAFT
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.engine.settings import SamplingSettings
-from webchat.model.loader import load_model
+from webchat.engine.spec import verify_cost
+from webchat.engine.spec.rates import MAX_AUTO_DRAFT
+from webchat.kernels.backend import load_model
 from webchat.text.tokenizer import Tokenizer
 
 SUFFIX_MAX = 8  # the longest suffix looked up

@@ -11,7 +11,7 @@ activations), `webchat serve` (its default: int8 activations where issue 38's ch
 llama-server with its defaults (2 threads, f16 KV cache). Every side gets the same prompt ids (webchat's chat
 template: what its chat endpoint runs on; llama-server gets them as ids) and the end-of-turn tokens banned (webchat:
 logit_bias -100; llama-server: ignore_eos; the reference: -inf), so each prompt gives `--tokens` tokens to compare.
-Printed per side over the 8 held-out chat prompts (none of them in tests/test_fidelity.py): how many greedy
+Printed per side over the 8 held-out chat prompts (none of them in tests/model/test_fidelity.py): how many greedy
 continuations equal the reference token for token, how many texts are equal, the first divergence per prompt, and the
 largest |p - p_ref| over the tokens in both top-5 lists at the first generated token and over the agreed prefix (every
 step whose context both share: up to and including the first divergence).
@@ -54,7 +54,7 @@ from bench.served_files import bench_files_dir, has_exact_flag, precision_of
 from bench.served_prompts import ASKS, SUBJECTS, open_chat
 
 TOP = 5
-PROMPTS = [  # held out: none is a prompt of tests/test_fidelity.py
+PROMPTS = [  # held out: none is a prompt of tests/model/test_fidelity.py
     [{"role": "user", "content": "Give me three tips for keeping houseplants alive."}],
     [{"role": "system", "content": "You answer in one short paragraph."}, {"role": "user", "content": "Why is the sky "
                                                                                                       "blue?"}],
@@ -204,7 +204,7 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 <= args.more <= open_questions:
         raise SystemExit(f"--more must be 0 to {open_questions} (the distinct open questions), got {args.more}")
-    from webchat.gguf_path import model_folder
+    from webchat.files.gguf_cache import model_folder
     from webchat.text.tokenizer import Tokenizer
 
     gguf, src = args.gguf.expanduser().resolve(), args.src.resolve()

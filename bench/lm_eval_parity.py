@@ -55,7 +55,7 @@ def main() -> int:
     except ImportError:
         print("lm-eval is not installed: .venv/bin/pip install -e '.[eval]'", file=sys.stderr)
         return 2
-    from webchat.gguf_path import model_name
+    from webchat.files.gguf_cache import model_name
 
     model_dir = args.model or default_model()
     os.chdir(REPO)  # the task YAML names its data file relative to the repository

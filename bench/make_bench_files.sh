@@ -49,5 +49,5 @@ if [ ! -f "$out/llama32-3b-shape-q4_k_m.gguf" ]; then
 fi
 echo "$out/llama32-3b-shape-q4_k_m.gguf"
 
-default=$("$py" -c "from webchat.pull import ensure_default_gguf; print(ensure_default_gguf())")
+default=$("$py" -c "from webchat.files.pull import ensure_default_gguf; print(ensure_default_gguf())")
 quantize_to "$default" "$out/smollm2-135m-q4_k_m.gguf" Q4_K_M --allow-requantize

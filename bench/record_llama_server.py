@@ -1,4 +1,4 @@
-"""Record llama-server's real answers for tests/test_remote_parse.py (tests/fixtures/llama_server.json).
+"""Record llama-server's real answers for tests/serve/test_remote_parse.py (tests/fixtures/llama_server.json).
 
     bash bench/build_llama_server.sh      # once
     .venv/bin/python -m bench.record_llama_server [--gguf FILE]

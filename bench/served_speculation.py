@@ -43,8 +43,8 @@ from typing import Any
 
 from bench.common import Server, free_port, parallel, stop_token_ids, table_header, table_row, webchat_server
 from bench.served_prompts import SETS
-from webchat.engine.adaptive import MAX_AUTO_DRAFT, MAX_STEP_ROWS
-from webchat.engine.verify_cost import VerifyCost
+from webchat.engine.spec.rates import MAX_AUTO_DRAFT, MAX_STEP_ROWS
+from webchat.engine.spec.verify_cost import VerifyCost
 
 C1_RUNS = 3
 FILL_AT = 100_000  # --spec-fill's prompts: far past the sections' own
@@ -370,7 +370,7 @@ def report(modes: list[str], sets: list[str], clients: list[int], best: dict[str
               f"one-row steps; time between steps {float(curve.get('between_steps_ms', 0)):.2f} ms (its last median)")
         print(f"on that curve one client's decode reaches at most {ceiling(curve, 1):.2f}x of none's, every draft "
               "accepted (`ceiling`; several clients: bench.bench_verify_cost)")
-    if curve.get("payoff"):  # webchat.engine.adaptive: got / planned per batch size, scaling that size's later plans
+    if curve.get("payoff"):  # engine.spec.planner: got / planned per batch size, scaling that size's later plans
         print("how its plans came true by the end of its first round (payoff per batch size of decode rows, the "
               "factor on later plans' expected rates): " + ", ".join(f"{k}: {float(v):.2f}"
                                                                        for k, v in curve["payoff"].items()))

@@ -10,7 +10,7 @@ import pytest
 from playwright.sync_api import expect
 
 if TYPE_CHECKING:
-    from conftest import ChatPage, Server
+    from page_driver import ChatPage, Server
 
 pytestmark = pytest.mark.e2e
 

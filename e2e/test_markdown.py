@@ -12,7 +12,7 @@ from playwright.sync_api import expect
 from scripted import ScriptedSocket, wire_tokens
 
 if TYPE_CHECKING:
-    from conftest import ChatPage, Server
+    from page_driver import ChatPage, Server
 
 pytestmark = pytest.mark.e2e
 

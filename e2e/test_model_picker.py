@@ -11,14 +11,14 @@ import pytest
 from playwright.sync_api import expect
 
 if TYPE_CHECKING:
-    from conftest import ChatPage, Server
+    from page_driver import ChatPage, Server
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def two_models(launch_tiny: Callable[..., Server], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from webchat.tiny import make_tiny_model
+    from bench.tiny import make_tiny_model
 
     shelf = tmp_path_factory.mktemp("shelf")
     make_tiny_model(shelf / "tiny-b", seed=1, max_seq_len=1024)

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import start_server
+from page_driver import start_server
 from playwright.sync_api import expect
 
 if TYPE_CHECKING:
-    from conftest import ChatPage, Server
+    from page_driver import ChatPage, Server
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ import pytest
 from playwright.sync_api import expect
 
 if TYPE_CHECKING:
-    from conftest import ChatPage, Server
+    from page_driver import ChatPage, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 

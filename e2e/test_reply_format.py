@@ -13,7 +13,7 @@ import pytest
 from playwright.sync_api import expect
 
 if TYPE_CHECKING:
-    from conftest import ChatPage
+    from page_driver import ChatPage
 
 pytestmark = pytest.mark.e2e
 

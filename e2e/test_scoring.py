@@ -14,7 +14,7 @@ from playwright.sync_api import Locator, expect
 from test_model_picker import two_models  # noqa: F401  (the fixture: a server with two tiny models)
 
 if TYPE_CHECKING:
-    from conftest import ChatPage, Server
+    from page_driver import ChatPage, Server
 
 pytestmark = pytest.mark.e2e
 

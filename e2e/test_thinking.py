@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import TINY_CONTEXT, start_server
+from page_driver import TINY_CONTEXT, start_server
 from playwright.sync_api import expect
 
+from bench.tiny import make_tiny_qwen3
 from webchat.text.tokenizer import Tokenizer
-from webchat.tiny import make_tiny_qwen3
 
 if TYPE_CHECKING:
-    from conftest import ChatPage, Server
+    from page_driver import ChatPage, Server
     from playwright.sync_api import Page, WebSocketRoute
 
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,5 @@
-"""A stand-in for `webchat serve` and `llama-server` in tests/test_bench_served.py: the endpoints bench/bench_served.py
-reads (ready paths, /v1/models, /api/info, streamed chat completions with usage), no model.
+"""A stand-in for `webchat serve` and `llama-server` in tests/repo/test_bench_served.py: the endpoints
+bench.bench_served reads (ready paths, /v1/models, /api/info, streamed chat completions with usage), no model.
 
     python bench_standin.py serve --help | serve --port P [--exact] ...   # as `python -m webchat.cli serve`
     python bench_standin.py llama --port P ...                            # as llama-server

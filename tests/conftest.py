@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from webchat.tiny import make_tiny_model
+from bench.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -17,14 +17,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
-    from webchat.pull import ensure_default_model
+    from webchat.files.pull import ensure_default_model
 
     return ensure_default_model()
 
 
 @pytest.fixture(scope="session")
 def real_gguf_path(real_model_dir: Path) -> Path:
-    from webchat.pull import default_gguf_path
+    from webchat.files.home import default_gguf_path
 
     return default_gguf_path()
 

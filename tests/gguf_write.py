@@ -14,10 +14,10 @@ from typing import Any
 
 import gguf
 import numpy as np
+from kquant_encode import encode_q4_k, encode_q6_k
 from safetensors.numpy import load_file
 
-from tests.kquant_encode import encode_q4_k, encode_q6_k
-from webchat.convert import GEMMAS, GLOBAL_MAP, ROPE_FREQS, Hyper, layer_map, llama3_factors, permute_rows
+from webchat.gguf.convert import GEMMAS, GLOBAL_MAP, ROPE_FREQS, Hyper, layer_map, llama3_factors, permute_rows
 
 QType = Callable[[str, np.ndarray], gguf.GGMLQuantizationType]
 F32 = gguf.GGMLQuantizationType.F32

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,51 +76,71 @@ def _watch(child: Child, kill_mb: float, done: threading.Event) -> None:
         done.wait(0.05)
 
 
+def launch(log_path: Path, *args: str, port: int | None = None,
+           preexec_fn: Callable[[], None] | None = None) -> tuple[subprocess.Popen[bytes], int]:  # fmt: skip
+    """`python -m webchat.cli serve --port P --device cpu *args` from the repository, its output into log_path: the one
+    way a test (tests/ and e2e/) starts a server process."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "webchat.cli", "serve", "--port", str(port), "--device", "cpu", *args]
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=preexec_fn,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, port
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], ready_s: float, log_text: Callable[[], str],
+                 token: str | None = None, stop: Callable[[], str | None] = lambda: None) -> float:  # fmt: skip
+    """Seconds until `url`/healthz answered; AssertionError with the log's tail if the process exits, `stop` names a
+    reason, or it is not healthy within `ready_s`."""
+    t0 = time.monotonic()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    while True:
+        reason = stop()
+        assert reason is None, reason
+        assert proc.poll() is None, f"serve exited {proc.returncode}: {log_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1, headers=headers).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - t0 < ready_s, f"serve was not healthy after {ready_s} s: {log_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def end(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextmanager
 def serve(tmp_path: Path, *args: str, ready_s: float = 180.0, kill_mb: float = 3000.0, token: str | None = None,
           nofile: int | None = None) -> Iterator[Child]:
-    """`webchat serve --device cpu --port P *args` (under an open-file limit of `nofile`); yields once /healthz
-    answers, AssertionError (with the log's tail) if it exits, passes `kill_mb` or is not healthy within `ready_s`
-    seconds. Stopped (SIGTERM, then SIGKILL after 10 s) at the end."""
+    """`webchat serve --device cpu --port P *args` (under an open-file limit of `nofile`), its RSS watched; yields
+    once /healthz answers, AssertionError (with the log's tail) if it exits, passes `kill_mb` or is not healthy within
+    `ready_s` seconds. Stopped (SIGTERM, then SIGKILL after 10 s) at the end."""
     port = free_port()
-    log = tmp_path / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "webchat.cli", "serve", "--port", str(port), "--device", "cpu", *args]
 
     def limit() -> None:
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=limit,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    child, done = Child(proc, port, log), threading.Event()
+    proc, port = launch(tmp_path / f"serve-{port}.log", *args, port=port, preexec_fn=limit)
+    child, done = Child(proc, port, tmp_path / f"serve-{port}.log"), threading.Event()
     watcher = threading.Thread(target=_watch, args=(child, kill_mb, done), daemon=True)
     watcher.start()
-    t0 = time.monotonic()
     try:
-        while True:
-            assert not child.killed_for_memory, f"serve passed {kill_mb:.0f} MB before it was healthy"
-            assert proc.poll() is None, f"serve exited {proc.returncode}: {child.text()[-3000:]}"
-            try:
-                headers = {"Authorization": f"Bearer {token}"} if token else {}
-                if httpx.get(f"{child.url}/healthz", timeout=1, headers=headers).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() - t0 < ready_s, (f"serve was not healthy after {ready_s} s (RSS "
-                                                     f"{child.rss_mb():.0f} MB): {child.text()[-3000:]}")
-            time.sleep(0.1)
-        child.started_s = time.monotonic() - t0
+        child.started_s = wait_healthy(child.url, proc, ready_s, child.text, token, lambda: (
+            f"serve passed {kill_mb:.0f} MB before it was healthy" if child.killed_for_memory else None))
         yield child
     finally:
         done.set()
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        end(proc)
 
 
 def run_watched(cmd: list[str], timeout: float, kill_mb: float) -> subprocess.CompletedProcess[str]:

@@ -72,15 +72,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(config: ServerConfig, runtime: Runtime, delay: float = 0.0, port: int | None = None) -> Iterator[Live]:
-    """uvicorn in a thread (on `port`, or a free one); yields once it answers, stops it (and the worker) afterwards."""
+def uvicorn_thread(app: Any, port: int | None = None) -> Iterator[str]:
+    """Any ASGI app on uvicorn in a thread (on `port`, or a free one): the one place a test runs a server in
+    process. Yields its base URL once it answers, stops it afterwards."""
     port = port or free_port()
-    probe = Probe(runtime.engine, delay)
-    rt = replace(runtime, engine=probe)
-    app = create_app(replace(config, port=port), runtime=rt)
-    live = Live(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws", app, probe)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio",
-                                           log_level="warning"))
+                                           log_level="warning", ws_max_size=64 << 20))  # `serve`'s with images
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -89,8 +86,19 @@ def serve(config: ServerConfig, runtime: Runtime, delay: float = 0.0, port: int 
             raise RuntimeError(f"uvicorn did not start on port {port}")
         time.sleep(0.02)
     try:
-        yield live
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(15)
         assert not thread.is_alive(), "uvicorn did not shut down"
+
+
+@contextmanager
+def serve(config: ServerConfig, runtime: Runtime, delay: float = 0.0, port: int | None = None) -> Iterator[Live]:
+    """webchat's app on `runtime` (its engine wrapped in a Probe) in a thread; yields once it answers."""
+    port = port or free_port()
+    probe = Probe(runtime.engine, delay)
+    rt = replace(runtime, engine=probe)
+    app = create_app(replace(config, port=port), runtime=rt)
+    with uvicorn_thread(app, port) as url:
+        yield Live(url, url.replace("http://", "ws://") + "/ws", app, probe)

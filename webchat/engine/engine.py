@@ -5,41 +5,75 @@
     engine.step()                                              # one forward for all; results wait in engine.outbox
     engine.take(seq) -> StreamResult | None                    # what a sequence produced since the last take
 
-Each step gathers, per running sequence, one decode token (plus up to k drafts to verify) or a prefill chunk, into
-one ragged Batch (webchat.model.batch); prefill chunks share a per-step token budget, smaller while others decode, so a
-long prompt does not stall running streams. After the forward each sequence samples, verifies and emits on its own; a
-finished one leaves at once and its pages stay with its owner (the connection) for the next turn's prefix, until the
-pool needs them (least recently used first). Pages grow on demand; when the pool runs out the newest sequence is
-preempted and recomputed (`_reserve`), so admission (`fits`) only needs the prompt's pages. The model never counts
-positions: n_cached advances here. Verification (`_verify`) keeps exllamav2's rule: a draft is accepted only if it
-equals the main model's own sample, so speculation never changes the output. Admission, the cached prefixes and the
-pages' return are webchat.engine.admission's (Engine inherits them).
+The engine is composed (nano-vllm's LLMEngine: a scheduler and a runner): its Scheduler decides who fits and owns the
+pages (webchat.engine.scheduler), its Speculation gives each sequence a drafter or the auto mode's offers
+(webchat.engine.spec.modes), a sequence's ThinkingState splits and bounds its thinking (webchat.engine.thinking); it
+asks each of them, never which kind it has. Each step gathers, per running sequence, one decode token (plus up to k
+drafts to verify) or a prefill chunk, into one ragged Batch (webchat.model.batch); prefill chunks share a per-step
+token budget, smaller while others decode, so a long prompt does not stall running streams. After the forward each
+sequence samples, verifies and emits on its own; a finished one leaves at once and its pages stay with its owner for
+the next turn's prefix. The model never counts positions: n_cached advances here. Verification (`_verify`) keeps
+exllamav2's rule: a draft is accepted only if it equals the main model's own sample, so speculation never changes the
+output.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from webchat.engine import constraint as cst
-from webchat.engine import verify_cost
-from webchat.engine.adaptive import MAX_STEP_ROWS, AutoSpec, Proposal, SeqDrafter
-from webchat.engine.admission import Admission, Model, Retained, Tokenizer, spend_budget
-from webchat.engine.events import TokenInfo
-from webchat.engine.sampling import Choice, RowAsk, describe, sample_batch
-from webchat.engine.sequence import Sequence, StreamResult
-from webchat.engine.speculative import Drafter, SelfDrafter, check_vocab
-from webchat.model.batch import make_batch
-from webchat.model.kv_cache import PAGE_SIZE, PoolExhausted
+from webchat.engine.events import Stats, TokenInfo
+from webchat.engine.images import PromptImages
+from webchat.engine.sampling import Choice, RowAsk, RowScan, Sampler, describe, sample_batch
+from webchat.engine.scheduler import Retained, Scheduler
+from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult
+from webchat.engine.settings import MAX_TOP_ALTS
+from webchat.engine.spec.modes import Speculation
+from webchat.engine.spec.planner import AutoSpec
+from webchat.engine.spec.rates import MAX_STEP_ROWS, Proposal
+from webchat.engine.thinking import ThinkingState
+from webchat.model.batch import Batch, Placed, make_batch
+from webchat.model.config import ModelArgs
+from webchat.model.kv_cache import PAGE_SIZE, KVPool
+from webchat.text.detok import IncrementalDecoder
+from webchat.text.stops import StopHolder
 
 PREFILL_CHUNK = 256  # prompt tokens per step when no other sequence is decoding
 MIXED_CHUNK = 32  # prompt tokens per step while others decode (bounds their gap between tokens)
-FIRST_LOGITS_BYTES = 16 << 20  # kept last-row logits of recent prompts (Engine.first_logits): 85 rows of a 49152 vocab
-MAX_FORCED = 16  # forced tokens (a grammar's, a reasoning budget's closing) verified in one forward
+MAX_FORCED = 16  # forced tokens (a grammar's, a thinking budget's closing) verified in one forward
+
+
+class Model(Protocol):
+    """What the engine needs of webchat.model.transformer.Transformer."""
+
+    args: ModelArgs
+    sampler_factory: Callable[..., object] | None  # installed by a backend (webchat.kernels.cuda.graphs)
+    row_scan: RowScan | None  # installed by webchat.kernels.backend where the C++ kernels are built
+    suffix_index: Callable[..., Any] | None  # likewise: the auto planner's suffix index in C++ (engine.spec.suffix)
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    def __call__(self, batch: Batch, kv: KVPool) -> torch.Tensor: ...
+    def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool: ...
+    def ensure_rope(self, n_positions: int) -> None: ...
+    def truncated(self, n_layers: int) -> Model: ...
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+    def id_to_text(self, token_id: int) -> str: ...
 
 
 @dataclass
@@ -53,6 +87,7 @@ class _Row:
     forced: bool = False  # drafts are forced tokens (not speculation: not counted as drafted or accepted)
     score: bool = False  # a prefill chunk of a request that scores its prompt: logits for every row
     plan: bool = False  # an auto sequence's decode row: its drafts come from the step's plan (_plan_drafts)
+    placed: Placed | None = None  # a prefill chunk's image slots: their rows (webchat.engine.images)
 
     def logit_offsets(self) -> list[int]:
         """The feed positions whose logits this row wants (make_batch's logit_offsets)."""
@@ -66,8 +101,9 @@ class _Row:
         return 0 if not self.sample else len(self.feed) if self.drafts else 1
 
 
-class Engine(Admission):
-    """Owns the model and the KV pool; sequences come and go between steps (continuous batching)."""
+class Engine:
+    """Owns the model, its Scheduler (pages and admission) and its Speculation; sequences come and go between steps
+    (continuous batching)."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, max_seq_len: int | None = None,
                  pool_tokens: int | None = None, page_size: int = PAGE_SIZE, draft_model: Model | None = None,
@@ -76,31 +112,148 @@ class Engine(Admission):
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device  # read once: a module attribute lookup on every step otherwise
         context = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
-        self.pool = model.new_pool(pool_tokens or context, page_size)
-        self.pool.evict = self._evict_idle
-        self.capacity = min(context, self.pool.usable_pages * page_size)  # positions one sequence may reach
-        model.ensure_rope(self.capacity)
-        if draft_model is not None:
-            check_vocab(model, draft_model)
+        pool = model.new_pool(pool_tokens or context, page_size)
+        capacity = min(context, pool.usable_pages * page_size)  # positions one sequence may reach
+        model.ensure_rope(capacity)
+        self.scheduler = Scheduler(pool, capacity)
+        self.spec = Speculation(model, pool, capacity, draft_model, self_draft_layers,  # the auto planner's suffix
+                                native_index=model.suffix_index,  # index in C++ where the backend installed it
+                                breaks=[tokenizer.id_to_text(t) for t in range(tokenizer.vocab_size)])
         self.draft_model = draft_model
-        self.self_draft = SelfDrafter(model, self_draft_layers or max(1, model.args.n_layers // 4), self.pool)
         self.prefill_chunk, self.mixed_chunk = prefill_chunk, mixed_chunk
-        self.running: list[Sequence] = []
         self.outbox: dict[Sequence, StreamResult] = {}
-        self.retained: OrderedDict[object, Retained] = OrderedDict()  # owner -> its last turn, oldest first
-        self._drafters: dict[tuple[int, str], Drafter] = {}
-        # speculative "auto": the cost curve, the shared outputs, the planner (their suffix index in C++ where the
-        # model's backend installed it)
-        self.auto = AutoSpec(native_index=model.suffix_index)
-        self.auto.set_breaks([tokenizer.id_to_text(t) for t in range(tokenizer.vocab_size)])
-        self._calibrate_at = 0  # the step from which a failed calibration (no free pages) is tried again
-        self._closing: list[object] = []  # owners gone (appended from any thread, handled on the engine's)
         self.steps = 0
-        self.preemptions = 0
-        # a prompt's last-row logits, kept with its cached pages: the same prompt again (a regenerate, a retry) samples
-        # its first token from them with no forward, when the pool still holds all of its k/v
-        self.first_logits: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
-        self.first_logits_bytes = FIRST_LOGITS_BYTES
+
+    # the parts' state, as the worker, the server's info and the benches read it
+    @property
+    def pool(self) -> KVPool:
+        return self.scheduler.pool
+
+    @property
+    def capacity(self) -> int:
+        return self.scheduler.capacity
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def retained(self) -> OrderedDict[object, Retained]:
+        return self.scheduler.retained
+
+    @property
+    def first_logits(self) -> OrderedDict[tuple[int, ...], torch.Tensor]:
+        return self.scheduler.first_logits
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    @property
+    def auto(self) -> AutoSpec:
+        return self.spec.auto
+
+    # ------------------------------------------------------------------ requests
+    def fits(self, req: GenerationRequest) -> bool:
+        """Whether a new request's prompt fits beside the running sequences' pages now (the scheduler decides)."""
+        return self.scheduler.fits(len(req.prompt_ids))
+
+    def add(self, owner: object, req: GenerationRequest) -> tuple[Sequence, StartInfo]:
+        """Check the request, reuse the longest cached prefix (the owner's last turn, or any pages the pool still holds
+        for it, to the token), queue it."""
+        self._reap()
+        self._check(req)
+        prompt = list(req.prompt_ids)
+        scoring = req.prompt_logprobs is not None  # every prompt row's logits are wanted: nothing is reused
+        images = PromptImages(req.images, len(prompt)) if req.images else None
+        keyed = images.cache_ids(prompt) if images is not None else None  # an image's pages keyed by its content
+        table, reused, first = self.scheduler.admit(owner, keyed or prompt, scoring)
+        sampler = self._sampler(req)
+        stop_ids = self.tokenizer.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
+        drafter, offers = self.spec.for_request(owner, req.speculative, len(prompt))
+        seq = Sequence(req=req, sampler=sampler, decoder=IncrementalDecoder(self.tokenizer.token_bytes),
+                       holder=StopHolder(req.stop_strings), stop_ids=frozenset(stop_ids), tokens=prompt, table=table,
+                       stats=Stats(prompt_tokens=len(prompt), reused_tokens=reused), drafter=drafter,
+                       limit=self.capacity, n_cached=reused, owner=owner, first_logits=first, offers=offers,
+                       thinking=None if req.thinking is None else ThinkingState(req.thinking),
+                       images=images, keyed_prompt=keyed)
+        seq.stats.image_tokens = images.n_tokens if images is not None else 0
+        self._spend(seq)  # a prompt that opened thinking with a budget of 0: closed at once
+        if scoring:  # each prompt token with the text it adds; scored as the prefill reaches it (the first never)
+            text = IncrementalDecoder(self.tokenizer.token_bytes)
+            seq.scored = [TokenInfo(id=t, piece=text.push(t)) for t in prompt]
+        self.running.append(seq)
+        return seq, StartInfo(prompt_tokens=len(prompt), reused_tokens=reused, seed=sampler.seed)
+
+    def take(self, seq: Sequence) -> StreamResult | None:
+        return self.outbox.pop(seq, None)
+
+    def close(self, owner: object) -> None:
+        """Thread-safe: the owner is gone; its running sequence ends and its pages go back at the next step."""
+        self.scheduler.close(owner)
+
+    def reset(self) -> None:
+        """Between runs: every idle owner's pages go back and cached prefixes are forgotten (a cold start)."""
+        self._reap()
+        self.scheduler.reset()
+
+    def cached_ids(self, owner: object) -> list[int]:
+        """The tokens whose k/v the owner holds (its running sequence's or its last turn's)."""
+        return self.scheduler.cached_ids(owner)
+
+    def pool_info(self) -> dict[str, int]:
+        return self.scheduler.pool_info()
+
+    def calibrate(self) -> bool:
+        """Measure what verify rows cost here, for the auto mode's plans (webchat.engine.spec.modes)."""
+        return self.spec.calibrate(self.steps)
+
+    def calibration(self) -> Generator[None, None, bool]:
+        """calibrate(), one forward a step."""
+        return self.spec.calibration(self.steps)
+
+    def _reap(self) -> None:
+        gone, ended = self.scheduler.reap()
+        for seq in ended:
+            self.outbox.pop(seq, None)
+        for owner in gone:
+            self.spec.forget(owner)
+
+    def _check(self, req: GenerationRequest) -> None:
+        vocab = self.model.args.vocab_size
+        ids = req.prompt_ids
+        if not ids:
+            raise ValueError("prompt_ids must hold at least one token, got none")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}], got {bad!r}")
+        if len(ids) > self.capacity:
+            raise ValueError(f"prompt is {len(ids)} tokens; the cache holds at most {self.capacity}")
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_ALTS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_ALTS}], got {req.prompt_logprobs}")
+        least = 0 if req.prompt_logprobs is not None else 1  # a prompt scored only generates nothing
+        if req.max_new_tokens < least:
+            raise ValueError(f"max_new_tokens must be at least {least}, got {req.max_new_tokens}")
+        if not 0 <= req.top_alts <= MAX_TOP_ALTS:
+            raise ValueError(f"top_alts must be in [0, {MAX_TOP_ALTS}], got {req.top_alts}")
+        if req.draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be at least 1, got {req.draft_tokens}")
+        self.spec.check(req.speculative)
+
+    def _sampler(self, req: GenerationRequest) -> Sampler:
+        factory = self.model.sampler_factory
+        if factory is None:
+            return Sampler(req.settings, self.model.args.vocab_size)
+        sampler = factory(req.settings, self.model.args.vocab_size)
+        if not isinstance(sampler, Sampler):
+            raise TypeError(f"the model's sampler_factory gave {type(sampler).__name__}, not a Sampler")
+        return sampler
+
+    @staticmethod
+    def _spend(seq: Sequence) -> None:
+        """Thinking that reached its budget is closed: its closing tokens are forced next."""
+        if seq.thinking is not None:
+            seq.thinking.spend(bool(seq.decoder.pending()))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
@@ -119,16 +272,24 @@ class Engine(Admission):
                 self._first_from_kept(seq)
             elif seq.prefilling or seq.n_cached < len(seq.tokens) - 1:  # the prompt, or recomputing after preemption
                 if not seq.table.pages and seq.n_cached == 0 and seq.req.prompt_logprobs is None:
-                    seq.n_cached = self._reuse(seq.table, seq.tokens, len(seq.tokens) - 1)
+                    seq.n_cached = self.scheduler.reuse(seq.table, seq.cache_ids, len(seq.tokens) - 1)
                     seq.table.truncate(seq.n_cached)
                 end = len(seq.tokens) if seq.prefilling else len(seq.tokens) - 1
                 n = min(end - seq.n_cached, budget)
+                placed = None
+                if n > 0 and seq.images is not None:  # an image's run of slots in one chunk, its rows made first
+                    n = seq.images.chunk_end(seq.n_cached, seq.n_cached + n) - seq.n_cached
+                    try:
+                        placed = self._placed(seq, n)
+                    except Exception as exc:  # noqa: BLE001 - an encoder's failure ends its own request
+                        self._fail(seq, out, exc, "internal")
+                        n = 0
                 if n > 0:
                     budget -= n
                     last = seq.prefilling and n == end - seq.n_cached
                     rows.append(_Row(seq, seq.tokens[seq.n_cached : seq.n_cached + n],
                                      sample=last and seq.req.max_new_tokens > 0,
-                                     score=seq.prefilling and seq.req.prompt_logprobs is not None))
+                                     score=seq.prefilling and seq.req.prompt_logprobs is not None, placed=placed))
             else:
                 try:
                     rows.append(self._decode_row(seq))
@@ -140,8 +301,16 @@ class Engine(Admission):
         rows = self._reserve(rows)
         if rows:
             self._forward(rows)
-        self.running = [s for s in self.running if not s.done]
+        self.scheduler.running = [s for s in self.running if not s.done]
         self.steps += 1
+
+    @staticmethod
+    def _placed(seq: Sequence, n: int) -> Placed | None:
+        """The image rows of a prefill chunk of n tokens, its images encoded first (here, on the device thread)."""
+        assert seq.images is not None
+        start = seq.n_cached
+        seq.stats.encode_ms += seq.images.ensure(start, start + n) * 1000
+        return seq.images.placed(start, n)
 
     def _first_from_kept(self, seq: Sequence) -> None:
         """A prompt whose k/v the pool holds whole and whose last row's logits were kept: its first token, sampled from
@@ -171,32 +340,11 @@ class Engine(Admission):
 
 
     def _reserve(self, rows: list[_Row]) -> list[_Row]:
-        """Pages for every row's new tokens, oldest sequence first; when the pool runs out, the newest sequence is
-        preempted (vLLM's recompute preemption): its pages go back (its last page registered for reuse) and it is
-        fed again from its prefix at a later step; the client sees a pause, never a different token."""
+        """Pages for every row's new tokens (the scheduler preempts the newest sequence when the pool runs out): the
+        rows that keep their place, oldest sequence first."""
         order = {seq: i for i, seq in enumerate(self.running)}
-        kept: list[_Row] = []
-        preempted: set[Sequence] = set()
-        for r in sorted(rows, key=lambda r: order[r.seq]):
-            while r.seq not in preempted:
-                try:
-                    r.seq.table.ensure(r.seq.n_cached + len(r.feed))
-                    kept.append(r)
-                    break
-                except PoolExhausted:
-                    mine = {k.seq for k in kept}
-                    victim = next((s for s in reversed(self.running)
-                                   if s not in mine and s not in preempted and s.table.pages), None)
-                    if victim is None:
-                        raise
-                    self._preempt(victim)
-                    preempted.add(victim)
-        return kept
-
-    def _preempt(self, seq: Sequence) -> None:
-        seq.table.release(seq.tokens[: seq.n_cached])
-        seq.n_cached = 0
-        self.preemptions += 1
+        rows = sorted(rows, key=lambda r: order[r.seq])
+        return [rows[i] for i in self.scheduler.reserve([(r.seq, len(r.feed)) for r in rows])]
 
     def _decode_row(self, seq: Sequence) -> _Row:
         pending = seq.tokens[seq.n_cached :]
@@ -206,21 +354,11 @@ class Engine(Admission):
         forced = self._forced(seq)[: max(0, min(room, MAX_FORCED))]
         if forced:  # verified like drafts, and the mask makes every one the sample: tokens without a forward each
             return _Row(seq, pending + forced, forced, forced=True)
-        if isinstance(seq.drafter, SeqDrafter):
+        if seq.offers is not None:
             return _Row(seq, pending, plan=True)
         k = min(req.draft_tokens, room)
-        drafts: list[int] = []
-        if seq.drafter is not None and k > 0 and isinstance(seq.drafter, SelfDrafter):
-            try:
-                seq.table.ensure(seq.n_cached + k + 1)
-            except PoolExhausted:
-                k = 0  # no room to draft into: this step decodes one token (drafts change speed, never output)
-        if seq.drafter is not None and k > 0:
-            if isinstance(seq.drafter, SelfDrafter):
-                drafts = seq.drafter.draft_at(seq.tokens, k, seq.table.pages, seq.n_cached)[:k]
-            else:
-                drafts = seq.drafter.draft(seq.tokens, k)[:k]
-            seq.stats.drafted += len(drafts)
+        drafts = seq.drafter.propose(seq, k) if seq.drafter is not None and k > 0 else []
+        seq.stats.drafted += len(drafts)
         return _Row(seq, pending + drafts, drafts)
 
     @staticmethod
@@ -229,7 +367,7 @@ class Engine(Admission):
         return min(seq.req.max_new_tokens - seq.stats.new_tokens - 1, seq.limit - len(seq.tokens) - 1)
 
     def _plan_drafts(self, rows: list[_Row]) -> None:
-        """The auto sequences' drafts for this step: as many as pay for their verify rows (webchat.engine.adaptive),
+        """The auto sequences' drafts for this step: as many as pay for their verify rows (webchat.engine.spec.planner),
         and none where the pool's free pages could not hold them without evicting anyone."""
         self.auto.discard_plan()
         planned = [r for r in rows if r.plan]
@@ -242,17 +380,16 @@ class Engine(Admission):
         floor = self.auto.floor(base_rows, base_tokens) if rest else 0.0
         offers: list[Proposal | None] = []
         for r in planned:
-            assert isinstance(r.seq.drafter, SeqDrafter)
-            offers.append(r.seq.drafter.offer(r.seq.tokens, self._room(r.seq), not self._batch_verify(r.seq),
-                                              floor, rest))
+            assert r.seq.offers is not None  # a plan row's sequence has offers (_decode_row)
+            offers.append(r.seq.offers.offer(r.seq.tokens, self._room(r.seq), not self._batch_verify(r.seq),
+                                             floor, rest))
         grants = self.auto.plan(offers, base_rows, base_tokens, MAX_STEP_ROWS - sum(len(r.feed) for r in rows))
         if any(grants) and not self._pages_free(rows, planned, grants):
             self.auto.discard_plan()
             return
         for r, p, n in zip(planned, offers, grants, strict=True):
-            if n and p is not None:
-                assert isinstance(r.seq.drafter, SeqDrafter)
-                r.drafts = r.seq.drafter.realise(p, n, r.seq.tokens)
+            if n and p is not None and r.seq.offers is not None:
+                r.drafts = r.seq.offers.realise(p, n, r.seq.tokens)
                 r.feed = r.feed + r.drafts
                 r.seq.stats.drafted += len(r.drafts)
 
@@ -265,37 +402,13 @@ class Engine(Admission):
 
         need = sum(new_pages(r, 0) for r in rows)
         need += sum(new_pages(r, n) - new_pages(r, 0) for r, n in zip(planned, grants, strict=True))
-        return need <= len(self.pool.free)
-
-    def calibrate(self) -> bool:
-        """Measure what verify rows cost on this model and machine, for the auto mode's plans (the server does it
-        at warm-up; otherwise the first auto step does). False when the pool had no free pages to measure in: tried
-        again 64 steps later."""
-        return verify_cost.drain(self.calibration())
-
-    def calibration(self) -> Generator[None, None, bool]:
-        """calibrate(), one forward a step (a model loaded beside other models' streams holds the device for one
-        verify forward at a time)."""
-        if self.steps < self._calibrate_at:
-            return False
-        cost = yield from verify_cost.calibration(self.model, self.pool, self.capacity)
-        if cost is None:
-            self._calibrate_at = self.steps + 64
-            return False
-        self.auto.sampled_row_ms = verify_cost.sampling_ms(self.model.args.vocab_size)
-        if self.draft_model is not None:
-            self.draft_model.ensure_rope(verify_cost.CONTEXT)
-            self.auto.draft_token_ms = verify_cost.draft_ms(self.draft_model,
-                                                            self.draft_model.new_pool(verify_cost.CONTEXT),
-                                                            verify_cost.CONTEXT)
-        self.auto.cost = cost
-        return True
+        return self.scheduler.pages_free(need)
 
     @staticmethod
     def _forced(seq: Sequence) -> list[int]:
-        """Tokens nothing but the request decides next: a reasoning budget's closing, or the grammar's only way on."""
-        if seq.force:
-            return list(seq.force)
+        """Tokens nothing but the request decides next: a thinking budget's closing, or the grammar's only way on."""
+        if seq.forced:
+            return list(seq.forced)
         if seq.grammar_active:
             assert seq.req.constraint is not None
             return seq.req.constraint.forced()
@@ -308,8 +421,9 @@ class Engine(Admission):
             spec.append((r.feed, r.seq.n_cached, r.seq.table.pages, r.logit_offsets()))
         # a prompt's positions: computed alike however the prompt is chunked, recomputed alike after a preemption
         ends = [r.seq.stats.prompt_tokens for r in rows]
+        placed = [r.placed for r in rows] if any(r.placed is not None for r in rows) else None
         began = time.perf_counter()
-        logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends), self.pool)  # (R, vocab)
+        logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends, placed), self.pool)  # (R, vocab)
         ended = time.perf_counter()
         decode_only = not any(r.seq.prefilling for r in rows)
         self.auto.timed(began, ended, sum(len(r.feed) for r in rows) if decode_only else 0)
@@ -323,7 +437,7 @@ class Engine(Admission):
             first = at + n_logits - n_rows
             if seq.prefilling and seq.n_cached == len(seq.tokens):  # the whole prompt is in
                 if r.sample:
-                    self._keep_first(seq.tokens, logits[first])
+                    self.scheduler.keep_first(seq.cache_ids, logits[first])
                 self._prompt_done(seq, out)
             todo.append((r, first, n_rows if not seq.done else 0, out))
             at += n_logits
@@ -358,7 +472,7 @@ class Engine(Admission):
                     self._verify(r.seq, out, r.drafts, logits, sampled, first, not r.forced)
                 except cst.ConstraintError as exc:
                     self._fail(r.seq, out, exc)
-            r.seq.table.register(r.seq.tokens, r.seq.n_cached)
+            r.seq.table.register(r.seq.cache_ids, r.seq.n_cached)
             self._post(r.seq, out)
         if judged:
             self.auto.outcome(sum(len(r.seq.tokens) for r in rows) - before, began, ended)
@@ -367,9 +481,8 @@ class Engine(Admission):
     def _batch_verify(seq: Sequence) -> bool:
         """A greedy sequence that no mask can reach has its verify rows all sampled in the step's one call (they draw
         nothing); where a grammar or a reasoning budget may mask a row, each row's mask follows the tokens before."""
-        r = seq.req.reasoning
-        return (seq.sampler.settings.greedy and seq.req.constraint is None and not seq.force
-                and (r is None or r.budget is None or seq.budget_spent))
+        return (seq.sampler.settings.greedy and seq.req.constraint is None
+                and (seq.thinking is None or not seq.thinking.may_force))
 
     def _score(self, seq: Sequence, logits: torch.Tensor, at: int, start: int, n: int) -> None:
         """A scored prefill chunk: logits rows at..at+n-1 are positions start..start+n-1, and row j tells how likely
@@ -404,13 +517,14 @@ class Engine(Admission):
             seq.table.truncate(seq.n_cached)
 
     @staticmethod
-    def _fail(seq: Sequence, out: StreamResult, exc: cst.ConstraintError) -> None:
-        """The sequence's constraint cannot go on: it ends with the error (`grammar`), the others carry on. Its pages
-        go (the k/v of drafts fed this step may be in them), its tokens so far are delivered."""
+    def _fail(seq: Sequence, out: StreamResult, exc: Exception, code: str = "grammar") -> None:
+        """The sequence's constraint (or its image's encoder) cannot go on: it ends with the error (`grammar`,
+        `internal`), the others carry on. Its pages go (the k/v of drafts fed this step may be in them), its tokens so
+        far are delivered."""
         seq.n_cached = 0
         seq.table.truncate(0)
         seq.end(out, "error", None)
-        out.error = ("grammar", str(exc))
+        out.error = (code, str(exc) if code == "grammar" else f"{type(exc).__name__}: {exc}")
 
     def _ask(self, seq: Sequence) -> RowAsk:
         req = seq.req
@@ -424,8 +538,8 @@ class Engine(Admission):
     def _mask(self, seq: Sequence) -> torch.Tensor | None:
         """The tokens allowed next (constraint's bitmask), None for all: the next forced token, else the grammar's."""
         vocab = self.model.args.vocab_size
-        if seq.force:
-            return cst.only(seq.force[:1], vocab)
+        if seq.forced:
+            return cst.only(seq.forced[:1], vocab)
         if not seq.grammar_active:
             return None
         assert seq.req.constraint is not None
@@ -439,8 +553,8 @@ class Engine(Admission):
         if seq.stats.new_tokens == 1:
             seq.t_first = time.perf_counter()
             seq.stats.ttft_ms = (seq.t_first - seq.t_begin) * 1000
-        if seq.force:  # the mask allowed this token alone
-            seq.force.pop(0)
+        if seq.forced and seq.thinking is not None:  # the mask allowed this token alone
+            seq.thinking.took(c.token)
         elif seq.grammar_active and c.token not in seq.stop_ids:  # decided before the token moves the split on
             assert seq.req.constraint is not None
             seq.req.constraint.accept(c.token)
@@ -458,7 +572,7 @@ class Engine(Admission):
         elif seq.stats.new_tokens >= seq.req.max_new_tokens:
             seq.end(out, "max_new_tokens", None)
         else:
-            spend_budget(seq)
+            self._spend(seq)
 
 
     def _post(self, seq: Sequence, out: StreamResult) -> None:
@@ -467,9 +581,8 @@ class Engine(Admission):
         else:
             self.outbox[seq] = out
         if seq.done:
-            self.retained[seq.owner] = Retained(seq.table, seq.tokens[: seq.n_cached])
-            self.retained.move_to_end(seq.owner)
-            if isinstance(seq.drafter, SeqDrafter):  # its last proposals checked, its output shared
-                seq.drafter.finish(seq.tokens)
+            self.scheduler.retire(seq)
+            if seq.offers is not None:  # its last proposals checked, its output shared
+                seq.offers.finish(seq.tokens)
             else:
                 self.auto.remember(seq.tokens[seq.stats.prompt_tokens :])

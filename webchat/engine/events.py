@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from webchat.text.reasoning import Part
+from webchat.text.thinking_split import Part
 
 
 @dataclass
@@ -20,7 +20,7 @@ class TokenInfo:
     """One emitted (or, for prompt logprobs, one prompt) token. piece: the exact text it adds to its part (the pieces
     of a result concatenate to its text; a reasoning marker's characters are in no piece). prob/rank/top use softmax
     of the main model's raw logits; sampled_prob the distribution actually drawn from (after the constraint's mask).
-    part: the reply's thinking or its answer (webchat.text.reasoning). forbidden: the ids in `top` that the request's
+    part: the reply's thinking or its answer (text.thinking_split). forbidden: the ids in `top` that the request's
     constraint did not allow at this position (their prob is still the model's). raw: the token's own text where
     the thinking / answer split changed it (a marker, whitespace dropped after one): the raws of a reply's tokens,
     None read as the piece, concatenate to the text the model wrote."""
@@ -47,6 +47,8 @@ class Stats:
     decode_tps: float = 0.0  # (new_tokens - 1) / time from first token to the end
     drafted: int = 0
     accepted: int = 0
+    image_tokens: int = 0  # the prompt's image slots (counted in prompt_tokens too)
+    encode_ms: float = 0.0  # time spent encoding its images (in prefill_ms and ttft_ms too); 0 where cached
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ the output for a given seed is the same with and without speculation (greedy: to
 
 from __future__ import annotations
 
-from webchat.engine.admission import Model, Tokenizer
-from webchat.engine.engine import PREFILL_CHUNK, Engine
+from webchat.engine.engine import PREFILL_CHUNK, Engine, Model, Tokenizer
 from webchat.engine.sequence import GenerationRequest, Sequence, StartInfo, StreamResult
 
 __all__ = ["Generator"]  # the request and result types live in webchat.engine.sequence: one import path

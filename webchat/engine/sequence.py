@@ -1,8 +1,8 @@
 """One request's state inside the engine, and the request/result types the generator handle speaks.
 
 A Sequence holds what belongs to one request (exllamav2's job): its tokens, sampler, incremental decoder, stop holder,
-stats, drafter and page table. `tokens` = prompt + sampled tokens; the pool holds k/v for tokens[:n_cached]; the
-last token is "pending" (sampled, not yet fed) once the prompt is in.
+stats, drafter (or the auto mode's offers), page table and thinking. `tokens` = prompt + sampled tokens; the pool
+holds k/v for tokens[:n_cached]; the last token is "pending" (sampled, not yet fed) once the prompt is in.
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ import torch
 
 from webchat.engine.constraint import Constraint
 from webchat.engine.events import Stats, TokenInfo
+from webchat.engine.images import ImageInput, PromptImages
 from webchat.engine.sampling import Sampler
 from webchat.engine.settings import SamplingSettings
-from webchat.engine.speculative import Drafter
+from webchat.engine.spec.drafters import Drafter
+from webchat.engine.spec.offers import SeqDrafter
+from webchat.engine.thinking import ThinkingState
 from webchat.model.kv_cache import PageTable
 from webchat.text.detok import IncrementalDecoder
-from webchat.text.reasoning import Part, PartSplitter, Reasoning
 from webchat.text.stops import StopHolder
+from webchat.text.thinking_split import Part, Thinking
 
 
 @dataclass
@@ -34,13 +37,15 @@ class GenerationRequest:
     return_probs: bool = False  # prob, sampled_prob, rank and `top_alts` alternatives per token
     top_alts: int = 5
     return_logits: bool = False
-    speculative: str = "none"  # one of speculative.MODES
+    speculative: str = "none"  # one of webchat.engine.spec.drafters.MODES
     draft_tokens: int = 4  # k drafted tokens verified per forward
-    # what may come next (a grammar: webchat.engine.grammar); built for this request, advanced by the engine
+    # what may come next (a grammar: webchat.grammar); built for this request, advanced by the engine
     constraint: Constraint | None = None
-    reasoning: Reasoning | None = None  # split the reply into thinking and answer (and bound the thinking)
+    thinking: Thinking | None = None  # split the reply into thinking and answer (and bound the thinking)
     # score the prompt: each prompt token's probability, rank and this many alternatives (max_new_tokens may be 0)
     prompt_logprobs: int | None = None
+    # the prompt's images: their slots' positions, content keys and rows (webchat.engine.images)
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass
@@ -87,7 +92,7 @@ class Sequence:
     tokens: list[int]
     table: PageTable
     stats: Stats
-    drafter: Drafter | None
+    drafter: Drafter | None  # speculative self / ngram / draft
     limit: int  # positions this sequence may reach (the context, or the pool if smaller)
     n_cached: int = 0
     owner: object = None  # the handle (connection) whose pages it keeps after it ends
@@ -96,20 +101,33 @@ class Sequence:
     done: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     first_logits: torch.Tensor | None = None  # the whole prompt was cached with its last row's logits: no forward
-    splitter: PartSplitter[TokenInfo] | None = None  # thinking / answer (req.reasoning)
-    force: list[int] = field(default_factory=list)  # tokens that must come next (a reasoning budget's closing)
-    budget_spent: bool = False
+    offers: SeqDrafter | None = None  # speculative auto: this sequence's offers to the step's plan
+    thinking: ThinkingState | None = None  # thinking / answer, and its budget (req.thinking)
     scored: list[TokenInfo] = field(default_factory=list)  # the prompt's tokens, scored as prefilled (prompt_logprobs)
+    images: PromptImages | None = None  # the prompt's images (req.images)
+    keyed_prompt: list[int] | None = None  # with images: the prompt as the prefix cache keys it (cache_ids)
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """tokens as the prefix cache keys their pages: an image's slots as its key id (webchat.engine.images)."""
+        if self.keyed_prompt is None:
+            return self.tokens
+        return self.keyed_prompt + self.tokens[len(self.keyed_prompt) :]
 
     @property
     def constrained(self) -> bool:
         """Whether the next token is masked: forced tokens, or the request's constraint where it applies (a grammar
         is off inside thinking, as SGLang does: it shapes the answer)."""
-        return bool(self.force) or self.grammar_active
+        return bool(self.forced) or self.grammar_active
+
+    @property
+    def forced(self) -> list[int]:
+        """Tokens that must come next whatever the model says (a spent thinking budget's closing)."""
+        return self.thinking.forced if self.thinking is not None else []
 
     @property
     def grammar_active(self) -> bool:
-        return self.req.constraint is not None and (self.splitter is None or not self.splitter.in_thinking)
+        return self.req.constraint is not None and (self.thinking is None or not self.thinking.in_thinking)
 
     @property
     def prefilling(self) -> bool:
@@ -117,18 +135,16 @@ class Sequence:
 
     def release(self, out: StreamResult, items: list[tuple[TokenInfo, str]]) -> None:
         """Tokens the stop holder let go: through the thinking / answer split, into the result."""
-        if self.splitter is None:
+        if self.thinking is None:
             add(out, items)
-            return
-        for info, piece in items:
-            info.raw = piece
-            _labelled(out, self.splitter.push(info, piece))
+        else:
+            self.thinking.release(items, lambda labelled: _labelled(out, labelled))
 
     def end(self, out: StreamResult, reason: str, trigger: int | str | None) -> None:
         if reason != "stop_string":
             self.release(out, self.holder.flush().items)
-        if self.splitter is not None:  # held text ends in the part it is in (a reply cut inside thinking: thinking)
-            _labelled(out, self.splitter.flush())
+        if self.thinking is not None:  # held text ends in the part it is in (a reply cut inside thinking: thinking)
+            self.thinking.flush(lambda labelled: _labelled(out, labelled))
         self.decoder.finish()
         self.done = True
         st = self.stats

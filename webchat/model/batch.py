@@ -4,6 +4,8 @@ Sequence b's new tokens are rows query_start[b]:query_start[b+1] of `tokens`; ea
 sequence and writes its k/v to `slot_mapping[i]` = page * page_size + offset of the paged cache
 (webchat.model.kv_cache). Token i of sequence b attends causally to positions [0, positions[i]] of b, read through
 block_tables[b]. Page 0 is never handed to a sequence: padding rows (CUDA graph buckets) write there and read nothing.
+An image's slots (webchat.engine.images) come as `Placed` rows: rows `embed_rows` take `embeds` in place of their
+token's embedding, and where an image's slots see each other both ways (Gemma 3), row i attends [0, key_ends[i]).
 """
 
 from __future__ import annotations
@@ -11,6 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class Placed:
+    """A sequence's new tokens that are an image's slots: their embedding rows, given; and where the image's slots see
+    each other both ways, the end of the positions each new token attends (None: causal, positions[i] + 1)."""
+
+    offsets: list[int]  # indices into the sequence's new tokens
+    rows: torch.Tensor  # (len(offsets), dim) float32
+    key_ends: list[int] | None = None  # one per new token
 
 
 @dataclass
@@ -27,6 +39,8 @@ class HostRows:
     width: int
     logit_rows: list[int]
     prompt_ends: list[int] | None
+    embed_rows: list[int] | None = None  # rows whose embedding is given (Batch.embeds); None: none
+    key_ends: list[int] | None = None  # per row, the end of the positions it attends; None: causal everywhere
 
 
 class Batch:
@@ -43,16 +57,19 @@ class Batch:
     # (B,) int64, on the CPU whatever the device: b's rows at positions below prompt_ends[b] are its prompt's (the
     # CPU forward computes them as a GEMM, the same numbers however the prompt is chunked); None: no row is
     prompt_ends: torch.Tensor | None
+    embed_rows: torch.Tensor | None  # (E,) int64 rows whose input is `embeds` (an image's slots), None: none
+    key_ends: torch.Tensor | None  # (T,) int64 row i attends positions below key_ends[i]; None: positions[i] + 1
 
     TENSORS = ("tokens", "positions", "slot_mapping", "query_start", "seq_lens", "block_tables", "logit_rows",
-               "prompt_ends")
+               "prompt_ends", "embed_rows", "key_ends")
 
     def __init__(self, *, tokens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                  slot_mapping: torch.Tensor | None = None, query_start: torch.Tensor | None = None,
                  seq_lens: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
                  logit_rows: torch.Tensor | None = None, max_seq_len: int = 0,
                  prompt_ends: torch.Tensor | None = None, rows: HostRows | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", embeds: torch.Tensor | None = None,
+                 embed_rows: torch.Tensor | None = None, key_ends: torch.Tensor | None = None) -> None:
         given = {"tokens": tokens, "positions": positions, "slot_mapping": slot_mapping, "query_start": query_start,
                  "seq_lens": seq_lens, "block_tables": block_tables, "logit_rows": logit_rows}
         if rows is None:
@@ -62,6 +79,8 @@ class Batch:
             for name, t in given.items():
                 setattr(self, name, t)
             self.prompt_ends = prompt_ends
+            self.embed_rows, self.key_ends = embed_rows, key_ends
+        self.embeds = embeds  # (E, dim) float32: the embed_rows' inputs (after the embedding scale), or None
         self.max_seq_len = max_seq_len  # max(seq_lens), read on the host without a device sync
         self.rows, self.device = rows, device
         self.plan: object = None  # ops' per-batch precomputation, built once
@@ -75,6 +94,8 @@ class Batch:
         value: torch.Tensor | None
         if name == "prompt_ends":
             value = None if data is None else torch.tensor(data, dtype=torch.long)
+        elif name in ("embed_rows", "key_ends"):
+            value = None if data is None else torch.tensor(data, dtype=torch.long, device=self.device)
         else:
             dtype = torch.int32 if name in ("query_start", "seq_lens", "block_tables") else torch.long
             value = torch.tensor(data, dtype=dtype, device=self.device)
@@ -93,15 +114,19 @@ class Batch:
 
 
 def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_size: int,
-               device: torch.device | str = "cpu", prompt_ends: list[int] | None = None) -> Batch:
+               device: torch.device | str = "cpu", prompt_ends: list[int] | None = None,
+               placed: list[Placed | None] | None = None) -> Batch:
     """A Batch from (new_tokens, start_position, pages, logit_offsets) per sequence.
 
     new_tokens sit at positions start_position.. of a sequence whose cache pages are `pages` (enough for
     start_position + len(new_tokens) tokens); logit_offsets index new_tokens (e.g. [-1] for the last, or all rows).
     prompt_ends: per sequence, how many of its first positions are its prompt (Batch.prompt_ends).
+    placed: per sequence, its new tokens that are an image's slots (Placed), or None.
     """
     if prompt_ends is not None and len(prompt_ends) != len(seqs):
         raise ValueError(f"prompt_ends needs one value per sequence ({len(seqs)}), got {len(prompt_ends)}")
+    if placed is not None and len(placed) != len(seqs):
+        raise ValueError(f"placed needs one entry per sequence ({len(seqs)}), got {len(placed)}")
     if not seqs:
         raise ValueError("a batch needs at least one sequence, got none")
     tokens: list[int] = []
@@ -133,4 +158,29 @@ def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_siz
     host = HostRows(tokens=tokens, positions=positions, slot_mapping=slots, query_start=starts, seq_lens=lens,
                     block_tables=[p for table in tables for p in table], width=width, logit_rows=rows,
                     prompt_ends=None if prompt_ends is None else list(prompt_ends))
-    return Batch(rows=host, max_seq_len=max(lens), device=device)
+    embeds = _place(host, starts, placed) if placed is not None and any(placed) else None
+    return Batch(rows=host, max_seq_len=max(lens), device=device, embeds=embeds)
+
+
+def _place(host: HostRows, starts: list[int], placed: list[Placed | None]) -> torch.Tensor | None:
+    """The placed rows written into the host rows (embed_rows, key_ends); their embeddings, concatenated."""
+    embed_rows: list[int] = []
+    values: list[torch.Tensor] = []
+    ends: list[int] | None = None
+    for b, p in enumerate(placed):
+        if p is None:
+            continue
+        n = starts[b + 1] - starts[b]
+        if p.rows.shape[0] != len(p.offsets) or any(not 0 <= o < n for o in p.offsets):
+            raise ValueError(f"sequence {b}: {len(p.offsets)} placed offsets within its {n} new tokens need as many "
+                             f"rows, got offsets {p.offsets[:4]}... and {p.rows.shape[0]} rows")
+        embed_rows += [starts[b] + o for o in p.offsets]
+        values.append(p.rows)
+        if p.key_ends is not None:
+            if len(p.key_ends) != n:
+                raise ValueError(f"sequence {b}: key_ends needs one value per new token ({n}), got {len(p.key_ends)}")
+            if ends is None:
+                ends = [pos + 1 for pos in host.positions]
+            ends[starts[b] : starts[b + 1]] = p.key_ends
+    host.embed_rows, host.key_ends = (embed_rows or None), ends
+    return torch.cat(values) if embed_rows else None

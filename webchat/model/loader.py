@@ -1,9 +1,9 @@
-"""Load a Hugging Face-style model folder (config.json + safetensors) into webchat's Transformer.
+"""Read a Hugging Face-style model folder (config.json + safetensors) into webchat's Transformer, its weights as the
+folder holds them; webchat.kernels.backend.load_model then installs the fastest backend this machine runs.
 
-Weights: the folder's quantized.safetensors (ggml blocks, docs/quant.md) on the CPU when present, else the float
-tensors; `weights="float32"` forces the float ones, `quantize="q8_0"|"q4_0"` quantizes float tensors at load.
-Precision: what the quantized matrices multiply at, "exact" (float32 activations) or "int8"; None takes the faster
-for the model's formats on this CPU (webchat.model.precision).
+Weights: the folder's quantized.safetensors (ggml blocks, docs/quant.md) on the CPU when present and the C++ kernels
+are handed in, else the float tensors; `weights="float32"` forces the float ones, `quantize="q8_0"|"q4_0"` quantizes
+float tensors at load.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from webchat.convert import QUANT_FILE, QUANT_KEY
-from webchat.kernels.cpu import build as qkernels
+from webchat.gguf.blocks import ALL_QTYPES, quantize
+from webchat.gguf.convert import QUANT_FILE, QUANT_KEY
 from webchat.model.arena import into_huge_pages
 from webchat.model.config import ModelArgs
-from webchat.model.precision import default_precision, quantized_formats, set_precision
-from webchat.model.quant import ALL_QTYPES, QEmbedding, QLinear, quantize, swap_modules
+from webchat.model.quant import BlockKernels, QEmbedding, QLinear, swap_modules
 from webchat.model.transformer import Transformer
-from webchat.model.weights import PRECISIONS, QUANTIZE, WEIGHTS
+from webchat.model.weights import QUANTIZE, WEIGHTS
 
 # checkpoint name → ours (gpt-fast's weight_map); {} is the layer index
 WEIGHT_MAP = {
@@ -85,20 +84,15 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load_model(
-    path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-    weights: str = "auto", quantize: str | None = None, precision: str | None = None,
-) -> Transformer:
+def read_model(path: Path, device: torch.device, dtype: torch.dtype, weights: str, quantize: str | None,
+               kernels: BlockKernels | None) -> Transformer:  # fmt: skip
     """Build the model on the meta device, swap in quantized modules, then assign every tensor, checking names and
-    shapes. See the module docstring for `weights`, `quantize` and `precision`."""
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    path = Path(path)
+    shapes (its rope tables set up; no backend installed). See the module docstring for `weights` and `quantize`;
+    quantized weights need `kernels`."""
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
-    device = torch.device(device)
     args = ModelArgs.from_dir(path)
-    kernels, quantized = _choose_weights(path, device, dtype, weights, quantize)
+    quantized = quantized_weights(path, device, dtype, weights, quantize) and kernels is not None
     if quantized and quantize is None:
         tensors, qtypes = _prepare_quantized(*_read_quantized(path), args)
     elif quantized and quantize is not None:
@@ -142,20 +136,6 @@ def load_model(
         # not the head is only gathered, and stays where only the rows read are resident
         into_huge_pages(model, leave=[] if args.tie_embeddings else [model.tok_embeddings.weight])
     model.setup_rope(args.max_seq_len)
-    if device.type == "cuda":  # CudaOps kernels and CUDA graphs where CuPy is installed (webchat.kernels.cuda.graphs)
-        from webchat.kernels.cuda.graphs import enable_cuda_backend
-
-        enable_cuda_backend(model)
-    else:  # the forward of up to 64 tokens as one C++ call (webchat.kernels.cpu.step), quantized or float32 matrices
-        from webchat.kernels.cpu.step import enable_cpu_step
-
-        enable_cpu_step(model, kernels)
-        model.row_scan = kernels  # the sampler's argmax and heatmap numbers in C++ (webchat.engine.sampling.RowScan)
-        model.suffix_index = None if kernels is None else kernels.SuffixIndex  # the auto planner's index in C++
-    if precision is None:
-        here = qkernels.path_name(kernels) if kernels is not None else "none"
-        precision = default_precision(quantized_formats(model), here)
-    set_precision(model, precision, kernels)
     return model
 
 
@@ -167,10 +147,10 @@ def weights_name(model: torch.nn.Module) -> str:
     return str(model.norm.weight.dtype).removeprefix("torch.")  # type: ignore[union-attr]
 
 
-def _choose_weights(
-    path: Path, device: torch.device, dtype: torch.dtype, weights: str, quantize: str | None
-) -> tuple[qkernels.QKernels | None, bool]:
-    """(the C++ kernels or None, whether to load quantized weights)."""
+def quantized_weights(path: Path, device: torch.device, dtype: torch.dtype, weights: str,
+                      quantize: str | None) -> bool:  # fmt: skip
+    """Whether the settings ask for quantized weights (given the C++ kernels to run them); ValueError naming a setting
+    that cannot be."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if quantize is not None and quantize not in QUANTIZE:
@@ -185,8 +165,7 @@ def _choose_weights(
         raise ValueError(f"quantized weights run on the CPU in float32; got device {device} and dtype {dtype}")
     if weights == "quantized" and quantize is None and not has_file:
         raise ValueError(f"{path} has no {QUANT_FILE}; quantize at load with --quantize {'|'.join(QUANTIZE)}")
-    kernels = qkernels.try_load() if device.type == "cpu" else None
-    return kernels, wanted and cpu_f32 and kernels is not None
+    return wanted and cpu_f32
 
 
 def _read_quantized(path: Path) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:

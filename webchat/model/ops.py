@@ -111,7 +111,8 @@ def paged_attention_ex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """Paged attention with a score scale, soft-capping and a sliding window (Gemma), sequence by sequence.
 
     s = scale * q k^T; s = cap * tanh(s / cap) if cap; row i (position p) sees positions j with p - window < j <= p
-    (window 0: all j <= p); o = softmax(s) v. q, o (T, H, hd); caches (num_pages, page_size, n_kv, hd).
+    (window 0: all j <= p; j < key_ends[i] in place of j <= p where the batch has key_ends: an image's slots);
+    o = softmax(s) v. q, o (T, H, hd); caches (num_pages, page_size, n_kv, hd).
     """
     page_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     kf, vf = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)  # (slots, n_kv, hd)
@@ -129,7 +130,8 @@ def paged_attention_ex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         if softcap > 0:
             s = torch.tanh(s / softcap) * softcap
         pos, j = batch.positions[lo:hi].unsqueeze(1), torch.arange(length, device=q.device).unsqueeze(0)
-        seen = (j <= pos) & (j > pos - window) if window > 0 else j <= pos  # (t, L)
+        ends = pos + 1 if batch.key_ends is None else batch.key_ends[lo:hi].unsqueeze(1)  # an image's slots: theirs
+        seen = (j < ends) & (j > pos - window) if window > 0 else j < ends  # (t, L)
         p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
         out[lo:hi] = torch.matmul(p, v).transpose(0, 1).to(q.dtype)  # (t, H, hd)
     return out
@@ -149,9 +151,9 @@ def _plan(batch: Batch, page_size: int) -> _AttnPlan:
         if hi - lo == 1:
             dec_rows.append(lo)
             dec_slots.append(slots)
-        else:
-            pos = batch.positions[lo:hi]
-            prefill.append((lo, hi, slots, torch.arange(length, device=dev).unsqueeze(0) <= pos.unsqueeze(1)))
+        else:  # causal, or each row up to its key end (an image's slots see each other both ways)
+            ends = batch.positions[lo:hi] + 1 if batch.key_ends is None else batch.key_ends[lo:hi]
+            prefill.append((lo, hi, slots, torch.arange(length, device=dev).unsqueeze(0) < ends.unsqueeze(1)))
     lmax = max((len(s) for s in dec_slots), default=0)
     mask = None
     if any(len(s) != lmax for s in dec_slots):

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from webchat.model.quant import K_QTYPES, QTYPES, QEmbedding, QLinear
+from webchat.gguf.blocks import K_QTYPES, QTYPES
+from webchat.model.quant import BlockKernels, QEmbedding, QLinear
 from webchat.model.weights import PRECISIONS
 
 if TYPE_CHECKING:
-    from webchat.kernels.cpu.build import QKernels
     from webchat.model.transformer import Transformer
 
 # the code paths on which int8 activations run faster than float32 for every format they cover (docs/quant.md: the
@@ -50,7 +50,7 @@ def default_precision(qtypes: Collection[str], path: str) -> str:
     return "int8"
 
 
-def set_precision(model: Transformer, precision: str, kernels: QKernels | None, pack: bool = True) -> str:
+def set_precision(model: Transformer, precision: str, kernels: BlockKernels | None, pack: bool = True) -> str:
     """Make the model's quantized matrices multiply at `precision` (the C++ forward and the PyTorch path alike);
     returns it. "int8" or "int8x2" on a model without quantized matrices or without the kernels is an error naming
     why. With either, the matrices whose format has a packed form (Q4_0, Q4_1, Q8_0, Q4_K) are packed in place unless
@@ -76,7 +76,7 @@ def set_precision(model: Transformer, precision: str, kernels: QKernels | None, 
     return precision
 
 
-def _pack(m: QLinear, on: bool, kernels: QKernels | None) -> None:
+def _pack(m: QLinear, on: bool, kernels: BlockKernels | None) -> None:
     """m's rows packed 8 to a group (on: where its format has the form) or back in ggml's layout, in place
     (kernels/cpu/csrc/qpack8.cpp: the int8 kernels read the packed form, everything else the file's)."""
     if on == m.packed or kernels is None:

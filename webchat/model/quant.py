@@ -7,41 +7,36 @@ float32, or with `int8` set (webchat.model.precision) quantized to 8 bits a row 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from webchat.kernels.cpu.build import QKernels
+from webchat.gguf.blocks import K_QTYPES, QTYPES, row_bytes
 
-# name → (ggml type number, bytes per block of 32 weights)
-QTYPES: dict[str, tuple[int, int]] = {"q4_0": (2, 18), "q4_1": (3, 20), "q5_0": (6, 22), "q5_1": (7, 24),
-                                      "q8_0": (8, 34)}
-BLOCK = 32
-# K-quants from GGUF files: name → (ggml type number, bytes per 256-value super-block); kernels/cpu/csrc/qkquant.cpp
-K_QTYPES: dict[str, tuple[int, int]] = {"q4_k": (12, 144), "q5_k": (13, 176), "q6_k": (14, 210)}
-QK_K = 256
-ALL_QTYPES = (*QTYPES, *K_QTYPES)
+
+class BlockKernels(Protocol):
+    """What the quantized modules and their precision use of the C++ kernels (webchat.kernels.cpu.build.BlockKernels,
+    which the kernels' loader hands in): the model layer names the seam, the kernels layer fills it."""
+
+    def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
+                gemm: bool = False, int8: bool = False, packed: bool = False,
+                x2: bool = False) -> torch.Tensor: ...  # fmt: skip
+
+    def dequantize(self, w: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def unpacked_rows(self, w: torch.Tensor, qtype: int, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def repack8(self, w: torch.Tensor, qtype: int, pack: bool) -> None: ...
+
+    def packs8(self, qtype: int, n: int) -> bool: ...
+
 GEMM_ROWS = 32  # from this many rows of x, QLinear dequantizes the matrix and calls torch's float32 GEMM
 GEMM_MAX_WEIGHTS = 4 << 20  # ... a tile of at most this many weights at a time (a 16 MB float32 copy)
 
 
-def row_bytes(qtype: str, k: int) -> int:
-    if qtype in K_QTYPES:  # 256-value super-blocks
-        if k % QK_K:
-            raise ValueError(f"{qtype} rows need a multiple of {QK_K} columns, got {k}")
-        return k // QK_K * K_QTYPES[qtype][1]
-    if qtype not in QTYPES:
-        raise ValueError(f"quantized type must be one of {', '.join(ALL_QTYPES)}, got {qtype!r}")
-    if k % BLOCK:
-        raise ValueError(f"{qtype} rows need a multiple of {BLOCK} columns, got {k}")
-    return k // BLOCK * QTYPES[qtype][1]
-
-
-def _compiled(kernels: QKernels | None, qtype: str) -> QKernels:
+def _compiled(kernels: BlockKernels | None, qtype: str) -> BlockKernels:
     if kernels is None:
         raise RuntimeError(f"{qtype} weights need webchat's C++ kernels, which could not be built here")
     return kernels
@@ -54,7 +49,8 @@ def _uint8_param(rows: int, nbytes: int) -> nn.Parameter:
 class QLinear(nn.Module):
     """y = x @ dequant(weight).T (+ bias) with weight (out_features, row_bytes) uint8 blocks; x (..., in_features)."""
 
-    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool, kernels: QKernels | None) -> None:
+    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool,
+                 kernels: BlockKernels | None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
         self.weight = _uint8_param(out_features, row_bytes(qtype, in_features))
@@ -113,7 +109,7 @@ class QLinear(nn.Module):
 class QEmbedding(nn.Module):
     """Rows of a quantized (num_embeddings, row_bytes) table, dequantized to float32 as they are looked up."""
 
-    def __init__(self, num_embeddings: int, dim: int, qtype: str, kernels: QKernels | None) -> None:
+    def __init__(self, num_embeddings: int, dim: int, qtype: str, kernels: BlockKernels | None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.qtype = num_embeddings, dim, qtype
         self.weight = _uint8_param(num_embeddings, row_bytes(qtype, dim))
@@ -138,7 +134,7 @@ class QEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
 
-def swap_modules(model: nn.Module, qtypes: dict[str, str], kernels: QKernels | None) -> None:
+def swap_modules(model: nn.Module, qtypes: dict[str, str], kernels: BlockKernels | None) -> None:
     """Replace the nn.Linear/nn.Embedding named in qtypes ({"layers.0.attention.wq": "q4_1", ...}) on a meta model."""
     for name, qtype in qtypes.items():
         parent_name, _, leaf = name.rpartition(".")
@@ -152,68 +148,3 @@ def swap_modules(model: nn.Module, qtypes: dict[str, str], kernels: QKernels | N
         else:
             raise TypeError(f"{name} is a {type(old).__name__}; only Linear and Embedding can be quantized")
         setattr(parent, leaf, new)
-
-
-
-
-def dequantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 (N, K) from ggml Q4_K, Q5_K or Q6_K blocks, uint8 (N, K / 256 * block bytes), with ggml's arithmetic."""
-    if qtype not in K_QTYPES:
-        raise ValueError(f"K-quant type must be one of {', '.join(K_QTYPES)}, got {qtype!r}")
-    nbytes = K_QTYPES[qtype][1]
-    if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] % nbytes:
-        raise ValueError(f"{qtype} blocks must be uint8 (rows, k * {nbytes}), got {w.dtype} {tuple(w.shape)}")
-    n = w.shape[0]
-    b = w.reshape(-1, nbytes)
-    y = _dequant_q6_k(b) if qtype == "q6_k" else _dequant_q45_k(b, qtype == "q5_k")
-    return y.reshape(n, -1)
-
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """(B, 2) little-endian half-precision bytes → float32 (B,)."""
-    return b.contiguous().view(torch.float16).reshape(-1).float()
-
-
-def _dequant_q45_k(b: torch.Tensor, five: bool) -> torch.Tensor:
-    # block: d, dmin (f16), scales[12] (eight 6-bit scale/min pairs), [Q5_K: qh[32], bit j of qh[l] the fifth bit of
-    # value l of sub-block j], qs[128]; x = d*sc_j * q - dmin*m_j, j of 32
-    d, dmin, s = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].int()
-    qs = b[:, 48:176].int() if five else b[:, 16:144].int()
-    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], dim=1)  # (B, 8)
-    mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
-    q = torch.stack([qs.view(-1, 4, 32) & 0xF, qs.view(-1, 4, 32) >> 4], dim=2).reshape(-1, 8, 32)  # sub-block j
-    if five:
-        qh = b[:, 16:48].int()  # (B, 32)
-        q = q | torch.stack([((qh >> j) & 1) << 4 for j in range(8)], dim=1)
-    d1 = (d[:, None] * sc.float())[..., None]  # (B, 8, 1)
-    m1 = (dmin[:, None] * mn.float())[..., None]
-    return (d1 * q.float() - m1).reshape(-1, QK_K)
-
-
-def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
-    # block: ql[128] low nibbles, qh[64] high 2-bit pairs, scales[16] int8, d (f16); x = d*sc_g * (q - 32), g of 16
-    ql, qh = b[:, 0:128].int().view(-1, 2, 64), b[:, 128:192].int().view(-1, 2, 32)
-    sc, d = b[:, 192:208].contiguous().view(torch.int8).float(), _f16(b[:, 208:210])
-    lo = torch.stack([ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4], dim=2)
-    hi = torch.stack([(qh >> (2 * i)) & 3 for i in range(4)], dim=2)  # (B, half, quarter, 32)
-    q = ((lo | (hi << 4)) - 32).reshape(-1, 16, 16).float()  # value v = 128 half + 32 quarter + l: group v // 16
-    return ((d[:, None] * sc)[..., None] * q).reshape(-1, QK_K)
-
-
-def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
-    """ggml's blocks of a float (N, K) matrix with ggml's own rounding (gguf.quants): uint8 (N, row_bytes)."""
-    import gguf
-
-    row_bytes(qtype, w.shape[-1])
-    if qtype not in QTYPES:
-        raise ValueError(f"webchat quantizes to {', '.join(QTYPES)} (gguf.quants' encoders), got {qtype!r}")
-    kind = gguf.GGMLQuantizationType[qtype.upper()]
-    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w.float().numpy(), kind)))
-
-
-def dequantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 (N, K) from uint8 blocks (N, row_bytes), in numpy (gguf.quants): the reference and no-compiler path."""
-    import gguf
-
-    kind = gguf.GGMLQuantizationType[qtype.upper()]
-    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(w.numpy(), kind), dtype=np.float32))

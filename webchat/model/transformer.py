@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         # logits, or None to run eagerly; sampler_factory(settings, vocab_size) -> a webchat.engine.sampling.Sampler
         # subclass that runs where the logits live (None: the engine's own torch Sampler); row_scan: the C++ scans of
         # CPU logits rows (webchat.engine.sampling.RowScan, by webchat.model.loader where the kernels are built);
-        # suffix_index: the C++ class of the auto planner's suffix index (webchat.engine.suffix.new_index), likewise
+        # suffix_index: the C++ class of the auto planner's suffix index (engine.spec.suffix.new_index), likewise
         self.runner: Runner | None = None
         self.sampler_factory: Callable[..., object] | None = None
         self.row_scan: Any = None
@@ -202,11 +202,16 @@ class Transformer(nn.Module):
     def layers_forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
         """Embedding, blocks, final norm and head; reads nothing on the host (graph-capturable with device ops)."""
         ops, eps, a = self.ops, self.args.norm_eps, self.args
+        if batch.key_ends is not None and not isinstance(ops, PagedTorchOps):
+            raise NotImplementedError(f"{type(ops).__name__} attends causally only; an image whose slots see each "
+                                      "other (Gemma 3) runs on PagedTorchOps or the C++ step")
         rope = (self.rope_cos.index_select(0, batch.positions), self.rope_sin.index_select(0, batch.positions))
         local = rope if self.rope_local is None else tuple(r.index_select(0, batch.positions) for r in self.rope_local)
         residual = self.tok_embeddings(batch.tokens)  # (T, dim)
         if a.embed_scale != 1.0:  # Gemma: x * √dim, the factor rounded to the activations' dtype
             residual = residual * torch.tensor(a.embed_scale, dtype=residual.dtype)
+        if batch.embeds is not None:  # an image's slots: its rows in place of the slot token's, not scaled (Gemma 3)
+            residual = residual.index_copy(0, batch.embed_rows, batch.embeds.to(residual.device, residual.dtype))
         out: torch.Tensor | None = None
         for i, layer in enumerate(cast(list[Block], list(self.layers))):
             if out is None:

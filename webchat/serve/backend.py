@@ -45,7 +45,7 @@ class Job:
     model: str | None = None  # the model it runs on (webchat.serve.models; None: the default)
     scoring: Scoring | None = None  # a `score` request: which text's tokens it reports (webchat.serve.scoring)
     # a remote engine's pass-through: the client's response_format / structured_outputs / tools / tool_choice /
-    # parallel_tool_calls, as sent (webchat.serve.openai.tools.upstream_fields); the upstream enforces them
+    # parallel_tool_calls, as sent (webchat.serve.tools.upstream_fields); the upstream enforces them
     upstream: dict[str, Any] | None = None
     thinking: Ask | None = None  # its template variables and reasoning budget (a remote engine sends them on)
     # the backend's bookkeeping

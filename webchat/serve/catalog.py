@@ -5,17 +5,24 @@ can hold start-up.
     scan(default, dir) = {name: Card}: the default first, then each entry of dir, described by DESCRIBE_THREADS daemon
                          threads; an entry not described within DESCRIBE_TIMEOUT_S, or that cannot be, is left out
                          with one log line naming the file and what was wrong
-A .gguf is described by webchat.gguf_header (every count checked against the bytes left, caps on the header's size,
+A .gguf is described by webchat.gguf.header (every count checked against the bytes left, caps on the header's size,
 strings and time); a folder from its config.json (at most CONFIG_BYTES) and its safetensors headers (at most
 SAFETENSORS_HEADER_BYTES, safetensors' own limit).
+
+A vision model's projector (`mmproj*.gguf`, llama.cpp's name) is no model of its own: it pairs with the model beside it
+and the model is listed as able to see (`vision`). In a model folder, or a folder holding one model .gguf, the folder's
+one `mmproj*.gguf`; at the top of the directory, the `mmproj-<name>[-f16|-q8_0|...].gguf` whose <name> begins the
+model file's name (the longest such name where several do).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
 import queue
+import re
 import struct
 import threading
 import time
@@ -25,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from webchat.gguf_header import os_words, read_header
-from webchat.gguf_path import model_name
+from webchat.files.gguf_cache import model_name
+from webchat.gguf.header import os_words, read_header
 
 log = logging.getLogger("webchat.serve.models")
 
@@ -52,11 +59,12 @@ class Card:
     context_length: int | None
     default: bool = False
     kv_per_token: int | None = None  # bytes of k and v a token takes in a float32 pool; None: shape unknown
+    projector: Path | None = None  # its mmproj .gguf: the model reads images (webchat.serve.images)
 
     def wire(self, loaded: bool) -> dict[str, Any]:
         return {"name": self.name, "size_bytes": self.size_bytes, "architecture": self.architecture,
                 "weights": self.weights, "context_length": self.context_length, "default": self.default,
-                "loaded": loaded}
+                "loaded": loaded, "vision": self.projector is not None}
 
 
 def _div(a: Any, b: Any) -> int | None:
@@ -156,25 +164,70 @@ def _describe_folder(path: Path, default: bool) -> Card:
 
 
 def describe(path: Path, default: bool = False) -> Card:
-    """A folder (config.json, its safetensors) or a .gguf (its metadata and tensor table); ValueError saying what is
-    wrong otherwise (BadEntry, GGUFError)."""
+    """A folder (config.json, its safetensors; or one model .gguf in it) or a .gguf (its metadata and tensor table),
+    with the projector a folder holds; ValueError saying what is wrong otherwise (BadEntry, GGUFError)."""
     try:
         if path.suffix == ".gguf" and not path.is_dir():
             return _describe_gguf(path, default)
-        return _describe_folder(path, default)
+        inside = _projector_inside(path)
+        gguf = _gguf_inside(path) if not (path / "config.json").exists() else None
+        card = _describe_gguf(gguf, default) if gguf is not None else _describe_folder(path, default)
+        return card if inside is None else dataclasses.replace(card, projector=inside,
+                                                               size_bytes=card.size_bytes + inside.stat().st_size)
     except OSError as exc:
         raise BadEntry(f"{path.name}: cannot be read: {os_words(exc)}") from None
     except RecursionError:
         raise BadEntry(f"{path.name}: nests deeper than its reader follows") from None
 
 
+def is_projector(path: Path) -> bool:
+    """A vision model's projector file by llama.cpp's name for it (`mmproj-*.gguf`, `mmproj.gguf`)."""
+    return path.suffix == ".gguf" and path.name.lower().startswith("mmproj")
+
+
+def _projector_inside(folder: Path) -> Path | None:
+    """The one mmproj*.gguf a model folder holds (several: the first by name, logged)."""
+    try:
+        found = sorted(p for p in folder.iterdir() if is_projector(p) and p.is_file())
+    except OSError:
+        return None
+    if len(found) > 1:
+        log.warning("models dir: %s holds %d projectors; %s pairs with its model", folder, len(found), found[0].name)
+    return found[0] if found else None
+
+
+def _gguf_inside(folder: Path) -> Path | None:
+    """The one model .gguf of a folder without config.json (a downloaded GGUF repository)."""
+    try:
+        found = sorted(p for p in folder.iterdir() if p.suffix == ".gguf" and not is_projector(p) and p.is_file())
+    except OSError:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
+_TYPE_SUFFIX = re.compile(r"[-_.](f16|f32|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q4_k_m|q5_k_m|q6_k|model)$", re.IGNORECASE)
+
+
+def projector_for(model: Path, projectors: list[Path]) -> Path | None:
+    """The top-level projector whose name (`mmproj-<name>[-type].gguf`) begins the model file's; the longest name."""
+    stem = model.stem.lower()
+    best: tuple[int, Path] | None = None
+    for p in projectors:
+        base = _TYPE_SUFFIX.sub("", p.stem.lower().removeprefix("mmproj").lstrip("-_."))
+        if base and stem.startswith(base) and (best is None or len(base) > best[0]):
+            best = (len(base), p)
+    return best[1] if best is not None else None
+
+
 def _candidate(path: Path) -> bool:
-    """A model folder or a .gguf by its name and kind (a symbolic link loop and the like answer False to is_dir and
-    are then judged by their name: a bad .gguf is described, and named, like any other)."""
-    if path.name.startswith("."):
+    """A model folder (config.json, or one model .gguf in it) or a .gguf by its name and kind, never a projector (a
+    symbolic link loop and the like answer False to is_dir and are then judged by their name: a bad .gguf is
+    described, and named, like any other)."""
+    if path.name.startswith(".") or is_projector(path):
         return False
     try:
-        return (path.is_dir() and (path / "config.json").exists()) or path.suffix == ".gguf"
+        return (path.is_dir() and ((path / "config.json").exists() or _gguf_inside(path) is not None)) \
+            or path.suffix == ".gguf"
     except OSError:
         return path.suffix == ".gguf"
 
@@ -244,6 +297,7 @@ def scan(default: Path, models_dir: Path | None, timeout: float = DESCRIBE_TIMEO
         return cards
     seen = {default.resolve()}
     paths = []
+    projectors = sorted(p for p in models_dir.iterdir() if is_projector(p) and not p.is_dir())
     for path in sorted(models_dir.iterdir()):
         broken = _broken_link(path)
         if broken is not None and path.suffix != ".gguf":  # a .gguf is described, and named, like any other
@@ -264,5 +318,7 @@ def scan(default: Path, models_dir: Path | None, timeout: float = DESCRIBE_TIMEO
         elif out.name in cards:  # the default's .gguf itself, or another file of the same name
             log.info("models dir: %s left out: the name %r is %s's", path, out.name, cards[out.name].path)
         else:
-            cards[out.name] = out
+            beside = projector_for(path, projectors) if path.suffix == ".gguf" and out.projector is None else None
+            cards[out.name] = out if beside is None else dataclasses.replace(
+                out, projector=beside, size_bytes=out.size_bytes + beside.stat().st_size)
     return cards

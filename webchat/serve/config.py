@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import webchat
-
-REPO_ROOT = Path(webchat.__file__).resolve().parent.parent
+PAGE = Path(__file__).resolve().parent / "page"  # the page's template and assets: inside the package, in a wheel
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -20,6 +18,9 @@ class ServerConfig:
     """Everything `webchat serve` is told; `create_app` reads only this."""
 
     model_dir: Path
+    mmproj: Path | None = None  # the model's projector GGUF (--mmproj): it reads images (webchat.serve.images)
+    mmproj_precision: str = "exact"  # the vision encoder's matmuls: exact (float32) or int8 (docs/vision.md)
+    image_max_tiles: int = 4  # an image's tiles at most, unless a request asks (webchat.serve.images)
     draft_dir: Path | None = None
     speculative: str = "auto"  # the mode for requests that name none
     device: str = "auto"
@@ -52,8 +53,10 @@ class ServerConfig:
     engine_key: str | None = None  # sent upstream as Authorization: Bearer; never shown
     engine_timeout: float = 60.0  # seconds the upstream may send nothing before the request fails
     engine_affinity_header: str | None = None  # also send the conversation key in this header (routers' affinity)
-    templates_dir: Path = REPO_ROOT / "templates"
-    static_dir: Path = REPO_ROOT / "static"
+    mcp_config: Path | None = None  # the MCP servers' file (webchat.mcp.config): the only place servers are defined
+    mcp_result_chars: int = 16_000  # a tool result's text is cut there, with a note
+    templates_dir: Path = PAGE / "templates"
+    static_dir: Path = PAGE / "static"
 
 
 # ---------------------------------------------------------------- security

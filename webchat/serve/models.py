@@ -291,10 +291,11 @@ class Models:
         def load() -> Runtime:
             folder = card.path
             if folder.suffix == ".gguf":
-                from webchat.gguf_path import model_folder
+                from webchat.files.gguf_cache import model_folder
 
                 folder = model_folder(folder)  # hashed and converted once, into the cache
-            return load_runtime(dataclasses.replace(self.config, model_dir=folder, draft_dir=None))
+            return load_runtime(dataclasses.replace(self.config, model_dir=folder, draft_dir=None,
+                                                    mmproj=card.projector))
 
         t0 = time.perf_counter()
         self.loading[card.name] = need

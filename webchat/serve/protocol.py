@@ -13,9 +13,11 @@ from pydantic_core import PydanticCustomError
 
 from webchat.engine import events as ev
 from webchat.engine.settings import BIAS_RANGE, RANGES, Range, SamplingSettings, SettingsError, token_id
+from webchat.serve.parts import PARTS, Content, check_tool_fields, neutral, text_of
 from webchat.serve.replyformat import ResponseFormat
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import MAX_BUDGET
+from webchat.serve.tools import MAX_TOOLS, ToolChoice
 
 VERSION = 1
 MAX_ALTERNATIVES = 20
@@ -24,8 +26,10 @@ MAX_TEMPLATE_KWARGS = 32
 ERROR_CODES = (
     "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy", "internal",
     "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed", "scoring_unavailable", "grammar",
-    "load_limit",
+    "load_limit", "unknown_tool", "tool_not_enabled", "bad_arguments", "bad_image",
 )
+MAX_TOOL_CALLS = 32  # calls in one assistant message
+MAX_TOOL_ARGUMENTS = 64 * 1024  # a call's arguments, as JSON text
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
@@ -74,12 +78,50 @@ class WireSettings(_Strict):
         return {int(k): b for k, b in self.token_bias.items()}
 
 
+class ToolCallFunction(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: Annotated[str, Field(max_length=MAX_TOOL_ARGUMENTS)]  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (OpenAI's shape; docs/protocol.md, "Messages and their parts")."""
+
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    """A message of a chat: its content text or parts (text, image_url: webchat.serve.parts); an assistant's tool
+    calls; a tool message's result for the call it names."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Content
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        check_tool_fields(self.role, self.tool_calls, self.tool_call_id)
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content's text (its text parts joined by newlines)."""
+        return text_of(self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the request path takes it (webchat.serve.requests): content text, or neutral parts."""
+        out: dict[str, Any] = {"role": self.role, "content": neutral(self.content)}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 RequestId = Annotated[str, Field(min_length=1, max_length=64)]
+ToolName = Annotated[str, Field(min_length=1, max_length=64)]
 
 
 class Generate(_Strict):
@@ -103,13 +145,18 @@ class Generate(_Strict):
     # more variables for the chat template (`enable_thinking`: the page's Think switch); webchat.serve.thinking
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     reasoning_budget: Annotated[int, Field(ge=-1, le=MAX_BUDGET)] | None = None  # None: --reasoning-budget; -1: none
+    # the MCP tools this reply may call, by the names the `tools` message lists (only those: never a definition)
+    tools: Annotated[list[ToolName], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None  # as the API's; needs `tools`; None: auto
+    # an image's tiles at most (a vision model: webchat.serve.images); None: the server's --image-max-tiles
+    image_max_tiles: Annotated[int, Field(ge=1, le=36)] | None = None
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
     @model_validator(mode="after")
     def _last_message_fits(self) -> Generate:
         last = self.messages[-1]
-        if self.continue_ and (last.role != "assistant" or last.content.strip() == ""):
+        if self.continue_ and (last.role != "assistant" or last.text.strip() == ""):
             got = f"role {last.role!r}" if last.role != "assistant" else "an empty assistant message"
             raise PydanticCustomError("last_not_user", "with continue the last message must be an assistant message "
                                       "with text, got {got}", {"got": got})
@@ -120,9 +167,9 @@ class Generate(_Strict):
         if bad is not None:
             raise PydanticCustomError("prefix_ids", "prefix_ids[{i}] = {t} is not a token id (ids are >= 0)",
                                       {"i": bad, "t": (self.prefix_ids or [])[bad]})
-        if not self.continue_ and last.role != "user":
-            raise PydanticCustomError("last_not_user", "the last message must be from the user, got role {role}",
-                                      {"role": repr(last.role)})
+        if not self.continue_ and last.role not in ("user", "tool"):
+            raise PydanticCustomError("last_not_user", "the last message must be from the user (or a tool's result), "
+                                      "got role {role}", {"role": repr(last.role)})
         return self
 
 
@@ -148,14 +195,24 @@ class Score(_Strict):
             raise PydanticCustomError("score_what", "give either 'messages' (score the last one in its chat) or "
                                       "'text' (score it alone), got {got}",
                                       {"got": "both" if self.text is not None else "neither"})
-        if self.messages is not None and self.messages[-1].content.strip() == "":
+        if self.messages is not None and self.messages[-1].text.strip() == "":
             raise PydanticCustomError("score_what", "the last message is the one scored: it needs text")
         return self
 
 
-ClientMessage = Generate | Stop | Score
-_CLIENT_TYPES: dict[str, type[Generate] | type[Stop] | type[Score]] = {"generate": Generate, "stop": Stop,
-                                                                       "score": Score}
+class CallTool(_Strict):
+    """Run one call the model made (issue 66): a tool the `tools` message listed and the last `generate` enabled, its
+    arguments the JSON object text the model wrote; answered by `tool_result`, stopped by `stop` with this id."""
+
+    type: Literal["call_tool"]
+    id: RequestId
+    name: ToolName
+    arguments: Annotated[str, Field(max_length=MAX_TOOL_ARGUMENTS)]
+
+
+ClientMessage = Generate | Stop | Score | CallTool
+_CLIENT_TYPES: dict[str, type[Generate] | type[Stop] | type[Score] | type[CallTool]] = {
+    "generate": Generate, "stop": Stop, "score": Score, "call_tool": CallTool}
 
 
 # ---------------------------------------------------------------- server → client
@@ -177,6 +234,9 @@ class Hello(_Strict):
     models: list[dict[str, Any]] | None = None
     # the model's thinking (webchat.serve.thinking.wire): {start, end, switch}; null where it does not think
     thinking: dict[str, Any] | None = None
+    # the model reads images (--mmproj; webchat.serve.images.Vision.wire): {projector, image_size, tokens_per_tile,
+    # max_tiles, max_images, formats}; null where it reads text only
+    vision: dict[str, Any] | None = None
 
 
 class Queued(_Strict):
@@ -234,6 +294,8 @@ class Stats(_Strict):
     decode_tps: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    image_tokens: int = 0  # the prompt's image slots (in prompt_tokens too)
+    encode_ms: float = 0.0  # encoding its images (in prefill_ms and ttft_ms too); 0 where they were cached
 
 
 class Done(_Strict):
@@ -242,6 +304,8 @@ class Done(_Strict):
     reason: Literal["stop_token", "stop_string", "max_new_tokens", "context_full", "cancelled"]
     trigger: str | None = None
     stats: Stats
+    # a reply that had tools: its calls as parsed ({id, type, function: {name, arguments}, span: [start, end]})
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class Error(_Strict):
@@ -250,7 +314,8 @@ class Error(_Strict):
     code: Literal[
         "bad_json", "bad_message", "bad_settings", "too_large", "prompt_too_long", "busy_connection", "busy",
         "internal", "upstream", "unknown_model", "model_too_large", "model_busy", "model_failed",
-        "scoring_unavailable", "grammar", "load_limit",
+        "scoring_unavailable", "grammar", "load_limit", "unknown_tool", "tool_not_enabled", "bad_arguments",
+        "bad_image",
     ]
     message: str
 
@@ -280,7 +345,30 @@ class Scored(_Strict):
     stats: Stats
 
 
-ServerMessage = Hello | Queued | Start | Chunk | Done | Error | Loading | Scored
+class Tools(_Strict):
+    """The --mcp-config servers (issue 66): each one's state and tools; sent after `hello` and again on every change."""
+
+    type: Literal["tools"] = "tools"
+    servers: list[dict[str, Any]]
+    max_result_chars: int  # a result's text is cut there, with a note
+
+
+class ToolResult(_Strict):
+    """A `call_tool`'s answer: the result as plain text (never HTML), or why there is none (`error`: a kind of
+    webchat.mcp.result.ErrorKind, or `cancelled`), the text then saying so."""
+
+    type: Literal["tool_result"] = "tool_result"
+    id: str
+    name: str
+    text: str
+    is_error: bool = False  # the tool reported a failure, or there is no result (`error`)
+    error: str | None = None
+    truncated: bool = False
+    total_chars: int = 0
+    ms: float = 0.0
+
+
+ServerMessage = Hello | Queued | Start | Chunk | Done | Error | Loading | Scored | Tools | ToolResult
 
 
 # ---------------------------------------------------------------- the websocket adapter of the worker's events
@@ -316,7 +404,8 @@ def token_out(info: ev.TokenInfo) -> TokenOut:
 def stats_out(stats: ev.Stats) -> Stats:
     return Stats(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens, new_tokens=stats.new_tokens,
                  prefill_ms=float(stats.prefill_ms), ttft_ms=float(stats.ttft_ms), decode_tps=float(stats.decode_tps),
-                 drafted=stats.drafted, accepted=stats.accepted)
+                 drafted=stats.drafted, accepted=stats.accepted, image_tokens=stats.image_tokens,
+                 encode_ms=float(stats.encode_ms))
 
 
 def dump(msg: ServerMessage) -> str:
@@ -381,7 +470,7 @@ def parse_client_message(text: str | bytes, max_bytes: int) -> ClientMessage:
 def validation_error(exc: ValidationError, model: type[BaseModel], request_id: str | None) -> ProtocolError:
     """The first error of a ValidationError: `bad_settings` for a value out of range, else `bad_message`."""
     err = exc.errors(include_url=False)[0]
-    loc = ".".join(str(part) for part in err["loc"]) or "messages"  # a whole-message check: the last message
+    loc = ".".join(str(part) for part in err["loc"] if part != PARTS) or "messages"  # whole-message check: the last
     if err["type"] in _RANGE_ERRORS:
         allowed = describe_range(model, err["loc"])
         return ProtocolError("bad_settings", f"{loc} = {err['input']!r} is out of range: allowed {allowed}", request_id)

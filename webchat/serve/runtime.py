@@ -3,22 +3,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import json
 from collections.abc import Awaitable, Callable
 from collections.abc import Generator as Steps
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from webchat.engine.speculative import MODES
-from webchat.gguf_path import model_name
-from webchat.grammar.compiler import NICE, lower_priority
+from webchat.engine.spec.drafters import MODES
+from webchat.files.gguf_cache import model_name
 from webchat.serve import protocol as p
 from webchat.serve import thinking
 from webchat.serve.config import ServerConfig
-from webchat.text.template_budget import FULL, INLINE, Budget, InlineExhausted, budget
+from webchat.serve.images import Vision
+from webchat.serve.requests import LocalPreparer, Preparer
 
 if TYPE_CHECKING:
     from webchat.engine.engine import Engine
@@ -29,42 +25,6 @@ if TYPE_CHECKING:
     from webchat.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
-
-INLINE_TEXT_CHARS = 4096  # a prompt this short is templated and tokenized on the event loop (well under 1 ms)
-ENCODE_THREADS = 2  # templating and tokenizing off the loop, at most this many at once (one per core)
-# below the device thread's priority: a long template's render takes the CPU the forward leaves (the streams keep pace)
-_ENCODE = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="webchat-encode", initializer=lower_priority,
-                             initargs=(NICE,))
-
-
-async def encode_text_work(fn: Callable[..., T], *args: object, chars: int) -> T:
-    """fn(*args), a prompt's templating and tokenizing over `chars` characters of text.
-
-    Short prompts run on the event loop, where a worker thread's two hand-offs cost more than the work (measured:
-    encode_chat 1.34 ms inline, 1.84 ms through a thread; docs/api.md), under the template's INLINE budget (10k
-    steps, 1M characters, 50 ms: a real template's short chat takes a few hundred steps); a template that needs more
-    is run again on a worker thread and never tried on the loop again. Long prompts go to a worker thread at once.
-    There each request's renders spend one FULL budget (500k steps, about a second at most), so no template holds a
-    thread or a core for long; ENCODE_THREADS such threads bound the memory that runaway renders can hold at once."""
-    if chars <= INLINE_TEXT_CHARS:
-        try:
-            with budget(INLINE):
-                return fn(*args)
-        except InlineExhausted:
-            pass
-    return await asyncio.get_running_loop().run_in_executor(_ENCODE, functools.partial(_spend, FULL, fn, *args))
-
-
-def _spend(spend: Budget, fn: Callable[..., T], *args: object) -> T:
-    with budget(spend):
-        return fn(*args)
-
-
-def text_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-    """What templating and tokenizing chat messages costs, in characters: their text, the template's markers counted
-    as 64 a message (many short messages are not cheap), and the tools the template writes out (as JSON)."""
-    return sum(64 + len(str(m.get("content") or "")) for m in messages) + (len(json.dumps(tools)) if tools else 0)
-
 
 @dataclass
 class Runtime:
@@ -81,6 +41,15 @@ class Runtime:
     engine: Engine | None = None  # one KV pool and one batched forward for every connection
     weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
     precision: str = "exact"  # webchat.model.precision: "exact" (float32 activations) or "int8"
+    vision: Vision | None = None  # its projector (--mmproj): the model reads images (webchat.serve.images)
+
+    @property
+    def prep(self) -> Preparer:
+        """The request path for this model (webchat.serve.requests): template, tokens, grammar, thinking, images."""
+        _, tokenizer, _ = self.local()
+        assert self.model is not None
+        return LocalPreparer(tokenizer, self.model.args.vocab_size, self.context_length, self.default_mode,
+                             self.modes, self.vision)
 
     def local(self) -> tuple[Transformer, Tokenizer, Engine]:
         """The local model, its tokenizer and the engine; a remote runtime has none of them (RuntimeError)."""
@@ -111,13 +80,15 @@ class Runtime:
     def hello(self) -> p.Hello:
         return p.Hello(model=self.model_name, context_length=self.context_length, device=self.device,
                        dtype=self.dtype, speculative=list(self.modes), weights=self.weights, precision=self.precision,
-                       thinking=None if self.tokenizer is None else thinking.wire(self.tokenizer))
+                       thinking=None if self.tokenizer is None else thinking.wire(self.tokenizer),
+                       vision=None if self.vision is None else self.vision.wire())
 
 
 def load_runtime(config: ServerConfig) -> Runtime:
     """Load the model (and draft) once onto the configured device."""
-    from webchat.folder_check import check_model_folder
-    from webchat.model.loader import load_model, resolve_device, resolve_dtype, weights_name
+    from webchat.files.folder_check import check_model_folder
+    from webchat.kernels.backend import load_model
+    from webchat.model.loader import resolve_device, resolve_dtype, weights_name
     from webchat.text.tokenizer import Tokenizer
 
     device = resolve_device(config.device)
@@ -141,10 +112,15 @@ def load_runtime(config: ServerConfig) -> Runtime:
 
     engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
                     pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
+    vision = None
+    if config.mmproj is not None:
+        from webchat.serve.images import load_vision
+
+        vision = load_vision(config.mmproj, model.args.dim, tokenizer, config.mmproj_precision, config.image_max_tiles)
     return Runtime(model=model, tokenizer=tokenizer, model_name=model_name(config.model_dir), device=str(device),
                    dtype=str(dtype).removeprefix("torch."), context_length=context, modes=modes,
                    default_mode=config.speculative, engine=engine, weights=weights_name(model),
-                   precision=model.precision)
+                   precision=model.precision, vision=vision)
 
 
 def warm_up(rt: Runtime) -> Runtime:
@@ -210,6 +186,13 @@ class RemoteRuntime(Runtime):
     def new_generator(self) -> Generator:
         raise RuntimeError("a remote engine has no local generator")
 
+    @property
+    def prep(self) -> Preparer:
+        """The request path on the upstream (webchat.serve.remote.prepare): the chat sent as it is."""
+        from webchat.serve.remote.prepare import RemotePreparer
+
+        return RemotePreparer(lambda: self.remote().caps)
+
     def remote(self) -> RemoteEngine:
         if self.backend is None:
             raise RuntimeError("the remote engine was not set up")
@@ -227,7 +210,8 @@ class RemoteRuntime(Runtime):
         return p.Hello(model=caps.model or self.model_name, context_length=caps.context_length or 0,
                        device="remote", dtype="remote", speculative=list(self.modes), weights="remote",
                        precision="remote", max_alternatives=caps.max_top_logprobs or p.MAX_ALTERNATIVES,
-                       engine=caps.wire(), thinking=caps.thinking)
+                       engine=caps.wire(), thinking=caps.thinking,
+                       vision={"projector": "upstream"} if caps.images == "accepted" else None)
 
 
 async def load_remote_runtime(config: ServerConfig) -> RemoteRuntime:

@@ -2,8 +2,9 @@
 by the model in one prefill (GenerationRequest.prompt_logprobs, nothing generated); the reply carries the tokens of
 that text only.
 
-    score {messages | text} → prompt ids (the chat template without a generation prompt | the text) → the engine's
-    PromptTokens (every prompt token scored) → the scored text's tokens, found in the prompt's pieces → `scored`
+    score {messages | text} → prompt ids (the chat template without a generation prompt | the text; prepared on the
+    request path, webchat.serve.requests) → the engine's PromptTokens (every prompt token scored) → the scored text's
+    tokens, found in the prompt's pieces → `scored`
 A message's tokens are found by its text: its last occurrence in the prompt's pieces that starts and ends on token
 boundaries (a template's markers are whole tokens, so a word inside one never matches), else its last occurrence,
 with the tokens at its ends cut to it. The same search serves a remote engine, whose prompt text is the upstream's.
@@ -12,20 +13,15 @@ with the tokens at its ends cut to it. The same search serves a remote engine, w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from typing import TYPE_CHECKING
 
 from webchat.engine import events as ev
-from webchat.engine.sequence import GenerationRequest
-from webchat.engine.settings import SamplingSettings
 from webchat.serve import protocol as p
 from webchat.serve.backend import Scoring
-from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
-from webchat.text.trim import fit_history
 
 if TYPE_CHECKING:
-    from webchat.text.tokenizer import Tokenizer
+    pass
 
 MAX_LOSSY = 20_000  # characters of a text searched for with U+FFFD allowed for its non-ASCII characters
 MAX_TRIES = 64  # occurrences of the text looked at for one on token boundaries (a text made of one repeated word)
@@ -79,37 +75,6 @@ def target_tokens(tokens: list[ev.TokenInfo], target: str) -> list[ev.TokenInfo]
         piece = t.piece[max(0, start - lo) : len(t.piece) - max(0, hi - end)]
         out.append(t if piece == t.piece else dataclasses.replace(t, piece=piece))
     return out
-
-
-async def prepare(msg: p.Score, rt: Runtime) -> tuple[GenerationRequest, int, Scoring]:
-    """The engine request (greedy, nothing generated, every prompt position scored), its prompt's length and what
-    to report; ProtocolError where the prompt does not fit or the engine cannot score."""
-    target = msg.text if msg.text is not None else (msg.messages or [])[-1].content
-    scoring = Scoring(target=target, text=msg.text is not None)
-    request = GenerationRequest(prompt_ids=[], settings=SamplingSettings(temperature=0.0), max_new_tokens=0,
-                                prompt_logprobs=msg.alternatives)
-    if isinstance(rt, RemoteRuntime):
-        caps = rt.remote().caps
-        if caps.prompt_logprobs == "absent":
-            raise p.ProtocolError("scoring_unavailable", f"{UNAVAILABLE}: the upstream at {caps.url} ({caps.kind}) "
-                                  "returns none (vLLM and webchat do)", msg.id)
-        return request, 0, scoring
-    tokenizer = rt.local()[1]
-    if msg.text is not None:
-        ids = await encode_text_work(tokenizer.encode_text, msg.text, chars=len(msg.text))
-    else:
-        history = [m.model_dump() for m in msg.messages or []]
-        encode = functools.partial(_chat_ids, tokenizer)
-        ids = (await encode_text_work(fit_history, encode, history, rt.context_length, chars=text_chars(history))).ids
-    if not ids or len(ids) > rt.context_length:
-        raise p.ProtocolError("prompt_too_long", f"the text to score is {len(ids)} tokens; this model reads at most "
-                              f"{rt.context_length}", msg.id)
-    return dataclasses.replace(request, prompt_ids=ids), len(ids), scoring
-
-
-def _chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The chat as the model reads it up to the scored message: no generation prompt after it."""
-    return tokenizer.encode_chat(messages, add_generation_prompt=False)
 
 
 class ScoreReply:

@@ -1,8 +1,8 @@
 """A request's thinking, for both front ends: the chat encoded with its template variables and each assistant's
-thinking where the template reads it, and the `Reasoning` that splits (and bounds) the reply.
+thinking where the template reads it, and the `Thinking` that splits (and bounds) the reply.
 
     ids = encode_chat(tok, messages, continue_final, prefix_ids, kwargs)
-    reasoning = reasoning_for(tok, messages, continue_final, Ask(kwargs, budget, message))   # None: no split
+    reasoning = thinking_for(tok, messages, continue_final, Ask(kwargs, budget, message))   # None: no split
 
 A reply is split where the model thinks: its template writes the end marker, its vocabulary holds the markers, or
 the prompt leaves thinking open (a template whose generation prompt ends with `<think>`, a continued `<think>…`).
@@ -13,10 +13,10 @@ A continued reply that holds thinking is the chat's generation prompt followed b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from webchat.text.reasoning import Reasoning
 from webchat.text.thinking import (
     ThinkingFormat,
     check_kwargs,
@@ -26,12 +26,13 @@ from webchat.text.thinking import (
     opens,
     thinking_format,
 )
+from webchat.text.thinking_split import Thinking
 
 if TYPE_CHECKING:
     from webchat.text.tokenizer import Tokenizer
 
 MAX_BUDGET = 1 << 24
-__all__ = ["Ask", "budget_value", "check_kwargs", "encode_chat", "encode_tail", "reasoning_for", "thinks", "wire"]
+__all__ = ["Ask", "budget_value", "check_kwargs", "encode_chat", "encode_tail", "thinking_for", "thinks", "wire"]
 
 
 @dataclass(frozen=True)
@@ -69,20 +70,22 @@ def _continues_thinking(tok: Tokenizer, fmt: ThinkingFormat, final: str, kwargs:
 
 
 def encode_chat(tok: Tokenizer, messages: list[dict[str, Any]], continue_final: bool = False,
-                prefix_ids: list[int] | None = None, kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+                prefix_ids: list[int] | None = None, kwargs: dict[str, Any] | None = None,
+                expand: Callable[[str], str] | None = None) -> list[int]:  # fmt: skip
     """The prompt ids (message contents as text, webchat.text.tokenizer.encode_chat); prefix_ids: the final
-    assistant message as the model's own tokens, after the rest of the chat's generation prompt."""
+    assistant message as the model's own tokens, after the rest of the chat's generation prompt. expand: the images'
+    markers written out (webchat.serve.images)."""
     kwargs = kwargs or {}
     fmt = thinking_format(tok)
     if prefix_ids is not None or continue_final:
         history = for_template(messages[:-1], fmt)
         if prefix_ids is not None:
-            return tok.encode_chat(history, **kwargs) + list(prefix_ids)
+            return tok.encode_chat(history, expand=expand, **kwargs) + list(prefix_ids)
         final = str(messages[-1].get("content") or "")
         if _continues_thinking(tok, fmt, final, kwargs):
-            return tok.encode_chat(history, **kwargs) + encode_tail(tok, final)
-        return tok.encode_chat([*history, messages[-1]], continue_final=True, **kwargs)
-    return tok.encode_chat(for_template(messages, fmt), **kwargs)
+            return tok.encode_chat(history, expand=expand, **kwargs) + encode_tail(tok, final)
+        return tok.encode_chat([*history, messages[-1]], continue_final=True, expand=expand, **kwargs)
+    return tok.encode_chat(for_template(messages, fmt), expand=expand, **kwargs)
 
 
 def thinks(tok: Tokenizer, fmt: ThinkingFormat) -> bool:
@@ -90,7 +93,7 @@ def thinks(tok: Tokenizer, fmt: ThinkingFormat) -> bool:
     return fmt.writes_markers or all(len(encode_tail(tok, m)) == 1 for m in (fmt.markers.start, fmt.markers.end))
 
 
-def reasoning_for(tok: Tokenizer, messages: list[dict[str, Any]], continue_final: bool, ask: Ask) -> Reasoning | None:
+def thinking_for(tok: Tokenizer, messages: list[dict[str, Any]], continue_final: bool, ask: Ask) -> Thinking | None:
     """How the reply is split and bounded; None where it is not split (a model that does not think, a prompt that
     closed thinking, reasoning_format none without a budget)."""
     fmt = thinking_format(tok)
@@ -100,7 +103,7 @@ def reasoning_for(tok: Tokenizer, messages: list[dict[str, Any]], continue_final
     if closed or not (inside or thinks(tok, fmt)) or (not ask.split and ask.budget is None):
         return None
     close = tuple(encode_tail(tok, ask.message + fmt.close_text)) if ask.budget is not None else ()
-    return Reasoning(markers=fmt.markers, inside=inside, budget=ask.budget, close=close)
+    return Thinking(markers=fmt.markers, inside=inside, budget=ask.budget, close=close)
 
 
 def wire(tok: Tokenizer) -> dict[str, Any] | None:

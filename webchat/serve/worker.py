@@ -47,7 +47,8 @@ SERVED_MEMORY = 4096  # clients whose last admission is remembered for round-rob
 class Engine(Protocol):
     """What the worker uses of webchat.engine.engine.Engine (all called on the device thread, except close)."""
 
-    running: list[Sequence]
+    @property
+    def running(self) -> list[Sequence]: ...
 
     def fits(self, req: GenerationRequest) -> bool: ...
     def add(self, owner: object, req: GenerationRequest) -> tuple[Sequence, StartInfo]: ...

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 
-from webchat.text.reasoning import Markers, PartSplitter
 from webchat.text.template_budget import FULL, INLINE, InlineExhausted, active, own
+from webchat.text.thinking_split import Markers, PartSplitter
 from webchat.text.tokenizer import compile_chat_template
 
 if TYPE_CHECKING:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -221,18 +222,24 @@ class Tokenizer:
         return ids
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final: bool = False, tools: list[dict[str, Any]] | None = None,
-                    **template_kwargs: Any) -> list[int]:  # fmt: skip
+                    continue_final: bool = False, tools: list[dict[str, Any]] | None = None, *,
+                    expand: Callable[[str], str] | None = None, **template_kwargs: Any) -> list[int]:  # fmt: skip
         """The chat prompt's ids, message contents tokenized as text: only the template's own markers are control ids.
 
         continue_final: end right after the final message's content (no end-of-turn, no generation prompt).
         template_kwargs: more variables for the template (a request's chat_template_kwargs: `enable_thinking`).
+        expand: applied to the template's own text before it is tokenized (an image's marker written out as its
+        layout, webchat.serve.images), never to a message's content.
         Usually the ids of `encode(apply_chat_template(...))`; where a content holds a special token's text, that
         content is encoded on its own with special tokens read as text.
         """
         extra = {**template_kwargs, **({"tools": tools} if tools else {})}  # `tools`: webchat.text.toolformat
+        if self.reads_parts_only:
+            messages = [_as_parts(m) for m in messages]
         parts = chat_parts(lambda msgs: self.apply_chat_template(msgs, add_generation_prompt and not continue_final,
                                                                  **extra), messages, continue_final)  # fmt: skip
+        if expand is not None:
+            parts = [(t if is_content else expand(t), is_content) for t, is_content in parts]
         text = "".join(t for t, _ in parts)
         enc = self._tok.encode(text, add_special_tokens=False)
         spans, pos = [], 0
@@ -250,6 +257,23 @@ class Tokenizer:
         if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
+
+    @functools.cached_property
+    def reads_parts_only(self) -> bool:
+        """Whether the chat template shows a message's text only when given as parts (SmolVLM's iterates the content
+        as a list: a string's characters show nothing); such a template gets every text content as one text part."""
+        probe = "\ue000probe\ue001"
+        try:
+            as_text = self.apply_chat_template([{"role": "user", "content": probe}], False)
+            as_parts = self.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": probe}]}], False)
+        except Exception:  # noqa: BLE001 - a template that refuses either: it is given what it is given
+            return False
+        return probe not in as_text and probe in as_parts
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the one token spelt `text` (special or not, e.g. a vision model's `<image>`), None if none is."""
+        i = self._tok.token_to_id(text)
+        return int(i) if i is not None else None
 
     def control_id(self, text: str) -> int | None:
         """The id of the special (control) token spelt `text`, e.g. a template's `[TOOL_CALLS]`; None if none is."""
@@ -283,3 +307,9 @@ class Tokenizer:
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt, **self.special_tokens, **kwargs
         )
+
+
+def _as_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is text, with that text as one text part."""
+    content = message.get("content")
+    return {**message, "content": [{"type": "text", "text": content}]} if isinstance(content, str) else message

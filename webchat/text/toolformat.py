@@ -7,7 +7,7 @@
 A template that renders `tools` and shows one of the known call markers is that format; any other template (SmolLM2's
 renders no tools) gets GENERIC: the tools described in a system prompt, calls written as Hermes' `<tool_call>` blocks
 (the format llama.cpp's and vLLM's Hermes parsers read; SmolLM2 was tuned on a close variant).
-webchat.text.toolparse parses a reply in each format; serve/openai/tools.py builds the grammar that enforces it.
+webchat.text.toolparse parses a reply in each format; serve/tools.py builds the grammar that enforces it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
     parser = ToolCallParser(fmt)             # fmt: webchat.text.toolformat.ToolFormat
     parser.feed(text) -> [Delta]             # content text, a call's start (index, id, name), argument text
     parser.finish() -> [Delta]               # what was held back (a marker that never completed is content)
+    parser.spans -> [[start, end]]           # where each call is in the text fed: its markup included
 
 Content that may be the start of the format's opening marker is held back until it is decided (as stop strings are).
 A call is a JSON object {"name": ..., "arguments" | "parameters": ...}; its name is given once, its arguments as the
@@ -147,6 +148,13 @@ class ToolCallParser:
         self.call: _Call | None = None
         self.calls: list[tuple[str, str]] = []  # (id, name) of every call started
         self.sent = 0  # argument characters of the current call already given
+        # [start, end) of each call in the text fed: the first call of a block from its opening marker, the last to
+        # its closing one (the page shows the text outside them as the reply, and each span's tokens as its call)
+        self.spans: list[list[int]] = []
+        self.fed = 0  # characters fed so far
+        self._block_at: int | None = None  # where the current block's markup began (before its first call)
+        self._start = 0  # where the current call began
+        self._closes = False  # the last span may take a closing marker that follows it
 
     @property
     def n_calls(self) -> int:
@@ -155,6 +163,7 @@ class ToolCallParser:
     def feed(self, text: str) -> list[Delta]:
         out: list[Delta] = []
         self.pending += text
+        self.fed += len(text)
         while self.pending and self._step(out):
             pass
         return _merge(out)
@@ -164,6 +173,8 @@ class ToolCallParser:
         out: list[Delta] = []
         if self.call is not None:
             self._progress(out)
+            if self.call.id is not None:
+                self.spans[-1][1] = self.fed
         elif self.state in ("start", "text", "free") and (not self.calls or self._content_after_calls()):
             out.append(Delta(content=self.pending))  # (between or after calls: a block's unfinished markup)
         self.pending = ""
@@ -188,10 +199,12 @@ class ToolCallParser:
                 return False
             if body.startswith("{"):
                 self.pending, self.state = body, "between"
+                self._block_at = self._at()
                 return True
             if fmt.open and fmt.open.startswith(body[: len(fmt.open)]):
                 if len(body) < len(fmt.open):
                     return False
+                self._block_at = self._at() + len(text) - len(body)
                 self.pending, self.state = body[len(fmt.open) :], "between"
                 return True
             self.state = "free"
@@ -205,6 +218,7 @@ class ToolCallParser:
             if at >= 0:
                 if at:
                     out.append(Delta(content=text[:at]))
+                self._block_at, self._closes = self._at() + at, False
                 self.pending, self.state = text[at + len(fmt.open) :], "between"
                 return True
             keep = _held(text, fmt.open)
@@ -222,6 +236,8 @@ class ToolCallParser:
                 return True
             self.pending, self.state = body, "call"
             self.call, self.sent = _Call(fmt.args_keys), 0
+            self._start = self._at() if self._block_at is None else self._block_at
+            self._block_at, self._closes = None, False
             return True
         if self.state == "call":
             assert self.call is not None
@@ -229,10 +245,16 @@ class ToolCallParser:
             self.pending = text[used:]
             self._progress(out)
             if self.call.done:
+                if self.call.id is not None:
+                    self.spans[-1][1], self._closes = self._at(), True
                 self.call, self.state = None, "after"
                 return True
             return False
         return self._after(out)
+
+    def _at(self) -> int:
+        """Where the text not yet decided begins, in the whole text fed."""
+        return self.fed - len(self.pending)
 
     def _after(self, out: list[Delta]) -> bool:
         """Between a call's end and what follows: the format's separator, its closing marker, or content."""
@@ -240,10 +262,13 @@ class ToolCallParser:
         if not text:
             return False
         if text[0] in fmt.separators:
+            self._block_at = self.fed - len(text)  # the next call's span takes the separator
             self.pending, self.state = text[1:], "between"
             return True
         if fmt.close and text.startswith(fmt.close):
             self.pending, self.state = text[len(fmt.close) :], "text" if fmt.repeat else "free"
+            if self._closes:
+                self.spans[-1][1] = self._at()
             return True
         if fmt.close and fmt.close.startswith(text):
             return False  # the closing marker may be forming
@@ -259,6 +284,7 @@ class ToolCallParser:
         if call.id is None:
             call.id = self.new_id()
             self.calls.append((call.id, call.name))
+            self.spans.append([self._start, self.fed])
             out.append(Delta(index=len(self.calls) - 1, id=call.id, name=call.name))
         args = call.args_so_far()
         if len(args) > self.sent:

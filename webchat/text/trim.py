@@ -26,7 +26,7 @@ def fit_history(encode: Callable[[list[dict[str, Any]]], list[int]], messages: l
     ids = encode(messages)
     if len(ids) <= budget:
         return Fitted(ids, 0, True)
-    head = 1 if messages and messages[0].get("role") == "system" and len(messages) > 1 else 0
+    head = _head(messages)
     history = messages[head:-1]
     # drops that start the kept history on a user turn (templates may require user/assistant alternation)
     drops = [k for k in range(1, len(history)) if history[k].get("role") == "user"] + [len(history)]
@@ -35,7 +35,7 @@ def fit_history(encode: Callable[[list[dict[str, Any]]], list[int]], messages: l
     while lo <= hi:  # the kept prompt shrinks as the drop grows: find the smallest drop that fits
         mid = (lo + hi) // 2
         k = drops[mid]
-        ids = encode(messages[:head] + history[k:] + messages[-1:])
+        ids = encode(kept_messages(messages, k))
         if len(ids) <= budget:
             best, hi = Fitted(ids, k, True), mid - 1
         else:
@@ -43,4 +43,16 @@ def fit_history(encode: Callable[[list[dict[str, Any]]], list[int]], messages: l
     if best is not None:
         return best
     k = len(history)
-    return Fitted(encode(messages[:head] + messages[-1:]), k, False)
+    return Fitted(encode(kept_messages(messages, k)), k, False)
+
+
+def _head(messages: list[dict[str, Any]]) -> int:
+    return 1 if messages and messages[0].get("role") == "system" and len(messages) > 1 else 0
+
+
+def kept_messages(messages: list[dict[str, Any]], dropped: int) -> list[dict[str, Any]]:
+    """The messages a fit keeps when `dropped` (Fitted.dropped) of the oldest were left out."""
+    if not dropped:
+        return messages
+    head = _head(messages)
+    return messages[:head] + messages[head + dropped : -1] + messages[-1:]

@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from webchat.paths import webchat_home
+from webchat.files.home import webchat_home
 
 if TYPE_CHECKING:
     import torch
 
 SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp", "qact.cpp", "qint8.cpp",
-           "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp", "qsuffix.cpp", "qgemm_amx.cpp")
+           "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp", "qsuffix.cpp", "qgemm_amx.cpp", "vision.cpp",
+           "vgemm.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time
@@ -41,6 +42,18 @@ class StepHandle(Protocol):
     def set_int8(self, on: bool, pack: bool = True) -> None: ...
 
     def set_precision(self, rows: int, prompt: int, pack: bool = True) -> None: ...
+
+
+class VisionHandle(Protocol):
+    """A compiled vision encoder (`VisionTower` in csrc/vision.cpp) over one projector's weights (webchat.vision)."""
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+    def tokens_per_tile(self) -> int: ...
+
+    def amx_matrices(self) -> int: ...
+
+    def phase_seconds(self) -> list[float]: ...
 
 
 class QKernels(Protocol):
@@ -83,6 +96,10 @@ class QKernels(Protocol):
 
     def SuffixIndex(self, max_tokens: int, max_occurrences: int, max_match: int, min_share: float,  # noqa: N802
                     spec_offset: int, path: type) -> Any: ...  # fmt: skip
+
+    def VisionTower(self, dims: list[int], eps: float, embed: list[torch.Tensor],  # noqa: N802
+                    norms: list[torch.Tensor], mats: list[torch.Tensor], qtypes: list[int],
+                    biases: list[torch.Tensor], amx: bool) -> VisionHandle: ...  # fmt: skip
 
 
 class KernelsUnavailable(RuntimeError):

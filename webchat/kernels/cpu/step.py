@@ -5,7 +5,8 @@ matmuls. `CpuStep` hands the whole batch (tokens, positions, slot mapping, block
 pool to `Step.forward`, which runs every layer with the quantized (or float32) matrices, RoPE, the paged KV write and
 attention in C++ on torch's thread pool. Each row is computed on its own, so its logits do not depend on the batch.
 Gemma's parts run there too: the embedding scale, the post norms, GELU-tanh, the score scale and soft cap, sliding
-windows per layer and Gemma 3's local rope tables; the final soft cap is one op on the logits here.
+windows per layer and Gemma 3's local rope tables; the final soft cap is one op on the logits here. An image's slots
+(webchat.model.batch.Placed) go in as given embedding rows, and Gemma 3's image attention as per-row key ends.
 With float32 activations (exact), batches of more than MAX_ROWS tokens (long prefill chunks) return None and run the
 PyTorch path, whose matmuls are GEMMs (webchat.model.quant.QLinear dequantizes a layer's matrix for them); with int8
 activations (set_int8) the C++ forward runs every batch, each row through the same int8 kernels whatever its chunk.
@@ -20,10 +21,11 @@ from typing import cast
 import torch
 from torch import nn
 
+from webchat.gguf.blocks import K_QTYPES, QTYPES
 from webchat.kernels.cpu.build import QKernels
 from webchat.model.batch import Batch
 from webchat.model.config import BEYOND_LLAMA, ModelArgs
-from webchat.model.quant import K_QTYPES, QTYPES, QEmbedding, QLinear
+from webchat.model.quant import QEmbedding, QLinear
 from webchat.model.transformer import Block, PagedKV, Transformer
 
 log = logging.getLogger("webchat.kernels.cpu.step")
@@ -117,7 +119,10 @@ class CpuStep:
             logits = self.step.forward_rows(
                 rows.tokens, rows.positions, rows.slot_mapping, rows.query_start, rows.block_tables, rows.width,
                 rows.logit_rows, rows.prompt_ends or [], kv.k, kv.v, model.rope_cos, model.rope_sin, *local, n,
-                exact or [])
+                rows.embed_rows or [], NONE if batch.embeds is None else batch.embeds.contiguous(),
+                rows.key_ends or [], exact or [])
+        elif batch.embeds is not None:
+            return None  # an image's rows come with host rows only (make_batch)
         else:
             logits = self.step.forward(
                 batch.tokens, batch.positions, batch.slot_mapping, batch.query_start, batch.block_tables,

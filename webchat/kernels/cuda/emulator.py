@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from webchat.files.home import webchat_home
 from webchat.kernels.cuda import loader
 from webchat.kernels.cuda.launch import KernelArg, KernelInputError, Launch, Launcher
 from webchat.kernels.cuda.loader import KernelUnavailable
-from webchat.paths import webchat_home
 
 HEADER = loader.GPU_DIR / "emulator.h"
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing", "-w")

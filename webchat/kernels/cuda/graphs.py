@@ -89,6 +89,7 @@ def graphable(model: Transformer, batch: Batch, kv: PagedKV) -> bool:
     """A step the runner replays: a decode-sized Batch on CUDA, with CudaOps (whose kernels read lengths on device)."""
     return (
         batch.tokens.device.type == "cuda"
+        and batch.embeds is None  # an image's slots run eagerly
         and bool(kv.k)
         and kv.k[0].device == batch.tokens.device
         and getattr(model.ops, "name", "") == "cuda"

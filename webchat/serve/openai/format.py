@@ -4,7 +4,7 @@ Server-Sent Events chunks, with per-token logprobs.
     Started → Tokens* → Finished      as     role chunk, content chunks, finish chunk[, usage chunk], [DONE]
 
 logprob = ln p, p the softmax of the model's raw logits (the websocket's `p`); 0 → -9999.0, as OpenAI writes -inf.
-A chat reply's thinking goes apart from its content (`reasoning_content`, serve/openai/reasoning.py).
+A chat reply's thinking goes apart from its content (`reasoning_content`, serve/openai/thinking.py).
 An extension, `stats` (the websocket's `done.stats`: prefill_ms, ttft_ms, decode_tps, drafted, accepted, ...), rides
 on the finish chunk and the whole response, as llama.cpp's server adds `timings`.
 """
@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from webchat.engine import events as ev
-from webchat.serve.openai import reasoning
+from webchat.serve.openai import thinking as reasoning_api
 from webchat.serve.openai.scoring import echo_logprobs, logprob, vllm_prompt_logprobs
 
 if TYPE_CHECKING:
-    from webchat.serve.openai.tools import ToolCalls
+    from webchat.serve.tools import ToolCalls
     from webchat.text.tokenizer import Tokenizer
 
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_full": "length",
@@ -61,7 +61,7 @@ class Reply:
     logprobs: int | None = None
     include_usage: bool = False
     token_ids: bool = False  # return_token_ids: each choice carries its tokens' ids (vLLM's extension)
-    raw: bool = False  # reasoning_format "none": thinking stays in the content as written (serve/openai/reasoning.py)
+    raw: bool = False  # reasoning_format "none": thinking stays in the content as written (serve/openai/thinking.py)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
@@ -112,9 +112,9 @@ class Reply:
         return self.tokenizer.token_bytes(tid).decode("utf-8", "replace") if self.tokenizer is not None else ""
 
     def chunk(self, event: ev.Tokens) -> dict[str, Any] | None:
-        """A content chunk (its thinking apart, serve/openai/reasoning.py); None when it would carry nothing (no text,
+        """A content chunk (its thinking apart, serve/openai/thinking.py); None when it would carry nothing (no text,
         no logprobs asked for)."""
-        part = reasoning.parts(event, self.raw or not self.chat)
+        part = reasoning_api.parts(event, self.raw or not self.chat)
         if not part.answer and not part.thinking and not ((self.logprobs is not None or self.token_ids)
                                                           and event.tokens):
             return None  # nothing to say (a marker's token is said where its logprob or id is asked for)
@@ -128,12 +128,12 @@ class Reply:
             self.entries += entries or []
             self.thinking_entries += thinking
             if self.tools is not None:  # the answer's calls parsed as they stream; thinking is never a call
-                delta = {**reasoning.fields(part.thinking), **self._delta(*self.tools.feed(part.answer))}
+                delta = {**reasoning_api.fields(part.thinking), **self._delta(*self.tools.feed(part.answer))}
                 if not delta and entries is None:
                     return None
             else:
-                delta = reasoning.delta(part)
-            chunk = self._chunk(delta, reasoning.logprobs(entries, thinking), None)
+                delta = reasoning_api.delta(part)
+            chunk = self._chunk(delta, reasoning_api.logprobs(entries, thinking), None)
         else:
             chunk = self._chunk(part.answer, self._legacy(part.answer_tokens, offset), None)
         if self.token_ids:
@@ -176,9 +176,9 @@ class Reply:
                 calls = self.tools.calls
                 content = None if self.tools.required else (
                     self.tools.content if not calls or self.tools.content.strip() else None)
-            choice["message"] = {"role": "assistant", "content": content, **reasoning.fields(self.thinking),
+            choice["message"] = {"role": "assistant", "content": content, **reasoning_api.fields(self.thinking),
                                  **({"tool_calls": calls} if calls else {})}
-            choice["logprobs"] = reasoning.logprobs(None if self.logprobs is None else self.entries,
+            choice["logprobs"] = reasoning_api.logprobs(None if self.logprobs is None else self.entries,
                                                     self.thinking_entries)
         else:
             choice["text"] = self.text

@@ -8,25 +8,22 @@ A disconnect listener races the handler (as vLLM does): a client that leaves clo
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from webchat.engine import events as ev
-from webchat.engine.sequence import GenerationRequest
-from webchat.engine.settings import SettingsError, check_token_ids
-from webchat.grammar.matcher import GrammarConstraint
-from webchat.serve import thinking
-from webchat.serve.backend import Job
 from webchat.serve.config import ServerConfig, origin_allowed
+from webchat.serve.encode import OFFLOAD_TOKENS, offload
 from webchat.serve.models import ModelError, Models
 from webchat.serve.openai.format import Reply
 from webchat.serve.openai.schema import (
@@ -39,12 +36,9 @@ from webchat.serve.openai.schema import (
 )
 from webchat.serve.openai.stream import FAILED_STATUS, GONE, EventStream, Pending
 from webchat.serve.openai.structured import request_grammar
-from webchat.serve.openai.tools import ToolCalls, chat_tools, upstream_fields
-from webchat.serve.replyformat import grammar_work, kept_ids, make_constraint, upstream_bounds
-from webchat.serve.rules import RuleError, context_room, speculative_mode
-from webchat.serve.runtime import RemoteRuntime, Runtime, encode_text_work, text_chars
-from webchat.text.detok import decode_all
-from webchat.text.thinking import for_template, thinking_format
+from webchat.serve.requests import Prepared, RequestError, Text, Turn
+from webchat.serve.runtime import Runtime
+from webchat.serve.tools import ToolCalls, Tools, upstream_fields
 from webchat.text.toolformat import GENERIC
 
 log = logging.getLogger("webchat.openai")
@@ -126,71 +120,42 @@ class OpenAIApi:
         req.check()
         ask = req.thinking(self.config.reasoning_budget)
         rt = await self._runtime(request, req.model)
-        messages = [m.for_template() for m in req.messages]
-        cont = bool(req.continue_final_message)
-        upstream = upstream_fields(req) if rt.tokenizer is None else None  # a remote engine takes them as they are
-        if upstream is not None and isinstance(rt, RemoteRuntime):
-            _upstream_takes(rt, upstream)
-        plan, template_tools = None, None
-        with _rule_errors():
-            if upstream is not None:
-                await grammar_work(upstream_bounds, upstream, field="tools" if req.tools else "response_format")
-            if rt.tokenizer is not None:
-                messages, template_tools, plan = await grammar_work(
-                    chat_tools, messages, req.tools, req.tool_choice, req.parallel_tool_calls,
-                    rt.tokenizer.chat_template, rt.tokenizer.control_id, field="tools")
-            grammar = None if rt.tokenizer is None else await grammar_work(
-                self._grammar, req, plan.grammar if plan is not None else None, field="response_format")
-        try:  # a remote engine (no tokenizer) templates and counts the prompt itself
-            # add_generation_prompt false: the chat scored as it stands (prompt_logprobs)
-            ids = [] if rt.tokenizer is None else await encode_text_work(
-                self._tokenize_chat, rt, messages, req.add_generation_prompt is not False, cont, ask.kwargs,
-                template_tools, chars=text_chars(messages, template_tools or (plan.tools if plan else None)))
-            reasoning = None if rt.tokenizer is None else await encode_text_work(
-                thinking.reasoning_for, rt.tokenizer, messages, cont, ask, chars=text_chars(messages))
-        except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:  # the template's own errors, its budgets
-            raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
-                           "invalid_messages", "messages") from None
-        tools = plan.fmt if plan is not None else GENERIC if upstream and upstream.get("tools") else None
+        turn = Turn(messages=[m.for_template() for m in req.messages], settings=req.sampling,
+                    max_new_tokens=req.limit(), fit=False, stop=req.stops(),
+                    top_alts=(req.top_logprobs or 0) if req.logprobs else 0, want_probs=bool(req.logprobs),
+                    speculative=req.speculative, continue_final=bool(req.continue_final_message),
+                    add_generation_prompt=req.add_generation_prompt is not False, thinking=ask,
+                    reply_format=functools.partial(request_grammar, req.response_format, req.structured_outputs),
+                    format_field=_format_field(req),
+                    tools=Tools(req.tools, req.tool_choice, req.parallel_tool_calls),
+                    prompt_logprobs=req.scored(), upstream=upstream_fields(req), image_max_tiles=req.image_max_tiles)
+        with _request_errors("messages"):
+            prepared = await rt.prep.chat(turn)
+        plan = prepared.plan
+        tools = plan.fmt if plan is not None else GENERIC if prepared.tools_format else None
         reply = Reply(chat=True, model=rt.model_name, tokenizer=rt.tokenizer,
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
                       prompt_logprobs=req.prompt_logprobs,
                       tools=ToolCalls(tools, plan is not None and plan.required) if tools is not None else None,
                       raw=not ask.split)
-        gen = self._generation(rt, req, ids, req.limit(), reply, "messages")
-        gen.reasoning = reasoning
-        kept = str(messages[-1].get("content") or "") if cont else ""  # a continued reply goes on under the format
-        gen.constraint = await self._constraint(rt, grammar, "tools" if plan is not None else _format_field(req), kept)
-        return await self._run(request, gen, reply, bool(req.stream), messages, cont, self._job_model(request, rt),
-                               upstream, ask)
+        return await self._run(request, prepared, reply, bool(req.stream), self._job_model(request, rt))
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await self._body(request))
         req.check()
         rt = await self._runtime(request, req.model)
-        if rt.tokenizer is None:
-            raise APIError(400, "text completions are not forwarded to the remote engine; use /v1/chat/completions",
-                           "unsupported_value", "prompt")
-        prompt = req.one_prompt()
-        if isinstance(prompt, str):
-            ids = await encode_text_work(rt.tokenizer.encode_text, prompt, chars=len(prompt))
-        else:
-            try:
-                check_token_ids(prompt, rt.tokenizer.vocab_size, "each prompt token id")
-            except SettingsError as exc:
-                raise APIError(400, str(exc), "invalid_value", "prompt") from None
-            ids = list(prompt)
-        with _rule_errors():
-            grammar = await grammar_work(self._grammar, req, None, field="response_format")
+        text = Text(prompt=req.one_prompt(), settings=req.sampling, max_new_tokens=req.max_tokens, stop=req.stops(),
+                    top_alts=req.logprobs or 0, want_probs=req.logprobs is not None, speculative=req.speculative,
+                    reply_format=functools.partial(request_grammar, req.response_format, req.structured_outputs),
+                    format_field=_format_field(req), prompt_logprobs=req.scored())
+        with _request_errors("prompt"):
+            prepared = await rt.prep.text(text)
         reply = Reply(chat=False, model=rt.model_name, tokenizer=rt.tokenizer, logprobs=req.logprobs,
                       token_ids=bool(req.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                      echo=(prompt if isinstance(prompt, str) else decode_all(rt.tokenizer.token_bytes, ids))
-                      if req.echo else None, prompt_logprobs=req.prompt_logprobs)
-        gen = self._generation(rt, req, ids, req.max_tokens, reply, "prompt")
-        gen.constraint = await self._constraint(rt, grammar, _format_field(req))
-        return await self._run(request, gen, reply, bool(req.stream), model=self._job_model(request, rt))
+                      echo=prepared.echo if req.echo else None, prompt_logprobs=req.prompt_logprobs)
+        return await self._run(request, prepared, reply, bool(req.stream), self._job_model(request, rt))
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: the prompt ids a chat (as /v1/chat/completions templates it) or a text would run on; a
@@ -198,85 +163,13 @@ class OpenAIApi:
         req: TokenizeRequest = parse(TokenizeRequest, await self._body(request))
         req.check()
         rt = await self._runtime(request, req.model)
-        if rt.tokenizer is None:
-            raise APIError(400, "this server's model is upstream (--engine-url); tokenize there", "unsupported_value")
-        try:
-            if req.messages is not None:
-                messages = [m.for_template() for m in req.messages]
-                cont = bool(req.continue_final_message)
-                add = not cont if req.add_generation_prompt is None else req.add_generation_prompt
-                kwargs = template_kwargs(req.chat_template_kwargs)
-                ids = await encode_text_work(self._tokenize_chat, rt, messages, add, cont, kwargs,
-                                             chars=text_chars(messages))
-            else:
-                ids = await encode_text_work(rt.tokenizer.encode_text, req.prompt or "", chars=len(req.prompt or ""))
-        except (jinja2.TemplateError, ValueError, ArithmeticError) as exc:
-            raise APIError(400, f"the chat template refused the messages: {type(exc).__name__}: {exc}",
-                           "invalid_messages", "messages") from None
+        messages = None if req.messages is None else [m.for_template() for m in req.messages]
+        cont = bool(req.continue_final_message)
+        add = not cont if req.add_generation_prompt is None else req.add_generation_prompt
+        with _request_errors("messages"):
+            ids = await rt.prep.tokens(messages, req.prompt, add, cont, template_kwargs(req.chat_template_kwargs))
         return JSONResponse({"count": len(ids), "max_model_len": rt.context_length, "tokens": ids},
                             headers=self._cors(request))
-
-    @staticmethod
-    def _tokenize_chat(rt: Runtime, messages: list[dict[str, Any]], add: bool, cont: bool, kwargs: dict[str, Any],
-                       tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
-        """The chat's prompt as the chat endpoint encodes it (its thinking and tools too), or without the generation
-        prompt (/tokenize's and a chat scored as it stands)."""
-        if add or cont:
-            return rt.encode_chat(messages, cont, None, tools, template_kwargs=kwargs)
-        tokenizer = rt.local()[1]
-        return tokenizer.encode_chat(for_template(messages, thinking_format(tokenizer)), False, tools=tools, **kwargs)
-
-    # ------------------------------------------------------------ one generation
-    def _generation(self, rt: Runtime, req: ChatRequest | CompletionRequest, ids: list[int], limit: int | None,
-                    reply: Reply, prompt_param: str) -> GenerationRequest:  # fmt: skip
-        """The generator request; the prompt and the completion must fit the context together."""
-        context = rt.context_length
-        try:
-            mode = speculative_mode(req.speculative, rt.default_mode, rt.modes)
-        except RuleError as exc:
-            raise APIError(400, exc.message, "invalid_value", exc.field) from None
-        if rt.tokenizer is None and req.scored() is not None:
-            raise APIError(400, "prompt scores (prompt_logprobs, echo) are not forwarded to the remote engine; ask "
-                           "the upstream itself", "unsupported_value", "prompt_logprobs")
-        if rt.tokenizer is None:  # a remote engine checks the context itself; max_new_tokens 0: max_tokens not sent
-            return GenerationRequest(prompt_ids=[], settings=req.sampling(2**31), max_new_tokens=limit or 0,
-                                     stop_strings=req.stops(), return_probs=reply.logprobs is not None,
-                                     top_alts=reply.logprobs or 0, speculative=mode)
-        if not ids:
-            raise APIError(400, "the prompt is empty: it encodes to no tokens", "invalid_value", prompt_param)
-        try:
-            room = context_room(len(ids), context)
-        except RuleError as exc:
-            raise APIError(400, exc.message, "context_length_exceeded", prompt_param) from None
-        if limit is None:
-            limit = room
-        if limit > room:
-            raise APIError(400, f"this model's context is {context} tokens; the request needs {len(ids) + limit} "
-                           f"({len(ids)} in the prompt, {limit} to generate)", "context_length_exceeded",
-                           "max_tokens")
-        return GenerationRequest(prompt_ids=ids, settings=req.sampling(rt.tokenizer.vocab_size),
-                                 max_new_tokens=limit, stop_strings=req.stops(), stop_token_ids=None,
-                                 return_probs=reply.logprobs is not None, top_alts=reply.logprobs or 0,
-                                 return_logits=False, speculative=mode, prompt_logprobs=req.scored())
-
-    @staticmethod
-    def _grammar(req: ChatRequest | CompletionRequest, tools: str | None) -> str | None:
-        """The reply's grammar: the tools' (tool_choice), or the response format's; not both (RuleError)."""
-        asked = request_grammar(req.response_format, req.structured_outputs)
-        if tools is not None and asked is not None:
-            raise RuleError("response_format", "a reply format cannot be combined with tools that may be called; "
-                            "send tool_choice 'none', or leave the format out")
-        return tools if tools is not None else asked
-
-    @staticmethod
-    async def _constraint(rt: Runtime, grammar: str | None, field: str, kept: str = "") -> GrammarConstraint | None:
-        """The grammar's constraint; `kept`: the final assistant message a continue_final_message request goes on
-        from, replayed into it first (so the continuation completes that reply, not a new one)."""
-        if grammar is None or rt.tokenizer is None:
-            return None  # a remote engine: the upstream enforces the format (upstream_fields)
-        ids = kept_ids(rt.tokenizer, kept) if kept else None
-        with _rule_errors():
-            return await make_constraint(rt.tokenizer, rt.local()[0].args.vocab_size, grammar, field, ids)
 
     def _client(self, request: Request) -> Hashable:
         """Who is asking, for fair admission (webchat.serve.worker): the API key where the server has one, else the
@@ -285,19 +178,14 @@ class OpenAIApi:
             return ("key", request.headers.get("authorization", ""))
         return ("peer", request.client.host if request.client is not None else "")
 
-    async def _run(self, request: Request, gen_request: GenerationRequest, reply: Reply, stream: bool,
-                   messages: list[dict[str, Any]] | None = None, continue_final: bool = False,
-                   model: str | None = None, upstream: dict[str, Any] | None = None,
-                   ask: thinking.Ask | None = None) -> Response:
+    async def _run(self, request: Request, prepared: Prepared, reply: Reply, stream: bool,
+                   model: str | None = None) -> Response:
         """Submit the job and answer: errors before the first event keep their status; streams begin at 200."""
         if self.closing:
             raise APIError(503, "the server is shutting down", "shutting_down")
         pending = Pending(request.state.worker)
         self.live.add(pending)
-        pending.worker.submit(Job(key=pending.key, request_id=reply.id, request=gen_request, deliver=pending.deliver,
-                                  prompt_tokens=len(gen_request.prompt_ids), client=self._client(request),
-                                  messages=messages, continue_final=continue_final, model=model,
-                                  upstream=upstream, thinking=ask))
+        pending.worker.submit(prepared.job(pending.key, reply.id, pending.deliver, self._client(request), model))
         request.state.claimed = None  # the submission released it
         watcher = asyncio.create_task(pending.watch(request.receive))
         streaming = False
@@ -314,10 +202,12 @@ class OpenAIApi:
                     _raise_failure(event)
                     if isinstance(event, ev.Tokens):
                         reply.add(event)
-                    elif isinstance(event, ev.PromptTokens):
-                        reply.prompt(event)
+                    elif isinstance(event, ev.PromptTokens):  # thousands of scored tokens: formatted off the loop
+                        await offload(reply.prompt, event, heavy=len(event.tokens) > OFFLOAD_TOKENS)
                     elif isinstance(event, ev.Finished):
-                        return JSONResponse(reply.response(event), headers=self._cors(request))
+                        heavy = reply.scored is not None or len(reply.entries) > OFFLOAD_TOKENS
+                        body = await offload(_json_body, reply.response(event), heavy=heavy)
+                        return Response(body, media_type="application/json", headers=self._cors(request))
                 events = await pending.next()
         finally:
             if not streaming:
@@ -413,28 +303,24 @@ class OpenAIApi:
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def _upstream_takes(rt: RemoteRuntime, fields: dict[str, Any]) -> None:
-    """A 400 for what the remote engine was found not to take (its capability probe), before anything is sent."""
-    caps = rt.remote().caps
-    fmt = fields.get("response_format") or {}
-    wants = "json_schema" if fmt.get("type") == "json_schema" or "structured_outputs" in fields else (
-        "json_object" if fmt.get("type") == "json_object" else None)
-    if wants is not None and (caps.response_format == "absent" or (wants == "json_schema"
-                                                                      and caps.response_format == "json_object")):
-        raise APIError(400, f"the upstream engine at {caps.url} does not take a {wants} reply format (its probe "
-                       f"found {caps.response_format!r})", "unsupported_value", "response_format")
-    if "tools" in fields and caps.tools == "absent":
-        raise APIError(400, f"the upstream engine at {caps.url} does not take tools (its probe refused them)",
-                       "unsupported_value", "tools")
-
-
 @contextmanager
-def _rule_errors() -> Iterator[None]:
-    """A RuleError (a reply format or tools the request cannot have) as the API's 400 naming the field."""
+def _request_errors(prompt_field: str) -> Iterator[None]:
+    """A RequestError (webchat.serve.requests) as the API's 400 naming the field."""
     try:
         yield
-    except RuleError as exc:
-        raise APIError(400, exc.message, "invalid_value", exc.field) from None
+    except RequestError as exc:
+        if exc.kind == "messages":
+            raise APIError(400, f"the chat template refused the messages: {exc.message}", "invalid_messages",
+                           "messages") from None
+        code = {"too_long": "context_length_exceeded", "limit": "context_length_exceeded",
+                "unsupported": "unsupported_value", "image": "invalid_image"}.get(exc.kind, "invalid_value")
+        field = prompt_field if exc.kind == "too_long" else exc.field
+        raise APIError(400, exc.message, code, field) from None
+
+
+def _json_body(content: Any) -> bytes:
+    """JSON as Starlette's JSONResponse renders it."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 def _format_field(req: ChatRequest | CompletionRequest) -> str:

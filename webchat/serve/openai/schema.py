@@ -7,9 +7,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     BaseModel,
     ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
@@ -18,11 +16,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from webchat.engine.settings import MAX_TOP_ALTS, SamplingSettings, SettingsError, token_id
-from webchat.serve.openai.reasoning import FORMATS
 from webchat.serve.openai.structured import ResponseFormat, StructuredOutputs
-from webchat.serve.openai.tools import Tool, ToolCall, ToolChoice
+from webchat.serve.openai.thinking import FORMATS
+from webchat.serve.parts import PARTS, Content, check_tool_fields, neutral
 from webchat.serve.rules import loads, lone_surrogate, safe_text, short_repr
 from webchat.serve.thinking import Ask, budget_value, check_kwargs
+from webchat.serve.tools import Tool, ToolCall, ToolChoice
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 200
@@ -60,29 +59,6 @@ def _union(v: Any, handler: ValidatorFunctionWrapHandler, expected: str) -> Any:
         raise PydanticCustomError("expected", "expected {expected}", {"expected": expected}) from None
 
 
-class TextPart(_Strict):
-    type: str
-    text: str
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise PydanticCustomError("part_type", "content parts of type {type} are not supported: webchat's models "
-                                      "read text only (type 'text')", {"type": repr(v)})
-        return v
-
-
-def _content_kind(v: Any) -> str | None:
-    return "text" if isinstance(v, str) else PARTS if isinstance(v, list) else None
-
-
-PARTS = "(parts)"  # the union tag of content given as parts; left out of error paths
-Content = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[TextPart], Tag(PARTS)],
-    Discriminator(_content_kind, custom_error_type="expected",
-                  custom_error_message="expected a string or a list of text parts"),
-]
 
 
 class Message(_Strict):
@@ -101,20 +77,16 @@ class Message(_Strict):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise PydanticCustomError("content", "content is required unless an assistant message has tool_calls, "
                                       "got null on a {role} message", {"role": repr(self.role)})
-        if self.tool_calls is not None and self.role != "assistant":
-            raise PydanticCustomError("tool_calls", "only assistant messages carry tool_calls, got a {role} message",
-                                      {"role": repr(self.role)})
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise PydanticCustomError("tool_call_id", "a tool message needs tool_call_id (and only a tool message "
-                                      "has one), got role {role}", {"role": repr(self.role)})
+        check_tool_fields(self.role, self.tool_calls, self.tool_call_id)
         return self
 
     def for_template(self) -> dict[str, Any]:
-        """role/content as the chat template reads them: developer → system, text parts joined by newlines; an
+        """role/content as the chat template reads them: developer → system, text parts joined by newlines (image parts
+        kept as parts, webchat.serve.parts); an
         assistant's calls and a tool result's call id kept (webchat.text.toolformat shapes them per format); an
         assistant's thinking as `reasoning_content`."""
-        text = self.content if isinstance(self.content, str | None) else "\n".join(p.text for p in self.content)
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": neutral(self.content) if self.content is not None else None}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -240,13 +212,15 @@ class ChatRequest(_Request):
     def _tool_choice(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         return _union(v, handler, "'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
-    # thinking (serve/openai/reasoning.py): template variables (vLLM's, SGLang's, llama-server's name), llama-server's
+    # thinking (serve/openai/thinking.py): template variables (vLLM's, SGLang's, llama-server's name), llama-server's
     # reasoning_format and reasoning budget; vLLM's name for the budget
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
     reasoning_format: str | None = None
     reasoning_budget_tokens: int | None = None
     reasoning_budget_message: Annotated[str, Field(max_length=1000)] | None = None
     thinking_token_budget: int | None = None
+    # an image's tiles at most (webchat's extension, the websocket's generate.image_max_tiles); None: the server's
+    image_max_tiles: Annotated[int, Field(ge=1, le=36)] | None = None
 
     def thinking(self, default_budget: int | None) -> Ask:
         """What the request asks of thinking, checked: 400 naming the field."""

@@ -45,10 +45,11 @@ class Capabilities:
     # apply_template (the chat's prompt text from /apply-template, then the ids, one mixed prompt) | absent (as text)
     token_prompt: str = "unknown"
     prompt_logprobs: str = "unknown"  # returned (vLLM, webchat: the page can score texts) | absent | unknown
-    # structured output passed through (webchat.serve.openai.tools.upstream_fields): json_schema (it takes a JSON
+    # structured output passed through (webchat.serve.tools.upstream_fields): json_schema (it takes a JSON
     # schema's response_format) | json_object (only JSON mode) | absent; tools: accepted | absent
     response_format: str = "unknown"
     tools: str = "unknown"
+    images: str = "unknown"  # accepted (a chat's image parts go upstream: a vision model) | absent (refused here)
     # the served model's thinking as hello.thinking says it ({start, end, switch}): a webchat's own, a llama-server's
     # from its template (/props chat_template); None where the upstream does not say
     thinking: dict[str, Any] | None = None
@@ -155,6 +156,7 @@ async def detect(up: Upstream, want_model: str | None) -> Capabilities:
         caps.token_prompt = await _token_prompt(up, caps) if caps.token_ids != "absent" else "absent"
         caps.prompt_logprobs = await _prompt_logprobs(up, base)
         caps.response_format, caps.tools = await _structured(up, base)
+        caps.images = await _images(up, base)
         caps.thinking = await _thinking(up, caps.kind)
         caps.state = "ready"
     except UpstreamError as exc:
@@ -201,6 +203,25 @@ async def _structured(up: Upstream, base: dict[str, Any]) -> tuple[str, str]:
            "json_object" if await accepted({"response_format": {"type": "json_object"}}) else "absent")
     tools = "accepted" if await accepted({"tools": [PROBE_TOOL], "tool_choice": "auto"}) else "absent"
     return fmt, tools
+
+
+# a 1 x 1 white PNG: what an upstream that reads images answers a token about, and any other refuses
+PROBE_IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4"
+               "AAAAAElFTkSuQmCC")
+
+
+async def _images(up: Upstream, base: dict[str, Any]) -> str:
+    """Whether the upstream takes an image part (a vision model: llama-server with --mmproj, vLLM, a webchat with
+    --mmproj): a one-token request about a 1 x 1 image, answered (accepted) or refused with any status (absent)."""
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": PROBE_IMAGE}},
+                                         {"type": "text", "text": "Hi"}]}
+    try:
+        await up.post_json("/v1/chat/completions", {**base, "messages": [image]})
+    except UpstreamError as exc:
+        if exc.status is None:
+            raise
+        return "absent"
+    return "accepted"
 
 
 def _length(value: Any) -> bool:

@@ -27,8 +27,8 @@ from webchat.serve.backend import Job, Snapshot
 from webchat.serve.remote.capabilities import Capabilities, detect
 from webchat.serve.remote.client import Upstream, UpstreamError
 from webchat.serve.remote.parse import ChunkError, ReportedError, StreamParser
-from webchat.serve.remote.reasoning import text_split, thinking_fields
 from webchat.serve.remote.scoring import score_upstream
+from webchat.serve.remote.thinking import text_split, thinking_fields
 
 log = logging.getLogger("webchat.serve.remote")
 

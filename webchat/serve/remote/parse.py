@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from webchat.engine import events as ev
-from webchat.serve.remote.reasoning import ThinkingLabels, thinking_text
+from webchat.serve.remote.thinking import ThinkingLabels, thinking_text
 
 NO_ID = -1  # a token id the upstream did not return
 MAX_ALTERNATIVES = 20  # OpenAI's top_logprobs limit: more than this is never kept

@@ -13,6 +13,7 @@
 #include "qint8.h"
 #include "qstep.h"
 #include "qsuffix.h"
+#include "vision.h"
 
 namespace wq {
 
@@ -343,7 +344,9 @@ class Step {
                              const std::vector<int64_t>& logit_rows, const std::vector<int64_t>& prompt_ends,
                              const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
                              const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& cos_l,
-                             const torch::Tensor& sin_l, int64_t n_layers, const std::vector<bool>& exact) {
+                             const torch::Tensor& sin_l, int64_t n_layers, const std::vector<int64_t>& embed_rows,
+                             const torch::Tensor& embeds, const std::vector<int64_t>& key_ends,
+                             const std::vector<bool>& exact) {
     const int64_t T = static_cast<int64_t>(tokens.size()), B = static_cast<int64_t>(query_start.size()) - 1;
     TORCH_CHECK(T > 0 && positions.size() == tokens.size() && slots.size() == tokens.size(), "tokens, positions and ",
                 "slot_mapping must hold the same number (>0) of rows, got ", T, ", ", positions.size(), ", ",
@@ -357,6 +360,7 @@ class Step {
     bv.query_start = query_start.data(), bv.b = B, bv.block_tables = block_tables.data(), bv.width = width;
     bv.logit_rows = logit_rows.data(), bv.r = static_cast<int64_t>(logit_rows.size());
     bv.prompt_ends = prompt_ends.empty() ? nullptr : prompt_ends.data();
+    check_images(bv, embed_rows, embeds, key_ends);
     TORCH_CHECK(exact.empty() || static_cast<int64_t>(exact.size()) == B, "exact must hold ", B,
                 " values (or none), got ", exact.size());
     std::vector<uint8_t> flags(exact.begin(), exact.end());
@@ -408,6 +412,29 @@ class Step {
                  local ? sin_l.data_ptr<float>() : nullptr, n_layers, logits.data_ptr<float>());
     }
     return logits;
+  }
+
+  // an image's rows (BatchView.embed_rows, embeds, key_ends): each given row inside the batch and dim wide, each row's
+  // keys its own position's and at most its sequence's last row's in this batch (those k/v are written before attention)
+  void check_images(BatchView& bv, const std::vector<int64_t>& rows, const torch::Tensor& embeds,
+                    const std::vector<int64_t>& key_ends) const {
+    if (!rows.empty()) {
+      check_f32(embeds, "embeds");
+      TORCH_CHECK(embeds.dim() == 2 && embeds.size(0) == static_cast<int64_t>(rows.size()) && embeds.size(1) == m_.dim,
+                  "embeds must be (", rows.size(), ", ", m_.dim, "), one row per embed row, got ", embeds.sizes());
+      for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < bv.t, "embed row ", r, " is outside the batch's ", bv.t, " rows");
+      bv.embed_rows = rows.data(), bv.embeds = embeds.data_ptr<float>(), bv.e = static_cast<int64_t>(rows.size());
+    }
+    if (key_ends.empty()) return;
+    TORCH_CHECK(static_cast<int64_t>(key_ends.size()) == bv.t, "key_ends must hold one value per row (", bv.t,
+                "), got ", key_ends.size());
+    for (int64_t b = 0; b < bv.b; ++b) {
+      const int64_t last = bv.positions[bv.query_start[b + 1] - 1] + 1;
+      for (int64_t t = bv.query_start[b]; t < bv.query_start[b + 1]; ++t)
+        TORCH_CHECK(key_ends[t] > bv.positions[t] && key_ends[t] <= last, "key_ends[", t, "] = ", key_ends[t],
+                    " must be in [", bv.positions[t] + 1, ", ", last, "]: past the row, within its sequence's batch");
+    }
+    bv.key_ends = key_ends.data();
   }
 
   // every index the forward follows stays inside its tensor: a bad batch is an error, never a wild write
@@ -511,4 +538,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &wq::Step::forward)
       .def("forward_rows", &wq::Step::forward_rows);
   wq::bind_suffix(m);
+  wq::bind_vision(m);
 }

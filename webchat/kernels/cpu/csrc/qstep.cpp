@@ -369,7 +369,8 @@ void StepModel::quantize_for(Mats mys, const float* x, const Plan& plan, int64_t
 }
 
 // o_ (T, H, hd): row t of sequence b, query head h attends softmax(cap(scale q k^T)) v over positions
-// [0, positions[t]] of b (with a window w: (positions[t] - w, positions[t]]), with kv head h / (H / n_kv); scale
+// [0, positions[t]] of b (or [0, key_ends[t]): an image's slots; with a window w: from positions[t] - w + 1), with kv
+// head h / (H / n_kv); scale
 // 1 / sqrt(hd) unless the model sets one, cap(s) = c tanh(s / c) where the model soft-caps. A window's unit starts at
 // the page of its first row's first key; keys below a row's window get weight 0. The work comes in units of
 // (sequence, query heads, rows): a decoding sequence's one row makes a unit per query head, split evenly over the
@@ -382,6 +383,7 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
   const float scale = attn_scale > 0.f ? attn_scale : 1.f / std::sqrt(float(hd)), cap = attn_softcap;
   const bool vec = path() >= PATH_AVX2;
   const int nv = vec && hd == 64 ? 8 : vec && hd == 128 ? 16 : 0;  // a register kernel, or the generic loops
+  const auto key_end = [&](int64_t t) { return bv.key_ends != nullptr ? bv.key_ends[t] : bv.positions[t] + 1; };
   const bool wide = path() == PATH_AVX512;                            // its 16-lane form
   constexpr int64_t ROWS = 8;
   struct Unit {
@@ -391,11 +393,13 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
   for (int64_t b = 0; b < bv.b; ++b) {
     const int64_t lo = bv.query_start[b], hi = bv.query_start[b + 1];
     if (hi - lo == 1) {
-      for (int64_t h = 0; h < n_heads; ++h) single.push_back(Unit{b, h, 1, lo, 1, bv.positions[lo] + 1});
+      for (int64_t h = 0; h < n_heads; ++h) single.push_back(Unit{b, h, 1, lo, 1, key_end(lo)});
       continue;
     }
     for (int64_t r0 = lo; r0 < hi; r0 += ROWS) {
-      const int64_t rows = std::min(ROWS, hi - r0), lmax = bv.positions[r0 + rows - 1] + 1;  // positions rise
+      const int64_t rows = std::min(ROWS, hi - r0);
+      int64_t lmax = 0;  // positions rise; an image's slots may see past their own
+      for (int64_t t = r0; t < r0 + rows; ++t) lmax = std::max(lmax, key_end(t));
       for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax});
     }
   }
@@ -417,8 +421,10 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
     if (static_cast<int64_t>(inv.size()) < n_rows) inv.resize(n_rows);
     const int32_t* pages = bv.block_tables + U.b * bv.width;
     // query row j of the unit: head h0 + j / rows, token r0 + j % rows
-    auto len = [&](int64_t j) { return bv.positions[U.r0 + j % U.rows] + 1; };
-    auto first = [&](int64_t j) { return window > 0 ? std::max<int64_t>(0, len(j) - window) : int64_t(0); };
+    auto len = [&](int64_t j) { return key_end(U.r0 + j % U.rows); };
+    auto first = [&](int64_t j) {
+      return window > 0 ? std::max<int64_t>(0, bv.positions[U.r0 + j % U.rows] + 1 - window) : int64_t(0);
+    };
     const int64_t start = first(0) / ps * ps;  // the unit's first row has the smallest position
     auto q = [&](int64_t j) { return q_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
     auto o = [&](int64_t j) { return o_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
@@ -505,6 +511,7 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
   }
   if (embed_scale != 1.f)
     for (int64_t c = 0; c < T * d; ++c) x[c] *= embed_scale;
+  for (int64_t i = 0; i < bv.e; ++i) std::memcpy(x + bv.embed_rows[i] * d, bv.embeds + i * d, d * sizeof(float));
   // y = rms_norm(x rows) with w, each row's 8-bit form made as it is written (int8) for the matrices that read it
   const auto norm_rows = [&](const float* w, Mats next) {
     shape_for(next, tokens_, d);

@@ -46,6 +46,13 @@ struct BatchView {
   const int64_t* prompt_ends = nullptr;  // (B) or none: b's rows at positions below it are its prompt's (a GEMM's)
   const uint8_t* exact = nullptr;        // (B) or none: b's prompt rows (and their logit rows) run exact whatever the
                                          // precision (a prompt scored)
+  // an image's slots (webchat.engine.images): rows embed_rows[i] take embeds[i] (dim floats) in place of their token's
+  // embedding, after the embedding scale (Gemma scales text only); key_ends (T) or none: row t attends positions below
+  // key_ends[t] (an image's slots see each other both ways, Gemma 3) instead of positions[t] + 1
+  const int64_t* embed_rows = nullptr;  // (E)
+  const float* embeds = nullptr;        // (E, dim)
+  int64_t e = 0;
+  const int64_t* key_ends = nullptr;
 };
 
 // How a row's matrix inputs are multiplied (docs/quant.md, "Precisions"): float32 (EXACT); quantized to 8 bits once

@@ -1,0 +1,98 @@
+"""A CPU model's weights in one huge-page-advised mapping (webchat.model.arena): the same values, ties kept, the
+checkpoint's file pages let go."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from webchat.kernels.backend import load_model
+from webchat.model.arena import into_huge_pages
+
+linux_thp = pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_HUGEPAGE"),
+                               reason="needs Linux's /proc/self/smaps and MADV_HUGEPAGE")
+
+
+def mapping_of(ptr: int) -> tuple[int, int, str]:
+    """(start, end, VmFlags) of this process's mapping that holds address ptr."""
+    start = end = 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            start, end = lo, hi
+        elif line.startswith("VmFlags:") and start <= ptr < end:
+            return start, end, line
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@linux_thp
+def test_a_loaded_cpu_model_lives_in_one_huge_page_mapping_with_the_files_values(real_model_dir: Path) -> None:
+    model = load_model(real_model_dir)
+    params = list(model.parameters())
+    spans = {mapping_of(p.data_ptr()) for p in params}
+    assert len(spans) == 1, spans  # every tensor moved, the small ones too (none keeps the file mapped)
+    start, end, flags = spans.pop()
+    assert " hg" in flags, flags  # advised for transparent huge pages
+    for p in params:
+        assert start <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= end
+    with safe_open(str(real_model_dir / "quantized.safetensors"), framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    table = model.tok_embeddings.weight.data
+    if model.tok_embeddings.packed:  # int8: the tied head's rows packed 8 to a group, the file's bytes moved
+        from webchat.gguf.blocks import QTYPES
+
+        kernels = model.tok_embeddings.kernels
+        assert kernels is not None
+        table = kernels.unpacked_rows(table, QTYPES[model.tok_embeddings.qtype][0], torch.arange(table.shape[0]))
+    assert torch.equal(table, embed)  # the same bytes
+    assert model.output.weight is model.tok_embeddings.weight  # tied (SmolLM2) and still one tensor
+
+
+def test_moving_keeps_values_shapes_and_shared_parameters() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 300, bias=True))
+    net[1].weight = net[0].weight  # tied, as a model's head and embedding
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    moved = into_huge_pages(net)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        assert moved == 0
+        return
+    assert moved >= sum(t.numel() * t.element_size() for t in before.values())
+    assert net[1].weight is net[0].weight
+    for name, p in net.named_parameters():
+        assert torch.equal(p.data, before[name]) and p.shape == before[name].shape
+        assert p.data_ptr() % 64 == 0
+    assert net[0].weight.data_ptr() % 4096 == 0  # a matrix starts on its own page
+    x = torch.tensor([[1, 2, 3]])
+    assert net(x).shape == (1, 3, 300)
+
+
+def test_a_parameter_left_out_stays_where_it_was() -> None:
+    net = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 300))
+    where = net[0].weight.data_ptr()
+    into_huge_pages(net, leave=[net[0].weight])
+    assert net[0].weight.data_ptr() == where  # an untied embedding is only gathered: its read rows alone resident
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert net[1].weight.data_ptr() != where and net[1].weight.data_ptr() % 4096 == 0
+
+
+def test_file_pages_another_tensor_still_reads_are_kept_with_their_changes(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(65536, dtype=torch.float32)}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        w = f.get_tensor("w")  # a view of the file's private, writable mapping
+    w[20000] = -1.0  # changed in place: only this process's copy of the page holds it
+    net = nn.Module()
+    net.a = nn.Parameter(w[:32768], requires_grad=False)  # two parameters over the same bytes, 16 pages shared
+    net.b = nn.Parameter(w[16384:], requires_grad=False)
+    want_a, want_b = net.a.detach().clone(), net.b.detach().clone()
+    into_huge_pages(net)
+    assert torch.equal(net.a.data, want_a) and torch.equal(net.b.data, want_b)  # b's copy still sees the change
+    assert net.b.data[20000 - 16384].item() == -1.0

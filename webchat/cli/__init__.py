@@ -1,0 +1,1 @@
+"""The `webchat` command: pull, serve, chat, complete."""

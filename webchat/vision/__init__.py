@@ -1,0 +1,1 @@
+"""Images in the chat: projector files, image decoding, preprocessing, prompt layouts and the vision encoder."""
