@@ -5,7 +5,8 @@
    seam), each a `webchat serve` process of its own, both up, streams alternating (A, B, A, B, ...) so a noisy machine
    drifts both alike. Decode tok/s (the server's own `done.stats.decode_tps`) and time to first chunk, medians.
 2. What scoring costs: a prompt of ~370 tokens read with every position scored (/v1/completions, echo, logprobs 5,
-   max_tokens 0) against the same prompt read plainly (max_tokens 1, no scores), alternating, on this checkout.
+   max_tokens 0) against the same prompt read plainly (max_tokens 1, no scores), alternating, on both checkouts (a
+   scored prompt's rows run exact whatever the precision since issue 64: the plain read runs the server's own).
 Run: `.venv/bin/python -m bench.bench_scoring --before /tmp/before [--rounds 10] [--tokens 128]
 [--serve-args '--speculative none']`.
 """
@@ -101,16 +102,19 @@ def main() -> None:
                                 f"{min(tps):.1f} / {max(tps):.1f}", f"{statistics.median(r[1] for r in runs):.0f}"))
             ratio = statistics.median(a[0] / b[0] for a, b in zip(rows["after"], rows["before"], strict=True))
             print(f"\nafter / before, decode tok/s, median of the {args.rounds} pairs: {ratio:.3f}")
-            url = servers["after"].url
             n = len(Tokenizer.from_dir(model).encode_text(TEXT))
-            times: dict[bool, list[float]] = {True: [], False: []}
+            times: dict[tuple[str, bool], list[float]] = {}
             for _ in range(args.rounds):
-                for scored in (False, True):
-                    times[scored].append(read(url, info["model"], scored))
-            plain, scored_s = statistics.median(times[False]), statistics.median(times[True])
-            print(f"\n## Reading a {n}-token text (/v1/completions), this checkout")
-            print(f"plain (max_tokens 1): {plain * 1000:.0f} ms; every position scored (echo, logprobs 5, "
-                  f"max_tokens 0): {scored_s * 1000:.0f} ms; scored / plain {scored_s / plain:.2f}")
+                for label, server in servers.items():
+                    for scored in (False, True):
+                        times.setdefault((label, scored), []).append(read(server.url, info["model"], scored))
+            print(f"\n## Reading a {n}-token text (/v1/completions), the servers and the two reads alternating")
+            print(table_header("code", "precision", "plain (max_tokens 1) ms", "scored (echo, logprobs 5) ms",
+                               "scored / plain"))
+            for label, server in servers.items():
+                plain, scored_s = (statistics.median(times[label, s]) for s in (False, True))
+                print(table_row(label, server.info.get("precision", "?"), f"{plain * 1000:.0f}",
+                                f"{scored_s * 1000:.0f}", f"{scored_s / plain:.2f}"))
         finally:
             for server in servers.values():
                 server.stop()

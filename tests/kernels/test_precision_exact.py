@@ -23,11 +23,7 @@ PAGE = 16
 
 def feed(model: Any, spec: list[tuple[list[int], int, list[int], list[int]]], pool: Any, prompt_ends: list[int],
          exact: list[bool] | None = None) -> torch.Tensor:
-    batch = make_batch(spec, PAGE, prompt_ends=prompt_ends)
-    if exact is not None:
-        assert batch.rows is not None
-        batch.rows.exact = exact  # type: ignore[attr-defined]  # the engine's flag (HostRows.exact, to be added)
-    return model(batch, pool)
+    return model(make_batch(spec, PAGE, prompt_ends=prompt_ends, exact=exact), pool)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int8x2"])

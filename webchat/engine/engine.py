@@ -422,8 +422,12 @@ class Engine:
         # a prompt's positions: computed alike however the prompt is chunked, recomputed alike after a preemption
         ends = [r.seq.stats.prompt_tokens for r in rows]
         placed = [r.placed for r in rows] if any(r.placed is not None for r in rows) else None
+        # a prompt scored runs its prompt rows at float32 whatever the precision, its first pass and any recompute
+        # alike (its log-probabilities are the model's; docs/quant.md, "Scores are exact")
+        exact = [r.seq.req.prompt_logprobs is not None for r in rows]
         began = time.perf_counter()
-        logits = self.model(make_batch(spec, self.pool.page_size, self.device, ends, placed), self.pool)  # (R, vocab)
+        batch = make_batch(spec, self.pool.page_size, self.device, ends, placed, exact)
+        logits = self.model(batch, self.pool)  # (R, vocab)
         ended = time.perf_counter()
         decode_only = not any(r.seq.prefilling for r in rows)
         self.auto.timed(began, ended, sum(len(r.feed) for r in rows) if decode_only else 0)

@@ -41,6 +41,7 @@ class HostRows:
     prompt_ends: list[int] | None
     embed_rows: list[int] | None = None  # rows whose embedding is given (Batch.embeds); None: none
     key_ends: list[int] | None = None  # per row, the end of the positions it attends; None: causal everywhere
+    exact: list[bool] | None = None  # per sequence: its prompt rows at float32 whatever the precision (Batch.exact)
 
 
 class Batch:
@@ -69,7 +70,8 @@ class Batch:
                  logit_rows: torch.Tensor | None = None, max_seq_len: int = 0,
                  prompt_ends: torch.Tensor | None = None, rows: HostRows | None = None,
                  device: torch.device | str = "cpu", embeds: torch.Tensor | None = None,
-                 embed_rows: torch.Tensor | None = None, key_ends: torch.Tensor | None = None) -> None:
+                 embed_rows: torch.Tensor | None = None, key_ends: torch.Tensor | None = None,
+                 exact: list[bool] | None = None) -> None:
         given = {"tokens": tokens, "positions": positions, "slot_mapping": slot_mapping, "query_start": query_start,
                  "seq_lens": seq_lens, "block_tables": block_tables, "logit_rows": logit_rows}
         if rows is None:
@@ -84,6 +86,11 @@ class Batch:
         self.max_seq_len = max_seq_len  # max(seq_lens), read on the host without a device sync
         self.rows, self.device = rows, device
         self.plan: object = None  # ops' per-batch precomputation, built once
+        # per sequence (host bools), or None: b's prompt rows (positions below prompt_ends[b]) and their logit rows are
+        # multiplied at float32 whatever the model's precision, its other rows at the model's (a prompt scored)
+        self.exact = rows.exact if rows is not None else exact
+        if self.exact is not None and len(self.exact) != self.num_seqs:
+            raise ValueError(f"exact needs one flag per sequence ({self.num_seqs}), got {len(self.exact)}")
 
     def __getattr__(self, name: str) -> torch.Tensor | None:
         """A tensor not read before: made from the host rows now, and kept."""
@@ -112,21 +119,39 @@ class Batch:
     def num_seqs(self) -> int:
         return len(self.rows.seq_lens) if self.rows is not None else int(self.block_tables.shape[0])
 
+    def exact_rows(self) -> torch.Tensor | None:
+        """(T,) bool on the CPU: the rows `exact` puts at float32 (a flagged sequence's prompt rows), or None where
+        there are none."""
+        if self.exact is None or not any(self.exact) or self.prompt_ends is None:
+            return None
+        starts = self.rows.query_start if self.rows is not None else self.query_start.tolist()
+        positions = self.rows.positions if self.rows is not None else self.positions.tolist()
+        ends = self.prompt_ends.tolist()
+        mask = [False] * self.num_tokens
+        for b, flag in enumerate(self.exact):
+            if flag:
+                for t in range(starts[b], starts[b + 1]):
+                    mask[t] = positions[t] < ends[b]
+        return torch.tensor(mask) if any(mask) else None
+
 
 def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_size: int,
                device: torch.device | str = "cpu", prompt_ends: list[int] | None = None,
-               placed: list[Placed | None] | None = None) -> Batch:
+               placed: list[Placed | None] | None = None, exact: list[bool] | None = None) -> Batch:
     """A Batch from (new_tokens, start_position, pages, logit_offsets) per sequence.
 
     new_tokens sit at positions start_position.. of a sequence whose cache pages are `pages` (enough for
     start_position + len(new_tokens) tokens); logit_offsets index new_tokens (e.g. [-1] for the last, or all rows).
     prompt_ends: per sequence, how many of its first positions are its prompt (Batch.prompt_ends).
     placed: per sequence, its new tokens that are an image's slots (Placed), or None.
+    exact: per sequence, whether its prompt rows run at float32 whatever the precision (Batch.exact), or None.
     """
     if prompt_ends is not None and len(prompt_ends) != len(seqs):
         raise ValueError(f"prompt_ends needs one value per sequence ({len(seqs)}), got {len(prompt_ends)}")
     if placed is not None and len(placed) != len(seqs):
         raise ValueError(f"placed needs one entry per sequence ({len(seqs)}), got {len(placed)}")
+    if exact is not None and len(exact) != len(seqs):
+        raise ValueError(f"exact needs one flag per sequence ({len(seqs)}), got {len(exact)}")
     if not seqs:
         raise ValueError("a batch needs at least one sequence, got none")
     tokens: list[int] = []
@@ -157,7 +182,8 @@ def make_batch(seqs: list[tuple[list[int], int, list[int], list[int]]], page_siz
     # CPU step (webchat.kernels.cpu.step) reads the lists (the default model's decode step is ~6 ms)
     host = HostRows(tokens=tokens, positions=positions, slot_mapping=slots, query_start=starts, seq_lens=lens,
                     block_tables=[p for table in tables for p in table], width=width, logit_rows=rows,
-                    prompt_ends=None if prompt_ends is None else list(prompt_ends))
+                    prompt_ends=None if prompt_ends is None else list(prompt_ends),
+                    exact=None if exact is None or not any(exact) else list(exact))
     embeds = _place(host, starts, placed) if placed is not None and any(placed) else None
     return Batch(rows=host, max_seq_len=max(lens), device=device, embeds=embeds)
 

@@ -7,6 +7,9 @@ float32, or with `int8` set (webchat.model.precision) quantized to 8 bits a row 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Protocol
 
 import torch
@@ -21,8 +24,8 @@ class BlockKernels(Protocol):
     which the kernels' loader hands in): the model layer names the seam, the kernels layer fills it."""
 
     def qmatmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
-                gemm: bool = False, int8: bool = False, packed: bool = False,
-                x2: bool = False) -> torch.Tensor: ...  # fmt: skip
+                gemm: bool = False, int8: bool = False, packed: bool = False, x2: bool = False,
+                amx: bool = False) -> torch.Tensor: ...  # fmt: skip
 
     def dequantize(self, w: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -31,6 +34,26 @@ class BlockKernels(Protocol):
     def repack8(self, w: torch.Tensor, qtype: int, pack: bool) -> None: ...
 
     def packs8(self, qtype: int, n: int) -> bool: ...
+
+# (rows,) bool or None: within exact_rows(), the rows of a QLinear's input multiplied at float32 whatever its precision
+_EXACT_ROWS: ContextVar[torch.Tensor | None] = ContextVar("webchat_exact_rows", default=None)
+
+
+@contextmanager
+def exact_rows(mask: torch.Tensor | None) -> Iterator[None]:
+    """Within: a QLinear at int8 or int8x2 multiplies the rows of its input where `mask` (rows,) is True at float32,
+    through the GEMM the C++ forward takes for them (a prompt scored, webchat.model.batch.Batch.exact); None: none."""
+    token = _EXACT_ROWS.set(mask)
+    try:
+        yield
+    finally:
+        _EXACT_ROWS.reset(token)
+
+
+def exact_mask() -> torch.Tensor | None:
+    """The mask exact_rows() set, or None."""
+    return _EXACT_ROWS.get()
+
 
 GEMM_ROWS = 32  # from this many rows of x, QLinear dequantizes the matrix and calls torch's float32 GEMM
 GEMM_MAX_WEIGHTS = 4 << 20  # ... a tile of at most this many weights at a time (a 16 MB float32 copy)
@@ -64,9 +87,21 @@ class QLinear(nn.Module):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
         if self.int8:
             qt = ({**QTYPES, **K_QTYPES})[self.qtype][0]
-            y8 = _compiled(self.kernels, self.qtype).qmatmul(x2, self.weight, qt, self.in_features, self.bias,
-                                                             int8=True, packed=self.packed, x2=self.x2)
-            return y8.view(*lead, self.out_features)
+            kernels = _compiled(self.kernels, self.qtype)
+            mask = _EXACT_ROWS.get()
+            if mask is None:
+                y8 = kernels.qmatmul(x2, self.weight, qt, self.in_features, self.bias, int8=True, packed=self.packed,
+                                     x2=self.x2)
+                return y8.view(*lead, self.out_features)
+            assert mask.shape == (x2.shape[0],), f"exact rows mask {tuple(mask.shape)} for {x2.shape[0]} rows"
+            exact, rest = mask.nonzero().squeeze(1), (~mask).nonzero().squeeze(1)
+            ym = torch.empty(x2.shape[0], self.out_features)
+            ym[exact] = kernels.qmatmul(x2[exact], self.weight, qt, self.in_features, self.bias, gemm=True,
+                                       packed=self.packed, amx=True)
+            if rest.numel():
+                ym[rest] = kernels.qmatmul(x2[rest], self.weight, qt, self.in_features, self.bias, int8=True,
+                                          packed=self.packed, x2=self.x2)
+            return ym.view(*lead, self.out_features)
         if x2.shape[0] >= GEMM_ROWS:  # prefill: torch's sgemm on dequantized rows (float32, exact)
             return self._gemm(x2).view(*lead, self.out_features)
         if self.qtype in K_QTYPES:  # kernels/cpu/csrc/qkquant.cpp: one dequantized block dotted with every row

@@ -15,6 +15,7 @@ from webchat.model.batch import Batch
 from webchat.model.config import ModelArgs, ModelConfigError
 from webchat.model.kv_cache import PAGE_SIZE, KVPool, SeqCache
 from webchat.model.ops import PagedTorchOps
+from webchat.model.quant import exact_mask, exact_rows
 
 
 class PagedKV(Protocol):
@@ -139,7 +140,7 @@ class Transformer(nn.Module):
         self.sampler_factory: Callable[..., object] | None = None
         self.row_scan: Any = None
         self.suffix_index: Callable[..., Any] | None = None
-        # the quantized matrices' activations: "exact" (float32) or "int8" (webchat.model.precision, by the loader)
+        # the quantized matrices' activations: "exact" (float32), "int8" or "int8x2" (webchat.model.precision)
         self.precision = "exact"
 
     @property
@@ -197,7 +198,10 @@ class Transformer(nn.Module):
             logits = self.runner(self, batch, kv)  # None: not a graphed step, run eagerly
             if logits is not None:
                 return logits
-        return self.layers_forward(batch, kv)
+        if self.precision == "exact":
+            return self.layers_forward(batch, kv)
+        with exact_rows(batch.exact_rows()):  # a scored prompt's rows at float32, as the C++ forward runs them
+            return self.layers_forward(batch, kv)
 
     def layers_forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
         """Embedding, blocks, final norm and head; reads nothing on the host (graph-capturable with device ops)."""
@@ -228,7 +232,9 @@ class Transformer(nn.Module):
         assert out is not None
         out, residual = out.index_select(0, batch.logit_rows), residual.index_select(0, batch.logit_rows)  # (R, dim)
         y, _ = ops.add_rms_norm(out, residual, self.norm.weight, eps)
-        logits: torch.Tensor = self.output(y).float()  # (R, vocab)
+        mask = exact_mask()  # the head's rows at float32 where their token rows are (Batch.exact)
+        with exact_rows(None if mask is None else mask.index_select(0, batch.logit_rows.cpu())):
+            logits: torch.Tensor = self.output(y).float()  # (R, vocab)
         if a.final_softcap > 0:  # Gemma 2: logits = cap * tanh(logits / cap)
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits

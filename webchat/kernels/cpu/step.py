@@ -114,7 +114,7 @@ class CpuStep:
         local = model.rope_local or (NONE, NONE)
         rows = batch.rows
         logits: torch.Tensor
-        exact = exact_sequences(batch)
+        exact = batch.exact  # a scored prompt's rows at float32 (Batch.exact)
         if rows is not None:  # make_batch's lists as they are: no tensor made for them
             logits = self.step.forward_rows(
                 rows.tokens, rows.positions, rows.slot_mapping, rows.query_start, rows.block_tables, rows.width,
@@ -131,19 +131,6 @@ class CpuStep:
         if self.final_softcap > 0:  # Gemma 2: logits = cap * tanh(logits / cap), as the PyTorch path computes it
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
-
-
-def exact_sequences(batch: Batch) -> list[bool] | None:
-    """Per sequence of the batch, whether its rows run exact whatever the model's precision (a prompt being scored:
-    its log-probabilities are float32's); None: none does. Read from the batch's `exact` list (HostRows.exact, or
-    Batch.exact where a batch has no host rows) where the engine sets one."""
-    where: object = batch.rows if batch.rows is not None else batch
-    exact = where.__dict__.get("exact")
-    if exact is None or not any(exact):
-        return None
-    if len(exact) != batch.num_seqs:
-        raise ValueError(f"exact needs one flag per sequence ({batch.num_seqs}), got {len(exact)}")
-    return [bool(e) for e in exact]
 
 
 def cpu_step_declines(args: ModelArgs) -> str | None:

@@ -50,9 +50,9 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qt
   const int64_t m = xc.size(0), n = w.size(0);
   torch::Tensor y = torch::empty({m, n}, xc.options());
   if (m == 0 || n == 0) return y;
-  TORCH_CHECK(!packed || (int8 && packs8(static_cast<int>(qtype), n)), "packed rows are read by the int8 kernels of ",
-              "Q4_0, Q4_1 and Q4_K matrices with rows a multiple of 8 (got int8=", int8, ", ggml type ", qtype, ", ", n,
-              " rows)");
+  TORCH_CHECK(!packed || ((int8 || gemm) && packs8(static_cast<int>(qtype), n)), "packed rows are read by the int8 ",
+              "kernels and the GEMM, of Q4_0, Q4_1 and Q4_K matrices with rows a multiple of 8 (got int8=", int8,
+              ", gemm=", gemm, ", ggml type ", qtype, ", ", n, " rows)");
   TORCH_CHECK(!x2 || int8, "x2 (two 8-bit terms a row) needs int8");
   if (int8 && x2) {  // each row's pair (Act8::quantize_pair) through the kernels, y = y_hi + y_lo
     const int qt = static_cast<int>(qtype);
@@ -75,7 +75,7 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& w, int64_t qt
     const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), qt, y.data_ptr<float>(), packed};
     qmatmul8_multi(a, 0, m, xc.data_ptr<float>(), &r, 1, gemm);
   } else if (gemm) {
-    const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype), y.data_ptr<float>()};
+    const MatRef r{w.data_ptr<uint8_t>(), n, w.size(1), static_cast<int>(qtype), y.data_ptr<float>(), packed};
     qgemm_multi(xc.data_ptr<float>(), m, k, &r, 1, amx);
   } else {
     torch::Tensor xsum2 = torch::empty({m, k / 32, 2}, xc.options());
