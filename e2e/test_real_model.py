@@ -37,9 +37,9 @@ def test_real_model_streams_a_true_answer_with_its_heatmap(
 ) -> None:
     chat = new_page(real_server, color_scheme=scheme)
     expect(chat.page.get_by_test_id("model-name")).to_have_text("SmolLM2-135M-Instruct")
-    # the default runs the 4-bit blocks, with int8 activations on a vector path (docs/quant.md)
-    expect(chat.page.locator("#model-info")).to_contain_text("q4_1 weights · int8 activations")
-    expect(chat.page.locator("#model-info")).to_have_attribute("data-precision", "int8")
+    # the default runs the 4-bit blocks, with int8x2 activations on a vector path (a 135M model; docs/quant.md)
+    expect(chat.page.locator("#model-info")).to_contain_text("q4_1 weights · int8x2 activations")
+    expect(chat.page.locator("#model-info")).to_have_attribute("data-precision", "int8x2")
     info = chat.page.locator("#model-info")  # a narrow header cuts it with an ellipsis: its title holds it whole
     assert info.get_attribute("title").startswith(info.text_content() + "\n"), info.get_attribute("title")
     if scheme == "dark":  # the light run checks the whole answer; this one stops mid-stream

@@ -226,7 +226,7 @@ class Hello(_Strict):
     speculative: list[str]
     max_alternatives: int = MAX_ALTERNATIVES
     weights: str = "float32"  # what the matrices run as: "q4_1", "q8_0", ... (ggml blocks) or the float dtype
-    precision: str = "exact"  # what the quantized matrices multiply at: "exact" (float32 activations) or "int8"
+    precision: str = "exact"  # what the quantized matrices multiply at: "exact" (float32), "int8" or "int8x2"
     # on a remote engine (--engine-url): what it serves and gives the heatmap (webchat.serve.remote.capabilities)
     engine: dict[str, Any] | None = None
     # several local models (webchat.serve.models): each {name, size_bytes, architecture, weights, context_length,

@@ -40,7 +40,7 @@ class Runtime:
     default_mode: str = "none"
     engine: Engine | None = None  # one KV pool and one batched forward for every connection
     weights: str = "float32"  # webchat.model.loader.weights_name: "q4_1", "float32", ...
-    precision: str = "exact"  # webchat.model.precision: "exact" (float32 activations) or "int8"
+    precision: str = "exact"  # webchat.model.precision: "exact" (float32 activations), "int8" or "int8x2"
     vision: Vision | None = None  # its projector (--mmproj): the model reads images (webchat.serve.images)
 
     @property

@@ -197,13 +197,24 @@ function updateButtons() {
     : a ? "A reply is still streaming in another chat" : "Send (Enter)";
 }
 
+// the header's words for each precision (docs/quant.md): [short, the line's title]
+/** @type {Record<string, [string, string]>} */
+const ACTIVATIONS = {
+  exact: ["exact", "float32 activations (within float rounding of the float32 model on these weights)"],
+  int8: ["int8 activations", "int8 activations: each matrix input quantized to 8 bits, a scale per 8 values (per 32 "
+    + "in a K-quant; faster; prompt scores exact; docs/quant.md)"],
+  int8x2: ["int8x2 activations", "int8x2 activations: each matrix input as two 8-bit rows, the value and its "
+    + "rounding's residual (about 15 bits: the exact path's greedy text at int8's speed; prompt scores exact; "
+    + "docs/quant.md)"],
+};
+
 /** @param {import("./connection.js").Hello} hello */
 function applyHello(hello) {
   $("model-name").textContent = hello.model;
   document.title = `webchat · ${hello.model}`;
   // quantized weights: what they are and what they multiply (the activations' float32 goes without saying)
   const quantized = hello.weights && hello.weights !== hello.dtype
-    ? `${hello.weights} weights · ${hello.precision === "int8" ? "int8 activations" : "exact"}` : hello.dtype;
+    ? `${hello.weights} weights · ${ACTIVATIONS[hello.precision ?? "exact"]?.[0] ?? hello.precision}` : hello.dtype;
   const info = $("model-info");
   const engine = hello.engine;
   if (engine) {
@@ -225,10 +236,7 @@ function applyHello(hello) {
     info.textContent = `${hello.device} · ${quantized} · context ${hello.context_length}`;
     info.dataset.precision = hello.precision ?? "exact";
     // the line in full first: a narrow header cuts it with an ellipsis
-    info.title = `${info.textContent}\n` + (hello.precision === "int8"
-      ? "int8 activations: each matrix input quantized to 8 bits, a scale per 8 values (per 32 in a K-quant; "
-        + "faster; docs/quant.md)"
-      : "float32 activations (within float rounding of the float32 model on these weights)");
+    info.title = `${info.textContent}\n` + (ACTIVATIONS[hello.precision ?? "exact"] ?? ACTIVATIONS.exact)[1];
   }
   settings.setServerLimits(hello);
   defaultThinking = hello.thinking ?? null;
