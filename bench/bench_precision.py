@@ -140,8 +140,7 @@ def main() -> None:
     ap.add_argument("--reference", choices=["auto", "transformers", "exact"], default="auto",
                     help="auto: transformers for the SmolLM2 files, webchat's exact path for the 1.1B files")
     args = ap.parse_args()
-    from webchat.gguf_path import model_folder
-
+    from webchat.files.gguf_cache import model_folder
     from webchat.text.tokenizer import Tokenizer
 
     names = {"smollm": list(SMOLLM), "large": list(LARGE), "all": [*SMOLLM, *LARGE]}.get(args.files)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +48,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: the default model)")
     ap.add_argument("--samples", type=Path, default=None, help="write each item's choices' log-likelihoods here")
+    ap.add_argument("--exact", action="store_true", help="serve with --exact (default: the server's default precision, "
+                    "whose prompt scores are exact by construction since issue 64)")
     args = ap.parse_args()
     try:
         import lm_eval  # noqa: F401
@@ -60,10 +61,8 @@ def main() -> int:
     model_dir = args.model or default_model()
     os.chdir(REPO)  # the task YAML names its data file relative to the repository
     with tempfile.TemporaryDirectory() as shelf:
-        # bench.bench_scoring's: `webchat serve`, waited for; its exact path where it has two precisions
-        usage = subprocess.run([sys.executable, "-m", "webchat.cli", "serve", "--help"], capture_output=True,
-                               text=True, cwd=REPO).stdout
-        with start(REPO, model_dir, Path(shelf), *(["--exact"] if "--exact" in usage else [])) as server:
+        # bench.bench_scoring's: `webchat serve`, waited for, at its default precision unless --exact
+        with start(REPO, model_dir, Path(shelf), *(["--exact"] if args.exact else [])) as server:
             api = run("local-completions", f"model={model_name(model_dir)},base_url={server.url}/v1/completions,"
                       f"tokenizer_backend=huggingface,tokenizer={model_dir},tokenized_requests=True,"
                       "num_concurrent=1,max_retries=1")
