@@ -50,6 +50,12 @@ export class Attachments {
       e.preventDefault();
       this.add(files);
     });
+    // a file dropped beside the composer would open in the tab, leaving the page and what was typed in it
+    for (const kind of ["dragover", "drop"]) {
+      window.addEventListener(kind, (e) => {
+        if (/** @type {DragEvent} */ (e).dataTransfer?.types.includes("Files")) e.preventDefault();
+      });
+    }
   }
 
   /**
