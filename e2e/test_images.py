@@ -269,6 +269,21 @@ def test_the_picker_marks_the_models_that_see(vchat: ChatPage) -> None:
     expect(attach).to_be_enabled()
 
 
+def test_the_tiles_setting(vchat: ChatPage) -> None:
+    page = vchat.page
+    tiles = vchat.request_frames("hello")[-1]["vision"]["max_tiles"]
+    page.get_by_test_id("settings-open").click()
+    field = page.get_by_test_id("setting-image_max_tiles")
+    expect(field).to_have_value("1")
+    expect(page.locator("#set-image_max_tiles ~ .hint")).to_contain_text(f"Empty = the server's {tiles}.")
+    field.fill("37")
+    expect(page.get_by_test_id("setting-error-image_max_tiles")).to_have_text('expected a value in [1, 36], got 37')
+    field.fill("2")
+    vchat.reload()
+    vchat.wait_connected()
+    expect(page.get_by_test_id("setting-image_max_tiles")).to_have_value("2")  # kept with the other settings
+
+
 def test_a_server_that_reads_no_images_shows_no_attach_button(launch_tiny: Callable[..., Server],
                                                                 new_page: Callable[..., ChatPage]) -> None:
     server = launch_tiny()
@@ -280,3 +295,23 @@ def test_a_server_that_reads_no_images_shows_no_attach_button(launch_tiny: Calla
         expect(chat.page.get_by_test_id("pending-image")).to_have_count(0)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_axe_finds_no_serious_violations_with_images(vision_server: Server, new_page: Callable[..., ChatPage],
+                                                     artifacts: Path, scheme: str) -> None:  # fmt: skip
+    from test_actions_a11y import run_axe
+
+    chat = new_page(vision_server, color_scheme=scheme, bypass_csp=True)  # bypass_csp: only to inject axe.min.js
+    chat.set_settings(image_max_tiles="1", max_new_tokens="2")
+    paste(chat, png(128, 96, 11), "axe.png")
+    expect(chat.page.get_by_test_id("pending-image")).to_have_count(1)
+    assert run_axe(chat.page) == [], "an image waiting in the composer"
+    chat.send("Read this.")
+    chat.wait_done(120_000)
+    chat.page.get_by_test_id("message-image").click()
+    expect(chat.page.get_by_test_id("image-view")).to_be_visible()
+    assert run_axe(chat.page) == [], "the viewer open"
+    chat.page.screenshot(path=str(artifacts / f"images-viewer-{scheme}-desktop.png"))
+    chat.page.get_by_test_id("image-view-close").click()
+    expect(chat.page.get_by_test_id("image-view")).to_be_hidden()
