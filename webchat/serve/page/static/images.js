@@ -57,7 +57,9 @@ export function wireContent(text, images) {
 export function checkImages(msg, at) {
   const list = msg.images;
   if (list === undefined) return "";
-  if (msg.role !== "user") return `${at}.images: only the user's messages hold images, got them on a ${msg.role} message`;
+  if (msg.role !== "user") {
+    return `${at}.images: only the user's messages hold images, got them on a ${msg.role} message`;
+  }
   if (!Array.isArray(list) || list.length > MAX_IMAGES) {
     return `${at}.images: expected a list of at most ${MAX_IMAGES} images, got ${shown(list)}`;
   }

@@ -87,7 +87,8 @@ export function statsLine(s) {
   }
   if (s.image_tokens) {
     const ms = s.encode_ms ?? 0;
-    parts.push(`${s.image_tokens} image tokens, ${ms > 0 ? `encoded in ${(ms / 1000).toFixed(1)} s` : "from the cache"}`);
+    const how = ms > 0 ? `encoded in ${(ms / 1000).toFixed(1)} s` : "from the cache";
+    parts.push(`${s.image_tokens} image tokens, ${how}`);
   }
   return parts.join(" · ");
 }

@@ -43,8 +43,8 @@ export function checkMessage(m, at) {
     return `${at}.role: expected "user", "assistant" or "tool", got ${shown(msg.role)}`;
   }
   if (typeof msg.content !== "string") return `${at}.content: expected a string, got ${shown(msg.content)}`;
-  const tools = checkToolFields(msg, at) || checkImages(msg, at);
-  if (tools) return tools;
+  const parts = checkToolFields(msg, at) || checkImages(msg, at);
+  if (parts) return parts;
   if (msg.reason !== undefined && typeof msg.reason !== "string") return `${at}.reason: expected a string, got ${shown(msg.reason)}`;
   if (msg.settings !== undefined && !isObject(msg.settings)) return `${at}.settings: expected an object, got ${shown(msg.settings)}`;
   if (msg.model !== undefined && typeof msg.model !== "string") return `${at}.model: expected a string, got ${shown(msg.model)}`;
