@@ -6,9 +6,11 @@
  */
 
 import { Announcer } from "./announce.js";
+import { Attachments } from "./attach.js";
 import { ChatView } from "./chat.js";
 import { Connection, socketUrl } from "./connection.js";
 import { Library } from "./conversations.js";
+import { ImageViewer } from "./imageview.js";
 import { ModelPicker, describe } from "./models.js";
 import { Drawer, HeatmapControls } from "./panels.js";
 import { TokenPopover, nextLowConfidence } from "./popover.js";
@@ -52,10 +54,12 @@ const turns = new Turns({
   connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
   progress: (text) => { if (activity.textContent !== text) activity.textContent = text; },  // no DOM write per chunk
   announce: (text, final) => announcer.add(text, final),
-  restoreInput: (text) => {
-    input.value = input.value.trim() === "" ? text : `${text}\n${input.value}`;
+  restoreInput: ({ text, images }) => {
+    if (text !== "") input.value = input.value.trim() === "" ? text : `${text}\n${input.value}`;
+    attachments.restore(images);
     saveDraft();
   },
+  imagesBlocked: () => attachments.blocked,
   model: () => picker.value,
   loaded: (names) => picker.markLoaded(names),
   format: () => replyFormat.value(),
@@ -77,6 +81,12 @@ const think = new ThinkSwitch($("think-switch"), /** @type {HTMLInputElement} */
 });
 /** @type {import("./connection.js").Hello["thinking"]} the default model's thinking (hello) */
 let defaultThinking = null;
+/** The default model's name and images (hello.vision); whether any served model reads images. */
+const served = { model: "", vision: /** @type {import("./connection.js").Vision | null} */ (null), anyVision: false };
+const attachments = new Attachments({ composer: $("composer"), input,
+  button: /** @type {HTMLButtonElement} */ ($("attach")), picker: /** @type {HTMLInputElement} */ ($("attach-file")),
+  list: $("attachments"), refuse: (text) => view.showError(text, "image_refused") });
+const viewer = new ImageViewer(/** @type {HTMLDialogElement} */ ($("image-view")));
 const scorer = new Scorer({
   connection, lib, settings, refresh, error: (text, code) => view.showError(text, code),
   progress: (text) => { activity.textContent = text; },
@@ -90,6 +100,8 @@ const picker = new ModelPicker(/** @type {HTMLSelectElement} */ ($("model-picker
     document.title = `webchat · ${card.name}`;
   }
   think.setModel(card && !card.default ? card.thinking : defaultThinking);
+  attachments.setModel(card?.name ?? served.model, card ? Boolean(card.vision) : served.vision !== null,
+    served.anyVision, served.vision?.max_images ?? 16);
 });
 const view = new ChatView(messagesEl, {
   onEdit: (step, text) => turns.edit(step, text),
@@ -105,6 +117,7 @@ const view = new ChatView(messagesEl, {
     lib.save();
     refresh();
   },
+  onImage: (img) => viewer.open(img),
   score: { state: (step) => scorer.scoreState(step), onScore: (step) => scorer.onScore(step),
     decorate: (el, step) => scorer.decorate(el, step) },
 });
@@ -240,6 +253,9 @@ function applyHello(hello) {
   }
   settings.setServerLimits(hello);
   defaultThinking = hello.thinking ?? null;
+  served.model = hello.model;
+  served.vision = hello.vision ?? null;
+  served.anyVision = served.vision !== null || (hello.models ?? []).some((m) => m.vision);
   scorer.setEngine(hello);
   picker.set(hello.models, lib.current.model ?? null);
 }
@@ -247,9 +263,10 @@ function applyHello(hello) {
 function send() {
   if (tools.busy || scorer.active) return;
   view.clearError();
-  if (turns.ask(input.value)) {
+  if (turns.ask(input.value, attachments.images)) {
     tools.skipPending(lib.current);  // calls of the last reply still waiting are not run
     input.value = "";
+    attachments.take();
     saveDraft();
   } else if (turns.d.settings.validateAll().length > 0) {
     drawer.open(true);
@@ -284,7 +301,7 @@ $("composer").addEventListener("submit", (e) => {
 });
 stopBtn.addEventListener("click", () => (tools.running ? tools.stop() : turns.stop()));
 document.addEventListener("keydown", (e) => {
-  if (e.key !== "Escape") return;
+  if (e.key !== "Escape" || viewer.isOpen) return;  // the viewer's Escape closes the viewer, nothing else
   if (tools.running && tools.running.conv === lib.current) tools.stop();
   else if (turns.active && turns.active.conv === lib.current) turns.stop();
   else if (drawer.isOpen) drawer.close();

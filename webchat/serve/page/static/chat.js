@@ -2,6 +2,7 @@
 /** The conversation view: the shown path of messages, their actions and ‹ n/m › versions, inline errors. */
 
 import { renderText } from "./blocks.js";
+import { thumbnails } from "./imageview.js";
 import { ReplyView } from "./reply.js";
 import { rawText } from "./thinking.js";
 import { renderToolResult } from "./toolcards.js";
@@ -10,9 +11,12 @@ import { outsideCalls } from "./toolwire.js";
 /**
  * @typedef {import("./store.js").Message} Message
  * @typedef {import("./tree.js").Step} Step
+ * @typedef {import("./images.js").StoredImage} StoredImage
  * @typedef {{onEdit: (step: Step, text: string) => void, onRegenerate: (step: Step) => void,
  *            onContinue: (step: Step) => void, onDelete: (step: Step) => void,
- *            onVersion: (step: Step, delta: number) => void, score?: ScoreHooks}} Actions
+ *            onVersion: (step: Step, delta: number) => void, onImage: (img: StoredImage) => void,
+ *            score?: ScoreHooks}} Actions
+ *   `onImage`: a message's thumbnail was clicked (the viewer enlarges it).
  * @typedef {{state: (step: Step) => {label: string, disabled: boolean, title: string}, onScore: (step: Step) => void,
  *            decorate: (el: HTMLElement, step: Step) => void}} ScoreHooks  a message's Score button and its panel
  */
@@ -66,7 +70,10 @@ export class ChatView {
       const el = this.messageEl(step, step.index === steps.length - 1);
       this.actions.score?.decorate(el, step);
       if (step.msg.role === "user") {
-        renderText(/** @type {HTMLElement} */ (el.querySelector(".msg-body")), step.msg.content);
+        const body = /** @type {HTMLElement} */ (el.querySelector(".msg-body"));
+        renderText(body, step.msg.content);
+        if (step.msg.images?.length) body.before(thumbnails(step.msg.images, this.actions.onImage));
+        if (step.msg.content === "") body.hidden = true;  // an image sent without words
         continue;
       }
       if (step.msg.role === "tool") {  // a call's result, as the model is told it
@@ -169,6 +176,7 @@ export class ChatView {
    */
   edit(el, step) {
     const body = /** @type {HTMLElement} */ (el.querySelector(".msg-body"));
+    body.hidden = false;
     const area = document.createElement("textarea");
     area.className = "edit-area";
     area.dataset.testid = "edit-input";
@@ -180,6 +188,7 @@ export class ChatView {
     const cancel = button("Cancel", "edit-cancel", () => {
       body.replaceChildren();
       renderText(body, step.msg.content);
+      body.hidden = step.msg.content === "";
       el.querySelector(".edit-bar")?.remove();
     });
     const editBar = document.createElement("div");

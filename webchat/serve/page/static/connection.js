@@ -6,7 +6,10 @@
  * @typedef {{type: "hello", v: number, model: string, context_length: number, device: string, dtype: string,
  *            weights?: string, precision?: string, speculative: string[], max_alternatives: number,
  *            engine?: Engine | null, models?: import("./models.js").ModelCard[] | null,
- *            thinking?: {start: string, end: string, switch: boolean} | null}} Hello
+ *            thinking?: {start: string, end: string, switch: boolean} | null, vision?: Vision | null}} Hello
+ * @typedef {{projector: string, image_size?: number, tokens_per_tile?: number, max_tiles?: number,
+ *            max_images?: number, formats?: string[]}} Vision
+ *   The default model reads images (docs/protocol.md, hello.vision); `projector` "upstream" behind --engine-url.
  * @typedef {{url: string, state: string, error: string | null, kind: string, models: string[], model: string | null,
  *            context_length: number | null, max_top_logprobs: number, probabilities: string, bytes: string,
  *            token_ids: string, continue_final: string, token_prompt: string, prompt_logprobs?: string}} Engine

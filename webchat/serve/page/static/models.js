@@ -7,8 +7,9 @@
 
 /**
  * @typedef {{name: string, size_bytes: number, architecture: string, weights: string, context_length: number | null,
- *            default: boolean, loaded: boolean, thinking?: {start: string, end: string, switch: boolean} | null}} ModelCard
- *   `thinking`: a loaded model's (hello.thinking's shape).
+ *            default: boolean, loaded: boolean, thinking?: {start: string, end: string, switch: boolean} | null,
+ *            vision?: boolean}} ModelCard
+ *   `thinking`: a loaded model's (hello.thinking's shape); `vision`: it reads images (its projector beside it).
  */
 
 /** @param {number} n */
@@ -17,12 +18,12 @@ export function sizeText(n) {
 }
 
 /**
- * One option: name · architecture · weights · size, and "not loaded" where it is not.
+ * One option: name · architecture · weights · size, "reads images" where it does, and "not loaded" where it is not.
  * @param {ModelCard} card
  */
 export function optionText(card) {
   return [card.name, card.architecture.replace(/ForCausalLM$/, ""), card.weights, sizeText(card.size_bytes),
-    card.loaded ? "" : "not loaded"].filter(Boolean).join(" · ");
+    card.vision ? "reads images" : "", card.loaded ? "" : "not loaded"].filter(Boolean).join(" · ");
 }
 
 /**
@@ -30,7 +31,7 @@ export function optionText(card) {
  * @param {ModelCard} card
  */
 export function describe(card) {
-  return [card.context_length ? `context ${card.context_length}` : "",
+  return [card.context_length ? `context ${card.context_length}` : "", card.vision ? "reads images" : "",
     card.loaded ? "loaded" : "not loaded: loads with the next reply"].filter(Boolean).join(" · ");
 }
 

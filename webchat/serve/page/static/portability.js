@@ -1,13 +1,14 @@
 // @ts-check
 /**
  * Export and import of conversations as JSON: every version, every token with its probability and alternatives.
- * Format: {"format": "webchat-conversations", "version": 3, "exported": ISO date, "conversations": [...]}.
+ * Format: {"format": "webchat-conversations", "version": 4, "exported": ISO date, "conversations": [...]}.
  * Version 3 adds messages' parts (docs/protocol.md, "Messages and their parts"): a reply's `toolCalls`, `tool`
- * messages, a chat's tools; versions 1 and 2 (no such fields) import as they are.
+ * messages, a chat's tools; version 4 a user message's `images` (base64, checked on import: images.js); versions 1-3
+ * (no such fields) import as they are.
  */
 
 export const FORMAT = "webchat-conversations";
-export const VERSION = 3;
+export const VERSION = 4;
 
 /**
  * Starts a download of the conversations as one JSON file.

@@ -71,8 +71,8 @@ export function confidence(tokens) {
 }
 
 /**
- * Human summary of a reply's stats: time to first token, tokens/s, token count, and with speculation the tokens
- * drafted and how many of them the model accepted.
+ * Human summary of a reply's stats: time to first token, tokens/s, token count, with speculation the tokens
+ * drafted and how many of them the model accepted, and about images their tokens and the time encoding them took.
  * @param {Stats} s
  * @returns {string}
  */
@@ -84,6 +84,11 @@ export function statsLine(s) {
   if (s.drafted) {
     const accepted = s.accepted ?? 0;
     parts.push(`drafted ${s.drafted}, accepted ${accepted} (${Math.round((100 * accepted) / s.drafted)}%)`);
+  }
+  if (s.image_tokens) {
+    const ms = s.encode_ms ?? 0;
+    const how = ms > 0 ? `encoded in ${(ms / 1000).toFixed(1)} s` : "from the cache";
+    parts.push(`${s.image_tokens} image tokens, ${how}`);
   }
   return parts.join(" · ");
 }

@@ -12,11 +12,13 @@
  * @typedef {import("./store.js").Message} Message
  */
 
+import { checkImages } from "./images.js";
 import { checkFormat } from "./replyformat.js";
 import { checkConversationTools, checkToolFields } from "./toolschema.js";
 
 const MAX_DEPTH = 10000;
-const STATS = ["ttft_ms", "decode_tps", "new_tokens", "prompt_tokens", "reused_tokens", "drafted", "accepted"];
+const STATS = ["ttft_ms", "decode_tps", "new_tokens", "prompt_tokens", "reused_tokens", "drafted", "accepted",
+  "image_tokens", "encode_ms"];
 
 /** @param {unknown} v */
 const isObject = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
@@ -41,8 +43,8 @@ export function checkMessage(m, at) {
     return `${at}.role: expected "user", "assistant" or "tool", got ${shown(msg.role)}`;
   }
   if (typeof msg.content !== "string") return `${at}.content: expected a string, got ${shown(msg.content)}`;
-  const tools = checkToolFields(msg, at);
-  if (tools) return tools;
+  const parts = checkToolFields(msg, at) || checkImages(msg, at);
+  if (parts) return parts;
   if (msg.reason !== undefined && typeof msg.reason !== "string") return `${at}.reason: expected a string, got ${shown(msg.reason)}`;
   if (msg.settings !== undefined && !isObject(msg.settings)) return `${at}.settings: expected an object, got ${shown(msg.settings)}`;
   if (msg.model !== undefined && typeof msg.model !== "string") return `${at}.model: expected a string, got ${shown(msg.model)}`;
@@ -216,7 +218,7 @@ function repairMessage(m) {
     msg.toolCallId = raw.toolCallId;
   }
   const keys = /** @type {const} */ (["reason", "settings", "stats", "thinking", "thoughtMs", "tokens", "model",
-    "format", "scores", "scoreHidden", "toolCalls", "toolName", "isError", "error", "truncated"]);
+    "format", "scores", "scoreHidden", "toolCalls", "toolName", "isError", "error", "truncated", "images"]);
   for (const key of keys) {
     if (raw[key] === undefined) continue;
     const trial = /** @type {Record<string, unknown>} */ ({ role: msg.role, content: msg.content, thinking: msg.thinking,

@@ -200,7 +200,8 @@ export class Scorer {
    */
   scoreState(step) {
     const has = Boolean(step.msg.scores?.length);
-    const why = has ? "" : this.blocked();
+    const images = path(this.d.lib.current).slice(0, step.index + 1).some((s) => s.msg.images?.length);
+    const why = has ? "" : this.blocked() || (images ? "Scoring a chat that holds images is not done yet" : "");
     return { label: !has ? "Score" : step.msg.scoreHidden ? "Show score" : "Hide score", disabled: why !== "",
       title: why || "Show how the model reads this message: each token coloured by how likely it found it" };
   }

@@ -8,8 +8,9 @@ import { loadSettings, saveSettings } from "./store.js";
  *            def: string, min?: number, max?: number, minOpen?: boolean, hint: string}} FieldSpec
  *   `minOpen`: the minimum itself is not allowed (min < x).
  * @typedef {{system: string, settings: Record<string, number | null | Record<string, number>>,
- *            max_new_tokens: number, alternatives: number, speculative: string | null, stop: string[]}} RequestSettings
- *   `speculative` null: the server's default mode.
+ *            max_new_tokens: number, alternatives: number, speculative: string | null, stop: string[],
+ *            image_max_tiles: number | null}} RequestSettings
+ *   `speculative` null: the server's default mode; `image_max_tiles` null: the server's default tiles.
  */
 
 /** @type {FieldSpec[]} */
@@ -39,6 +40,9 @@ export const FIELDS = [
   { key: "speculative", label: "Speculative decoding", kind: "select", def: "",
     hint: "Modes the server offers; its default is its --speculative (auto: drafts only where they pay)." },
   { key: "seed", label: "Seed", kind: "seed", def: "", min: 0, max: 4294967295, hint: "Empty = random." },
+  { key: "image_max_tiles", label: "Image tiles", kind: "int", def: "", min: 1, max: 36,
+    hint: "The most tiles an image is read as, 1-36: more see finer detail and take longer to read. "
+      + "Empty = the server's --image-max-tiles." },
   { key: "tool_rounds", label: "Tool rounds", kind: "int", def: "8", min: 1, max: 64,
     hint: "Times the model may call tools and read their results for one question; then it answers without tools." },
 ];
@@ -58,7 +62,7 @@ export function validate(spec, raw, limits) {
   if (spec.kind === "select") {
     return v === "" || limits.options.includes(v) ? "" : `expected one of ${limits.options.join(", ")}, got "${v}"`;
   }
-  if (spec.kind === "seed" && v === "") return "";
+  if (v === "" && spec.def === "") return "";  // empty: the server decides (a random seed, its tiles)
   if (spec.key === "max_new_tokens" && v === spec.def) return ""; // the default: request() fits it to the context
   const max = spec.key === "max_new_tokens" ? limits.contextLength
     : spec.key === "alternatives" ? limits.maxAlternatives : /** @type {number} */ (spec.max);
@@ -89,6 +93,8 @@ export class SettingsPanel {
     this.inputs = {};
     /** @type {Record<string, HTMLElement>} */
     this.errors = {};
+    /** @type {Record<string, HTMLElement>} */
+    this.hints = {};
     this.build();
   }
 
@@ -144,6 +150,7 @@ export class SettingsPanel {
     wrap.append(label, input, hint, err);
     this.inputs[spec.key] = input;
     this.errors[spec.key] = err;
+    this.hints[spec.key] = hint;
     return wrap;
   }
 
@@ -158,8 +165,9 @@ export class SettingsPanel {
   }
 
   /**
-   * Applies the server's `hello`: speculative modes and limits.
-   * @param {{speculative: string[], context_length: number, max_alternatives: number}} hello
+   * Applies the server's `hello`: speculative modes, limits, and the tiles an image gets by default.
+   * @param {{speculative: string[], context_length: number, max_alternatives: number,
+   *          vision?: {max_tiles?: number} | null}} hello
    */
   setServerLimits(hello) {
     // context_length 0: a remote engine did not say (docs/scale-out.md)
@@ -169,6 +177,9 @@ export class SettingsPanel {
     sel.replaceChildren(...modeOptions(hello.speculative));
     if (!hello.speculative.includes(this.values.speculative)) this.values.speculative = "";
     sel.value = this.values.speculative;
+    const tiles = hello.vision?.max_tiles;
+    const spec = /** @type {FieldSpec} */ (FIELDS.find((f) => f.key === "image_max_tiles"));
+    this.hints.image_max_tiles.textContent = tiles ? spec.hint.replace("--image-max-tiles", `${tiles}`) : spec.hint;
     this.validateAll();
   }
 
@@ -224,6 +235,7 @@ export class SettingsPanel {
   request() {
     const num = (/** @type {string} */ k) => Number(this.values[k].trim());
     const seed = this.values.seed.trim();
+    const tiles = this.values.image_max_tiles.trim();
     return {
       system: this.values.system,
       settings: {
@@ -237,6 +249,7 @@ export class SettingsPanel {
       max_new_tokens: this.maxNewTokens(),
       alternatives: num("alternatives"),
       speculative: this.values.speculative === "" ? null : this.values.speculative,
+      image_max_tiles: tiles === "" ? null : Number(tiles),
     };
   }
 }

@@ -10,12 +10,15 @@ import { fromFlat, messages } from "./tree.js";
 /**
  * @typedef {import("./heatmap.js").Tok} Tok
  * @typedef {{ttft_ms?: number, decode_tps?: number, new_tokens?: number, prompt_tokens?: number,
- *            reused_tokens?: number, drafted?: number, accepted?: number}} Stats
+ *            reused_tokens?: number, drafted?: number, accepted?: number, image_tokens?: number,
+ *            encode_ms?: number}} Stats
+ *   `image_tokens`, `encode_ms`: a reply about images (the prompt's image slots; encoding them, 0 from the cache).
  * @typedef {{role: "user" | "assistant" | "tool", content: string, tokens?: Tok[], reason?: string, stats?: Stats,
  *            settings?: Record<string, unknown>, model?: string, format?: import("./replyformat.js").ReplyFormat,
  *            thinking?: string, thoughtMs?: number, scores?: import("./scoreview.js").Score[],
  *            scoreHidden?: boolean, toolCalls?: ToolCall[], toolCallId?: string, toolName?: string,
- *            isError?: boolean, error?: string, truncated?: boolean}} Message
+ *            isError?: boolean, error?: string, truncated?: boolean,
+ *            images?: import("./images.js").StoredImage[]}} Message
  *   `reason` is the `done` reason of an assistant reply (`cancelled` = stopped by the user), or `interrupted`;
  *   `settings` the sampling settings it was generated with (for the post-sampling probability); `model` the model
  *   that wrote the reply, on a server with several (hello.models); `format` the reply format it was made under.
@@ -25,6 +28,7 @@ import { fromFlat, messages } from "./tree.js";
  *   Tools (issue 66, tools.js): `toolCalls` an assistant reply's calls; a `tool` message is a call's outcome as the
  *   model is told it: `toolCallId` and `toolName` its call, `content` the result as text, `isError` the tool failed
  *   or gave no result (`error` why: `timeout`, `server_died`, …), `truncated` the result was cut.
+ *   `images`: a user message's images (issue 61, images.js), sent as `image_url` parts after its text.
  * @typedef {{id: string, name: string, arguments: string, span?: number[], ms?: number,
  *            status: "pending" | "allowed" | "running" | "done" | "error" | "denied" | "cancelled"}} ToolCall
  *   One call as the model wrote it (`arguments`: its JSON text; `span`: [start, end) of its text in the reply's answer,
@@ -188,7 +192,8 @@ export function titleOf(conv) {
   const first = messages(conv).find((m) => m.role === "user");
   if (!first) return "New chat";
   const line = first.content.trim().split("\n")[0];
-  return line.length > 48 ? `${line.slice(0, 47)}…` : line || "New chat";
+  const named = line || (first.images?.length ? `Image: ${first.images[0].name ?? "pasted"}` : "");
+  return named.length > 48 ? `${named.slice(0, 47)}…` : named || "New chat";
 }
 
 /** @returns {Record<string, unknown>} raw stored settings (validated by settings.js) */

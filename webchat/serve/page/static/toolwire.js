@@ -5,6 +5,7 @@
  * its calls, the rounds of calls since the user last wrote, and a generate's `tools` / `tool_choice`. No DOM.
  */
 
+import { wireContent } from "./images.js";
 import { rawText } from "./thinking.js";
 
 /**
@@ -38,7 +39,8 @@ export function outsideCalls(content, calls) {
 /**
  * The messages of a `generate`: role and text as the model wrote it (thinking.js), an assistant's settled calls as
  * `tool_calls` (their markup out of its text), a tool message's `tool_call_id`. A call the model was never told the
- * outcome of (stopped, skipped) is left out, with its markup: a history stays one the model could have written.
+ * outcome of (stopped, skipped) is left out, with its markup: a history stays one the model could have written. A user
+ * message's images follow its text as `image_url` parts.
  * @param {Message[]} messages
  * @returns {Record<string, unknown>[]}
  */
@@ -47,7 +49,7 @@ export function toWire(messages) {
   return messages.map((m) => {
     if (m.role === "tool") return { role: "tool", content: m.content, tool_call_id: m.toolCallId };
     const raw = rawText(m);
-    if (!m.toolCalls?.length) return { role: m.role, content: raw };
+    if (!m.toolCalls?.length) return { role: m.role, content: wireContent(raw, m.images) };
     // the text as written is its thinking (markers and all) followed by its answer: the answer loses its calls
     const head = raw.endsWith(m.content) ? raw.slice(0, raw.length - m.content.length) : "";
     /** @type {Record<string, unknown>} */

@@ -4,6 +4,7 @@
  * another alternative. One request at a time (one socket); it goes on streaming when another chat is shown.
  */
 
+import { FRAME_BYTES, mib } from "./images.js";
 import { sizeText } from "./models.js";
 import { ReplyData } from "./reply.js";
 import { newId } from "./store.js";
@@ -19,21 +20,25 @@ import { addVersion, append, path, removeVersion, show } from "./tree.js";
  * @typedef {import("./heatmap.js").Alt} Alt
  * @typedef {import("./reply.js").ReplyView} ReplyView
  * @typedef {import("./connection.js").ServerMessage} ServerMessage
+ * @typedef {import("./images.js").StoredImage} StoredImage
+ * @typedef {{text: string, images: StoredImage[]}} Typed
  * @typedef {{id: string, conv: Conversation, msg: Message, data: ReplyData, view: ReplyView | null,
- *            undo: () => void, typed: string | null, stopping: boolean, before: number, trimmed: number}} Active
+ *            undo: () => void, typed: Typed | null, stopping: boolean, before: number, trimmed: number}} Active
  *   `undo`: takes the turn back when the request fails before any new text (`before`: the reply's length at start);
- *   `typed`: the text of a fresh question, given back to the input then; `trimmed`: how many of the oldest messages
- *   the server left out to fit the context (`start.trimmed_messages`).
+ *   `typed`: the text and images of a fresh question, given back to the composer then; `trimmed`: how many of the
+ *   oldest messages the server left out to fit the context (`start.trimmed_messages`).
  * @typedef {{connection: import("./connection.js").Connection, lib: import("./conversations.js").Library,
  *   settings: import("./settings.js").SettingsPanel, refresh: () => void, error: (text: string, code: string) => void,
  *   progress: (text: string) => void, announce: (text: string, final: boolean) => void,
- *   restoreInput: (text: string) => void, model: () => string | null, loaded: (names: string[]) => void,
+ *   restoreInput: (typed: Typed) => void, model: () => string | null, loaded: (names: string[]) => void,
+ *   imagesBlocked: () => string,
  *   format: () => import("./replyformat.js").ReplyFormat | null, formatError: () => string,
  *   templateKwargs: (conv: Conversation) => Record<string, unknown> | null,
  *   toolFields: (conv: Conversation, history: Message[], cont: boolean) => Record<string, unknown>,
  *   afterReply: (conv: Conversation, msg: Message, reason: string,
  *                calls: import("./toolwire.js").WireCall[] | undefined) => void}} Deps
  *   `model`: the picked model the next request names (null: the server's one); `loaded`: the models loaded now;
+ *   `imagesBlocked`: why that model cannot read the chat's images ("": it can);
  *   `format`: the chat's reply format (Settings), `formatError` what is wrong with the one being typed;
  *   `templateKwargs`: the chat's template variables (its Think switch: `enable_thinking`), null for none.
  *   `toolFields`: a generate's `tools` and `tool_choice` (tools.js); `afterReply`: a reply ended (`done`), with the
@@ -81,32 +86,34 @@ export class Turns {
   }
 
   /**
-   * A new question at the end of the current conversation.
+   * A new question at the end of the current conversation: words, images, or both.
    * @param {string} text
+   * @param {StoredImage[]} [images]
    * @returns {boolean} whether it was sent
    */
-  ask(text) {
-    if (this.active || text.trim() === "") return false;
+  ask(text, images = []) {
+    if (this.active || (text.trim() === "" && images.length === 0)) return false;
     const conv = this.d.lib.current;
-    const step = append(conv, { role: "user", content: text });
+    const step = append(conv, { role: "user", content: text, ...(images.length ? { images } : {}) });
     const reply = /** @type {Message} */ ({ role: "assistant", content: "" });
     const undo = () => removeVersion(conv, step.thread);
-    const ok = this.start(conv, [...path(conv).map((s) => s.msg), reply], reply, false, undo, text);
+    const ok = this.start(conv, [...path(conv).map((s) => s.msg), reply], reply, false, undo, { text, images });
     if (!ok) undo();
     else append(conv, reply);
     return ok;
   }
 
   /**
-   * A new version of a user message, then a reply to it.
+   * A new version of a user message (its images kept), then a reply to it.
    * @param {Step} step
    * @param {string} text
    */
   edit(step, text) {
-    if (this.active || text.trim() === "") return;
+    const images = step.msg.images;
+    if (this.active || (text.trim() === "" && !images?.length)) return;
     const conv = this.d.lib.current;
     const old = step.thread.current;
-    addVersion(step.thread, { role: "user", content: text });
+    addVersion(step.thread, { role: "user", content: text, ...(images ? { images } : {}) });
     const undo = () => { removeVersion(conv, step.thread); show(step.thread, old); };
     const reply = /** @type {Message} */ ({ role: "assistant", content: "" });
     const history = path(conv).slice(0, step.index + 1).map((s) => s.msg);
@@ -195,7 +202,7 @@ export class Turns {
    * @param {Message} reply
    * @param {boolean} cont
    * @param {() => void} undo
-   * @param {string | null} typed
+   * @param {Typed | null} typed
    * @returns {boolean}
    */
   start(conv, messages, reply, cont, undo, typed) {
@@ -207,6 +214,11 @@ export class Turns {
     }
     if (!d.connection.isOpen) {
       d.error("not connected to the server; your message is kept, send it again once reconnected", "offline");
+      return false;
+    }
+    const withImages = messages.some((m) => m.images?.length);
+    if (withImages && d.imagesBlocked()) {
+      d.error(`the chat holds images: ${d.imagesBlocked()}`, "no_vision");
       return false;
     }
     const formatError = cont ? "" : d.formatError();
@@ -238,6 +250,13 @@ export class Turns {
     // Continue and a branch go on under the reply's own format; a new reply takes the chat's (replyformat.js)
     const format = cont ? reply.format : d.format() ?? undefined;
     if (format) frame.response_format = format;
+    if (withImages && req.image_max_tiles !== null) frame.image_max_tiles = req.image_max_tiles;
+    const bytes = withImages ? new Blob([JSON.stringify(frame)]).size : 0;  // images travel as base64, every turn
+    if (bytes > FRAME_BYTES) {
+      d.error(`the chat's messages and images come to ${mib(bytes)}; a message to the server is at most `
+        + `${mib(FRAME_BYTES)}: remove an image, or start a new chat`, "too_large");
+      return false;
+    }
     if (!d.connection.send(frame)) {
       d.error("the message could not be sent; it is kept in the input", "offline");
       return false;
@@ -338,7 +357,7 @@ export class Turns {
       a.msg.reason = code === "disconnected" ? "interrupted" : "error";
     } else {
       a.undo();
-      if (a.typed !== null) this.d.restoreInput(a.typed);
+      if (a.typed !== null) this.d.restoreInput(a.typed);  // nothing typed is lost: words and images
     }
     this.end();
     this.d.error(text, code);
