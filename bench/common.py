@@ -4,9 +4,11 @@ sections (time to first token, decode, aggregate); and the one table format ever
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -73,6 +75,13 @@ class Section:
         return statistics.median(s.ttft_ms for s in self.streams)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the bench that started it dies (killed, Ctrl-C'd twice), so no server
+    is left running to load the next bench's machine (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 class Server:
     """One server process on one port, started at once: `wait_ready` until `ready_path` answers 200 (or `with`),
     `stop` at the end. Its output is read as it comes and its tail kept for errors (a server that logs more than a
@@ -88,7 +97,7 @@ class Server:
         self.model = "default"  # the id /v1/models gives, once ready
         self.peak_rss = 0
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         self._log: deque[bytes] = deque(maxlen=64)
         threading.Thread(target=self._drain, daemon=True).start()
         self._sampling = True
