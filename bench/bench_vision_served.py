@@ -4,7 +4,8 @@ mmproj-f16), in one run, rounds alternating which server goes first (issue 61's 
 - cold: time to first token of a chat about a new 2048 x 512 image (SmolVLM: 5 tiles, 320 image tokens; Gemma 3:
   one image, 256), streamed through /v1/chat/completions; a fresh image each round, so neither server has it cached;
 - next turn: the same conversation one turn on (the image sent again, an answer and a new question): TTFT;
-- decode tok/s of the reply after the image, beside a text-only reply of the same length (end of turn biased away);
+- decode tok/s of the reply after the image, beside a text-only reply of the same length (end of turn biased away)
+  after a short prompt, and after a text prompt as long as the image's (the same depth: what the image itself costs);
 - peak RSS of each server process over the run.
 
 Targets: cold <= 0.5x llama-server's, the next turn <= 0.1x webchat's cold, decode after the image within 5% of the
@@ -40,6 +41,8 @@ from bench.vision_fidelity import picture
 QUESTION = "What is in this picture?"
 FOLLOW_UP = "And which colours does it have?"
 TEXT_ONLY = "Tell me about the history of the bicycle."
+# about as many tokens as the image prompt (SmolVLM's 346, Gemma 3's 277): decode at the image reply's depth
+DEEP_TEXT = "Here are some notes on bicycles, wheels, frames and gears. " * 26 + TEXT_ONLY
 
 
 def data_url(seed: int) -> str:
@@ -70,7 +73,8 @@ def one_round(server: Server, seed: int, tokens: int) -> dict[str, Stream]:
     url = data_url(seed)
     return {"cold": server.stream(first_turn(url), tokens),  # type: ignore[arg-type]
             "next": server.stream(next_turn(url), tokens),  # type: ignore[arg-type]
-            "text": server.stream([{"role": "user", "content": TEXT_ONLY}], tokens)}
+            "text": server.stream([{"role": "user", "content": TEXT_ONLY}], tokens),  # type: ignore[arg-type]
+            "deep": server.stream([{"role": "user", "content": DEEP_TEXT}], tokens)}  # type: ignore[arg-type]
 
 
 def run(name: str, rounds: int, tokens: int, llama: Path) -> list[list[str]]:
@@ -87,7 +91,9 @@ def run(name: str, rounds: int, tokens: int, llama: Path) -> list[list[str]]:
                 found[s.name].append(got)
                 print(f"  {name} round {r + 1} {s.name}: cold {got['cold'].ttft_ms / 1000:.2f} s, next "
                       f"{got['next'].ttft_ms / 1000:.2f} s, decode {got['cold'].decode_tps:.1f} / text "
-                      f"{got['text'].decode_tps:.1f} tok/s, prompt {got['cold'].prompt_tokens} tokens", flush=True)
+                      f"{got['text'].decode_tps:.1f} tok/s, at the same depth {got['deep'].decode_tps:.1f} "
+                      f"({got['deep'].prompt_tokens} prompt tokens), prompt {got['cold'].prompt_tokens} tokens",
+                      flush=True)
     finally:
         for s in pair:
             s.stop()
@@ -99,10 +105,12 @@ def run(name: str, rounds: int, tokens: int, llama: Path) -> list[list[str]]:
                (("cold", "ttft_ms"), ("next", "ttft_ms"))}
         after = statistics.median(g["cold"].decode_tps for g in got)
         text = statistics.median(g["text"].decode_tps for g in got)
+        deep = statistics.median(g["deep"].decode_tps for g in got)
         rows.append([name, who, str(got[0]["cold"].prompt_tokens), f"{med['cold'] / 1000:.2f}",
                      " / ".join(f"{g['cold'].ttft_ms / 1000:.2f}" for g in got),
                      f"{cold[who] / cold['llama-server']:.2f}x", f"{med['next'] / 1000:.3f}",
                      f"{med['next'] / med['cold']:.3f}x", f"{after:.1f}", f"{text:.1f}", f"{after / text - 1:+.1%}",
+                     f"{deep:.1f}", f"{after / deep - 1:+.1%}",
                      f"{rss[who] / (1 << 20):.0f}"])
     return rows
 
@@ -122,7 +130,8 @@ def main() -> None:
           f"alternating, medians; {args.tokens} tokens a reply")
     print(table_header("fixture", "server", "prompt tokens", "cold TTFT s", "rounds", "cold vs llama-server",
                        "next turn TTFT s", "next / cold", "decode after image tok/s", "text-only tok/s",
-                       "after vs text", "peak RSS MiB", align="llrrrrrrrrrr"))
+                       "after vs text", "text at its depth tok/s", "after vs same depth", "peak RSS MiB",
+                       align="llrrrrrrrrrrrr"))
     for row in rows:
         print(table_row(*row))
 
