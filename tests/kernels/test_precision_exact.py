@@ -27,15 +27,18 @@ def feed(model: Any, spec: list[tuple[list[int], int, list[int], list[int]]], po
 
 
 @pytest.mark.parametrize("precision", ["int8", "int8x2"])
-def test_a_scored_prompt_runs_exact_beside_a_decode(kernels: Any, tiny_model_dir: Path, precision: str) -> None:
-    """In one batch: a decode at the model's precision and a prompt chunk flagged exact with every row's logits. The
-    prompt's logits are the exact model's (within float32 rounding: the head reads packed rows through the GEMM, the
-    exact model's through its row kernels); the decode's bits are its own alone; the flag moves nothing past the
-    prompt (a flagged decode row is the model's precision)."""
+@pytest.mark.parametrize("rows", [24, 12])
+def test_a_scored_prompt_runs_exact_beside_a_decode(kernels: Any, tiny_model_dir: Path, precision: str,
+                                                    rows: int) -> None:
+    """In one batch: a decode at the model's precision and a prompt chunk flagged exact with every row's logits (24
+    rows: the AMX tiles where the CPU has them; 12: the FMA tiles, as beside other streams). The prompt's logits are
+    the exact model's (within float32 rounding: the head reads packed rows through the GEMM, the exact model's through
+    its row kernels); the decode's bits are its own alone; the flag moves nothing past the prompt (a flagged decode
+    row is the model's precision)."""
     fast = load_model(tiny_model_dir, quantize="q4_1", precision=precision)
     exact = load_model(tiny_model_dir, quantize="q4_1", precision="exact")
     gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 500, (24,), generator=gen).tolist()
+    ids = torch.randint(3, 500, (rows,), generator=gen).tolist()
     past = torch.randint(3, 500, (9,), generator=gen).tolist()
 
     def run(model: Any, flags: list[bool] | None, both: bool = True) -> list[torch.Tensor]:
@@ -46,8 +49,8 @@ def test_a_scored_prompt_runs_exact_beside_a_decode(kernels: Any, tiny_model_dir
         spec = [(ids, 0, t1.pages, list(range(len(ids)))), ([7], 9, t2.pages, [-1])]
         if not both:
             return [feed(model, spec[1:], pool, [9])]
-        out = feed(model, spec, pool, [24, 9], flags)
-        return [out[:24], out[24:]]
+        out = feed(model, spec, pool, [rows, 9], flags)
+        return [out[:rows], out[rows:]]
 
     scored, decode = run(fast, [True, False])
     (want, _), (alone,) = run(exact, None), run(fast, None, both=False)

@@ -206,3 +206,38 @@ def test_a_long_scored_prompt_is_formatted_off_the_event_loop(live: Live, monkey
             pass
     assert msg["type"] == "scored" and len(msg["tokens"]) > 512
     assert where and all(name.startswith("webchat-encode") for name in where), where
+
+
+def test_a_long_text_is_tokenized_with_the_gil_released(real_model_dir: Path) -> None:
+    """tokenizers' `encode` holds the GIL (0.6 s for 728 KB of tool schemas, the event loop stopped meanwhile): a
+    long text goes through `encode_batch`, which lets other threads run, with the same ids."""
+    tok = Tokenizer.from_dir(real_model_dir)
+    text = '{"type": "function", "function": {"name": "t1", "parameters": {"a1": {"type": "string"}}}} ' * 4000
+    ticks, done = [0], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks[0] += 1
+            done.wait(0.001)
+
+    other = threading.Thread(target=tick)
+    other.start()
+    try:
+        ids = tok.encode(text)
+        during = ticks[0]
+    finally:
+        done.set()
+        other.join()
+    assert ids == tok._tok.encode(text, add_special_tokens=False).ids  # the same ids as the GIL-holding call
+    assert during >= 20, f"another thread ran {during} times while 364 KB were tokenized"
+
+
+def test_the_grammar_table_is_built_at_load_not_on_the_first_request(config: ServerConfig) -> None:
+    """Building the tokenizer's table for grammars holds the GIL ~0.4 s: warm_up builds it, so the first structured
+    request pauses nobody."""
+    from webchat.serve.runtime import warm_up
+
+    runtime = warm_up(load_runtime(config))
+    _, tokenizer, _ = runtime.local()
+    grammars = matcher.grammars_for(tokenizer, runtime.model.args.vocab_size)
+    assert tuple(tokenizer.stop_token_ids) in grammars._tokenizers

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="default: float32 on the CPU, float16 on CUDA")
     add_weight_arguments(parser)
+    parser.add_argument("--threads", type=_positive, default=None,
+                        help="CPU threads for the model (default: every core, one fewer for each core other "
+                        "processes keep busy, followed as the load changes)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-sessions", type=_positive, default=64,
@@ -138,7 +141,7 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         stall_timeout=args.stall_timeout, access_token=args.access_token,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
                         kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize,
-                        exact=args.exact,
+                        exact=args.exact, threads=args.threads,
                         engine_url=getattr(args, "engine_url", None), engine_model=getattr(args, "engine_model", None),
                         engine_key=getattr(args, "engine_key", None),
                         engine_timeout=getattr(args, "engine_timeout", 60.0),

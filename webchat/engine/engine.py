@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from webchat.engine import constraint as cst
+from webchat.engine.chunking import StepCost
 from webchat.engine.events import Stats, TokenInfo
 from webchat.engine.images import PromptImages
 from webchat.engine.sampling import Choice, RowAsk, RowScan, Sampler, describe, sample_batch
@@ -46,6 +47,15 @@ from webchat.text.stops import StopHolder
 
 PREFILL_CHUNK = 256  # prompt tokens per step when no other sequence is decoding
 MIXED_CHUNK = 32  # prompt tokens per step while others decode (bounds their gap between tokens)
+# A chunk is also bounded in time: sized from recent steps with prompt rows (webchat.engine.chunking), so a step
+# with others decoding takes about MIXED_STEP_S (their gap between tokens stays under half a second on a loaded
+# core, where 32 rows of a prompt 7,000 tokens deep take 0.9 s on one thread) and a prompt's step alone about
+# PREFILL_STEP_S (what a request arriving meanwhile waits before its own prefill starts; a step's fixed cost, ~0.1 s
+# for a scored prompt's float32 rows on one core, is then a quarter of it at most). The output does not depend on
+# it: each row's numbers are its own, however the prompt is chunked.
+MIXED_STEP_S = 0.25
+PREFILL_STEP_S = 0.4
+MIN_CHUNK = 8  # below this a step's fixed cost (the weights read once) outweighs its rows
 MAX_FORCED = 16  # forced tokens (a grammar's, a thinking budget's closing) verified in one forward
 
 
@@ -121,6 +131,8 @@ class Engine:
                                 breaks=[tokenizer.id_to_text(t) for t in range(tokenizer.vocab_size)])
         self.draft_model = draft_model
         self.prefill_chunk, self.mixed_chunk = prefill_chunk, mixed_chunk
+        # recent steps with prompt rows, timed; those with a scored prompt's float32 rows apart (engine.chunking)
+        self.step_cost = {False: StepCost(), True: StepCost()}
         self.outbox: dict[Sequence, StreamResult] = {}
         self.steps = 0
 
@@ -249,6 +261,16 @@ class Engine:
             raise TypeError(f"the model's sampler_factory gave {type(sampler).__name__}, not a Sampler")
         return sampler
 
+    def _chunk_budget(self, decoding: int, scored: bool) -> int:
+        """Prompt rows this step may take: the chunk size, less where recent steps say it would take too long."""
+        most, aim = (self.mixed_chunk, MIXED_STEP_S) if decoding else (self.prefill_chunk, PREFILL_STEP_S)
+        rows = self.step_cost[scored].rows_within(aim)
+        fits = most if rows is None else rows - decoding
+        if fits >= most:
+            return most
+        # a power of two: a handful of shapes, each one the float32 GEMM's library has already prepared
+        return max(min(MIN_CHUNK, most), 1 << (max(1, fits).bit_length() - 1))
+
     @staticmethod
     def _spend(seq: Sequence) -> None:
         """Thinking that reached its budget is closed: its closing tokens are forced next."""
@@ -261,8 +283,9 @@ class Engine:
         self._reap()
         rows: list[_Row] = []
         decoding = [s for s in self.running if not s.prefilling]
-        budget = self.mixed_chunk if decoding else self.prefill_chunk
-        for seq in decoding + [s for s in self.running if s.prefilling]:
+        prefilling = [s for s in self.running if s.prefilling]
+        budget = self._chunk_budget(len(decoding), any(s.req.prompt_logprobs is not None for s in prefilling[:1]))
+        for seq in decoding + prefilling:
             out = StreamResult()
             if seq.cancel.is_set():
                 seq.end(out, "cancelled", None)
@@ -430,7 +453,10 @@ class Engine:
         logits = self.model(batch, self.pool)  # (R, vocab)
         ended = time.perf_counter()
         decode_only = not any(r.seq.prefilling for r in rows)
-        self.auto.timed(began, ended, sum(len(r.feed) for r in rows) if decode_only else 0)
+        fed = sum(len(r.feed) for r in rows)
+        self.auto.timed(began, ended, fed if decode_only else 0)
+        if not decode_only:
+            self.step_cost[any(exact)].add(fed, ended - began)
         at, todo = 0, []  # (row, its first sampling logits row, how many it samples, its results)
         for r in rows:
             seq, out = r.seq, StreamResult()

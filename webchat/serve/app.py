@@ -88,7 +88,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
             rt: Runtime = remote
             worker = remote.remote()
         else:
-            device = DeviceThread()  # the one thread that loads, warms and steps the model (webchat.serve.device)
+            device = DeviceThread(config.threads)  # the one thread that loads, warms and steps (serve.device)
             device.start()
             try:
                 rt = runtime if runtime is not None else await device.run(lambda: warm_up(load_runtime(config)))
@@ -150,6 +150,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> Starlett
             from webchat.kernels.cpu.build import running
 
             body["cpu_kernels"] = running()  # {"path": "avx2", "vnni": false}; None: float32 PyTorch ops
+        if request.state.models is not None:
+            body["device_threads"] = request.state.models.fleet.device.team()  # webchat.serve.cores
         return JSONResponse(body)
 
     async def healthz(request: Request) -> Response:

@@ -27,6 +27,7 @@ class ServerConfig:
     dtype: str | None = None  # None: float32 on the CPU, float16 on CUDA
     weights: str = "auto"  # webchat.model.loader.WEIGHTS: the folder's quantized blocks on the CPU where present
     quantize: str | None = None  # q8_0 | q4_0: quantize float weights at load
+    threads: int | None = None  # the device's OpenMP team; None: the cores, fewer while other processes use them
     exact: bool = False  # --exact: float32 activations for the quantized matrices (default: the faster, docs/quant.md)
     host: str = "127.0.0.1"
     port: int = 8000

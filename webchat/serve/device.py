@@ -8,9 +8,11 @@ waited on the other team's spinning threads: a single stream decoded at a third 
 (issue 20). Running everything on one thread keeps one team, warm, with no change to the kernels; llama.cpp's
 persistent ggml threadpool reaches the same end from the other side.
 
-    device = DeviceThread(threads=2); device.start()
+    device = DeviceThread(); device.start()                      # threads=N: a team of N, not following the load
     runtime = await device.run(lambda: load_runtime(config))    # from the event loop: awaits, never blocks it
     device.drive(worker)                                         # worker.has_work() / worker.iterate() in between
+
+The team's size follows what other processes leave of the cores (webchat.serve.cores), checked between iterations.
 
 `cond` is the lock the driver (webchat.serve.worker.Worker) shares, so "is there work" and "wait for work" cannot race.
 """
@@ -24,6 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol, TypeVar
+
+from webchat.serve.cores import CoreGovernor
 
 log = logging.getLogger("webchat.serve.device")
 
@@ -41,14 +45,26 @@ class Driver(Protocol):
 class DeviceThread:
     """Runs submitted calls and, between them, the driver's iterations; all on one thread (`ident`)."""
 
-    def __init__(self, threads: int | None = None, name: str = "webchat-device") -> None:
+    def __init__(self, threads: int | None = None, name: str = "webchat-device",
+                 governor: Callable[[int], CoreGovernor] = CoreGovernor) -> None:
         self.cond = threading.Condition()
         self.threads = threads
+        self._make_governor = governor  # given the most threads the team may have (torch's default count)
+        self.governor: CoreGovernor | None = None  # set on the thread when threads is None
         self.ident: int | None = None
         self._calls: deque[tuple[Callable[[], object], Future[object]]] = deque()
         self._driver: Driver | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def team(self) -> dict[str, object]:
+        """The OpenMP team now: its size, the most it may have, whether it follows the load, the others' share."""
+        import torch
+
+        gov = self.governor
+        if gov is None or not gov.enabled:
+            return {"threads": self.threads or torch.get_num_threads(), "adaptive": False}
+        return {"threads": gov.threads, "most": gov.most, "adaptive": True, "others_busy_cores": round(gov.others, 2)}
 
     def start(self) -> None:
         if not self._thread.is_alive() and self._thread.ident is None:
@@ -82,10 +98,12 @@ class DeviceThread:
 
     def _run(self) -> None:
         self.ident = threading.get_ident()
-        if self.threads:
-            import torch
+        import torch
 
+        if self.threads:
             torch.set_num_threads(self.threads)  # this thread's team is the one every forward uses
+        else:
+            self.governor = self._make_governor(torch.get_num_threads())
         while True:
             with self.cond:
                 while not self._stopping and not self._calls and not (self._driver and self._driver.has_work()):
@@ -99,6 +117,8 @@ class DeviceThread:
                 calls = list(self._calls)
                 self._calls.clear()
                 driver = self._driver
+            if self.governor is not None and (team := self.governor.poll()) is not None:
+                torch.set_num_threads(team)  # between parallel regions: the next one runs on the new team
             for fn, fut in calls:
                 if fut.set_running_or_notify_cancel():
                     try:

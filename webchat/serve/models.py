@@ -286,7 +286,7 @@ class Models:
         if card.name in self.loaded:  # loaded by an earlier holder of the lock
             return self.loaded[card.name]
         self._make_room(card.name, need)
-        from webchat.serve.runtime import load_runtime, warm_up_beside
+        from webchat.serve.runtime import load_runtime, prepare_grammars, warm_up_beside
 
         def load() -> Runtime:
             folder = card.path
@@ -294,8 +294,10 @@ class Models:
                 from webchat.files.gguf_cache import model_folder
 
                 folder = model_folder(folder)  # hashed and converted once, into the cache
-            return load_runtime(dataclasses.replace(self.config, model_dir=folder, draft_dir=None,
-                                                    mmproj=card.projector))
+            runtime = load_runtime(dataclasses.replace(self.config, model_dir=folder, draft_dir=None,
+                                                       mmproj=card.projector))
+            prepare_grammars(runtime)
+            return runtime
 
         t0 = time.perf_counter()
         self.loading[card.name] = need

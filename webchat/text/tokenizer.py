@@ -53,6 +53,18 @@ def _sentencepiece_bytes(token: str) -> bytes:
     return token.replace("\u2581", " ").encode("utf-8")
 
 
+GIL_FREE_CHARS = 4096  # past this many characters a text is encoded with the GIL released
+
+
+def _encode(tok: HFTokenizer, text: str) -> Any:
+    """tok.encode(text) without special tokens. A long text goes through `encode_batch`, which releases the GIL
+    (`encode` holds it: 0.63 s for 728 KB of tool schemas, every other thread of the server stopped meanwhile);
+    the ids and offsets are the same."""
+    if len(text) <= GIL_FREE_CHARS:
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode_batch([text], add_special_tokens=False)[0]
+
+
 def _is_byte_level(spec: dict[str, Any]) -> bool:
     """True when tokenizer.json decodes with ByteLevel (GPT-2 style vocab), False for sentencepiece-style vocabs."""
     text = json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
@@ -209,14 +221,14 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Special tokens written in text become their single ids; BOS only if add_bos_token (and not already there)."""
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = _encode(self._tok, text).ids
         if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
 
     def encode_text(self, text: str) -> list[int]:
         """Every character read as text: "<|im_end|>" written in it is those characters, never the control id."""
-        ids: list[int] = self._tok_text.encode(text, add_special_tokens=False).ids
+        ids: list[int] = _encode(self._tok_text, text).ids
         if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
@@ -241,7 +253,7 @@ class Tokenizer:
         if expand is not None:
             parts = [(t if is_content else expand(t), is_content) for t, is_content in parts]
         text = "".join(t for t, _ in parts)
-        enc = self._tok.encode(text, add_special_tokens=False)
+        enc = _encode(self._tok, text)
         spans, pos = [], 0
         for t, is_content in parts:
             if is_content:
@@ -253,7 +265,7 @@ class Tokenizer:
         if forged:  # re-encode part by part: only the template's parts parse special tokens
             ids = []
             for t, is_content in parts:
-                ids += (self._tok_text if is_content else self._tok).encode(t, add_special_tokens=False).ids
+                ids += _encode(self._tok_text if is_content else self._tok, t).ids
         if self.add_bos_token and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids

@@ -316,8 +316,14 @@ void StepModel::linears(Mats mys, const float* x, const Plan& plan) {
 
 // A run's rows at float32: the prompt GEMM for a prompt's rows and wherever a matrix is packed (qgemm.cpp reads the
 // packed rows), the row kernels otherwise. A model at exact (--exact) takes the GEMM's FMA tiles, bit for bit as before
-// AMX; flagged rows of a quantizing model (a prompt scored: up to 256-row chunks, every row's logits) its AMX tiles
-// where the CPU has them. Either way one kernel for every chunk, so a prompt's rows are the same however chunked.
+// AMX; flagged rows of a quantizing model (a prompt scored, every row's logits) its AMX tiles where the CPU has them,
+// for chunks of more than AMX_MIN_ROWS rows: AMX splits every weight into three bfloat16 pieces once a call (~100 ms
+// for the default model on one core, whatever the rows), which costs more than it saves on the short chunks a prompt
+// takes beside other streams (one core, AMX against the FMA tiles: 8 rows 101 / 58 ms, 16 rows 105 / 80, 32 rows
+// 105 / 135). Both sum in float32 to within its rounding of the exact sum, so a prompt's scores are the same to ~1e-7
+// however it is chunked (bit for bit among chunks on the same side of AMX_MIN_ROWS).
+constexpr int64_t AMX_MIN_ROWS = 16;
+
 void StepModel::exact_rows(Mats mys, const float* x, const Rows& run, int64_t k) {
   MatRef refs[4];
   int count = 0;
@@ -328,7 +334,7 @@ void StepModel::exact_rows(Mats mys, const float* x, const Rows& run, int64_t k)
     packed |= w.packed;
   }
   const int64_t m = run.hi - run.lo;
-  if (run.prompt || packed) qgemm_multi(x + run.lo * k, m, k, refs, count, prec != EXACT);
+  if (run.prompt || packed) qgemm_multi(x + run.lo * k, m, k, refs, count, prec != EXACT && m > AMX_MIN_ROWS);
   else qmatmul_multi(x + run.lo * k, m, k, refs, count, xsum2_.data());
 }
 
