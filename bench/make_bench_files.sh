@@ -2,7 +2,7 @@
 # Issue 38's bench files, made as a user's downloads are made: by llama.cpp's own `llama-quantize` (built beside
 # llama-server by bench/build_llama_server.sh) from a float16 source, into $WEBCHAT_HOME/bench-files/:
 #   tinyllama-shape-f16.gguf          the 1.1B Llama shape, random weights (bench.make_tinyllama_gguf --type f16)
-#   tinyllama-shape-{q4_0,q4_1,q8_0,q4_k_m}.gguf   llama-quantize of it
+#   tinyllama-shape-{q4_0,q4_1,q8_0,q4_k_m,q5_k_m,q6_k}.gguf   llama-quantize of it
 #   llama32-3b-shape-q4_k_m.gguf      Llama-3.2-3B's shape, 128,256 tokens, tied, random weights: llama-quantize of a
 #                                     6.4 GB float16 source that is deleted afterwards (KEEP_F16=1 keeps it)
 #   smollm2-135m-q4_k_m.gguf          the real default model requantized to Q4_K_M: `llama-quantize --allow-requantize`
@@ -38,7 +38,7 @@ quantize_to() {  # source dest TYPE [flags...]
 
 make_source tinyllama f16
 echo "$out/tinyllama-shape-f16.gguf"
-for type in q4_0 q4_1 q8_0 q4_k_m; do
+for type in q4_0 q4_1 q8_0 q4_k_m q5_k_m q6_k; do
   quantize_to "$out/tinyllama-shape-f16.gguf" "$out/tinyllama-shape-$type.gguf" "${type^^}"
 done
 

@@ -12,7 +12,7 @@ from test_engine import GREEDY, prompts, run_alone, run_together  # tests/engine
 
 from webchat.engine import engine as engine_module
 from webchat.engine.chunking import StepCost
-from webchat.engine.engine import MIN_CHUNK, MIXED_CHUNK, PREFILL_CHUNK, Engine
+from webchat.engine.engine import MIN_CHUNK, MIXED_CHUNK, MIXED_STEP_S, PREFILL_CHUNK, PREFILL_STEP_S, Engine
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.kernels.backend import load_model
@@ -57,9 +57,11 @@ def test_the_chunk_follows_the_measured_cost_in_powers_of_two(tiny: tuple[Any, T
     assert engine._chunk_budget(1, False) == MIXED_CHUNK
     assert engine._chunk_budget(0, False) == PREFILL_CHUNK  # 1,000 rows would fit in a second
     engine.step_cost[False] = StepCost()
-    engine.step_cost[False].add(32, 0.9)  # 7,000 tokens deep on a loaded core
-    assert engine._chunk_budget(0, False) == 32  # 35 rows fit in a second: the power of two under it
-    assert engine._chunk_budget(1, False) == MIN_CHUNK  # 3 rows fit: never below the floor
+    engine.step_cost[False].add(32, 32 * PREFILL_STEP_S / 35)  # deep in a long prompt on a loaded core
+    assert engine._chunk_budget(0, False) == 32  # 35 rows fit in a step alone: the power of two under it
+    engine.step_cost[False] = StepCost()
+    engine.step_cost[False].add(32, 32 * MIXED_STEP_S / 3)
+    assert engine._chunk_budget(1, False) == MIN_CHUNK  # 3 rows fit beside a stream: never below the floor
     assert engine._chunk_budget(1, True) == MIXED_CHUNK  # a scored prompt's steps are timed apart
     engine.step_cost[True].add(16, 10.0)  # nothing fits at all: the floor, not a failure
     assert engine._chunk_budget(1, True) == MIN_CHUNK and engine._chunk_budget(0, True) == MIN_CHUNK

@@ -104,6 +104,7 @@ class DeviceThread:
             torch.set_num_threads(self.threads)  # this thread's team is the one every forward uses
         else:
             self.governor = self._make_governor(torch.get_num_threads())
+            torch.set_num_threads(self.governor.threads)  # the team starts as the governor counts it
         while True:
             with self.cond:
                 while not self._stopping and not self._calls and not (self._driver and self._driver.has_work()):

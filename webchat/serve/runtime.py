@@ -139,8 +139,8 @@ def prepare_grammars(rt: Runtime) -> None:
     a 49k vocabulary, which built on the first structured request would pause every stream as long."""
     from webchat.grammar.matcher import grammars_for
 
-    _, tokenizer, _ = rt.local()
-    grammars_for(tokenizer, rt.model.args.vocab_size).tokenizer()
+    model, tokenizer, _ = rt.local()
+    grammars_for(tokenizer, model.args.vocab_size).tokenizer()
 
 
 class DeviceRun(Protocol):
