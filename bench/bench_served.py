@@ -278,12 +278,17 @@ def print_bare(pairs: list[tuple[float, float, float]]) -> None:
           f"{', '.join(f'{r:.2f}' for r in decode)}; median {statistics.median(decode):.2f}x")
 
 
-def webchat_makers(gguf: Path, src: Path, precision: str, exact_flag: bool) -> dict[str, Callable[[int], Server]]:
-    """"webchat" (its default precision) and/or "webchat --exact", as --precision asks and the checkout allows."""
+def webchat_makers(gguf: Path, src: Path, precision: str, exact_flag: bool,
+                   spec_none: bool = False) -> dict[str, Callable[[int], Server]]:
+    """"webchat" (its default precision) and/or "webchat --exact", as --precision asks and the checkout allows; and
+    "webchat --speculative none" beside the default where `spec_none` (the kernels alone, no drafts)."""
     stops = stop_token_ids(gguf)
     makers: dict[str, Callable[[int], Server]] = {}
     if precision in ("both", "default") or not exact_flag:
         makers["webchat"] = lambda port: webchat_server(port, gguf, src=src, stops=stops)
+        if spec_none:
+            makers["webchat --speculative none"] = lambda port: webchat_server(
+                port, gguf, "--speculative", "none", src=src, stops=stops, name="webchat --speculative none")
     if precision in ("both", "exact") and exact_flag:
         makers["webchat --exact"] = lambda port: webchat_server(port, gguf, src=src, stops=stops, exact=True)
     return makers
@@ -305,7 +310,8 @@ def parse_args() -> argparse.Namespace:
                         help="GGUF file, repeatable: one table each (default: the default model's Q4_1)")
     parser.add_argument("--set", choices=list(SETS), default=None,
                         help="issue38: the 1.1B file in Q4_0/Q4_1/Q8_0/Q4_K_M and the 3B Q4_K_M of "
-                             "bench/make_bench_files.sh, after any --gguf (clients 1,4 unless --clients)")
+                             "bench/make_bench_files.sh; kquants: the 1.1B in Q5_K_M and Q6_K; after any --gguf "
+                             "(clients 1,4 unless --clients)")
     parser.add_argument("--llama-server", type=Path, default=None, help="binary (default: bench/build_llama_server.sh)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
@@ -317,6 +323,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", choices=["both", "default", "exact"], default="both",
                         help="webchat's servers: its default precision and `serve --exact` beside it (both, where the "
                              "checkout has --exact), or one of them")
+    parser.add_argument("--spec-none", action="store_true",
+                        help="webchat --speculative none as a column beside webchat's default flags")
     parser.add_argument("--bandwidth", action="store_true",
                         help="measure the read bandwidth before every file (default: files past 1 GiB of matrices)")
     parser.add_argument("--isa", choices=["native", "avx2"], default="native",
@@ -395,7 +403,8 @@ def main() -> None:
     for gguf in args.files or [default_gguf()]:
         if args.only != "llama-server":
             convert_first(gguf, src)
-        makers = webchat_makers(gguf, src, args.precision, exact_flag) if args.only != "llama-server" else {}
+        makers = webchat_makers(gguf, src, args.precision, exact_flag, args.spec_none) \
+            if args.only != "llama-server" else {}
         if args.against is not None:
             against = args.against.resolve()
             convert_first(gguf, against)
