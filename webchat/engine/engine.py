@@ -268,7 +268,7 @@ class Engine:
         fits = most if rows is None else rows - decoding
         if fits >= most:
             return most
-        # a power of two: a handful of shapes, each one the float32 GEMM's library has already prepared
+        # a power of two: a handful of row counts, distinct enough for StepCost's line to part fixed from per-row cost
         return max(min(MIN_CHUNK, most), 1 << (max(1, fits).bit_length() - 1))
 
     @staticmethod
@@ -284,7 +284,8 @@ class Engine:
         rows: list[_Row] = []
         decoding = [s for s in self.running if not s.prefilling]
         prefilling = [s for s in self.running if s.prefilling]
-        budget = self._chunk_budget(len(decoding), any(s.req.prompt_logprobs is not None for s in prefilling[:1]))
+        scored = bool(prefilling) and prefilling[0].req.prompt_logprobs is not None  # the chunk's sequence, first
+        budget = self._chunk_budget(len(decoding), scored)
         for seq in decoding + prefilling:
             out = StreamResult()
             if seq.cancel.is_set():
