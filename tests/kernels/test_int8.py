@@ -387,6 +387,30 @@ def test_a_model_packs_at_int8_and_unpacks_at_exact(kernels: Any, tiny_model_dir
     assert torch.equal(prefill(model, list(range(3, 20))), want)
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [8, 40])
+def test_flagged_rows_read_the_packed_matrices_as_the_exact_model_reads_the_file(kernels: Any, tiny_model_dir: Path,
+                                                                                 qtype: str, rows: int) -> None:
+    """A scored prompt's rows (Batch.exact) on a model packed for int8 gather each packed group back to the file's
+    rows before the float32 GEMM (8 rows: the FMA tiles; 40: AMX where the CPU has it): every logit within float32
+    rounding of the exact model's, which reads the file's bytes as they are."""
+    from webchat.model.batch import make_batch
+
+    ids = torch.randint(3, 200, (rows,), generator=torch.Generator().manual_seed(rows)).tolist()
+
+    def logits(model: Any) -> torch.Tensor:
+        pool = model.new_pool(rows + 16, 16)
+        pages = list(range(1, 1 + (rows + 15) // 16))
+        return model(make_batch([(ids, 0, pages, list(range(rows)))], 16, "cpu", [rows], None, [True]), pool)
+
+    exact = load_model(tiny_model_dir, quantize=qtype, precision="exact")
+    packed = load_model(tiny_model_dir, quantize=qtype, precision="int8")
+    assert any(m.packed for m in packed.modules() if isinstance(m, QLinear))
+    want, got = logits(exact), logits(packed)
+    assert want.abs().max().item() > 0.1  # logits, not zeros
+    assert (got - want).abs().max().item() < 1e-4
+
+
 def test_zero_and_outlier_rows(kernels: Any) -> None:
     """A row of zeros gives zeros; beside a value 100 times the others, the others keep their bits (a scale per 8
     values; the K-quants' power of two per 32) where one scale for all 256 (llama.cpp's Q8_K) rounds them away."""

@@ -499,13 +499,44 @@ void packed_row(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, uint8
   for (int64_t u = 0; u < row_bytes / ub; ++u) packed_row_unit(qtype, w, row_bytes, n, u, out + u * ub);
 }
 
+// a field of each row's unit back from a packed unit: B bytes from offset O, W bytes a word (constants, so every copy
+// is one fixed-size move and the loops unroll: the exact prompt GEMM gathers every packed row this way each call)
+template <int O, int B, int W>
+inline void unpack_field(const uint8_t*& packed, uint8_t* rows, int64_t stride) {
+  for (int w = 0; w < B; w += W)
+    for (int r = 0; r < 8; ++r, packed += W) std::memcpy(rows + r * stride + O + w, packed, W);
+}
+
+template <int QT>
+void unpack_group(const uint8_t* group, int64_t row_bytes, uint8_t* out) {
+  constexpr int ub = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34 : 144;  // unit_bytes
+  for (int64_t u = 0; u < row_bytes / ub; ++u) {
+    const uint8_t* packed = group + u * 8 * ub;
+    uint8_t* rows = out + u * ub;
+    unpack_field<0, 2, 2>(packed, rows, row_bytes);  // the fields in fields()'s order
+    if constexpr (QT == Q4_0) unpack_field<2, 16, 4>(packed, rows, row_bytes);
+    if constexpr (QT == Q8_0) unpack_field<2, 32, 4>(packed, rows, row_bytes);
+    if constexpr (QT == Q4_1) {
+      unpack_field<2, 2, 2>(packed, rows, row_bytes);
+      unpack_field<4, 16, 4>(packed, rows, row_bytes);
+    }
+    if constexpr (QT == Q4_K) {
+      unpack_field<2, 2, 2>(packed, rows, row_bytes);
+      unpack_field<4, 12, 4>(packed, rows, row_bytes);
+      unpack_field<16, 128, 4>(packed, rows, row_bytes);
+    }
+  }
+}
+
 void packed_group(int qtype, const uint8_t* w, int64_t row_bytes, int64_t g, uint8_t* out) {
-  Field f[4];
-  const int nf = fields(qtype, f);
-  const int ub = unit_bytes(qtype);
   const uint8_t* group = w + g * 8 * row_bytes;
-  for (int64_t u = 0; u < row_bytes / ub; ++u)
-    move_unit(f, nf, out + u * ub, row_bytes, const_cast<uint8_t*>(group + u * 8 * ub), false);
+  switch (qtype) {
+    case Q4_0: return unpack_group<Q4_0>(group, row_bytes, out);
+    case Q4_1: return unpack_group<Q4_1>(group, row_bytes, out);
+    case Q8_0: return unpack_group<Q8_0>(group, row_bytes, out);
+    case Q4_K: return unpack_group<Q4_K>(group, row_bytes, out);
+    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0 and Q4_K have)");
+  }
 }
 
 bool packs8(int qtype, int64_t n) {
