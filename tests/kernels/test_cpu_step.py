@@ -270,6 +270,87 @@ def test_attention_units_split_a_head_each_give_the_bits_of_whole_ones(tiny_mode
         assert all(torch.equal(a, b) for a, b in zip(kv, whole_kv, strict=True)), chunks
 
 
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+@pytest.mark.parametrize("shape", ["hd64-gqa2", "hd128-mha", "hd32-gqa4-qwen2-bias", "hd16-gqa2"])
+def test_a_float16_or_q8_0_cache_in_cpp_matches_the_pytorch_path(tiny_model_dir: Path, shapes_root: Path, shape: str,
+                                                                 kind: str, code_path: str) -> None:
+    """`--kv-cache f16|q8_0` (webchat.model.kv_format) on the C++ forward: the mixed batch's logits as the PyTorch path
+    computes them on the same format; the first layer's k/v (the same floats whichever the cache) stored as the same
+    bytes kv_format.encode makes of the float32 pool's rows, and every layer's within one step of the format."""
+    from webchat.model import kv_format
+
+    path = model_dir(shapes_root, tiny_model_dir, shape)
+    if kind == "q8_0" and SHAPES[shape][4] % 32:
+        with pytest.raises(ValueError, match="multiple of 32"):
+            kv_format.check(kind, SHAPES[shape][4])
+        return
+    model = load_model(path, quantize="q4_1", precision="exact")  # (int8 rounds differently on torch's norms)
+    plain, _, plain_pool, _, _ = run_both(model, model)
+    model.kv_cache = kind
+    ours, ref, pool, twin, tables = run_both(model, model)
+    assert pool.k[0].dtype == (torch.float16 if kind == "f16" else torch.uint8)
+    # the two paths' k/v differ in float32 rounding, and q8_0 can store such a pair a step (1/127 of its block's largest
+    # value) apart: a few logits move by up to ~1e-2 there; a wrong byte or block moves them by ~1
+    torch.testing.assert_close(ours, ref, atol=2e-3 if kind == "f16" else 3e-2, rtol=1e-3)
+    assert (ours - plain).abs().max().item() > 1e-4  # the format is what the step read
+    slots = torch.tensor([t.pages[p // PAGE] * PAGE + p % PAGE for t, n in zip(tables, (16, 37, 20), strict=True)
+                          for p in range(n)])
+    hd = SHAPES[shape][4]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.flatten(0, 1).index_select(0, slots)
+
+    for f32_layer, layer in ((plain_pool.k[0], pool.k[0]), (plain_pool.v[0], pool.v[0])):
+        assert torch.equal(rows(layer), kv_format.encode(rows(f32_layer), layer))
+    for layer in range(model.args.n_layers):
+        for mine, theirs in ((pool.k[layer], twin.k[layer]), (pool.v[layer], twin.v[layer])):
+            a, b = kv_format.decode(rows(mine), hd), kv_format.decode(rows(theirs), hd)
+            step = b.abs().amax(-1, keepdim=True) / (127 if kind == "q8_0" else 1024)
+            assert bool(((a - b).abs() <= step * 1.01 + 1e-6).all()), layer
+
+
+def test_past_one_segment_of_keys_a_row_is_the_same_decoded_or_in_a_chunk(tiny_model_dir: Path, shapes_root: Path,
+                                                                           code_path: str) -> None:
+    """Rows with more keys than one of attention's segments (qstep.cpp SEG_KEYS, 1,024 positions): a decode row's
+    segments are units of their own, folded after; a chunk's rows fold theirs as they go. Rows 2,140-2,199 of a prompt
+    fed in chunks or one row at a time give the same bits (as speculation's verify rows must give a decode's), and the
+    decode rows agree with the PyTorch path."""
+    model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q4_1", precision="int8")
+    n, split = 2200, 2140  # three segments
+    model.ensure_rope(n)  # past the tiny config's 1,024 positions (a random model: any rope row will do)
+    ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(11)).tolist()
+
+    def feed(chunks: list[int], pool: KVPool, table: PageTable, start: int = 0) -> torch.Tensor:
+        rows = []
+        for size in chunks:
+            rows.append(model(make_batch([(ids[start : start + size], start, table.pages, list(range(size)))], PAGE,
+                                         prompt_ends=[n]), pool))
+            start += size
+        return torch.cat(rows)
+
+    def fresh() -> tuple[KVPool, PageTable]:
+        pool = model.new_pool(n + 2 * PAGE, PAGE)
+        table = PageTable(pool)
+        table.ensure(n)
+        return pool, table
+
+    pool, table = fresh()
+    whole = feed([64] * (split // 64) + [split % 64, n - split], pool, table)[split:]
+    pool, table = fresh()
+    feed([64] * (split // 64) + [split % 64], pool, table)
+    twin = clone(pool)
+    one_by_one = feed([1] * (n - split), pool, table, split)
+    assert torch.equal(one_by_one, whole)
+    runner, model.runner = model.runner, None
+    try:
+        ref = torch.cat([model(make_batch([([t], split + i, table.pages, [0])], PAGE, prompt_ends=[n]), twin)
+                         for i, t in enumerate(ids[split:n])])
+    finally:
+        model.runner = runner
+    torch.testing.assert_close(one_by_one, ref, atol=0.25, rtol=0)  # int8 on torch's norms: within 0.2 (test_int8)
+    assert torch.equal(one_by_one.argmax(-1), ref.argmax(-1))
+
+
 def test_self_draft_truncation_runs_in_cpp_and_matches(tiny_model_dir: Path, shapes_root: Path) -> None:
     model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q8_0", precision="exact")
     ours, ref, *_ = run_both(model.truncated(1), model)  # the first layer only, on the full model's C++ step

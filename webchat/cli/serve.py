@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pool", default=None, metavar="SIZE",
                         help="KV pool: tokens (32768) or memory (512MiB, 2GiB); default 1GiB on the CPU, half the "
                              "free memory on a GPU")
+    parser.add_argument("--kv-cache", default=None, choices=["f32", "f16", "q8_0"],
+                        help="how the KV cache stores k and v, llama.cpp's names (default f32; f16: half the bytes, "
+                        "q8_0: 17/64 of them; docs/api.md, \"The KV cache\"). CPU only: on CUDA the pool is in --dtype")
     parser.add_argument("--max-queue", type=_non_negative, default=16, help="requests waiting past that (default 16)")
     parser.add_argument("--stream-interval-ms", type=_non_negative, default=round(ServerConfig.stream_interval * 1000),
                         metavar="MS", help="send a stream's tokens at most this often while they come faster, several "
@@ -140,7 +143,8 @@ def config_from_args(args: argparse.Namespace, model_dir: Path) -> ServerConfig:
                         max_connections=args.max_connections, handshake_timeout=args.handshake_timeout,
                         stall_timeout=args.stall_timeout, access_token=args.access_token,
                         trusted_hosts=tuple(sorted(LOOPBACK_NAMES)) if is_loopback(args.host) else None,
-                        kv_pool=args.kv_pool, api_key=args.api_key, weights=args.weights, quantize=args.quantize,
+                        kv_pool=args.kv_pool, kv_cache=getattr(args, "kv_cache", None), api_key=args.api_key,
+                        weights=args.weights, quantize=args.quantize,
                         exact=args.exact, threads=args.threads,
                         engine_url=getattr(args, "engine_url", None), engine_model=getattr(args, "engine_model", None),
                         engine_key=getattr(args, "engine_key", None),

@@ -213,7 +213,7 @@ class Engine:
         """The tokens whose k/v the owner holds (its running sequence's or its last turn's)."""
         return self.scheduler.cached_ids(owner)
 
-    def pool_info(self) -> dict[str, int]:
+    def pool_info(self) -> dict[str, int | str]:
         return self.scheduler.pool_info()
 
     def calibrate(self) -> bool:

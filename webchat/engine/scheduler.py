@@ -203,7 +203,8 @@ class Scheduler:
         kept = self.retained.get(owner)
         return list(kept.ids) if kept is not None else []
 
-    def pool_info(self) -> dict[str, int]:
+    def pool_info(self) -> dict[str, int | str]:
         pool = self.pool
         return {"pages": pool.usable_pages, "page_size": pool.page_size, "used_pages": pool.used_pages,
-                "page_bytes": pool.page_bytes, "running": len(self.running), "idle_sessions": len(self.retained)}
+                "page_bytes": pool.page_bytes, "kv_cache": pool.kind, "running": len(self.running),
+                "idle_sessions": len(self.retained)}

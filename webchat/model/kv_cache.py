@@ -1,7 +1,8 @@
 """The paged KV cache: one pool of fixed-size pages per layer, ref-counted, hashed so identical prefixes are shared.
 
-    pool.k[layer], pool.v[layer]: (num_pages, page_size, n_kv, hd); token p of a sequence lives in slot
-    table.pages[p // page_size] * page_size + p % page_size (webchat.model.batch). Page 0 is never handed out.
+    pool.k[layer], pool.v[layer]: (num_pages, page_size, n_kv, hd), or a q8_0 row's bytes (webchat.model.kv_format);
+    token p of a sequence lives in slot table.pages[p // page_size] * page_size + p % page_size
+    (webchat.model.batch). Page 0 is never handed out.
 
 A page whose page_size tokens are all computed is registered under (parent id, its tokens), parent id naming the
 registered page before it, so a lookup walks a prompt page by page and only an identical prefix matches (vLLM's
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from webchat.model import kv_format
 from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelArgs
 
@@ -31,19 +33,25 @@ class PoolExhausted(RuntimeError):
     """No free page and nothing idle to evict (the caller admitted more than the pool holds)."""
 
 
-def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
-    """k and v of every layer: 2 * n_layers * n_kv * hd * element size."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype, kind: str | None = None) -> int:
+    """k and v of every layer: 2 * n_layers * n_kv * a head row's bytes (hd * element size, or kind's)."""
+    row = kv_format.row_bytes(kind, args.head_dim) if kind is not None else \
+        args.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * args.n_layers * args.n_kv_heads * row
 
 
 class KVPool:
     """num_pages pages of page_size token slots per layer; page 0 is the padding page."""
 
     def __init__(self, args: ModelArgs, num_pages: int, device: torch.device | str, dtype: torch.dtype,
-                 page_size: int = PAGE_SIZE) -> None:
+                 page_size: int = PAGE_SIZE, kind: str | None = None) -> None:
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"a pool needs at least 2 pages of at least 1 slot, got {num_pages} of {page_size}")
-        shape = (num_pages, page_size, args.n_kv_heads, args.head_dim)
+        # kind (webchat.model.kv_format): rows stored as f32, f16 or q8_0 bytes; None: in `dtype` as computed
+        row = args.head_dim
+        if kind is not None:
+            dtype, row = kv_format.storage(kind, args.head_dim)
+        shape = (num_pages, page_size, args.n_kv_heads, row)
         # Every layer's k (and v) in one tensor, pool.k[layer] a view of it: a page's copy is one op for all layers.
         # empty: a page costs resident memory once written. The free list hands out never-written pages before
         # released ones (those keep their k/v for prefix reuse, least recently used first), so over a server's life
@@ -55,7 +63,8 @@ class KVPool:
         self._k[:, 0].zero_()
         self._v[:, 0].zero_()
         self.page_size, self.num_pages = page_size, num_pages
-        self.page_bytes = page_size * kv_bytes_per_token(args, dtype)
+        self.page_bytes = page_size * kv_bytes_per_token(args, dtype, kind)
+        self.kind = kind or kv_format.kind_name(dtype)
         self.ref = [0] * num_pages
         self.free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))  # oldest first
         self.ids: dict[int, int] = {}  # registered page -> its id (unique for the pool's life; parent of the next)
@@ -299,9 +308,11 @@ def pool_spec(spec: str) -> tuple[int | None, int | None]:
     return None, int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def pool_tokens(spec: str | None, args: ModelArgs, dtype: torch.dtype, device: torch.device | str) -> int:
-    """Token slots of a pool sized by `spec`: "N" tokens, "N MiB"/"NMiB"/"N GiB", or None for the device default."""
-    per_token = kv_bytes_per_token(args, dtype)
+def pool_tokens(spec: str | None, args: ModelArgs, dtype: torch.dtype, device: torch.device | str,
+                kind: str | None = None) -> int:
+    """Token slots of a pool sized by `spec`: "N" tokens, "N MiB"/"NMiB"/"N GiB", or None for the device default;
+    kind: how the pool stores a row (webchat.model.kv_format), None: in `dtype`."""
+    per_token = kv_bytes_per_token(args, dtype, kind)
     if spec is None:
         dev = torch.device(device)
         if dev.type == "cuda":

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from webchat.model import kv_format
 from webchat.model.batch import Batch
 
 
@@ -68,10 +69,11 @@ class PagedTorchOps(TorchOps):
     @staticmethod
     def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        # cache (num_pages, page_size, n_kv, hd) viewed as (slots, n_kv, hd); cache[slot_mapping[i]] = k[i], v[i]
-        n_kv, hd = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v)
+        # cache (num_pages, page_size, n_kv, row) viewed as (slots, n_kv, row); cache[slot_mapping[i]] = k[i], v[i]
+        # as the cache stores a row (webchat.model.kv_format: its dtype, or q8_0's bytes)
+        n_kv, row = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, n_kv, row).index_copy_(0, slot_mapping, kv_format.encode(k, k_cache))
+        v_cache.view(-1, n_kv, row).index_copy_(0, slot_mapping, kv_format.encode(v, v_cache))
 
     @staticmethod
     def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, *,
@@ -85,21 +87,25 @@ class PagedTorchOps(TorchOps):
                                       window)
         plan = batch.plan if isinstance(batch.plan, _AttnPlan) else _plan(batch, k_cache.shape[1])
         batch.plan = plan
-        n_kv, hd = k_cache.shape[2], k_cache.shape[3]
-        kf, vf = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)  # (slots, n_kv, hd)
+        n_kv, row, hd = k_cache.shape[2], k_cache.shape[3], q.shape[-1]
+        kf, vf = k_cache.view(-1, n_kv, row), v_cache.view(-1, n_kv, row)  # (slots, n_kv, row)
+
+        def read(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # (len(slots), n_kv, hd) in q's dtype
+            return kv_format.decode(cache.index_select(0, slots), hd, q.dtype)
+
         out = torch.empty_like(q)
         if plan.decode_rows.numel():
             d, lmax = plan.decode_slots.shape
             idx = plan.decode_slots.reshape(-1)
-            k = kf.index_select(0, idx).view(d, lmax, n_kv, hd).transpose(1, 2)  # (D, n_kv, Lmax, hd)
-            v = vf.index_select(0, idx).view(d, lmax, n_kv, hd).transpose(1, 2)
+            k = read(kf, idx).view(d, lmax, n_kv, hd).transpose(1, 2)  # (D, n_kv, Lmax, hd)
+            v = read(vf, idx).view(d, lmax, n_kv, hd).transpose(1, 2)
             # the H / n_kv query heads sharing a kv head are g query rows of one head: (D, n_kv, g, hd)
             qd = q.index_select(0, plan.decode_rows).view(d, n_kv, -1, hd)
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask)  # (D, n_kv, g, hd)
             out.index_copy_(0, plan.decode_rows, o.reshape(d, -1, hd))
         for lo, hi, slots, mask in plan.prefill:
-            k = kf.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, L, hd)
-            v = vf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            k = read(kf, slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, L, hd)
+            v = read(vf, slots).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
                                                enable_gqa=True)
             out[lo:hi] = o.squeeze(0).transpose(0, 1)
@@ -114,8 +120,8 @@ def paged_attention_ex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     (window 0: all j <= p; j < key_ends[i] in place of j <= p where the batch has key_ends: an image's slots);
     o = softmax(s) v. q, o (T, H, hd); caches (num_pages, page_size, n_kv, hd).
     """
-    page_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    kf, vf = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)  # (slots, n_kv, hd)
+    page_size, n_kv, row, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3], q.shape[-1]
+    kf, vf = k_cache.view(-1, n_kv, row), v_cache.view(-1, n_kv, row)  # (slots, n_kv, row)
     g = q.shape[1] // n_kv
     out = torch.empty_like(q)
     starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
@@ -124,8 +130,8 @@ def paged_attention_ex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         lo, hi = starts[b], starts[b + 1]
         pages = batch.block_tables[b, : -(-length // page_size)].long()
         slots = (pages.unsqueeze(1) * page_size + offsets).reshape(-1)[:length]  # (L,)
-        k = kf.index_select(0, slots).float().repeat_interleave(g, dim=1).transpose(0, 1)  # (H, L, hd)
-        v = vf.index_select(0, slots).float().repeat_interleave(g, dim=1).transpose(0, 1)
+        k = kv_format.decode(kf.index_select(0, slots), hd).repeat_interleave(g, dim=1).transpose(0, 1)  # (H, L, hd)
+        v = kv_format.decode(vf.index_select(0, slots), hd).repeat_interleave(g, dim=1).transpose(0, 1)
         s = torch.matmul(q[lo:hi].float().transpose(0, 1), k.transpose(1, 2)) * scale  # (H, t, L)
         if softcap > 0:
             s = torch.tanh(s / softcap) * softcap

@@ -142,6 +142,8 @@ class Transformer(nn.Module):
         self.suffix_index: Callable[..., Any] | None = None
         # the quantized matrices' activations: "exact" (float32), "int8" or "int8x2" (webchat.model.precision)
         self.precision = "exact"
+        # how its pools store k and v (webchat.model.kv_format: "f32", "f16", "q8_0"); None: in the model's dtype
+        self.kv_cache: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -167,10 +169,11 @@ class Transformer(nn.Module):
             self.setup_rope(n_positions)
 
     def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool:
-        """A KV pool for n_tokens positions (plus the padding page) on the model's device and dtype."""
+        """A KV pool for n_tokens positions (plus the padding page) on the model's device, in its kv_cache format (or
+        its dtype)."""
         ps = page_size or PAGE_SIZE
         self.ensure_rope(min(max(n_tokens, 1), self.args.max_seq_len))
-        return KVPool(self.args, -(-n_tokens // ps) + 1, self.device, self.dtype, ps)
+        return KVPool(self.args, -(-n_tokens // ps) + 1, self.device, self.dtype, ps, self.kv_cache)
 
     def new_cache(self, max_seq_len: int | None = None) -> SeqCache:
         """One sequence's cache on a pool of its own: cache.feed(model, ids) runs the single-stream path."""

@@ -39,6 +39,7 @@ class ServerConfig:
     max_seq_len: int | None = None  # cap on the context (KV-cache memory per session)
     max_message_bytes: int = 1 << 20
     kv_pool: str | None = None  # KV pool size: tokens or "512MiB"; None: 1 GiB on the CPU, half the free GPU memory
+    kv_cache: str | None = None  # how the pool stores k and v (webchat.model.kv_format); None: f32 (the model's dtype)
     max_pending_bytes: int = 1 << 20  # a connection's output not yet written; past it the server stops reading it
     stall_timeout: float = 30.0  # seconds output may stay past max_pending_bytes before the socket is closed
     max_connections: int | None = None  # None: a quarter of the file limit (webchat.serve.limits)

@@ -192,13 +192,15 @@ class Models:
 
     def estimate(self, card: Card) -> tuple[int, int]:
         """(weights, KV pool) bytes: the weight files it runs from (a .gguf's size before its conversion) and the
-        KV pool --kv-pool gives it (a pool given in tokens: that many tokens of this model's float32 k and v; the
-        default size when the model's shape is unknown)."""
+        KV pool --kv-pool gives it (a pool given in tokens: that many tokens of this model's k and v as --kv-cache
+        stores them; the default size when the model's shape is unknown)."""
         from webchat.model.kv_cache import CPU_POOL_BYTES, pool_spec
+        from webchat.model.kv_format import SIZE_OF_F32
 
         pool, tokens = pool_spec(self.config.kv_pool or "")
         if pool is None:
-            pool = tokens * card.kv_per_token if tokens and card.kv_per_token else CPU_POOL_BYTES
+            share = SIZE_OF_F32[self.config.kv_cache or "f32"]  # of a float32 pool's bytes
+            pool = int(tokens * card.kv_per_token * share) if tokens and card.kv_per_token else CPU_POOL_BYTES
         return card.size_bytes, pool
 
     def attach(self, runtime: Runtime) -> None:

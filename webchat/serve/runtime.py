@@ -103,6 +103,16 @@ def load_runtime(config: ServerConfig) -> Runtime:
     if config.draft_dir is not None:
         draft = load_model(config.draft_dir, device, dtype, weights=config.weights, quantize=config.quantize,
                            precision=precision)
+    if config.kv_cache is not None:  # how the pools store k and v (webchat.model.kv_format), the draft's too
+        from webchat.model import kv_format
+
+        if device.type != "cpu":
+            raise ValueError(f"--kv-cache {config.kv_cache} runs on the CPU; on {device.type} the KV pool is in "
+                             "--dtype (leave --kv-cache out)")
+        kv_format.check(config.kv_cache, model.args.head_dim)
+        for m in (model, draft):
+            if m is not None:
+                m.kv_cache = config.kv_cache
     context = min(model.args.max_seq_len, config.max_seq_len or model.args.max_seq_len)
     modes = [m for m in MODES if m != "draft" or draft is not None]
     if config.speculative not in modes:
@@ -111,7 +121,7 @@ def load_runtime(config: ServerConfig) -> Runtime:
     from webchat.model.kv_cache import pool_tokens
 
     engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
-                    pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device))
+                    pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device, model.kv_cache))
     vision = None
     if config.mmproj is not None:
         from webchat.serve.images import load_vision

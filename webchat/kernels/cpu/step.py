@@ -32,6 +32,7 @@ log = logging.getLogger("webchat.kernels.cpu.step")
 
 MAX_ROWS = 64  # tokens per forward up to which the C++ step runs it
 PREC = {"exact": 0, "int8": 1, "int8x2": 2}  # qstep.h's Prec
+KV_DTYPES = (torch.float32, torch.float16, torch.uint8)  # the pools it reads: f32, f16, q8_0 (webchat.model.kv_format)
 # a prompt's rows at each precision (docs/quant.md, "Precisions"): its own, so a prompt's rows take one kernel whatever
 # the chunk (exact rows for a prompt scored come from the batch's exact flags)
 PROMPT_PRECISION = {"exact": "exact", "int8": "int8", "int8x2": "int8x2"}
@@ -108,7 +109,7 @@ class CpuStep:
         n = len(model.layers)
         if ((batch.num_tokens > MAX_ROWS and not self.int8) or model.tok_embeddings is not self.embedding
                 or n > len(self.layers) or model.layers[n - 1] is not self.layers[n - 1]
-                or kv.k[0].dtype != torch.float32):
+                or kv.k[0].dtype not in KV_DTYPES):
             return None  # a long prefill chunk (exact), or another model sharing this hook
         self.calls += 1
         local = model.rope_local or (NONE, NONE)

@@ -380,17 +380,26 @@ class Step {
     TORCH_CHECK(static_cast<int64_t>(k.size()) >= n_layers && v.size() == k.size(), "the pool has ", k.size(),
                 " layers, the forward needs ", n_layers);
     const int64_t num_pages = k[0].size(0), ps = k[0].dim() == 4 ? k[0].size(1) : 0;
-    std::vector<float*> kp, vp;
+    // the pool's format from its dtype (webchat.model.kv_format): float32, float16, or uint8 rows of q8_0 blocks
+    const auto dt = k[0].scalar_type();
+    TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kFloat16 || dt == torch::kUInt8,
+                "a KV pool must be float32, float16 or uint8 (q8_0 blocks), got ", dt);
+    const KVKind kind = dt == torch::kFloat32 ? KV_F32 : dt == torch::kFloat16 ? KV_F16 : KV_Q8_0;
+    TORCH_CHECK(kind != KV_Q8_0 || m_.head_dim % 32 == 0, "a q8_0 KV pool needs heads of whole 32-value blocks, not ",
+                m_.head_dim);
+    const int64_t row = kind == KV_Q8_0 ? m_.head_dim / 32 * 34 : m_.head_dim;
+    std::vector<uint8_t*> kp, vp;
     for (int64_t i = 0; i < n_layers; ++i) {
       for (const torch::Tensor* t : {&k[i], &v[i]}) {
-        check_f32(*t, "KV pool");
+        TORCH_CHECK(t->scalar_type() == dt && t->device().is_cpu() && t->is_contiguous(),
+                    "KV pool tensors must be contiguous CPU tensors of one dtype (", dt, "), got ", t->scalar_type());
         TORCH_CHECK(t->dim() == 4 && t->size(0) == num_pages && t->size(1) == ps && t->size(2) == m_.n_kv &&
-                        t->size(3) == m_.head_dim,
-                    "KV pool tensors must be (", num_pages, ", ", ps, ", ", m_.n_kv, ", ", m_.head_dim, "), got ",
+                        t->size(3) == row,
+                    "KV pool tensors must be (", num_pages, ", ", ps, ", ", m_.n_kv, ", ", row, "), got ",
                     t->sizes());
       }
-      kp.push_back(k[i].data_ptr<float>());
-      vp.push_back(v[i].data_ptr<float>());
+      kp.push_back(static_cast<uint8_t*>(k[i].data_ptr()));
+      vp.push_back(static_cast<uint8_t*>(v[i].data_ptr()));
     }
     check_f32(cos, "cos");
     check_f32(sin, "sin");
@@ -405,7 +414,7 @@ class Step {
     }
     check_batch(bv, num_pages, ps, cos.size(0));
     torch::Tensor logits = torch::empty({bv.r, m_.head.n}, torch::dtype(torch::kFloat32));
-    PoolView pv{kp.data(), vp.data(), ps};
+    PoolView pv{kp.data(), vp.data(), ps, kind};
     {
       py::gil_scoped_release nogil;
       m_.forward(bv, pv, cos.data_ptr<float>(), sin.data_ptr<float>(), local ? cos_l.data_ptr<float>() : nullptr,

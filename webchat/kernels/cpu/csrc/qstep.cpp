@@ -11,6 +11,7 @@
 #include "qstep.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -225,6 +226,78 @@ AVX512_FN static void accumulate_avx512(float* o, const float* w, const float* v
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(ov[c], ow[c]));
 }
 
+// ---------------------------------------------------------------- the KV cache's formats (webchat.model.kv_format)
+// A head's row of hd values: float32, float16 (round to nearest even), or q8_0 blocks as ggml's quantize_row_q8_0_ref
+// makes them (d = max|x| / 127 as float16, q = roundf(x * (1 / d)) with the float32 d); read back exactly as
+// kv_format.decode reads them (a float16's value; q * d in float32), whatever the code path.
+inline uint16_t to_half(float x) { return c10::Half(x).x; }
+inline float from_half(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+int64_t kv_row_bytes(KVKind kind, int64_t hd) { return kind == KV_Q8_0 ? hd / 32 * 34 : kind == KV_F16 ? 2 * hd : 4 * hd; }
+
+static void store_row(KVKind kind, const float* x, int64_t hd, uint8_t* dst) {
+  if (kind == KV_F32) return static_cast<void>(std::memcpy(dst, x, hd * sizeof(float)));
+  if (kind == KV_F16) {
+    for (int64_t i = 0; i < hd; ++i) {
+      const uint16_t h = to_half(x[i]);
+      std::memcpy(dst + 2 * i, &h, 2);
+    }
+    return;
+  }
+  for (int64_t b = 0; b < hd / 32; ++b) {
+    const float* xb = x + 32 * b;
+    uint8_t* blk = dst + 34 * b;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const uint16_t dh = to_half(d);
+    std::memcpy(blk, &dh, 2);
+    for (int j = 0; j < 32; ++j) blk[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::round(xb[j] * id)));
+  }
+}
+
+// n rows of a head's k or v (row i at src + i * stride bytes) as float32 rows hd apart at out
+static void load_rows_scalar(KVKind kind, const uint8_t* src, int64_t stride, int64_t n, int64_t hd, float* out) {
+  for (int64_t i = 0; i < n; ++i, src += stride, out += hd) {
+    if (kind == KV_F16) {
+      for (int64_t c = 0; c < hd; ++c) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * c, 2);
+        out[c] = from_half(h);
+      }
+      continue;
+    }
+    for (int64_t b = 0; b < hd / 32; ++b) {
+      uint16_t dh;
+      std::memcpy(&dh, src + 34 * b, 2);
+      const float d = from_half(dh);
+      const int8_t* q = reinterpret_cast<const int8_t*>(src + 34 * b + 2);
+      for (int j = 0; j < 32; ++j) out[32 * b + j] = static_cast<float>(q[j]) * d;
+    }
+  }
+}
+
+AVX2_FN static void load_rows_avx2(KVKind kind, const uint8_t* src, int64_t stride, int64_t n, int64_t hd,
+                                   float* out) {
+  for (int64_t i = 0; i < n; ++i, src += stride, out += hd) {
+    if (kind == KV_F16) {
+      for (int64_t c = 0; c < hd; c += 8)
+        _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * c))));
+      continue;
+    }
+    for (int64_t b = 0; b < hd / 32; ++b) {
+      uint16_t dh;
+      std::memcpy(&dh, src + 34 * b, 2);
+      const __m256 d = _mm256_set1_ps(from_half(dh));
+      const uint8_t* q = src + 34 * b + 2;
+      for (int j = 0; j < 32; j += 8) {
+        const __m256i qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)));
+        _mm256_storeu_ps(out + 32 * b + j, _mm256_mul_ps(_mm256_cvtepi32_ps(qi), d));
+      }
+    }
+  }
+}
+
 // y = w * x / sqrt(mean(x*x) + eps)
 static void rms_norm_row(const float* x, const float* w, float* y, int64_t d, float eps) {
   float ss = 0.f;
@@ -376,30 +449,71 @@ void StepModel::quantize_for(Mats mys, const float* x, const Plan& plan, int64_t
 
 // o_ (T, H, hd): row t of sequence b, query head h attends softmax(cap(scale q k^T)) v over positions
 // [0, positions[t]] of b (or [0, key_ends[t]): an image's slots; with a window w: from positions[t] - w + 1), with kv
-// head h / (H / n_kv); scale
-// 1 / sqrt(hd) unless the model sets one, cap(s) = c tanh(s / c) where the model soft-caps. A window's unit starts at
-// the page of its first row's first key; keys below a row's window get weight 0. The work comes in units of
-// (sequence, query heads, rows): a decoding sequence's one row makes a unit per query head, split evenly over the
-// threads in order (neighbouring heads share their kv head's pages in cache); a prefill or verify chunk makes units of
-// up to 8 rows with every query head of one kv group, so a page's keys and values are read once for all of them (a
-// unit a query head each where that makes few), taken by the threads as they go, heaviest first. Each row's sums run
-// in the same order whatever else is in the batch and whatever the units.
-void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, int64_t ps, int64_t window) {
+// head h / (H / n_kv); scale 1 / sqrt(hd) unless the model sets one, cap(s) = c tanh(s / c) where the model soft-caps.
+// A window's unit starts at the page of its first row's first key; keys below a row's window get weight 0.
+//
+// Keys come in segments of SEG_KEYS positions (absolute, whole pages). A row's keys within one segment are one pass
+// (scores, their largest m, l = sum exp(s - m), and sum exp(s - m) v); a row with keys in several has its passes folded
+// in segment order (fold), so its numbers depend on its own keys only, and one segment gives the single pass's bits.
+// The work comes in units of (sequence, query heads, rows, keys): a decoding sequence's one row makes a unit per query
+// head while its keys are one segment, split evenly over the threads in order (neighbouring heads share their kv head's
+// pages in cache); past one segment, a unit per kv group and segment (every query head of the group reads a page once:
+// a long context's pages do not stay in cache between heads), the passes kept in part_ and folded after. A prefill or
+// verify chunk makes units of up to 8 rows with every query head of one kv group, folding its segments as it goes.
+// Where units are few (a verify of a few rows: 3 kv groups on 2 threads leave one idle for a third of the work) they
+// take a query head each. These go to the threads as they come, heaviest first. Each row's sums run in the same order
+// whatever else is in the batch and whatever the units.
+constexpr int64_t SEG_KEYS = 1024;
+
+namespace {
+// (M, L, o): a row's passes folded so far (M = -inf: none); the next segment's (m, l, os) joins them
+void fold(float& M, float& L, float* o, float m, float l, const float* os, int64_t hd) {
+  if (l == 0.f) return;  // no key of the row in that segment
+  if (M == -INFINITY) {
+    M = m, L = l;
+    std::memcpy(o, os, hd * sizeof(float));
+    return;
+  }
+  const float top = std::max(M, m), a = std::exp(M - top), b = std::exp(m - top);
+  L = L * a + l * b;
+  for (int64_t c = 0; c < hd; ++c) o[c] = o[c] * a + os[c] * b;
+  M = top;
+}
+}  // namespace
+
+void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc, int64_t ps, KVKind kind,
+                       int64_t window) {
   const int64_t g = n_heads / n_kv, hd = head_dim, qd = n_heads * hd, kvd = n_kv * hd;
+  const int64_t row_bytes = kv_row_bytes(kind, hd), slot_bytes = n_kv * row_bytes;
   const float scale = attn_scale > 0.f ? attn_scale : 1.f / std::sqrt(float(hd)), cap = attn_softcap;
   const bool vec = path() >= PATH_AVX2;
   const int nv = vec && hd == 64 ? 8 : vec && hd == 128 ? 16 : 0;  // a register kernel, or the generic loops
   const auto key_end = [&](int64_t t) { return bv.key_ends != nullptr ? bv.key_ends[t] : bv.positions[t] + 1; };
+  const auto key_first = [&](int64_t t) {
+    return window > 0 ? std::max<int64_t>(0, bv.positions[t] + 1 - window) : int64_t(0);
+  };
   const bool wide = path() == PATH_AVX512;                            // its 16-lane form
+  const int64_t seg = std::max<int64_t>(1, SEG_KEYS / ps) * ps;       // whole pages
   constexpr int64_t ROWS = 8;
   struct Unit {
     int64_t b, h0, heads, r0, rows, lmax;
+    int64_t s = -1;     // one segment's pass into part_ (a long decode row), or -1: every segment, folded here
+    int64_t slot = -1;  // the decode row's place in part_
   };
   std::vector<Unit> single, chunks;
+  int64_t n_long = 0, most_segs = 1;  // decode rows past one segment; the most segments of any of them
   for (int64_t b = 0; b < bv.b; ++b) {
     const int64_t lo = bv.query_start[b], hi = bv.query_start[b + 1];
     if (hi - lo == 1) {
-      for (int64_t h = 0; h < n_heads; ++h) single.push_back(Unit{b, h, 1, lo, 1, key_end(lo)});
+      const int64_t end = key_end(lo), s0 = key_first(lo) / seg, s1 = (end + seg - 1) / seg;
+      if (s1 - s0 <= 1) {
+        for (int64_t h = 0; h < n_heads; ++h) single.push_back(Unit{b, h, 1, lo, 1, end});
+        continue;
+      }
+      most_segs = std::max(most_segs, s1);
+      for (int64_t s = s0; s < s1; ++s)
+        for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, lo, 1, end, s, n_long});
+      ++n_long;
       continue;
     }
     for (int64_t r0 = lo; r0 < hi; r0 += ROWS) {
@@ -409,71 +523,124 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
       for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax});
     }
   }
-  // Few chunk units (a verify of a few rows: 3 kv groups on 2 threads leave one idle for a third of the work): a unit
-  // a query head each, so the threads' shares come out even. A row's sums are the same in either shape.
   if (g > 1 && static_cast<int64_t>(chunks.size()) < 8 * at::get_num_threads()) {
     std::vector<Unit> each;
     each.reserve(chunks.size() * g);
     for (const Unit& u : chunks)
-      for (int64_t h = 0; h < g; ++h) each.push_back(Unit{u.b, u.h0 + h, 1, u.r0, u.rows, u.lmax});
+      for (int64_t h = 0; h < g; ++h) each.push_back(Unit{u.b, u.h0 + h, 1, u.r0, u.rows, u.lmax, u.s, u.slot});
     chunks.swap(each);
   }
-  std::stable_sort(chunks.begin(), chunks.end(),
-                   [](const Unit& x, const Unit& y) { return x.rows * x.lmax > y.rows * y.lmax; });
-  auto run = [&](const Unit& U) {
-    static thread_local std::vector<float> sc, inv;
-    const int64_t n_rows = U.heads * U.rows, lmax = U.lmax, off = (U.h0 / g) * hd;
-    if (static_cast<int64_t>(sc.size()) < n_rows * lmax) sc.resize(n_rows * lmax);
-    if (static_cast<int64_t>(inv.size()) < n_rows) inv.resize(n_rows);
+  const auto weight = [&](const Unit& u) { return u.rows * u.heads * (u.s < 0 ? u.lmax : seg); };
+  std::stable_sort(chunks.begin(), chunks.end(), [&](const Unit& x, const Unit& y) { return weight(x) > weight(y); });
+  // a long decode row's passes: (row slot, head, segment) -> m, l, hd sums
+  const int64_t part_row = hd + 2;
+  if (n_long > 0) part_.resize(n_long * n_heads * most_segs * part_row);
+  const auto part = [&](int64_t slot, int64_t h, int64_t s) {
+    return part_.data() + ((slot * n_heads + h) * most_segs + s) * part_row;
+  };
+  // a page's keys (or values) of one kv head as float32 rows `stride` floats apart: the pool's own floats, or a float16
+  // or q8_0 cache's n rows read into buf (once for every query row of the unit)
+  auto page_rows = [&](const uint8_t* cache, int64_t page, int64_t hk, int64_t n, std::vector<float>& buf,
+                       int64_t& stride) -> const float* {
+    const uint8_t* base = cache + page * ps * slot_bytes + hk * row_bytes;
+    if (kind == KV_F32) return stride = kvd, reinterpret_cast<const float*>(base);
+    if (static_cast<int64_t>(buf.size()) < ps * hd) buf.resize(ps * hd);
+    if (vec) load_rows_avx2(kind, base, slot_bytes, n, hd, buf.data());
+    else load_rows_scalar(kind, base, slot_bytes, n, hd, buf.data());
+    return stride = hd, buf.data();
+  };
+  // query row j of a unit: head h0 + j / rows, token r0 + j % rows
+  const auto tok = [](const Unit& U, int64_t j) { return U.r0 + j % U.rows; };
+  const auto head = [](const Unit& U, int64_t j) { return U.h0 + j / U.rows; };
+  const auto o = [&](const Unit& U, int64_t j) { return o_.data() + tok(U, j) * qd + head(U, j) * hd; };
+  // one pass of the unit's rows over keys [a, e) (a whole page): m[j], l[j] (0 where row j has no key there) and
+  // out(j) = sum exp(s - m[j]) v
+  const auto pass = [&](const Unit& U, int64_t a, int64_t e, float* m, float* l, auto out) {
+    static thread_local std::vector<float> sc, rows_buf;
+    const int64_t n_rows = U.heads * U.rows, hk = U.h0 / g;
+    const int64_t base = std::max(a, key_first(U.r0) / ps * ps), width = std::max<int64_t>(0, e - base);
+    if (static_cast<int64_t>(sc.size()) < n_rows * width) sc.resize(n_rows * width);
     const int32_t* pages = bv.block_tables + U.b * bv.width;
-    // query row j of the unit: head h0 + j / rows, token r0 + j % rows
-    auto len = [&](int64_t j) { return key_end(U.r0 + j % U.rows); };
-    auto first = [&](int64_t j) {
-      return window > 0 ? std::max<int64_t>(0, bv.positions[U.r0 + j % U.rows] + 1 - window) : int64_t(0);
-    };
-    const int64_t start = first(0) / ps * ps;  // the unit's first row has the smallest position
-    auto q = [&](int64_t j) { return q_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
-    auto o = [&](int64_t j) { return o_.data() + (U.r0 + j % U.rows) * qd + (U.h0 + j / U.rows) * hd; };
-    for (int64_t pos0 = start; pos0 < lmax; pos0 += ps) {  // scores
-      const float* kp = kc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
+    const auto hi = [&](int64_t j) { return std::min(key_end(tok(U, j)), e); };  // the row's last key here, + 1
+    int64_t st = kvd;  // the stride of the page's rows as read
+    for (int64_t pos0 = base; pos0 < e; pos0 += ps) {  // scores
+      const float* kp = page_rows(kc, pages[pos0 / ps], hk, std::min(ps, e - pos0), rows_buf, st);
       for (int64_t j = 0; j < n_rows; ++j) {
-        const int64_t n = std::min(ps, len(j) - pos0);
-        float* s = sc.data() + j * lmax + pos0;
-        if (wide && nv == 8) score_keys_avx512<4>(q(j), kp, kvd, n, scale, s);
-        else if (wide && nv == 16) score_keys_avx512<8>(q(j), kp, kvd, n, scale, s);
-        else if (nv == 8) score_keys_avx2<8>(q(j), kp, kvd, n, scale, s);
-        else if (nv == 16) score_keys_avx2<16>(q(j), kp, kvd, n, scale, s);
+        const int64_t n = std::min(ps, hi(j) - pos0);
+        const float* qj = q_.data() + tok(U, j) * qd + head(U, j) * hd;
+        float* sj = sc.data() + j * width + (pos0 - base);
+        if (wide && nv == 8) score_keys_avx512<4>(qj, kp, st, n, scale, sj);
+        else if (wide && nv == 16) score_keys_avx512<8>(qj, kp, st, n, scale, sj);
+        else if (nv == 8) score_keys_avx2<8>(qj, kp, st, n, scale, sj);
+        else if (nv == 16) score_keys_avx2<16>(qj, kp, st, n, scale, sj);
         else
           for (int64_t i = 0; i < n; ++i)
-            s[i] = (vec ? dot_avx2(q(j), kp + i * kvd, hd) : dot_scalar(q(j), kp + i * kvd, hd)) * scale;
+            sj[i] = (vec ? dot_avx2(qj, kp + i * st, hd) : dot_scalar(qj, kp + i * st, hd)) * scale;
       }
     }
-    for (int64_t j = 0; j < n_rows; ++j) {  // softmax numerators over the row's keys and 1 / their sum
-      float* s = sc.data() + j * lmax;
-      const int64_t lo = first(j), n = len(j) - lo;
+    for (int64_t j = 0; j < n_rows; ++j) {  // softmax numerators over the row's keys here, their largest and sum
+      float* sj = sc.data() + j * width - base;  // indexed by position
+      const int64_t lo = std::max(key_first(tok(U, j)), base), end = hi(j), n = end - lo;
+      std::fill(out(j), out(j) + hd, 0.f);
+      if (n <= 0) {
+        m[j] = -INFINITY, l[j] = 0.f;
+        std::fill(sj + base, sj + e, 0.f);
+        continue;
+      }
       if (cap > 0.f)
-        for (int64_t i = lo; i < len(j); ++i) s[i] = std::tanh(s[i] / cap) * cap;
-      const float mx = vec ? max_avx2(s + lo, n) : *std::max_element(s + lo, s + len(j));
-      inv[j] = 1.f / (vec ? exp_sum_avx2(s + lo, n, mx) : exp_sum_scalar(s + lo, n, mx));
-      std::fill(s + start, s + lo, 0.f);  // keys before the window
-      std::fill(o(j), o(j) + hd, 0.f);
+        for (int64_t i = lo; i < end; ++i) sj[i] = std::tanh(sj[i] / cap) * cap;
+      m[j] = vec ? max_avx2(sj + lo, n) : *std::max_element(sj + lo, sj + end);
+      l[j] = vec ? exp_sum_avx2(sj + lo, n, m[j]) : exp_sum_scalar(sj + lo, n, m[j]);
+      std::fill(sj + base, sj + lo, 0.f);  // keys before the window
     }
-    for (int64_t pos0 = start; pos0 < lmax; pos0 += ps) {  // o = sum p v
-      const float* vp = vc + int64_t(pages[pos0 / ps]) * ps * kvd + off;
+    for (int64_t pos0 = base; pos0 < e; pos0 += ps) {  // out = sum p v
+      const float* vp = page_rows(vc, pages[pos0 / ps], hk, std::min(ps, e - pos0), rows_buf, st);
       for (int64_t j = 0; j < n_rows; ++j) {
-        const int64_t n = std::min(ps, len(j) - pos0);
-        const float* w = sc.data() + j * lmax + pos0;
-        if (wide && nv == 8) accumulate_avx512<4>(o(j), w, vp, kvd, n);
-        else if (wide && nv == 16) accumulate_avx512<8>(o(j), w, vp, kvd, n);
-        else if (nv == 8) accumulate_avx2<8>(o(j), w, vp, kvd, n);
-        else if (nv == 16) accumulate_avx2<16>(o(j), w, vp, kvd, n);
+        const int64_t n = std::min(ps, hi(j) - pos0);
+        const float* w = sc.data() + j * width + (pos0 - base);
+        float* oj = out(j);
+        if (wide && nv == 8) accumulate_avx512<4>(oj, w, vp, st, n);
+        else if (wide && nv == 16) accumulate_avx512<8>(oj, w, vp, st, n);
+        else if (nv == 8) accumulate_avx2<8>(oj, w, vp, st, n);
+        else if (nv == 16) accumulate_avx2<16>(oj, w, vp, st, n);
         else
           for (int64_t i = 0; i < n; ++i)
-            vec ? axpy_avx2(o(j), w[i], vp + i * kvd, hd) : axpy_scalar(o(j), w[i], vp + i * kvd, hd);
+            vec ? axpy_avx2(oj, w[i], vp + i * st, hd) : axpy_scalar(oj, w[i], vp + i * st, hd);
       }
     }
-    for (int64_t j = 0; j < n_rows; ++j)
-      for (int64_t c = 0; c < hd; ++c) o(j)[c] *= inv[j];
+  };
+  auto run = [&](const Unit& U) {
+    static thread_local std::vector<float> ms, ls, big_m, big_l, tmp;
+    const int64_t n_rows = U.heads * U.rows;
+    ms.resize(n_rows), ls.resize(n_rows);
+    if (U.s >= 0) {  // a long decode row's segment: its pass into part_ (U.rows == 1: j is a head)
+      pass(U, U.s * seg, std::min(U.lmax, (U.s + 1) * seg), ms.data(), ls.data(),
+           [&](int64_t j) { return part(U.slot, head(U, j), U.s) + 2; });
+      for (int64_t j = 0; j < n_rows; ++j) {
+        float* p = part(U.slot, head(U, j), U.s);
+        p[0] = ms[j], p[1] = ls[j];
+      }
+      return;
+    }
+    const int64_t s0 = key_first(U.r0) / seg, s1 = (U.lmax + seg - 1) / seg;
+    if (s1 - s0 <= 1) {  // one segment: the pass straight into o, then 1 / l
+      pass(U, s0 * seg, U.lmax, ms.data(), ls.data(), [&](int64_t j) { return o(U, j); });
+      for (int64_t j = 0; j < n_rows; ++j) {
+        const float inv = 1.f / ls[j];
+        for (int64_t c = 0; c < hd; ++c) o(U, j)[c] *= inv;
+      }
+      return;
+    }
+    big_m.assign(n_rows, -INFINITY), big_l.assign(n_rows, 0.f), tmp.resize(n_rows * hd);
+    for (int64_t s = s0; s < s1; ++s) {
+      pass(U, s * seg, std::min(U.lmax, (s + 1) * seg), ms.data(), ls.data(),
+           [&](int64_t j) { return tmp.data() + j * hd; });
+      for (int64_t j = 0; j < n_rows; ++j) fold(big_m[j], big_l[j], o(U, j), ms[j], ls[j], tmp.data() + j * hd, hd);
+    }
+    for (int64_t j = 0; j < n_rows; ++j) {
+      const float inv = 1.f / big_l[j];
+      for (int64_t c = 0; c < hd; ++c) o(U, j)[c] *= inv;
+    }
   };
   if (!single.empty())
     at::parallel_for(0, static_cast<int64_t>(single.size()), 1, [&](int64_t a, int64_t e) {
@@ -485,12 +652,31 @@ void StepModel::attend(const BatchView& bv, const float* kc, const float* vc, in
       for (int64_t u = next++; u < static_cast<int64_t>(chunks.size()); u = next++) run(chunks[u]);
     });
   }
+  if (n_long == 0) return;
+  for (int64_t b = 0, slot = 0; b < bv.b; ++b) {  // the long decode rows' passes folded in segment order
+    const int64_t t = bv.query_start[b];
+    if (bv.query_start[b + 1] - t != 1) continue;
+    const int64_t s0 = key_first(t) / seg, s1 = (key_end(t) + seg - 1) / seg;
+    if (s1 - s0 <= 1) continue;
+    for (int64_t h = 0; h < n_heads; ++h) {
+      float M = -INFINITY, L = 0.f;
+      float* oh = o_.data() + t * qd + h * hd;
+      for (int64_t s = s0; s < s1; ++s) {
+        const float* p = part(slot, h, s);
+        fold(M, L, oh, p[0], p[1], p + 2, hd);
+      }
+      const float inv = 1.f / L;
+      for (int64_t c = 0; c < hd; ++c) oh[c] *= inv;
+    }
+    ++slot;
+  }
 }
 
 void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin,
                         const float* cos_l, const float* sin_l, int64_t n_layers, float* logits) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t T = bv.t, d = dim, qd = n_heads * head_dim, kvd = n_kv * head_dim, half = head_dim / 2;
+  const int64_t row_bytes = kv_row_bytes(kv.kind, head_dim), slot_bytes = n_kv * row_bytes;
   const int64_t widest = std::max({d, qd, ffn});
   const int64_t rows = std::max(T, bv.r);
   x_.resize(T * d), y_.resize(rows * std::max(d, qd)), q_.resize(T * qd), k_.resize(T * kvd), v_.resize(T * kvd);
@@ -547,10 +733,12 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
       }
       rope_heads(q + t * qd, n_heads, head_dim, c, s);
       rope_heads(k + t * kvd, n_kv, head_dim, c, s);
-      std::memcpy(kv.k[i] + bv.slots[t] * kvd, k + t * kvd, kvd * sizeof(float));
-      std::memcpy(kv.v[i] + bv.slots[t] * kvd, v + t * kvd, kvd * sizeof(float));
+      for (int64_t h = 0; h < n_kv; ++h) {  // into the pool as it stores a row
+        store_row(kv.kind, k + t * kvd + h * head_dim, head_dim, kv.k[i] + bv.slots[t] * slot_bytes + h * row_bytes);
+        store_row(kv.kind, v + t * kvd + h * head_dim, head_dim, kv.v[i] + bv.slots[t] * slot_bytes + h * row_bytes);
+      }
     }
-    attend(bv, kv.k[i], kv.v[i], kv.page_size, L.window);
+    attend(bv, kv.k[i], kv.v[i], kv.page_size, kv.kind, L.window);
     quantize_for({{&L.wo, out}}, o, tokens_, qd);
     linears({{&L.wo, out}}, o, tokens_);
     if (L.attn_post_norm != nullptr)

@@ -60,11 +60,17 @@ struct BatchView {
 // products added (INT8X2: about 15 bits, qint8.h Act8::quantize_pair)
 enum Prec { EXACT = 0, INT8 = 1, INT8X2 = 2 };
 
-// webchat.model.kv_cache.KVPool: per layer k and v pages (num_pages, page_size, n_kv, hd)
+// How the pool stores a head's row of k or v (webchat.model.kv_format): float32, float16, or ggml's q8_0 blocks (per
+// 32 values a float16 scale and 32 int8: 34 bytes)
+enum KVKind { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 2 };
+
+// webchat.model.kv_cache.KVPool: per layer k and v pages (num_pages, page_size, n_kv, row), a row a head's hd values
+// in `kind`
 struct PoolView {
-  float* const* k = nullptr;
-  float* const* v = nullptr;
+  uint8_t* const* k = nullptr;
+  uint8_t* const* v = nullptr;
   int64_t page_size = 0;
+  KVKind kind = KV_F32;
 };
 
 struct StepModel {
@@ -89,6 +95,7 @@ struct StepModel {
  private:
   std::mutex mu_;
   std::vector<float> x_, y_, q_, k_, v_, o_, g_, u_, out_, xsum2_, pair_;
+  std::vector<float> part_;  // attend's long decode rows: each segment's pass (m, l, hd sums) a query head
   struct Rows {  // a run of rows that one kind of matmul computes
     int64_t lo, hi;
     bool prompt;
@@ -111,7 +118,8 @@ struct StepModel {
   void quantize_row(const Plan& plan, int64_t r, const float* x);            // row r of plan from x (if it has one)
   void quantize_for(Mats mys, const float* x, const Plan& plan, int64_t k);  // shape_for, then every row of x
   void add_biases(Mats mys, int64_t m);
-  void attend(const BatchView& bv, const float* kc, const float* vc, int64_t page_size, int64_t window);
+  void attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc, int64_t page_size, KVKind kind,
+              int64_t window);
 };
 
 }  // namespace wq
