@@ -9,7 +9,8 @@ rounds and each keeps its best round per section. Sections, greedy, end-of-turn 
           min), aggregate tok/s (all tokens / wall time from the first request to the last token); the single client
           runs three times a round (three prompts) and its median run by aggregate is kept: one 96-token stream is
           under a second, and alone it moved the served-against-bare ratio by 0.8-1.1 between rounds
-  long    one ~1,000-token prompt: TTFT and the decode after it
+  long    one ~1,000-token prompt (`--long-tokens`): TTFT and the decode after it; then its next turn (the reply sent
+          back and a question): TTFT, the long prompt's cache reused
 Peak RSS of each server process over its round is printed too.
 
     bash bench/build_llama_server.sh                      # once, ~10 minutes on 2 cores
@@ -83,7 +84,11 @@ from bench.served_files import (
 from bench.served_prompts import long_chat, short_chat
 
 C1_RUNS = 3  # single-client runs a round; the median one is kept
-def run_sections(server: Server, tokens: int, clients: list[int], rnd: int) -> dict[str, Section]:
+FOLLOW_UP = "Which of these decisions matters most, and why?"
+
+
+def run_sections(server: Server, tokens: int, clients: list[int], rnd: int,
+                 long_tokens: int = 1000) -> dict[str, Section]:
     out: dict[str, Section] = {}
     server.stream(short_chat(99), 8)  # warm-up: lazy set-up out of the figures
     msgs = [{"role": "user", "content": f"Round {rnd}: what is the capital of France? Answer in one long paragraph."}]
@@ -95,8 +100,14 @@ def run_sections(server: Server, tokens: int, clients: list[int], rnd: int) -> d
         tries = [concurrent(server, n, tokens, offset=rnd * 7 + n + k) for k in range(C1_RUNS if n == 1 else 1)]
         out[f"c{n}"] = sorted(tries, key=lambda sec: sec.aggregate)[len(tries) // 2]
     t0 = time.perf_counter()
-    long = server.stream(long_chat(), tokens)
+    notes = long_chat(max(1, round(long_tokens / 100)))
+    long = server.stream(notes, tokens)
     out["long"] = Section("long", [long], long.end - t0, {"prompt_tokens": float(long.prompt_tokens)})
+    # the next turn of that conversation: the reply sent back and a question (the long prompt's cache reused)
+    t0 = time.perf_counter()
+    turn = [*notes, {"role": "assistant", "content": long.text}, {"role": "user", "content": FOLLOW_UP}]
+    follow = server.stream(turn, tokens)
+    out["follow"] = Section("follow", [follow], follow.end - t0, {"prompt_tokens": float(follow.prompt_tokens)})
     return out
 
 
@@ -200,7 +211,7 @@ class FileRun:
         mine = self.best.setdefault(name, {})
         for sec in sections.values():
             old = mine.get(sec.name)
-            if sec.name in ("repeat", "long"):
+            if sec.name in ("repeat", "long", "follow"):
                 better = old is None or sec.streams[0].ttft_ms < old.streams[0].ttft_ms
             else:
                 better = old is None or sec.aggregate > old.aggregate
@@ -209,7 +220,7 @@ class FileRun:
 
 
 def run_file(makers: dict[str, Callable[[int], Server]], tokens: int, clients: list[int], rounds: int,
-             bare_src: Path | None) -> FileRun:
+             bare_src: Path | None, long_tokens: int = 1000) -> FileRun:
     """`rounds` rounds of every server in turn (one process at a time); with bare_src, bench.bench_cpu's bare decode
     after webchat's each round."""
     run = FileRun({}, {})
@@ -218,7 +229,7 @@ def run_file(makers: dict[str, Callable[[int], Server]], tokens: int, clients: l
             server = make(free_port())
             try:
                 server.wait_ready()
-                sections = run_sections(server, tokens, clients, rnd)
+                sections = run_sections(server, tokens, clients, rnd, long_tokens)
             finally:
                 server.stop()
             run.keep(name, sections, server)
@@ -263,6 +274,7 @@ def print_table(run: FileRun, clients: list[int]) -> None:
     long_tokens = "/".join(str(int(best[m]["long"].extra["prompt_tokens"])) for m in names)
     row(f"long prompt ({long_tokens} tok): TTFT", {m: best[m]["long"].streams[0].ttft_ms for m in names}, "ms", True)
     row("long prompt: decode after it", {m: best[m]["long"].streams[0].decode_tps for m in names}, "tok/s")
+    row("its next turn: TTFT", {m: best[m]["follow"].streams[0].ttft_ms for m in names}, "ms", True)
     row("peak RSS", {m: run.rss[m] / 2**20 for m in names}, "MiB", True)
     if peer:
         print("\nratio: webchat / llama-server for tok/s; llama-server / webchat for times and memory "
@@ -315,6 +327,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llama-server", type=Path, default=None, help="binary (default: bench/build_llama_server.sh)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--long-tokens", type=int, default=1000,
+                        help="the long prompt's size, ~100 tokens a meeting's notes (8000 with --ctx 9000: a long "
+                        "conversation; the default file's context is 8,192)")
     parser.add_argument("--clients", default=None,
                         help="concurrent clients per section (default 1,4,16; 1,4 with --set)")
     parser.add_argument("--ctx", type=int, default=None,
@@ -418,7 +433,7 @@ def main() -> None:
         print(f"\n{gguf.name}, {args.tokens} greedy tokens, {THREADS} threads, {args.rounds} rounds (best kept), "
               f"servers alternating, one at a time ({', '.join(makers)}; llama-server -np {parallel} -c {ctx})",
               flush=True)
-        run = run_file(makers, args.tokens, args.clients, args.rounds, src if args.bare else None)
+        run = run_file(makers, args.tokens, args.clients, args.rounds, src if args.bare else None, args.long_tokens)
         print()
         print_table(run, args.clients)
         if 1 in args.clients:

@@ -46,6 +46,7 @@ class Stream:
     decode_tps: float  # (tokens - 1) / (last content chunk - first): a server that merges chunks is not favoured
     end: float  # perf_counter of the last content chunk
     prompt_tokens: int = 0
+    text: str = ""  # the reply's content (a follow-up turn sends it back)
 
 
 @dataclass
@@ -204,6 +205,7 @@ class Server:
             raise RuntimeError(f"{self.name}: HTTP {resp.status}: {resp.read()[:300]!r}")
         first = last = 0.0
         chunks = 0
+        pieces: list[str] = []
         usage: dict[str, int] = {}
         for raw in resp:
             line = raw.strip()
@@ -217,12 +219,13 @@ class Server:
                 last = time.perf_counter()
                 first = first or last
                 chunks += 1
+                pieces.append(choices[0]["delta"]["content"])
         conn.close()
         n = int(usage.get("completion_tokens", chunks))
         if n < 2 or not first:
             raise RuntimeError(f"{self.name}: expected a stream of tokens, got {n} ({chunks} content chunks)")
         decode = (n - 1) / (last - first) if last > first else float("nan")
-        return Stream((first - t0) * 1000, n, decode, last, int(usage.get("prompt_tokens", 0)))
+        return Stream((first - t0) * 1000, n, decode, last, int(usage.get("prompt_tokens", 0)), "".join(pieces))
 
 
 def parallel(calls: list[Callable[[], T]]) -> list[T]:

@@ -29,8 +29,9 @@ def short_chat(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}]
 
 
-def long_chat() -> list[dict[str, str]]:
-    text = " ".join(f"Meeting {k + 1}. {LONG_PARAGRAPH}" for k in range(10))  # ~1,000 tokens with either tokenizer
+def long_chat(meetings: int = 10) -> list[dict[str, str]]:
+    """Meeting notes to summarise: ~100 tokens a meeting with either tokenizer (10: ~1,000)."""
+    text = " ".join(f"Meeting {k + 1}. {LONG_PARAGRAPH}" for k in range(meetings))
     return [{"role": "user", "content": text + "Summarise these notes as a short list of decisions."}]
 
 
