@@ -83,7 +83,7 @@ def test_names_and_sizes() -> None:
     f32, f16, q8 = (kv_bytes_per_token(Args, torch.float32, k) for k in kv_format.KV_CACHE_TYPES)  # type: ignore[arg-type]
     assert (f32, f16, q8) == (46080, 23040, 12240)
     assert kv_bytes_per_token(Args, torch.float32) == f32  # type: ignore[arg-type]
-    assert q8 / f16 == kv_format.SIZE_OF_F32["q8_0"] / kv_format.SIZE_OF_F32["f16"] == 17 / 32
+    assert q8 / f16 == kv_format.share_of_f32("q8_0") / kv_format.share_of_f32("f16") == 17 / 32
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ class KVPool:
         self._v[:, 0].zero_()
         self.page_size, self.num_pages = page_size, num_pages
         self.page_bytes = page_size * kv_bytes_per_token(args, dtype, kind)
-        self.kind = kind or kv_format.kind_name(dtype)
+        self.kind = kv_format.kind_name(dtype)  # what /api/info reports: the tensors' dtype says
         self.ref = [0] * num_pages
         self.free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))  # oldest first
         self.ids: dict[int, int] = {}  # registered page -> its id (unique for the pool's life; parent of the next)

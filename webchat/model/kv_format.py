@@ -20,7 +20,6 @@ KV_CACHE_TYPES = ("f32", "f16", "q8_0")
 DEFAULT_KV_CACHE = "f32"
 Q8_BLOCK = 32  # values a q8_0 block
 Q8_BYTES = 34  # its float16 scale and 32 int8
-SIZE_OF_F32 = {"f32": 1.0, "f16": 0.5, "q8_0": Q8_BYTES / (4 * Q8_BLOCK)}  # a row's bytes, of float32's
 
 
 def check(kind: str, head_dim: int) -> None:
@@ -43,6 +42,11 @@ def storage(kind: str, head_dim: int) -> tuple[torch.dtype, int]:
 def row_bytes(kind: str, head_dim: int) -> int:
     dtype, n = storage(kind, head_dim)
     return n * torch.empty((), dtype=dtype).element_size()
+
+
+def share_of_f32(kind: str) -> float:
+    """A row's bytes in `kind` over its float32 bytes (f16 0.5, q8_0 34/128), for any head of whole q8_0 blocks."""
+    return row_bytes(kind, Q8_BLOCK) / row_bytes("f32", Q8_BLOCK)
 
 
 def kind_name(dtype: torch.dtype) -> str:

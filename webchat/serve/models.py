@@ -195,11 +195,11 @@ class Models:
         KV pool --kv-pool gives it (a pool given in tokens: that many tokens of this model's k and v as --kv-cache
         stores them; the default size when the model's shape is unknown)."""
         from webchat.model.kv_cache import CPU_POOL_BYTES, pool_spec
-        from webchat.model.kv_format import SIZE_OF_F32
+        from webchat.model.kv_format import share_of_f32
 
         pool, tokens = pool_spec(self.config.kv_pool or "")
         if pool is None:
-            share = SIZE_OF_F32[self.config.kv_cache or "f32"]  # of a float32 pool's bytes
+            share = share_of_f32(self.config.kv_cache or "f32")  # card.kv_per_token counts float32 rows
             pool = int(tokens * card.kv_per_token * share) if tokens and card.kv_per_token else CPU_POOL_BYTES
         return card.size_bytes, pool
 

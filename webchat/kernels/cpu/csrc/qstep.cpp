@@ -501,7 +501,11 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     int64_t slot = -1;  // the decode row's place in part_
   };
   std::vector<Unit> single, chunks;
-  int64_t n_long = 0, most_segs = 1;  // decode rows past one segment; the most segments of any of them
+  struct Long {  // a decode row past one segment: its token and segments [s0, s1); its place in part_ is its index
+    int64_t t, s0, s1;
+  };
+  std::vector<Long> longs;
+  int64_t most_segs = 1;  // the most segments of any long row
   for (int64_t b = 0; b < bv.b; ++b) {
     const int64_t lo = bv.query_start[b], hi = bv.query_start[b + 1];
     if (hi - lo == 1) {
@@ -511,9 +515,10 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
         continue;
       }
       most_segs = std::max(most_segs, s1);
+      const auto slot = static_cast<int64_t>(longs.size());
       for (int64_t s = s0; s < s1; ++s)
-        for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, lo, 1, end, s, n_long});
-      ++n_long;
+        for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, lo, 1, end, s, slot});
+      longs.push_back(Long{lo, s0, s1});
       continue;
     }
     for (int64_t r0 = lo; r0 < hi; r0 += ROWS) {
@@ -534,7 +539,7 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
   std::stable_sort(chunks.begin(), chunks.end(), [&](const Unit& x, const Unit& y) { return weight(x) > weight(y); });
   // a long decode row's passes: (row slot, head, segment) -> m, l, hd sums
   const int64_t part_row = hd + 2;
-  if (n_long > 0) part_.resize(n_long * n_heads * most_segs * part_row);
+  if (!longs.empty()) part_.resize(static_cast<int64_t>(longs.size()) * n_heads * most_segs * part_row);
   const auto part = [&](int64_t slot, int64_t h, int64_t s) {
     return part_.data() + ((slot * n_heads + h) * most_segs + s) * part_row;
   };
@@ -609,6 +614,10 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
       }
     }
   };
+  const auto scale_by = [&](float* oj, float sum) {  // o / l: the softmax's denominator, once the sums are in
+    const float inv = 1.f / sum;
+    for (int64_t c = 0; c < hd; ++c) oj[c] *= inv;
+  };
   auto run = [&](const Unit& U) {
     static thread_local std::vector<float> ms, ls, big_m, big_l, tmp;
     const int64_t n_rows = U.heads * U.rows;
@@ -625,10 +634,7 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     const int64_t s0 = key_first(U.r0) / seg, s1 = (U.lmax + seg - 1) / seg;
     if (s1 - s0 <= 1) {  // one segment: the pass straight into o, then 1 / l
       pass(U, s0 * seg, U.lmax, ms.data(), ls.data(), [&](int64_t j) { return o(U, j); });
-      for (int64_t j = 0; j < n_rows; ++j) {
-        const float inv = 1.f / ls[j];
-        for (int64_t c = 0; c < hd; ++c) o(U, j)[c] *= inv;
-      }
+      for (int64_t j = 0; j < n_rows; ++j) scale_by(o(U, j), ls[j]);
       return;
     }
     big_m.assign(n_rows, -INFINITY), big_l.assign(n_rows, 0.f), tmp.resize(n_rows * hd);
@@ -637,10 +643,7 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
            [&](int64_t j) { return tmp.data() + j * hd; });
       for (int64_t j = 0; j < n_rows; ++j) fold(big_m[j], big_l[j], o(U, j), ms[j], ls[j], tmp.data() + j * hd, hd);
     }
-    for (int64_t j = 0; j < n_rows; ++j) {
-      const float inv = 1.f / big_l[j];
-      for (int64_t c = 0; c < hd; ++c) o(U, j)[c] *= inv;
-    }
+    for (int64_t j = 0; j < n_rows; ++j) scale_by(o(U, j), big_l[j]);
   };
   if (!single.empty())
     at::parallel_for(0, static_cast<int64_t>(single.size()), 1, [&](int64_t a, int64_t e) {
@@ -652,23 +655,17 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
       for (int64_t u = next++; u < static_cast<int64_t>(chunks.size()); u = next++) run(chunks[u]);
     });
   }
-  if (n_long == 0) return;
-  for (int64_t b = 0, slot = 0; b < bv.b; ++b) {  // the long decode rows' passes folded in segment order
-    const int64_t t = bv.query_start[b];
-    if (bv.query_start[b + 1] - t != 1) continue;
-    const int64_t s0 = key_first(t) / seg, s1 = (key_end(t) + seg - 1) / seg;
-    if (s1 - s0 <= 1) continue;
+  for (int64_t slot = 0; slot < static_cast<int64_t>(longs.size()); ++slot) {  // long rows' passes, in order
+    const Long& r = longs[slot];
     for (int64_t h = 0; h < n_heads; ++h) {
       float M = -INFINITY, L = 0.f;
-      float* oh = o_.data() + t * qd + h * hd;
-      for (int64_t s = s0; s < s1; ++s) {
+      float* oh = o_.data() + r.t * qd + h * hd;
+      for (int64_t s = r.s0; s < r.s1; ++s) {
         const float* p = part(slot, h, s);
         fold(M, L, oh, p[0], p[1], p + 2, hd);
       }
-      const float inv = 1.f / L;
-      for (int64_t c = 0; c < hd; ++c) oh[c] *= inv;
+      scale_by(oh, L);
     }
-    ++slot;
   }
 }
 
