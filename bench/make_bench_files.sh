@@ -5,6 +5,8 @@
 #   tinyllama-shape-{q4_0,q4_1,q8_0,q4_k_m,q5_k_m,q6_k}.gguf   llama-quantize of it
 #   llama32-3b-shape-q4_k_m.gguf      Llama-3.2-3B's shape, 128,256 tokens, tied, random weights: llama-quantize of a
 #                                     6.4 GB float16 source that is deleted afterwards (KEEP_F16=1 keeps it)
+#   llama31-8b-shape-q4_k_m.gguf      only with WITH_8B=1: Llama-3.1-8B's shape (4.9 GB), from a 16.1 GB float16 source
+#                                     deleted afterwards (~21 GB of disk at the peak, ~40 more minutes)
 #   smollm2-135m-q4_k_m.gguf          the real default model requantized to Q4_K_M: `llama-quantize --allow-requantize`
 #                                     of its Q4_1 GGUF (the fidelity figures of issue 38 were made so; the Q4_1 rounding
 #                                     is in the weights both sides dequantize)
@@ -48,6 +50,13 @@ if [ ! -f "$out/llama32-3b-shape-q4_k_m.gguf" ]; then
   [ "${KEEP_F16:-0}" = 1 ] || rm -f "$out/llama32-3b-shape-f16.gguf"
 fi
 echo "$out/llama32-3b-shape-q4_k_m.gguf"
+
+if [ "${WITH_8B:-0}" = 1 ] && [ ! -f "$out/llama31-8b-shape-q4_k_m.gguf" ]; then
+  make_source llama31-8b f16
+  quantize_to "$out/llama31-8b-shape-f16.gguf" "$out/llama31-8b-shape-q4_k_m.gguf" Q4_K_M >/dev/null
+  [ "${KEEP_F16:-0}" = 1 ] || rm -f "$out/llama31-8b-shape-f16.gguf"
+fi
+[ ! -f "$out/llama31-8b-shape-q4_k_m.gguf" ] || echo "$out/llama31-8b-shape-q4_k_m.gguf"
 
 default=$("$py" -c "from webchat.files.pull import ensure_default_gguf; print(ensure_default_gguf())")
 quantize_to "$default" "$out/smollm2-135m-q4_k_m.gguf" Q4_K_M --allow-requantize

@@ -8,6 +8,8 @@ Two shapes (`--shape`):
               tied embeddings, 128,256 tokens (3.21B parameters): the default model's byte-level BPE vocabulary padded
               with normal tokens `Ġreserved<i>` that no merge reaches, so both servers tokenize every text as the
               default model does (and agree on its ids) while the embedding and head have Llama 3's 128k rows
+  llama31-8b  Llama-3.1-8B's: 32 layers, dim 4096, FFN 14336, 32 heads, 8 KV heads, head dim 128, rope base 500000,
+              an untied head, the same padded 128,256 tokens (8.03B parameters)
 The tokenizer, chat template and special ids are copied from the default model's GGUF, so both servers read a
 tokenizer they know.
 
@@ -17,8 +19,8 @@ Weight types (`--type`):
         (bench/make_bench_files.sh)
   f32   every matrix float32
 Norms are float32 ones. Deterministic (seed 0, the tensors drawn in file order), written tensor by tensor, so memory
-stays near the largest tensor (the 3B's float16 embedding, 0.8 GB) while the file is 2.3 GB (tinyllama f16) or 6.4 GB
-(llama32-3b f16).
+stays near the largest tensor (the 8B's float16 embedding, 1.1 GB) while the file is 2.3 GB (tinyllama f16), 6.4 GB
+(llama32-3b f16) or 16.1 GB (llama31-8b f16).
 
     .venv/bin/python -m bench.make_tinyllama_gguf [--shape tinyllama] [--type q4_1] [--out PATH]
 """
@@ -62,6 +64,7 @@ class Shape:
 SHAPES = {
     "tinyllama": Shape("TinyLlama-1.1B", 22, 2048, 5632, 32, 4, 10000.0, 2048, None, False),
     "llama32-3b": Shape("Llama-3.2-3B", 28, 3072, 8192, 24, 8, 500000.0, 131072, 128256, True),
+    "llama31-8b": Shape("Llama-3.1-8B", 32, 4096, 14336, 32, 8, 500000.0, 131072, 128256, False),
 }
 
 

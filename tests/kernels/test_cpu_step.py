@@ -232,9 +232,13 @@ def test_a_prompt_is_computed_alike_however_it_is_chunked(tiny_model_dir: Path, 
     if weights != "float32":
         _, row_kv = feed([30], prompt=False)
         same = all(torch.equal(a, b) for a, b in zip(row_kv, whole_kv, strict=True))
-        # exact: the same rows as non-prompt rows take the row kernels, other roundings, so other bits; int8: a
-        # 32-value format's prompt rows take the row kernels too (only the K-quants have a prompt GEMM)
-        assert same == (weights == "q4_1-int8")
+        # the same rows as non-prompt rows take the attention's row kernels (a prompt's take qattn.h's tiles) and,
+        # exact, the matmul's row kernels: other roundings, so other bits
+        assert not same
+        if weights == "q4_1-int8":  # a 32-value format's prompt rows take the int8 row kernels too: the first
+            # layer's k/v (made before any attention) are the same bits
+            layers = len(row_kv) // 2
+            assert torch.equal(row_kv[0], whole_kv[0]) and torch.equal(row_kv[layers], whole_kv[layers])
 
 
 def test_attention_units_split_a_head_each_give_the_bits_of_whole_ones(tiny_model_dir: Path, shapes_root: Path,
@@ -309,24 +313,26 @@ def test_a_float16_or_q8_0_cache_in_cpp_matches_the_pytorch_path(tiny_model_dir:
             assert bool(((a - b).abs() <= step * 1.01 + 1e-6).all()), layer
 
 
+@pytest.mark.parametrize("rows", ["generated", "prompt"])
 def test_past_one_segment_of_keys_a_row_is_the_same_decoded_or_in_a_chunk(tiny_model_dir: Path, shapes_root: Path,
-                                                                           code_path: str) -> None:
+                                                                           code_path: str, rows: str) -> None:
     """Rows with more keys than one of attention's segments (qstep.cpp SEG_KEYS, 1,024 positions): a decode row's
-    segments are units of their own, folded after; a chunk's rows fold theirs as they go. Rows 2,140-2,199 of a prompt
-    fed in chunks or one row at a time give the same bits (as speculation's verify rows must give a decode's), and the
-    decode rows agree with the PyTorch path."""
+    segments are units of their own, folded after; a chunk's rows fold theirs as they go. Rows 2,140-2,199 fed in
+    chunks or one row at a time give the same bits, as generated rows (the row kernels: speculation's verify rows must
+    give a decode's) and as a prompt's (qattn.h's tiles: a prompt resent or extended meets the cache it made), and
+    agree with the PyTorch path."""
     model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q4_1", precision="int8")
     n, split = 2200, 2140  # three segments
     model.ensure_rope(n)  # past the tiny config's 1,024 positions (a random model: any rope row will do)
     ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(11)).tolist()
 
     def feed(chunks: list[int], pool: KVPool, table: PageTable, start: int = 0) -> torch.Tensor:
-        rows = []
+        out = []
         for size in chunks:
-            rows.append(model(make_batch([(ids[start : start + size], start, table.pages, list(range(size)))], PAGE,
-                                         prompt_ends=[n]), pool))
+            out.append(model(make_batch([(ids[start : start + size], start, table.pages, list(range(size)))], PAGE,
+                                         prompt_ends=[n if rows == "prompt" or start < split else split]), pool))
             start += size
-        return torch.cat(rows)
+        return torch.cat(out)
 
     def fresh() -> tuple[KVPool, PageTable]:
         pool = model.new_pool(n + 2 * PAGE, PAGE)
@@ -349,6 +355,35 @@ def test_past_one_segment_of_keys_a_row_is_the_same_decoded_or_in_a_chunk(tiny_m
         model.runner = runner
     torch.testing.assert_close(one_by_one, ref, atol=0.25, rtol=0)  # int8 on torch's norms: within 0.2 (test_int8)
     assert torch.equal(one_by_one.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("shape", ["hd64-gqa2", "hd128-mha"])
+def test_a_prompts_attention_tiles_give_every_vector_path_the_same_bits(tiny_model_dir: Path, shapes_root: Path,
+                                                                        shape: str) -> None:
+    """qattn.h's tiles run the same chains on AVX2 and AVX-512 (a lane per row, 8 or 16 to a vector): a prompt's
+    logits and every layer's k/v agree bit for bit across the vector paths this CPU runs (int8 weights, whose row
+    kernels agree too), where the row kernels' horizontal sums do not."""
+    paths = [p for p in ("avx2", "avx512") if p in qkernels.available_paths()]
+    if len(paths) < 2:
+        pytest.skip("this CPU runs one vector path")
+    model = load_model(model_dir(shapes_root, tiny_model_dir, shape), quantize="q4_1", precision="int8")
+    ids = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    runs = []
+    try:
+        for name in paths:
+            qkernels.load().set_path(qkernels.PATHS[name])
+            pool = model.new_pool(320, PAGE)
+            table = PageTable(pool)
+            table.ensure(len(ids))
+            logits = [model(make_batch([(ids[a : a + 64], a, table.pages, [-1])], PAGE, prompt_ends=[len(ids)]), pool)
+                      for a in range(0, len(ids), 64)]
+            slots = torch.tensor([table.pages[p // PAGE] * PAGE + p % PAGE for p in range(len(ids))])
+            runs.append((torch.cat(logits), [t.flatten(0, 1).index_select(0, slots) for t in pool.k + pool.v]))
+    finally:
+        qkernels.load().set_path(-1)
+    (logits_a, kv_a), (logits_b, kv_b) = runs
+    assert torch.equal(logits_a, logits_b)
+    assert all(torch.equal(a, b) for a, b in zip(kv_a, kv_b, strict=True))
 
 
 def test_self_draft_truncation_runs_in_cpp_and_matches(tiny_model_dir: Path, shapes_root: Path) -> None:

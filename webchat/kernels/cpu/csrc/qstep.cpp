@@ -20,9 +20,11 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "qattn.h"
 #include "qcommon.h"
 
 namespace wq {
@@ -495,10 +497,18 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
   const bool wide = path() == PATH_AVX512;                            // its 16-lane form
   const int64_t seg = std::max<int64_t>(1, SEG_KEYS / ps) * ps;       // whole pages
   constexpr int64_t ROWS = 8;
+  // a prompt's units: 8 rows, or 16 where 8 would leave a tile's 16 lanes part empty (3 query heads a kv head: 48 lanes)
+  const int64_t tile_rows = g * ROWS % 16 == 0 ? ROWS : 2 * ROWS;
   struct Unit {
     int64_t b, h0, heads, r0, rows, lmax;
     int64_t s = -1;     // one segment's pass into part_ (a long decode row), or -1: every segment, folded here
     int64_t slot = -1;  // the decode row's place in part_
+    bool tiled = false;  // a prompt's rows: qattn.h's tiles
+  };
+  // a prompt's rows (positions below its prompt_end) take the tiles, every other row the row kernels: a unit holds rows
+  // of one kind, so which arithmetic a row gets is the row's own
+  const auto prompt_row = [&](int64_t b, int64_t t) {
+    return bv.prompt_ends != nullptr && bv.positions[t] < bv.prompt_ends[b];
   };
   std::vector<Unit> single, chunks;
   struct Long {  // a decode row past one segment: its token and segments [s0, s1); its place in part_ is its index
@@ -510,29 +520,33 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     const int64_t lo = bv.query_start[b], hi = bv.query_start[b + 1];
     if (hi - lo == 1) {
       const int64_t end = key_end(lo), s0 = key_first(lo) / seg, s1 = (end + seg - 1) / seg;
+      const bool tiled = prompt_row(b, lo);
       if (s1 - s0 <= 1) {
-        for (int64_t h = 0; h < n_heads; ++h) single.push_back(Unit{b, h, 1, lo, 1, end});
+        for (int64_t h = 0; h < n_heads; ++h) single.push_back(Unit{b, h, 1, lo, 1, end, -1, -1, tiled});
         continue;
       }
       most_segs = std::max(most_segs, s1);
       const auto slot = static_cast<int64_t>(longs.size());
       for (int64_t s = s0; s < s1; ++s)
-        for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, lo, 1, end, s, slot});
+        for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, lo, 1, end, s, slot, tiled});
       longs.push_back(Long{lo, s0, s1});
       continue;
     }
-    for (int64_t r0 = lo; r0 < hi; r0 += ROWS) {
-      const int64_t rows = std::min(ROWS, hi - r0);
-      int64_t lmax = 0;  // positions rise; an image's slots may see past their own
-      for (int64_t t = r0; t < r0 + rows; ++t) lmax = std::max(lmax, key_end(t));
-      for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax});
-    }
+    int64_t pe = lo;  // the prompt's rows come first
+    while (pe < hi && prompt_row(b, pe)) ++pe;
+    for (const auto& [from, to, tiled] : {std::tuple(lo, pe, true), std::tuple(pe, hi, false)})
+      for (int64_t r0 = from; r0 < to; r0 += tiled ? tile_rows : ROWS) {
+        const int64_t rows = std::min(tiled ? tile_rows : ROWS, to - r0);
+        int64_t lmax = 0;  // positions rise; an image's slots may see past their own
+        for (int64_t t = r0; t < r0 + rows; ++t) lmax = std::max(lmax, key_end(t));
+        for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax, -1, -1, tiled});
+      }
   }
   if (g > 1 && static_cast<int64_t>(chunks.size()) < 8 * at::get_num_threads()) {
     std::vector<Unit> each;
     each.reserve(chunks.size() * g);
     for (const Unit& u : chunks)
-      for (int64_t h = 0; h < g; ++h) each.push_back(Unit{u.b, u.h0 + h, 1, u.r0, u.rows, u.lmax, u.s, u.slot});
+      for (int64_t h = 0; h < g; ++h) each.push_back(Unit{u.b, u.h0 + h, 1, u.r0, u.rows, u.lmax, u.s, u.slot, u.tiled});
     chunks.swap(each);
   }
   const auto weight = [&](const Unit& u) { return u.rows * u.heads * (u.s < 0 ? u.lmax : seg); };
@@ -560,7 +574,47 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
   const auto o = [&](const Unit& U, int64_t j) { return o_.data() + tok(U, j) * qd + head(U, j) * hd; };
   // one pass of the unit's rows over keys [a, e) (a whole page): m[j], l[j] (0 where row j has no key there) and
   // out(j) = sum exp(s - m[j]) v
+  // the same pass on qattn.h's tiles: the unit's rows as lanes of qt (d-major), scores key-major in sc
+  const auto tiles = [&](const Unit& U, int64_t a, int64_t e, float* m, float* l, auto out) {
+    static thread_local std::vector<float> qt, sc, rows_buf, mt, lt;
+    static thread_local std::vector<int32_t> first, last;
+    static thread_local std::vector<float*> outs;
+    const int64_t n_rows = U.heads * U.rows, hk = U.h0 / g, L = (n_rows + 15) / 16 * 16, p = path();
+    const int64_t base = std::max(a, key_first(U.r0) / ps * ps), width = std::max<int64_t>(0, e - base);
+    qt.assign(hd * L, 0.f), first.assign(L, 0), last.assign(L, 0), mt.resize(L), lt.resize(L), outs.resize(n_rows);
+    for (int64_t j = 0; j < n_rows; ++j) {
+      const float* qj = q_.data() + tok(U, j) * qd + head(U, j) * hd;
+      for (int64_t d = 0; d < hd; ++d) qt[d * L + j] = qj[d];
+      first[j] = static_cast<int32_t>(std::max(key_first(tok(U, j)), base));
+      last[j] = static_cast<int32_t>(std::min(key_end(tok(U, j)), e));
+      outs[j] = out(j);
+      std::fill(outs[j], outs[j] + hd, 0.f);
+    }
+    if (static_cast<int64_t>(sc.size()) < width * L) sc.resize(width * L);
+    const int32_t* pages = bv.block_tables + U.b * bv.width;
+    int64_t st = kvd;
+    const auto ahead = [&](const uint8_t* cache, int64_t pos0) {  // the next page's first rows, where the pool is f32
+      if (kind == KV_F32 && pos0 + ps < e)
+        prefetch_rows(reinterpret_cast<const float*>(cache + pages[pos0 / ps + 1] * ps * slot_bytes + hk * row_bytes),
+                      kvd, std::min<int64_t>(8, e - pos0 - ps), hd);
+    };
+    for (int64_t pos0 = base; pos0 < e; pos0 += ps) {
+      const int64_t n = std::min(ps, e - pos0);
+      const float* kp = page_rows(kc, pages[pos0 / ps], hk, n, rows_buf, st);
+      ahead(kc, pos0);
+      tile_scores(p, qt.data(), L, hd, kp, st, n, scale, sc.data() + (pos0 - base) * L);
+    }
+    tile_softmax(p, sc.data(), L, width, base, first.data(), last.data(), cap, mt.data(), lt.data());
+    for (int64_t j = 0; j < n_rows; ++j) m[j] = mt[j], l[j] = lt[j];
+    for (int64_t pos0 = base; pos0 < e; pos0 += ps) {
+      const int64_t n = std::min(ps, e - pos0);
+      const float* vp = page_rows(vc, pages[pos0 / ps], hk, n, rows_buf, st);
+      ahead(vc, pos0);
+      tile_values(p, sc.data() + (pos0 - base) * L, L, n_rows, n, vp, st, hd, outs.data());
+    }
+  };
   const auto pass = [&](const Unit& U, int64_t a, int64_t e, float* m, float* l, auto out) {
+    if (U.tiled) return tiles(U, a, e, m, l, out);
     static thread_local std::vector<float> sc, rows_buf;
     const int64_t n_rows = U.heads * U.rows, hk = U.h0 / g;
     const int64_t base = std::max(a, key_first(U.r0) / ps * ps), width = std::max<int64_t>(0, e - base);

@@ -1,0 +1,21 @@
+// A prompt's attention as tiles (qattn.cpp): a unit's L query rows (a multiple of 16, the rest zeros) side by side,
+// lane r a row. Used by StepModel::attend for a prompt's rows; decode and verify rows keep qstep.cpp's row kernels.
+#pragma once
+#include <cstdint>
+
+namespace wq {
+
+// asks the cache for n rows of hd floats, st apart (a page's keys or values before its tile)
+void prefetch_rows(const float* x, int64_t st, int64_t n, int64_t hd);
+// S[i * L + r] = scale * q_r . k_i for the n keys of a page (key i at k + i * st), qt[d * L + r] = q_r,d
+void tile_scores(int path, const float* qt, int64_t L, int64_t hd, const float* k, int64_t st, int64_t n, float scale,
+                 float* S);
+// S (n keys from position key0, L lanes) in place: cap, then the softmax numerators p of each lane's keys [lo_r, hi_r)
+// (0 elsewhere); m_r their largest score (-inf where none), l_r = sum p
+void tile_softmax(int path, float* S, int64_t L, int64_t n, int64_t key0, const int32_t* lo, const int32_t* hi, float cap,
+                  float* m, float* l);
+// out[r] (hd floats) += sum_i S[i * L + r] v_i for rows r < rows, over the n values of a page (v_i at vp + i * st)
+void tile_values(int path, const float* S, int64_t L, int64_t rows, int64_t n, const float* vp, int64_t st, int64_t hd,
+                 float* const* out);
+
+}  // namespace wq
