@@ -164,3 +164,35 @@ def test_cpp_kernels_refuse_bad_input(kernels: object) -> None:
         torch.ops.webchat_kq.matmul(torch.zeros(1, 512), w, 14, 512, None)
     with pytest.raises(RuntimeError, match=r"x must be \(M, 512\)"):
         torch.ops.webchat_kq.matmul(torch.zeros(1, 256), w, 12, 512, None)
+
+
+def test_a_big_ggufs_block_matrices_are_written_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past convert.FLOAT_FILE_LIMIT (an 8B file's float32 is 32 GB) model.safetensors leaves the block matrices to
+    quantized.safetensors, written a tensor at a time: the float path decodes them at load to the very floats a whole
+    float file holds, and the quantized path is the same model."""
+    pytest.importorskip("transformers", reason="transformers (for the tiny model) is not installed")
+    from test_gguf_cache import tiny_folder
+
+    import webchat.gguf.convert as convert
+
+    tiny_folder("llama", tmp_path / "hf", hidden=256, ffn=512)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tmp_path / "hf", path, "llama",
+               qtype=lambda name, w: F32 if w.ndim == 1 else Q.Q6_K if "down_proj" in name else Q.Q4_0)
+    whole = tmp_path / "whole"
+    convert.convert_gguf(path, whole)
+    monkeypatch.setattr(convert, "FLOAT_FILE_LIMIT", 0)
+    split = tmp_path / "split"
+    convert.convert_gguf(path, split)
+    with safe_open(str(split / "model.safetensors"), framework="pt") as f:
+        assert f.metadata()[convert.FLOATS_IN_BLOCKS_KEY] == QUANT_FILE
+        floats = set(f.keys())
+    with safe_open(str(split / QUANT_FILE), framework="pt") as f:
+        kept = json.loads((f.metadata() or {})[QUANT_KEY])
+    assert kept and not floats & set(kept) and "model.norm.weight" in floats
+    assert (split / "model.safetensors").stat().st_size < (whole / "model.safetensors").stat().st_size / 4
+    assert (split / QUANT_FILE).read_bytes() == (whole / QUANT_FILE).read_bytes()
+    for weights in ("float32", "auto"):
+        a, b = load_model(whole, weights=weights), load_model(split, weights=weights)
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), weights

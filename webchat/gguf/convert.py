@@ -4,13 +4,16 @@ stored as 1 + w).
 
 Beside model.safetensors (float32, what transformers loads) it writes quantized.safetensors: the same tensors with
 Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices kept as their ggml blocks (docs/quant.md), which webchat runs on the
-CPU by default.
+CPU by default. Both are written a tensor at a time; where the float32 file would pass FLOAT_FILE_LIMIT (an 8B model's
+is 32 GB, beside a 4.9 GB download) it holds the other tensors only and says so in its metadata, and the float path
+decodes the blocks at load (webchat.model.loader).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from webchat.gguf.header import GGUFError, keep_none, read_header
@@ -74,6 +76,10 @@ QUANT_FILE = "quantized.safetensors"
 QUANT_KEY = "webchat.model.quant"  # safetensors metadata: JSON {tensor name: "q4_0" | "q4_1" | "q8_0"}
 QUANT_LAYOUT_KEY = "webchat.model.quant.layout"
 QUANT_LAYOUT = "ggml-blocks-v1"  # uint8 (rows, cols / block values * block bytes), each row its blocks in ggml order
+# model.safetensors' metadata where its block matrices are left to QUANT_FILE (a GGUF whose float32 would pass
+# FLOAT_FILE_LIMIT: an 8B file's is 32 GB): the float path decodes them from there at load (webchat.model.loader)
+FLOATS_IN_BLOCKS_KEY = "webchat.floats_in_blocks"
+FLOAT_FILE_LIMIT = 4 << 30
 KEPT_QUANTIZED = {
     gguf.GGMLQuantizationType.Q4_0: "q4_0",
     gguf.GGMLQuantizationType.Q4_1: "q4_1",
@@ -204,42 +210,89 @@ def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
     return table[".".join(hf_name.split(".")[-2:])]
 
 
+def _tensor(t: Any, h: Hyper, keep_quantized: bool) -> tuple[str, np.ndarray]:
+    """One GGUF tensor as the folder holds it (read_tensors' rules), its shape checked."""
+    name = hf_tensor_name(t.name, h.arch)
+    want = expected_shape(name, h)
+    if keep_quantized and t.tensor_type in KEPT_QUANTIZED:
+        w = np.asarray(t.data, dtype=np.uint8)
+        shape = tuple(gguf.quants.quant_shape_from_byte_shape(w.shape, t.tensor_type))
+    else:
+        w = np.asarray(_dequantize(t), dtype=np.float32)
+        shape = tuple(w.shape)
+    if shape != want:
+        raise ConversionError(f"tensor {t.name!r}: expected shape {want}, got {shape}")
+    if h.arch == "llama" and ".q_proj." in name:  # a row permutation: whole quantized rows move unchanged
+        w = unpermute_rows(w, h.n_heads)
+    elif h.arch == "llama" and ".k_proj." in name:
+        w = unpermute_rows(w, h.n_kv_heads)
+    elif h.arch in GEMMAS and name.endswith("norm.weight"):  # stored as 1 + w; exact for w + 1 in [0.5, 2]
+        w = np.subtract(w, np.float32(1.0), dtype=np.float32)
+    return name, np.ascontiguousarray(w)
+
+
+def _weights(reader: gguf.GGUFReader) -> list[Any]:
+    return [t for t in reader.tensors if t.name != ROPE_FREQS]  # rope_freqs: the rope scaling (rope_scaling_of)
+
+
+def _check_complete(names: set[str], h: Hyper) -> None:
+    qk_norms = h.arch in ("qwen3", "gemma3")
+    per_layer = [v for v in layer_map(h.arch).values() if v.endswith("weight") and (qk_norms or v not in QK_NORMS)]
+    for name in ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{v}" for i in range(h.n_layers) for v in per_layer
+    ]:
+        if name not in names:
+            raise ConversionError(f"GGUF file lacks the tensor for {name!r}")
+
+
 def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False,
                  progress: Progress | None = None) -> dict[str, np.ndarray]:
     """All tensors with HF names, [out, in] shapes, llama's q/k rows un-permuted, Gemma's norms back to w: float32
     (any type gguf.quants reads, K-quants included, dequantized), or with keep_quantized the KEPT_QUANTIZED matrices
     as uint8 (out, in / block values * block bytes) blocks (see quantized_types for which)."""
     out: dict[str, np.ndarray] = {}
-    for n, t in enumerate(reader.tensors):
-        if t.name == ROPE_FREQS:  # not a weight: the rope scaling, read by rope_scaling_of
-            continue
-        name = hf_tensor_name(t.name, h.arch)
-        want = expected_shape(name, h)
-        if keep_quantized and t.tensor_type in KEPT_QUANTIZED:
-            w = np.asarray(t.data, dtype=np.uint8)
-            shape = tuple(gguf.quants.quant_shape_from_byte_shape(w.shape, t.tensor_type))
-        else:
-            w = np.asarray(_dequantize(t), dtype=np.float32)
-            shape = tuple(w.shape)
-        if shape != want:
-            raise ConversionError(f"tensor {t.name!r}: expected shape {want}, got {shape}")
-        if h.arch == "llama" and ".q_proj." in name:  # a row permutation: whole quantized rows move unchanged
-            w = unpermute_rows(w, h.n_heads)
-        elif h.arch == "llama" and ".k_proj." in name:
-            w = unpermute_rows(w, h.n_kv_heads)
-        elif h.arch in GEMMAS and name.endswith("norm.weight"):  # stored as 1 + w; exact for w + 1 in [0.5, 2]
-            w = np.subtract(w, np.float32(1.0), dtype=np.float32)
-        out[name] = np.ascontiguousarray(w)
+    weights = _weights(reader)
+    for n, t in enumerate(weights):
+        name, w = _tensor(t, h, keep_quantized)
+        out[name] = w
         if progress is not None:
-            progress(n + 1, len(reader.tensors))
-    qk_norms = h.arch in ("qwen3", "gemma3")
-    per_layer = [v for v in layer_map(h.arch).values() if v.endswith("weight") and (qk_norms or v not in QK_NORMS)]
-    for name in ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{v}" for i in range(h.n_layers) for v in per_layer
-    ]:
-        if name not in out:
-            raise ConversionError(f"GGUF file lacks the tensor for {name!r}")
+            progress(n + 1, len(weights))
+    _check_complete(set(out), h)
     return out
+
+
+def _write_streamed(path: Path, reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool, leave: set[str],
+                    metadata: dict[str, str], progress: Progress | None) -> list[str]:
+    """A safetensors file of the tensors read_tensors makes, but `leave`'s, written one tensor at a time (the header
+    from the tensors' shapes first), so memory holds one tensor however large the model: an 8B file's float32 is
+    32 GB. Written to a temp name and renamed into place; returns the names written."""
+    weights = [t for t in _weights(reader) if hf_tensor_name(t.name, h.arch) not in leave]
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for t in weights:
+        name = hf_tensor_name(t.name, h.arch)
+        if keep_quantized and t.tensor_type in KEPT_QUANTIZED:
+            dtype, shape = "U8", tuple(int(x) for x in np.asarray(t.data).shape)
+        else:
+            dtype, shape = "F32", expected_shape(name, h)
+        size = int(np.prod(shape)) * (1 if dtype == "U8" else 4)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as safetensors' own writer leaves it
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for n, t in enumerate(weights):
+            name, w = _tensor(t, h, keep_quantized)
+            entry = header[name]
+            if list(w.shape) != entry["shape"] or w.dtype != (np.uint8 if entry["dtype"] == "U8" else np.float32):
+                raise ConversionError(f"tensor {t.name!r}: read as {w.dtype} {w.shape}, expected {entry}")
+            w.tofile(f)
+            if progress is not None:
+                progress(n + 1, len(weights))
+    tmp.replace(path)
+    return [hf_tensor_name(t.name, h.arch) for t in weights]
 
 
 def _dequantize(t: Any) -> np.ndarray:
@@ -304,11 +357,8 @@ def quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
 
 def write_quantized(reader: gguf.GGUFReader, h: Hyper, out_dir: Path, progress: Progress | None = None) -> None:
     """out_dir/quantized.safetensors (docs/quant.md), written to a temp name and renamed into place."""
-    tensors = read_tensors(reader, h, keep_quantized=True, progress=progress)
     meta = {"format": "pt", QUANT_KEY: json.dumps(quantized_types(reader)), QUANT_LAYOUT_KEY: QUANT_LAYOUT}
-    tmp = out_dir / f".{QUANT_FILE}.tmp"
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(out_dir / QUANT_FILE)
+    _write_streamed(out_dir / QUANT_FILE, reader, h, True, set(), meta, progress)
 
 
 def add_quantized(gguf_path: Path, out_dir: Path) -> None:
@@ -437,14 +487,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
         raise ConversionError(f"{gguf_path.name}: {e}") from None
     arch_config(meta, h)  # likewise an unsupported rope or window setting
     scaling = rope_scaling_of(reader, h)  # likewise an unknown rope scaling
-    passes = 2 if quantized_types(reader) else 1  # the float tensors, then the quantized file's
-    tensors = read_tensors(reader, h, progress=None if progress is None else lambda i, n: progress(i, n * passes))
-    tied = "lm_head.weight" not in tensors
-    bias = any(name.endswith("_proj.bias") for name in tensors)
+    kept = quantized_types(reader)
+    names = {hf_tensor_name(t.name, arch) for t in _weights(reader)}
+    _check_complete(names, h)
+    tied = "lm_head.weight" not in names
+    bias = any(name.endswith("_proj.bias") for name in names)
+    # past FLOAT_FILE_LIMIT the block matrices stay in quantized.safetensors only; the float path decodes them at load
+    floats = sum(4 * int(np.prod(expected_shape(name, h))) for name in names)
+    leave = set(kept) if kept and floats > FLOAT_FILE_LIMIT else set()
+    header = {"format": "pt", **({FLOATS_IN_BLOCKS_KEY: QUANT_FILE} if leave else {})}
+    passes = 2 if kept else 1  # the float tensors, then the quantized file's
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
-    if quantized_types(reader):
+    _write_streamed(out_dir / "model.safetensors", reader, h, False, leave, header,
+                    None if progress is None else lambda i, n: progress(i, n * passes))
+    if kept:
         write_quantized(reader, h, out_dir, None if progress is None else lambda i, n: progress(n + i, 2 * n))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = model_config(meta, h, tied, bias, scaling)

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from webchat.gguf.blocks import ALL_QTYPES, quantize
-from webchat.gguf.convert import QUANT_FILE, QUANT_KEY
+from webchat.gguf.blocks import ALL_QTYPES, dequantize, dequantize_k, quantize
+from webchat.gguf.convert import FLOATS_IN_BLOCKS_KEY, QUANT_FILE, QUANT_KEY
 from webchat.model.arena import into_huge_pages
 from webchat.model.config import ModelArgs
 from webchat.model.quant import BlockKernels, QEmbedding, QLinear, swap_modules
@@ -257,7 +257,18 @@ def _read_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
     else:
         raise FileNotFoundError(f"no model.safetensors (or model.safetensors.index.json) in {path}")
     out: list[tuple[str, torch.Tensor]] = []
+    in_blocks = False
     for fname in files:
         with safe_open(str(path / fname), framework="pt") as f:
+            in_blocks |= FLOATS_IN_BLOCKS_KEY in (f.metadata() or {})
             out.extend((name, f.get_tensor(name)) for name in f.keys() if not IGNORED.match(name))
+    if in_blocks:  # a big GGUF's folder: its block matrices are in QUANT_FILE only, decoded here as the converter would
+        have = {name for name, _ in out}
+        blocks, qtypes = _read_quantized(path)
+        out.extend((name, _decode(t, qtypes[name])) for name, t in blocks if name in qtypes and name not in have)
     return out
+
+
+def _decode(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 of a matrix's ggml blocks, the values webchat.gguf.convert writes for it."""
+    return dequantize_k(blocks, qtype) if qtype in ("q4_k", "q5_k", "q6_k") else dequantize(blocks, qtype)
