@@ -322,7 +322,8 @@ def parse_args() -> argparse.Namespace:
                         help="GGUF file, repeatable: one table each (default: the default model's Q4_1)")
     parser.add_argument("--set", choices=list(SETS), default=None,
                         help="issue38: the 1.1B file in Q4_0/Q4_1/Q8_0/Q4_K_M and the 3B Q4_K_M of "
-                             "bench/make_bench_files.sh; kquants: the 1.1B in Q5_K_M and Q6_K; after any --gguf "
+                             "bench/make_bench_files.sh; kquants: the 1.1B in Q5_K_M and Q6_K; 8b: Llama-3.1-8B's "
+                             "shape at Q4_K_M (WITH_8B=1); after any --gguf "
                              "(clients 1,4 unless --clients)")
     parser.add_argument("--llama-server", type=Path, default=None, help="binary (default: bench/build_llama_server.sh)")
     parser.add_argument("--rounds", type=int, default=2)

@@ -2,10 +2,10 @@
 
 Issue 38's set (`--set issue38`) is bench/make_bench_files.sh's output in $WEBCHAT_HOME/bench-files/: the 1.1B
 Llama-shaped file in the four formats `llama-quantize` writes most (Q4_0, Q4_1, Q8_0, Q4_K_M) and a Llama-3.2-3B-shaped
-Q4_K_M; `--set kquants` the 1.1B shape in Q5_K_M and Q6_K. For a file whose decode is memory-bound, the weights a
-decoded token reads (the file's matrix bytes x tok/s) are printed beside the machine's read bandwidth
-(bench/read_bandwidth.py); and whether the webchat checkout has issue 38's `--exact` is asked of its `serve --help`
-before both precisions are started.
+Q4_K_M; `--set kquants` the 1.1B shape in Q5_K_M and Q6_K; `--set 8b` a Llama-3.1-8B-shaped Q4_K_M. For a file whose
+decode is memory-bound, the weights a decoded token reads (the file's matrix bytes x tok/s) are printed beside the
+machine's read bandwidth (bench/read_bandwidth.py); and whether the webchat checkout has issue 38's `--exact` is asked
+of its `serve --help` before both precisions are started.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ SETS = {  # name -> (files in bench-files/, the clients the issue's table has)
                  "tinyllama-shape-q4_k_m.gguf", "llama32-3b-shape-q4_k_m.gguf"], "1,4"),
     # issue 65's: the 1.1B shape in the K-quants llama-quantize's users pick above Q4_K_M
     "kquants": (["tinyllama-shape-q5_k_m.gguf", "tinyllama-shape-q6_k.gguf"], "1,4"),
+    # the size most people run on a laptop: Llama-3.1-8B's shape at Q4_K_M (WITH_8B=1 bash bench/make_bench_files.sh)
+    "8b": (["llama31-8b-shape-q4_k_m.gguf"], "1,4"),
 }
 MEMORY_BOUND_BYTES = 1 << 30  # matrices past 1 GiB: the read bandwidth is measured beside the file's table
 

@@ -43,24 +43,50 @@ def ggml_q8_0(x: np.ndarray) -> bytes:
     return bytes(out)
 
 
-def test_q8_0_rows_are_ggml_blocks_byte_for_byte() -> None:
+def sylvester(n: int = 32) -> np.ndarray:
+    """The n-point Walsh-Hadamard matrix in natural order: H[i, j] = (-1)^popcount(i & j)."""
+    i = np.arange(n)
+    return np.where(np.vectorize(lambda v: bin(v).count("1") % 2)(i[:, None] & i[None, :]) == 1, -1.0, 1.0)
+
+
+def test_the_transform_is_walsh_hadamards_and_its_own_inverse_over_32() -> None:
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
+    y = kv_format.hadamard(x)
+    np.testing.assert_allclose(y.numpy(), x.double().numpy() @ sylvester().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv_format.hadamard(y) / 32, x, rtol=1e-5, atol=1e-6)
+    ints = torch.randint(-100, 100, (3, 32), generator=torch.Generator().manual_seed(4)).float()
+    assert torch.equal(kv_format.hadamard(kv_format.hadamard(ints)) / 32, ints)  # integers: exact
+
+
+def test_q8_0_rows_are_ggml_blocks_of_the_transform_byte_for_byte() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 64, generator=g) * torch.tensor([0.01, 1.0, 300.0]).view(1, 3, 1)
     x[0, 0, :32] = 0.0  # a zero block: d 0, every q 0
-    x[1, 1, :32] = torch.arange(32) - 16.0  # x / d lands on halves: roundf takes them away from zero
-    x[1, 1, 0] = 127 * 2.0  # d = 2.0 exactly, so -15 / 2 = -7.5 and 1 / 2 = 0.5 are ties
+    y = torch.arange(32) - 16.0  # y / d lands on halves: roundf takes them away from zero
+    y[0] = 127 * 2.0  # d = 2.0 exactly, so -15 / 2 = -7.5 and 1 / 2 = 0.5 are ties
+    x[1, 1, :32] = kv_format.hadamard(y) / 32  # integers / 32: the transform gives y back exactly
+    x[2, 1, 5] = 20.0  # one channel 20 times the others: spread over its block by the transform
     like = torch.empty(0, dtype=torch.uint8)
     got = kv_format.encode(x, like)
     assert got.shape == (5, 3, 68) and got.dtype == torch.uint8
-    want = ggml_q8_0(x.numpy())
+    turned = kv_format.hadamard(x.reshape(-1, 32))
+    assert torch.equal(turned[(1 * 3 + 1) * 2], y)
+    want = ggml_q8_0(turned.numpy())
     assert got.numpy().tobytes() == want
     back = kv_format.decode(got, 64)
-    # what ggml's dequantize_row_q8_0 gives: q * d in float32
+    # ggml's dequantize_row_q8_0 (q * d in float32), turned back: H (q d) / 32
     blocks = np.frombuffer(want, dtype=np.uint8).reshape(-1, 34)
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
     q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
-    assert np.array_equal(back.numpy().reshape(-1, 32), q * d)
-    assert (back - x).abs().max() <= x.abs().amax() / 127  # within a step of its block
+    assert torch.equal(back.reshape(-1, 32), kv_format.hadamard(torch.from_numpy(q * d)) / 32)
+    step = turned.abs().amax(-1, keepdim=True) / 127  # each block's step, in the turned values
+    assert ((back.reshape(-1, 32) - x.reshape(-1, 32)).abs() <= step).all()
+    # the large channel's block: plain q8_0 (its step set by that channel) errs over twice as much
+    plain = np.frombuffer(ggml_q8_0(x[2, 1, :32].numpy()), dtype=np.uint8)
+    plain_d = plain[:2].copy().view(np.float16).astype(np.float32)
+    plain_back = plain[2:].copy().view(np.int8).astype(np.float32) * plain_d
+    err, plain_err = (back[2, 1, :32] - x[2, 1, :32]).abs().max(), np.abs(plain_back - x[2, 1, :32].numpy()).max()
+    assert err < plain_err / 2
 
 
 def test_float16_rows_are_ieee_half_and_f32_rows_are_as_given() -> None:

@@ -3,8 +3,9 @@
 The folder is what webchat.gguf.convert writes (float32 model.safetensors, the Q4_0/Q4_1/Q5/Q8_0 and Q4-6_K blocks as
 they are in quantized.safetensors, every other type dequantized once; past 4 GiB of float32, an 8B file's 32 GB, the
 blocks only in quantized.safetensors and decoded at load where float32 weights are asked for), written a tensor at a
-time, built under a temporary name and renamed into place, so a folder that exists is complete. The hash of a file is remembered by (path, size, mtime) in index.json beside the
-folders, so a second start reads no weights until the model loads.
+time, built under a temporary name and renamed into place, so a folder that exists is complete. The hash of a file is
+remembered by (path, size, mtime) in index.json beside the folders, so a second start reads no weights until the model
+loads.
 """
 
 from __future__ import annotations

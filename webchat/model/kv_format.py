@@ -2,9 +2,11 @@
 
     f32   float32, as computed
     f16   IEEE half (round to nearest even), half the bytes
-    q8_0  ggml's block_q8_0 per 32 values of a head: a float16 scale d = max|x| / 127 and 32 int8 q = round(x / d)
-          (half away from zero, x times 1 / d in float32, as ggml's quantize_row_q8_0_ref), 34 bytes per 32 values:
-          17/32 of f16's bytes
+    q8_0  ggml's block_q8_0 per 32 values of a head, of the values' Walsh-Hadamard transform: y = H x (H the 32-point
+          +-1 matrix, H H = 32 I), then a float16 scale d = max|y| / 127 and 32 int8 q = round(y / d) (half away from
+          zero, y times 1 / d in float32, as ggml's quantize_row_q8_0_ref); read back as H (q d) / 32. 34 bytes per 32
+          values: 17/32 of f16's bytes. The transform spreads a head's few large channels (RoPE'd keys have them) over
+          the block, so one channel no longer sets the step of the other 31 (QuaRot's rotation, arXiv:2404.00456)
 
 A pool's tensors say which: float32, float16, or uint8 rows of n_kv * row_bytes(hd) bytes (a q8_0 head's blocks in
 order), so every reader (the PyTorch ops, the C++ step, page copies) knows the format from the tensor alone. Attention
@@ -55,12 +57,23 @@ def kind_name(dtype: torch.dtype) -> str:
     return names.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """H x of each 32 values (..., 32), unnormalised: butterflies (a + b, a - b) of the pairs h = 1, 2, 4, 8, 16 apart,
+    in that order (the C++ step's order, so both make the same floats)."""
+    shape = x.shape
+    for h in (1, 2, 4, 8, 16):
+        y = x.reshape(*shape[:-1], Q8_BLOCK // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(shape)
+    return x
+
+
 def encode(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Rows x (..., hd) as the pool tensor `like` stores them: in its dtype, or (..., row bytes) of q8_0 blocks."""
     if like.dtype != torch.uint8:
         return x.to(like.dtype)
     xf = x.float()
-    blocks = xf.reshape(*xf.shape[:-1], -1, Q8_BLOCK)  # (..., nb, 32)
+    blocks = hadamard(xf.reshape(*xf.shape[:-1], -1, Q8_BLOCK))  # (..., nb, 32)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     y = blocks * inv
@@ -77,4 +90,4 @@ def decode(rows: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float32
     blocks = rows.reshape(*rows.shape[:-1], -1, Q8_BYTES)
     d = blocks[..., :2].contiguous().view(torch.float16).float()  # (..., nb, 1)
     q = blocks[..., 2:].contiguous().view(torch.int8).float()
-    return (q * d).reshape(*rows.shape[:-1], head_dim).to(dtype)
+    return (hadamard(q * d) * (1.0 / Q8_BLOCK)).reshape(*rows.shape[:-1], head_dim).to(dtype)

@@ -237,6 +237,22 @@ inline float from_half(uint16_t h) { return static_cast<float>(c10::Half(h, c10:
 
 int64_t kv_row_bytes(KVKind kind, int64_t hd) { return kind == KV_Q8_0 ? hd / 32 * 34 : kind == KV_F16 ? 2 * hd : 4 * hd; }
 
+// H x of each 32 values of x (n a multiple of 32), unnormalised, then times `scale`: the butterflies (a + b, a - b)
+// of the pairs h = 1, 2, 4, 8, 16 apart in that order, as kv_format.hadamard makes them
+static void hadamard32(float* x, int64_t n, float scale) {
+  for (int64_t b = 0; b < n; b += 32) {
+    float* t = x + b;
+    for (int h = 1; h < 32; h *= 2)
+      for (int g = 0; g < 32; g += 2 * h)
+        for (int j = g; j < g + h; ++j) {
+          const float a = t[j], c = t[j + h];
+          t[j] = a + c, t[j + h] = a - c;
+        }
+    if (scale != 1.f)
+      for (int j = 0; j < 32; ++j) t[j] *= scale;
+  }
+}
+
 static void store_row(KVKind kind, const float* x, int64_t hd, uint8_t* dst) {
   if (kind == KV_F32) return static_cast<void>(std::memcpy(dst, x, hd * sizeof(float)));
   if (kind == KV_F16) {
@@ -246,8 +262,10 @@ static void store_row(KVKind kind, const float* x, int64_t hd, uint8_t* dst) {
     }
     return;
   }
-  for (int64_t b = 0; b < hd / 32; ++b) {
-    const float* xb = x + 32 * b;
+  for (int64_t b = 0; b < hd / 32; ++b) {  // q8_0 of the block's Walsh-Hadamard transform (kv_format)
+    float xb[32];
+    std::memcpy(xb, x + 32 * b, sizeof(xb));
+    hadamard32(xb, 32, 1.f);
     uint8_t* blk = dst + 34 * b;
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
@@ -495,6 +513,12 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     return window > 0 ? std::max<int64_t>(0, bv.positions[t] + 1 - window) : int64_t(0);
   };
   const bool wide = path() == PATH_AVX512;                            // its 16-lane form
+  // a q8_0 cache holds H k and H v (kv_format): q . k = (H q / 32) . (H k), and o = H (sum p H v) / 32, so each
+  // query row and output row turns once here instead of every key and value row read
+  const auto turn = [&](std::vector<float>& rows) {
+    if (kind == KV_Q8_0) each_row(bv.t, qd, [&](int64_t t) { hadamard32(rows.data() + t * qd, qd, 1.f / 32.f); });
+  };
+  turn(q_);
   const int64_t seg = std::max<int64_t>(1, SEG_KEYS / ps) * ps;       // whole pages
   constexpr int64_t ROWS = 8;
   // a prompt's units: 8 rows, or 16 where 8 would leave a tile's 16 lanes part empty (3 query heads a kv head: 48 lanes)
@@ -721,6 +745,7 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
       scale_by(oh, L);
     }
   }
+  turn(o_);
 }
 
 void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* cos, const float* sin,
