@@ -66,3 +66,26 @@ def test_a_pool_in_tokens_is_estimated_in_the_formats_bytes(tiny_model_dir: Path
     assert pool(None) == pool("f32") == 3000 * card.kv_per_token
     assert pool("f16") == 3000 * card.kv_per_token // 2
     assert pool("q8_0") == int(3000 * card.kv_per_token * 34 / 128)
+
+
+def test_a_prompt_past_the_pool_is_told_so_and_the_server_serves_on(tiny_model_dir: Path) -> None:
+    """A pool smaller than the model's context (a 3B's default pool holds ~4,700 tokens at float32) is the context a
+    client gets: a longer prompt is a 400 `context_length_exceeded` naming the limit, not a 500 from the engine, and the
+    next request is served."""
+    import httpx
+    from live_server import serve  # tests/ is on sys.path under pytest
+
+    config = ServerConfig(model_dir=tiny_model_dir, device="cpu", kv_pool="96")
+    rt = load_runtime(config)
+    engine = rt.local()[2]
+    assert rt.context_length == engine.capacity < 256  # the tiny model's context
+    with serve(config, rt) as live:
+        name = httpx.get(f"{live.url}/v1/models").json()["data"][0]["id"]
+        long = {"role": "user", "content": " ".join(["word"] * 400)}
+        bad = httpx.post(f"{live.url}/v1/chat/completions", timeout=60,
+                         json={"model": name, "messages": [long], "max_tokens": 4})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "context_length_exceeded", bad.text
+        assert str(engine.capacity) in bad.json()["error"]["message"]
+        ok = httpx.post(f"{live.url}/v1/chat/completions", timeout=60,
+                        json={"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert ok.status_code == 200, ok.text

@@ -122,6 +122,9 @@ def load_runtime(config: ServerConfig) -> Runtime:
 
     engine = Engine(model, tokenizer, max_seq_len=context, draft_model=draft,
                     pool_tokens=pool_tokens(config.kv_pool, model.args, dtype, device, model.kv_cache))
+    # a pool smaller than the context (a 3B model's default pool holds ~4,700 tokens at float32) bounds what one
+    # conversation may hold: requests past it are told so (prompt_too_long, context_length_exceeded), not failed
+    context = min(context, engine.capacity)
     vision = None
     if config.mmproj is not None:
         from webchat.serve.images import load_vision
