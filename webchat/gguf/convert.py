@@ -211,7 +211,9 @@ def expected_shape(hf_name: str, h: Hyper) -> tuple[int, ...]:
 
 
 def _tensor(t: Any, h: Hyper, keep_quantized: bool) -> tuple[str, np.ndarray]:
-    """One GGUF tensor as the folder holds it (read_tensors' rules), its shape checked."""
+    """One GGUF tensor as the folder holds it, HF name and [out, in] shape (checked), llama's q/k rows un-permuted,
+    Gemma's norms back to w: float32 (any type gguf.quants reads, K-quants included, dequantized), or with
+    keep_quantized a KEPT_QUANTIZED matrix as uint8 (out, in / block values * block bytes) blocks."""
     name = hf_tensor_name(t.name, h.arch)
     want = expected_shape(name, h)
     if keep_quantized and t.tensor_type in KEPT_QUANTIZED:
@@ -245,25 +247,9 @@ def _check_complete(names: set[str], h: Hyper) -> None:
             raise ConversionError(f"GGUF file lacks the tensor for {name!r}")
 
 
-def read_tensors(reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool = False,
-                 progress: Progress | None = None) -> dict[str, np.ndarray]:
-    """All tensors with HF names, [out, in] shapes, llama's q/k rows un-permuted, Gemma's norms back to w: float32
-    (any type gguf.quants reads, K-quants included, dequantized), or with keep_quantized the KEPT_QUANTIZED matrices
-    as uint8 (out, in / block values * block bytes) blocks (see quantized_types for which)."""
-    out: dict[str, np.ndarray] = {}
-    weights = _weights(reader)
-    for n, t in enumerate(weights):
-        name, w = _tensor(t, h, keep_quantized)
-        out[name] = w
-        if progress is not None:
-            progress(n + 1, len(weights))
-    _check_complete(set(out), h)
-    return out
-
-
 def _write_streamed(path: Path, reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool, leave: set[str],
                     metadata: dict[str, str], progress: Progress | None) -> list[str]:
-    """A safetensors file of the tensors read_tensors makes, but `leave`'s, written one tensor at a time (the header
+    """A safetensors file of every tensor `_tensor` makes but `leave`'s, written one tensor at a time (the header
     from the tensors' shapes first), so memory holds one tensor however large the model: an 8B file's float32 is
     32 GB. Written to a temp name and renamed into place; returns the names written."""
     weights = [t for t in _weights(reader) if hf_tensor_name(t.name, h.arch) not in leave]
@@ -349,7 +335,7 @@ def rope_scaling_of(reader: gguf.GGUFReader, h: Hyper) -> dict[str, Any] | None:
 
 
 def quantized_types(reader: gguf.GGUFReader) -> dict[str, str]:
-    """{HF tensor name: "q4_1", ...} for the tensors read_tensors(keep_quantized=True) keeps as blocks."""
+    """{HF tensor name: "q4_1", ...} for the tensors kept as blocks (`_tensor` with keep_quantized)."""
     kept = [t for t in reader.tensors if t.tensor_type in KEPT_QUANTIZED]
     arch = str(_Meta(reader).get("general.architecture"))
     return {hf_tensor_name(t.name, arch): KEPT_QUANTIZED[t.tensor_type] for t in kept}
