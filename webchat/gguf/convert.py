@@ -248,10 +248,10 @@ def _check_complete(names: set[str], h: Hyper) -> None:
 
 
 def _write_streamed(path: Path, reader: gguf.GGUFReader, h: Hyper, keep_quantized: bool, leave: set[str],
-                    metadata: dict[str, str], progress: Progress | None) -> list[str]:
+                    metadata: dict[str, str], progress: Progress | None) -> None:
     """A safetensors file of every tensor `_tensor` makes but `leave`'s, written one tensor at a time (the header
     from the tensors' shapes first), so memory holds one tensor however large the model: an 8B file's float32 is
-    32 GB. Written to a temp name and renamed into place; returns the names written."""
+    32 GB. Written to a temp name and renamed into place."""
     weights = [t for t in _weights(reader) if hf_tensor_name(t.name, h.arch) not in leave]
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -278,7 +278,6 @@ def _write_streamed(path: Path, reader: gguf.GGUFReader, h: Hyper, keep_quantize
             if progress is not None:
                 progress(n + 1, len(weights))
     tmp.replace(path)
-    return [hf_tensor_name(t.name, h.arch) for t in weights]
 
 
 def _dequantize(t: Any) -> np.ndarray:
