@@ -40,10 +40,11 @@ def code_path(request: pytest.FixtureRequest, kernels: object) -> Iterator[str]:
 
 
 # shapes: (hidden, ffn, heads, kv heads, head_dim, arch). hd 64 and 128 take the vectorised attention, 16 and 32
-# the generic one; GQA 1:1, 2:1, 4:1; Qwen2's q/k/v biases
+# the generic one; GQA 1:1, 2:1, 3:1 (SmolLM2's: a prompt's tiles 48 lanes wide), 4:1; Qwen2's q/k/v biases
 SHAPES = {
     "hd16-gqa2": (64, 128, 4, 2, 16, "LlamaForCausalLM"),
     "hd64-gqa2": (128, 256, 4, 2, 64, "LlamaForCausalLM"),
+    "hd64-gqa3": (192, 256, 6, 2, 64, "LlamaForCausalLM"),
     "hd128-mha": (256, 256, 2, 2, 128, "LlamaForCausalLM"),
     "hd32-gqa4-qwen2-bias": (128, 192, 8, 2, 32, "Qwen2ForCausalLM"),
 }
@@ -313,15 +314,16 @@ def test_a_float16_or_q8_0_cache_in_cpp_matches_the_pytorch_path(tiny_model_dir:
             assert bool(((a - b).abs() <= step * 1.01 + 1e-6).all()), layer
 
 
-@pytest.mark.parametrize("rows", ["generated", "prompt"])
+@pytest.mark.parametrize(("rows", "shape"), [("generated", "hd64-gqa2"), ("prompt", "hd64-gqa2"), ("prompt", "hd64-gqa3")])
 def test_past_one_segment_of_keys_a_row_is_the_same_decoded_or_in_a_chunk(tiny_model_dir: Path, shapes_root: Path,
-                                                                           code_path: str, rows: str) -> None:
+                                                                           code_path: str, rows: str, shape: str) -> None:
     """Rows with more keys than one of attention's segments (qstep.cpp SEG_KEYS, 1,024 positions): a decode row's
     segments are units of their own, folded after; a chunk's rows fold theirs as they go. Rows 2,140-2,199 fed in
     chunks or one row at a time give the same bits, as generated rows (the row kernels: speculation's verify rows must
     give a decode's) and as a prompt's (qattn.h's tiles: a prompt resent or extended meets the cache it made), and
-    agree with the PyTorch path."""
-    model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa2"), quantize="q4_1", precision="int8")
+    agree with the PyTorch path. A prompt's chunk past one segment makes a unit per kv group and segment, folded
+    after as a decode row's are; 3 query heads a kv head take 48-lane tiles."""
+    model = load_model(model_dir(shapes_root, tiny_model_dir, shape), quantize="q4_1", precision="int8")
     n, split = 2200, 2140  # three segments
     model.ensure_rope(n)  # past the tiny config's 1,024 positions (a random model: any rope row will do)
     ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -354,10 +356,13 @@ def test_past_one_segment_of_keys_a_row_is_the_same_decoded_or_in_a_chunk(tiny_m
     finally:
         model.runner = runner
     torch.testing.assert_close(one_by_one, ref, atol=0.25, rtol=0)  # int8 on torch's norms: within 0.2 (test_int8)
-    assert torch.equal(one_by_one.argmax(-1), ref.argmax(-1))
+    top2 = ref.topk(2, -1).values
+    decided = top2[:, 0] - top2[:, 1] > 0.5  # within 0.25 each, the top token can only change where two are closer
+    assert decided.sum() >= len(decided) // 4
+    assert torch.equal(one_by_one.argmax(-1)[decided], ref.argmax(-1)[decided])
 
 
-@pytest.mark.parametrize("shape", ["hd64-gqa2", "hd128-mha"])
+@pytest.mark.parametrize("shape", ["hd64-gqa2", "hd64-gqa3", "hd128-mha"])
 def test_a_prompts_attention_tiles_give_every_vector_path_the_same_bits(tiny_model_dir: Path, shapes_root: Path,
                                                                         shape: str) -> None:
     """qattn.h's tiles run the same chains on AVX2 and AVX-512 (a lane per row, 8 or 16 to a vector): a prompt's

@@ -6,7 +6,8 @@
 //   s_i = (q_0 k_i,0, then fma(q_d, k_i,d, s) for d = 1 .. hd - 1) * scale;  cap: c tanh(s / c)
 //   m = the largest s_i of the row's keys; p_i = exp(s_i - m) (0 outside the row's keys); l = sum_i p_i in key order
 //   o_c = sum_i p_i v_i,c in key order (fma from 0)
-// The vector paths give each other's bits (the same chains; exp256 for every vector path, std::exp for the scalar one).
+// The vector paths give each other's bits (the same chains; exp256 or exp512, the same operations, for the vector paths,
+// std::exp for the scalar one).
 #include "qattn.h"
 
 #include <immintrin.h>
@@ -91,11 +92,13 @@ void scores_scalar(const float* qt, int64_t L, int64_t hd, const float* k, float
   }
 }
 
-// every lane block of one key group: 2 vectors of lanes (AVX-512 32, AVX2 16) and a last block of one
+// every lane block of one key group: 3 vectors of lanes on AVX-512 (48 lanes: 24 sums and each key's broadcast
+// read once for three FMAs), then 2 or 1; on AVX2 2 (16 lanes) and a last block of one
 template <int KG>
 T_AVX512 void keys_512(const float* qt, int64_t L, int64_t hd, const float* k, int64_t st, float scale, float* S) {
   int64_t r = 0;
-  for (; r + 32 <= L; r += 32) scores_512<2, KG>(qt + r, L, hd, k, st, scale, S + r);
+  for (; r + 48 <= L; r += 48) scores_512<3, KG>(qt + r, L, hd, k, st, scale, S + r);
+  if (r + 32 <= L) scores_512<2, KG>(qt + r, L, hd, k, st, scale, S + r), r += 32;
   if (r < L) scores_512<1, KG>(qt + r, L, hd, k, st, scale, S + r);
 }
 
@@ -178,6 +181,36 @@ T_AVX2 void softmax_256(float* S, int64_t L, int64_t n, int64_t key0, const int3
   _mm256_storeu_ps(l, sum);
 }
 
+T_AVX512 inline __mmask16 inside16(__m512i lo, __m512i hi, int64_t pos) {
+  const __m512i p = _mm512_set1_epi32(static_cast<int32_t>(pos));
+  return static_cast<__mmask16>(_mm512_cmple_epi32_mask(lo, p) & _mm512_cmpgt_epi32_mask(hi, p));
+}
+
+// softmax_256 on 16 lanes (the same operations lane by lane, so the same bits)
+T_AVX512 void softmax_512(float* S, int64_t L, int64_t n, int64_t key0, const int32_t* lo, const int32_t* hi, float* m,
+                          float* l) {
+  const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int32_t most_lo = lo[0], least_hi = hi[0];
+  for (int r = 1; r < 16; ++r) most_lo = std::max(most_lo, lo[r]), least_hi = std::min(least_hi, hi[r]);
+  const int64_t a = std::clamp<int64_t>(most_lo - key0, 0, n), b = std::clamp<int64_t>(least_hi - key0, a, n);
+  __m512 mx = ninf;
+  for (int64_t i = 0; i < a; ++i)
+    mx = _mm512_max_ps(mx, _mm512_mask_blend_ps(inside16(vlo, vhi, key0 + i), ninf, _mm512_loadu_ps(S + i * L)));
+  for (int64_t i = a; i < b; ++i) mx = _mm512_max_ps(mx, _mm512_loadu_ps(S + i * L));
+  for (int64_t i = b; i < n; ++i)
+    mx = _mm512_max_ps(mx, _mm512_mask_blend_ps(inside16(vlo, vhi, key0 + i), ninf, _mm512_loadu_ps(S + i * L)));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(S + i * L), mx));
+    if (i < a || i >= b) p = _mm512_maskz_mov_ps(inside16(vlo, vhi, key0 + i), p);
+    _mm512_storeu_ps(S + i * L, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  _mm512_storeu_ps(m, mx);
+  _mm512_storeu_ps(l, sum);
+}
+
 }  // namespace
 
 void prefetch_rows(const float* x, int64_t st, int64_t n, int64_t hd) {
@@ -213,6 +246,10 @@ void tile_softmax(int p, float* S, int64_t L, int64_t n, int64_t key0, const int
                   float* m, float* l) {
   if (cap > 0.f)
     for (int64_t x = 0; x < n * L; ++x) S[x] = std::tanh(S[x] / cap) * cap;
+  if (p == PATH_AVX512) {  // L is whole vectors of 16 lanes
+    for (int64_t r = 0; r < L; r += 16) softmax_512(S + r, L, n, key0, lo + r, hi + r, m + r, l + r);
+    return;
+  }
   if (p >= PATH_AVX2) {
     for (int64_t r = 0; r < L; r += 8) softmax_256(S + r, L, n, key0, lo + r, hi + r, m + r, l + r);
     return;

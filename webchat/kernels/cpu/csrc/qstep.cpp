@@ -563,14 +563,33 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
         const int64_t rows = std::min(tiled ? tile_rows : ROWS, to - r0);
         int64_t lmax = 0;  // positions rise; an image's slots may see past their own
         for (int64_t t = r0; t < r0 + rows; ++t) lmax = std::max(lmax, key_end(t));
-        for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax, -1, -1, tiled});
+        const int64_t s0 = key_first(r0) / seg, s1 = (lmax + seg - 1) / seg;
+        if (!tiled || s1 - s0 <= 1) {
+          for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax, -1, -1, tiled});
+          continue;
+        }
+        // a tile past one segment: a unit per kv group and segment, its rows' passes folded after like a long decode
+        // row's (the same folds in the same order), so the threads share the segments and read each while it is in cache
+        most_segs = std::max(most_segs, s1);
+        const auto slot = static_cast<int64_t>(longs.size());
+        for (int64_t s = s0; s < s1; ++s)
+          for (int64_t hk = 0; hk < n_kv; ++hk) chunks.push_back(Unit{b, hk * g, g, r0, rows, lmax, s, slot, true});
+        for (int64_t t = r0; t < r0 + rows; ++t) longs.push_back(Long{t, s0, s1});
       }
   }
+  // few units of row kernels (a verify of a few rows: 3 kv groups on 2 threads leave one idle for a third of the work)
+  // take a query head each; a prompt's tiles keep their group's heads as lanes (a head's 16 lanes alone run at half the
+  // rate, and read the group's keys three times)
   if (g > 1 && static_cast<int64_t>(chunks.size()) < 8 * at::get_num_threads()) {
     std::vector<Unit> each;
     each.reserve(chunks.size() * g);
-    for (const Unit& u : chunks)
+    for (const Unit& u : chunks) {
+      if (u.tiled) {
+        each.push_back(u);
+        continue;
+      }
       for (int64_t h = 0; h < g; ++h) each.push_back(Unit{u.b, u.h0 + h, 1, u.r0, u.rows, u.lmax, u.s, u.slot, u.tiled});
+    }
     chunks.swap(each);
   }
   const auto weight = [&](const Unit& u) { return u.rows * u.heads * (u.s < 0 ? u.lmax : seg); };
@@ -700,11 +719,11 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     static thread_local std::vector<float> ms, ls, big_m, big_l, tmp;
     const int64_t n_rows = U.heads * U.rows;
     ms.resize(n_rows), ls.resize(n_rows);
-    if (U.s >= 0) {  // a long decode row's segment: its pass into part_ (U.rows == 1: j is a head)
+    if (U.s >= 0) {  // a long row's segment (a decode row, or a prompt's tile): its pass into part_
       pass(U, U.s * seg, std::min(U.lmax, (U.s + 1) * seg), ms.data(), ls.data(),
-           [&](int64_t j) { return part(U.slot, head(U, j), U.s) + 2; });
+           [&](int64_t j) { return part(U.slot + j % U.rows, head(U, j), U.s) + 2; });
       for (int64_t j = 0; j < n_rows; ++j) {
-        float* p = part(U.slot, head(U, j), U.s);
+        float* p = part(U.slot + j % U.rows, head(U, j), U.s);
         p[0] = ms[j], p[1] = ls[j];
       }
       return;
@@ -733,18 +752,20 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
       for (int64_t u = next++; u < static_cast<int64_t>(chunks.size()); u = next++) run(chunks[u]);
     });
   }
-  for (int64_t slot = 0; slot < static_cast<int64_t>(longs.size()); ++slot) {  // long rows' passes, in order
-    const Long& r = longs[slot];
-    for (int64_t h = 0; h < n_heads; ++h) {
+  const auto n_long = static_cast<int64_t>(longs.size() * n_heads);
+  at::parallel_for(0, n_long, std::max<int64_t>(1, n_long / 64), [&](int64_t a, int64_t e) {  // long rows' passes
+    for (int64_t x = a; x < e; ++x) {
+      const int64_t slot = x / n_heads, h = x % n_heads;
+      const Long& r = longs[slot];
       float M = -INFINITY, L = 0.f;
       float* oh = o_.data() + r.t * qd + h * hd;
-      for (int64_t s = r.s0; s < r.s1; ++s) {
+      for (int64_t s = r.s0; s < r.s1; ++s) {  // in order
         const float* p = part(slot, h, s);
         fold(M, L, oh, p[0], p[1], p + 2, hd);
       }
       scale_by(oh, L);
     }
-  }
+  });
   turn(o_);
 }
 
