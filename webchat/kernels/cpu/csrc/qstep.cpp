@@ -478,11 +478,13 @@ void StepModel::quantize_for(Mats mys, const float* x, const Plan& plan, int64_t
 // The work comes in units of (sequence, query heads, rows, keys): a decoding sequence's one row makes a unit per query
 // head while its keys are one segment, split evenly over the threads in order (neighbouring heads share their kv head's
 // pages in cache); past one segment, a unit per kv group and segment (every query head of the group reads a page once:
-// a long context's pages do not stay in cache between heads), the passes kept in part_ and folded after. A prefill or
-// verify chunk makes units of up to 8 rows with every query head of one kv group, folding its segments as it goes.
-// Where units are few (a verify of a few rows: 3 kv groups on 2 threads leave one idle for a third of the work) they
-// take a query head each. These go to the threads as they come, heaviest first. Each row's sums run in the same order
-// whatever else is in the batch and whatever the units.
+// a long context's pages do not stay in cache between heads), the passes kept in part_ and folded after. A verify
+// chunk makes units of up to 8 rows with every query head of one kv group, folding its segments as it goes; where
+// units are few (a verify of a few rows: 3 kv groups on 2 threads leave one idle for a third of the work) they take a
+// query head each. A prompt's rows make tiles (qattn.h) of 8 or 16 rows with every query head of the group as lanes;
+// a tile past one segment makes a unit per kv group and segment like a long decode row, its rows' passes folded after.
+// These go to the threads as they come, heaviest first. Each row's sums run in the same order whatever else is in the
+// batch and whatever the units.
 constexpr int64_t SEG_KEYS = 1024;
 
 namespace {
