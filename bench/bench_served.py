@@ -51,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -290,19 +290,22 @@ def print_bare(pairs: list[tuple[float, float, float]]) -> None:
           f"{', '.join(f'{r:.2f}' for r in decode)}; median {statistics.median(decode):.2f}x")
 
 
-def webchat_makers(gguf: Path, src: Path, precision: str, exact_flag: bool,
-                   spec_none: bool = False) -> dict[str, Callable[[int], Server]]:
+def webchat_makers(gguf: Path, src: Path, precision: str, exact_flag: bool, spec_none: bool = False,
+                   serve_args: Sequence[str] = ()) -> dict[str, Callable[[int], Server]]:
     """"webchat" (its default precision) and/or "webchat --exact", as --precision asks and the checkout allows; and
-    "webchat --speculative none" beside the default where `spec_none` (the kernels alone, no drafts)."""
+    "webchat --speculative none" beside the default where `spec_none` (the kernels alone, no drafts). `serve_args` go
+    to every one of them (`--kv-pool 9000`: a long prompt on a model whose default pool is smaller)."""
     stops = stop_token_ids(gguf)
     makers: dict[str, Callable[[int], Server]] = {}
     if precision in ("both", "default") or not exact_flag:
-        makers["webchat"] = lambda port: webchat_server(port, gguf, src=src, stops=stops)
+        makers["webchat"] = lambda port: webchat_server(port, gguf, *serve_args, src=src, stops=stops)
         if spec_none:
             makers["webchat --speculative none"] = lambda port: webchat_server(
-                port, gguf, "--speculative", "none", src=src, stops=stops, name="webchat --speculative none")
+                port, gguf, *serve_args, "--speculative", "none", src=src, stops=stops,
+                name="webchat --speculative none")
     if precision in ("both", "exact") and exact_flag:
-        makers["webchat --exact"] = lambda port: webchat_server(port, gguf, src=src, stops=stops, exact=True)
+        makers["webchat --exact"] = lambda port: webchat_server(port, gguf, *serve_args, src=src, stops=stops,
+                                                                exact=True)
     return makers
 
 
@@ -335,6 +338,9 @@ def parse_args() -> argparse.Namespace:
                         help="concurrent clients per section (default 1,4,16; 1,4 with --set)")
     parser.add_argument("--ctx", type=int, default=None,
                         help="llama-server's total context (-c), split over -np (the most clients); 2048 a slot")
+    parser.add_argument("--kv-pool", default=None, metavar="SIZE",
+                        help="webchat's --kv-pool (tokens or memory, as `serve` reads it): the 3B file's default 1 GiB "
+                             "pool holds 4,688 tokens at float32, so an 8,000-token prompt needs --kv-pool 9000")
     parser.add_argument("--only", choices=["webchat", "llama-server"], default=None)
     parser.add_argument("--precision", choices=["both", "default", "exact"], default="both",
                         help="webchat's servers: its default precision and `serve --exact` beside it (both, where the "
@@ -419,7 +425,8 @@ def main() -> None:
     for gguf in args.files or [default_gguf()]:
         if args.only != "llama-server":
             convert_first(gguf, src)
-        makers = webchat_makers(gguf, src, args.precision, exact_flag, args.spec_none) \
+        serve_args = ("--kv-pool", args.kv_pool) if args.kv_pool else ()
+        makers = webchat_makers(gguf, src, args.precision, exact_flag, args.spec_none, serve_args) \
             if args.only != "llama-server" else {}
         if args.against is not None:
             against = args.against.resolve()

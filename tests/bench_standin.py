@@ -4,6 +4,7 @@ bench.bench_served reads (ready paths, /v1/models, /api/info, streamed chat comp
     python bench_standin.py serve --help | serve --port P [--exact] ...   # as `python -m webchat.cli serve`
     python bench_standin.py llama --port P ...                            # as llama-server
 
+`serve` appends its arguments to served.txt in its working folder (the checkout it is served from).
 STANDIN_EXACT=1 makes `serve` take --exact and report `precision` in /api/info ("exact" with it, "int8" without), as
 issue 38's precision choice does; without it, `serve` has no --exact and /api/info no precision (the checkout before).
 """
@@ -65,6 +66,9 @@ def main(argv: list[str]) -> None:
         return
     if "--exact" in argv and not exact_flag:
         sys.exit("webchat serve: error: unrecognized arguments: --exact")
+    if argv[0] == "serve":  # run from inside the checkout: its arguments noted there, a line a server
+        with open("served.txt", "a") as f:
+            f.write(" ".join(argv) + "\n")
     info: dict[str, object] = {"model": "standin"}
     if argv[0] == "serve" and exact_flag:
         info["precision"] = "exact" if "--exact" in argv else "int8"

@@ -98,6 +98,15 @@ def test_a_checkout_without_exact_says_so_and_runs_its_default(tmp_path: Path) -
     assert out.stdout.count("| section | webchat (not reported) | llama-server | webchat / llama |") == 2
 
 
+def test_the_kv_pool_goes_to_every_webchat_server_and_not_llama_server(tmp_path: Path) -> None:
+    out = run_bench(tmp_path, True, "--kv-pool", "9000", "--spec-none")
+    assert out.returncode == 0, out.stderr[-2000:]
+    served = (tmp_path / "checkout" / "served.txt").read_text().splitlines()
+    assert len(served) == 2 * 3  # two files, three webchat servers each (default, --speculative none, --exact)
+    assert all(" --kv-pool 9000" in line for line in served), served
+    assert sum("--speculative none" in line for line in served) == 2 and sum("--exact" in line for line in served) == 2
+
+
 def test_asking_for_exact_alone_without_the_flag_is_refused_by_name(tmp_path: Path) -> None:
     out = run_bench(tmp_path, False, "--precision", "exact")
     assert out.returncode != 0 and "has no --exact" in out.stderr, out.stderr[-2000:]
