@@ -314,9 +314,10 @@ def test_a_float16_or_q8_0_cache_in_cpp_matches_the_pytorch_path(tiny_model_dir:
             assert bool(((a - b).abs() <= step * 1.01 + 1e-6).all()), layer
 
 
-@pytest.mark.parametrize(("rows", "shape"), [("generated", "hd64-gqa2"), ("prompt", "hd64-gqa2"), ("prompt", "hd64-gqa3")])
-def test_past_one_segment_of_keys_a_row_is_the_same_decoded_or_in_a_chunk(tiny_model_dir: Path, shapes_root: Path,
-                                                                           code_path: str, rows: str, shape: str) -> None:
+@pytest.mark.parametrize(("rows", "shape"),
+                         [("generated", "hd64-gqa2"), ("prompt", "hd64-gqa2"), ("prompt", "hd64-gqa3")])
+def test_past_one_segment_of_keys_a_row_is_the_same_decoded_or_in_a_chunk(
+        tiny_model_dir: Path, shapes_root: Path, code_path: str, rows: str, shape: str) -> None:
     """Rows with more keys than one of attention's segments (qstep.cpp SEG_KEYS, 1,024 positions): a decode row's
     segments are units of their own, folded after; a chunk's rows fold theirs as they go. Rows 2,140-2,199 fed in
     chunks or one row at a time give the same bits, as generated rows (the row kernels: speculation's verify rows must
