@@ -537,7 +537,8 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     return bv.prompt_ends != nullptr && bv.positions[t] < bv.prompt_ends[b];
   };
   std::vector<Unit> single, chunks;
-  struct Long {  // a decode row past one segment: its token and segments [s0, s1); its place in part_ is its index
+  struct Long {  // a row past one segment (a decode row, or a prompt tile's): its token and segments [s0, s1); its
+                 // place in part_ is its index
     int64_t t, s0, s1;
   };
   std::vector<Long> longs;
@@ -755,7 +756,8 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     });
   }
   const auto n_long = static_cast<int64_t>(longs.size() * n_heads);
-  at::parallel_for(0, n_long, std::max<int64_t>(1, n_long / 64), [&](int64_t a, int64_t e) {  // long rows' passes
+  // long rows' passes: a decode step's few (rows x heads) folded on this thread, a prompt chunk's thousands split
+  at::parallel_for(0, n_long, 256, [&](int64_t a, int64_t e) {
     for (int64_t x = a; x < e; ++x) {
       const int64_t slot = x / n_heads, h = x % n_heads;
       const Long& r = longs[slot];
