@@ -1,5 +1,5 @@
 """A CPU model's weights in one huge-page-advised mapping (webchat.model.arena): the same values, ties kept, the
-checkpoint's file pages let go."""
+checkpoint's file pages let go; the CPU KV pool in huge-page-advised mappings of its own."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from safetensors import safe_open
 from torch import nn
 
 from webchat.kernels.backend import load_model
-from webchat.model.arena import into_huge_pages
+from webchat.model.arena import HUGE, empty_on_huge_pages, into_huge_pages
+from webchat.model.kv_cache import KVPool
 
 linux_thp = pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_HUGEPAGE"),
                                reason="needs Linux's /proc/self/smaps and MADV_HUGEPAGE")
@@ -96,3 +97,31 @@ def test_file_pages_another_tensor_still_reads_are_kept_with_their_changes(tmp_p
     into_huge_pages(net)
     assert torch.equal(net.a.data, want_a) and torch.equal(net.b.data, want_b)  # b's copy still sees the change
     assert net.b.data[20000 - 16384].item() == -1.0
+
+
+@linux_thp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])  # the pool's f32, f16 and q8_0 forms
+def test_a_cpu_kv_pool_is_made_on_huge_page_mappings_and_holds_what_is_written(dtype: torch.dtype) -> None:
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=64)
+    pool = KVPool(args, 600, "cpu", dtype)  # type: ignore[arg-type]
+    for whole, per_layer in ((pool._k, pool.k), (pool._v, pool.v)):
+        assert whole.shape == (3, 600, 16, 2, 64) and whole.dtype == dtype and whole.is_contiguous()
+        assert whole.data_ptr() % HUGE == 0  # from a 2 MiB boundary, so its first region can be a huge page
+        start, end, flags = mapping_of(whole.data_ptr())
+        assert " hg" in flags, flags
+        assert whole.data_ptr() + whole.numel() * whole.element_size() <= end
+        assert not per_layer[1][0].any()  # the padding page is zeroed
+        assert [t.data_ptr() for t in per_layer] == [whole[i].data_ptr() for i in range(3)]
+    pool.k[2][599] = 7  # the last page of the last layer: inside the mapping, read back as written
+    pool.v[1][5, 3, 1] = 9
+    assert (pool._k[2, 599] == 7).all() and (pool._v[1, 5, 3, 1] == 9).all() and not pool._v[1, 5, 2].any()
+
+
+def test_an_empty_tensor_on_huge_pages_has_its_shape_and_dtype() -> None:
+    t = empty_on_huge_pages((5, 7, 3), torch.float16)
+    assert t.shape == (5, 7, 3) and t.dtype == torch.float16 and t.is_contiguous()
+    t.fill_(1.5)
+    assert t.sum().item() == 1.5 * 105
+    assert empty_on_huge_pages((0, 4), torch.float32).shape == (0, 4)  # nothing to map: torch.empty's

@@ -1,4 +1,5 @@
-"""A CPU model's weights moved into one anonymous mapping advised for transparent huge pages.
+"""A CPU model's weights moved into one anonymous mapping advised for transparent huge pages, and the KV pool made in
+one of its own.
 
 Decode streams every weight once a token. On 4 KiB pages a 1.1B Q4_1 model's 640 MB is 160,000 pages, far past what
 the TLB holds, so the forward walks page tables all the time; on 2 MiB pages it is 320 of them. Linux gives a mapping
@@ -18,12 +19,20 @@ dropped: the mapping is private and writable, and a page changed in place would 
 Tensors shared between modules (tied embeddings) move once and stay shared.
 The values are the same bytes: only where they live changes. Without THP (`never`, or not Linux) the mapping is plain
 4 KiB pages and nothing is lost but the copy.
+
+    k = empty_on_huge_pages((layers, pages, 16, n_kv, hd), torch.float32)   # webchat.model.kv_cache.KVPool
+
+The KV pool is the other thing a step reads across: a prompt's attention 6,000 tokens deep walks every layer's keys
+and values, 9 MB of the default model's on 2,200 pages of 4 KiB a layer, and under a hypervisor's nested paging each
+TLB miss is a walk of two page tables. Advised before anything is written, its 2 MiB regions become resident whole as
+they are first written (the default model's first token: 2 MiB for each layer's k and v), and it reads as 2 MiB pages.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
@@ -81,15 +90,40 @@ def _drop_file_pages(span: tuple[int, int], files: list[tuple[int, int]], needed
     _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
-def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
-    """Move every CPU parameter of the model but those in `leave` into one huge-page-advised mapping; returns the
-    bytes moved (0: nothing to move, or the platform lacks anonymous private mappings with MADV_HUGEPAGE). Small ones
-    move too: the pages of a tensor that stays a view of the checkpoint's file mapping are resident once read."""
+def _advised_area(size: int) -> tuple[torch.Tensor, int] | None:
+    """(bytes of a private anonymous mapping of size + 2 MiB, the offset of its first 2 MiB boundary), advised for huge
+    pages from there; None where the platform lacks such mappings or MADV_HUGEPAGE."""
     advise: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
     private: int | None = getattr(mmap, "MAP_PRIVATE", None)
     anonymous: int | None = getattr(mmap, "MAP_ANONYMOUS", None)
     if advise is None or private is None or anonymous is None:
-        return 0
+        return None
+    size = _round(size, HUGE) + HUGE  # room to start on a 2 MiB boundary
+    area = mmap.mmap(-1, size, flags=private | anonymous)  # private: a shared anonymous mapping is shmem, no THP
+    whole = torch.frombuffer(area, dtype=torch.uint8)  # holds the mapping alive as long as any view of it
+    offset = -whole.data_ptr() % HUGE
+    try:
+        area.madvise(advise, offset, size - offset)
+    except OSError:  # THP compiled out: plain pages still hold the bytes
+        pass
+    return whole, offset
+
+
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor from the start of its own huge-page-advised mapping (its pages resident only once
+    written: the mapping is zero-filled on demand); torch.empty where the platform has no such mapping."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    got = _advised_area(nbytes) if nbytes > 0 else None
+    if got is None:
+        return torch.empty(shape, dtype=dtype)
+    whole, offset = got
+    return whole[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int:
+    """Move every CPU parameter of the model but those in `leave` into one huge-page-advised mapping; returns the
+    bytes moved (0: nothing to move, or the platform lacks anonymous private mappings with MADV_HUGEPAGE). Small ones
+    move too: the pages of a tensor that stays a view of the checkpoint's file mapping are resident once read."""
     kept = {id(p) for p in leave}
     params = [p for p in model.parameters()  # a shared one once
               if p.device.type == "cpu" and p.is_contiguous() and id(p) not in kept]
@@ -98,14 +132,10 @@ def into_huge_pages(model: nn.Module, leave: Iterable[torch.Tensor] = ()) -> int
     moving = {id(p) for p in params}
     spans = [_span(p) for p in params]
     total = sum(_round(end - ptr, _align(end - ptr)) for ptr, end in spans)
-    size = _round(total, HUGE) + HUGE  # room to start on a 2 MiB boundary
-    area = mmap.mmap(-1, size, flags=private | anonymous)  # private: a shared anonymous mapping is shmem, no THP
-    whole = torch.frombuffer(area, dtype=torch.uint8)  # holds the mapping alive as long as any view of it
-    offset = -whole.data_ptr() % HUGE
-    try:
-        area.madvise(advise, offset, size - offset)
-    except OSError:  # THP compiled out: plain pages still hold the weights
-        pass
+    got = _advised_area(total)
+    if got is None:
+        return 0
+    whole, offset = got
     files = _file_mappings()
     staying = [_span(t) for t in model.buffers()] + [_span(p) for p in model.parameters() if id(p) not in moving]
     for i, p in enumerate(params):

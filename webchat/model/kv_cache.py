@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from webchat.model import kv_format
+from webchat.model.arena import empty_on_huge_pages
 from webchat.model.batch import Batch, make_batch
 from webchat.model.config import ModelArgs
 
@@ -57,8 +58,11 @@ class KVPool:
         # released ones (those keep their k/v for prefix reuse, least recently used first), so over a server's life
         # RSS grows to the pool's size (--kv-pool), as llama-server holds its whole KV cache from the start. A slot is
         # always written before it is read, except the padding page 0 (masked rows read it), zeroed so it holds no NaN.
-        self._k = torch.empty((args.n_layers, *shape), device=device, dtype=dtype)
-        self._v = torch.empty((args.n_layers, *shape), device=device, dtype=dtype)
+        # On the CPU each in a huge-page-advised mapping of its own (webchat.model.arena: attention reads across it).
+        whole = (args.n_layers, *shape)
+        cpu = torch.device(device).type == "cpu"
+        self._k = empty_on_huge_pages(whole, dtype) if cpu else torch.empty(whole, device=device, dtype=dtype)
+        self._v = empty_on_huge_pages(whole, dtype) if cpu else torch.empty(whole, device=device, dtype=dtype)
         self.k, self.v = list(self._k.unbind(0)), list(self._v.unbind(0))
         self._k[:, 0].zero_()
         self._v[:, 0].zero_()
