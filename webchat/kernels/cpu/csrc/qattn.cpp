@@ -110,24 +110,28 @@ T_AVX2 void keys_256(const float* qt, int64_t L, int64_t hd, const float* k, int
 }
 
 // ---------------------------------------------------------------- p v, R lanes at a time, hd = 16 NV (8 NV)
+// over np pages' values in key order (page q's n[q] rows at vp[q], st apart; S's key rows run on across them), the
+// sums kept in registers from the first page to the last
 template <int R, int NV>
-T_AVX512 inline void pv_512(const float* S, int64_t L, int64_t n, const float* vp, int64_t st, float* const* out) {
+T_AVX512 inline void pv_512(const float* S, int64_t L, int np, const float* const* vp, const int64_t* n, int64_t st,
+                            float* const* out) {
   __m512 acc[R][NV];
   #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(out[r] + 16 * c);
-  for (int64_t i = 0; i < n; ++i) {
-    __m512 v[NV];
-    #pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(vp + i * st + 16 * c);
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 p = _mm512_set1_ps(S[i * L + r]);
+  for (int q = 0; q < np; S += n[q] * L, ++q)
+    for (int64_t i = 0; i < n[q]; ++i) {
+      __m512 v[NV];
       #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+      for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(vp[q] + i * st + 16 * c);
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(S[i * L + r]);
+        #pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+      }
     }
-  }
   #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     #pragma GCC unroll 8
@@ -135,15 +139,18 @@ T_AVX512 inline void pv_512(const float* S, int64_t L, int64_t n, const float* v
 }
 
 // AVX2: 8 columns (64 values) of one lane a pass, the values read from memory by the FMAs
-T_AVX2 inline void pv_256(const float* S, int64_t L, int64_t n, const float* vp, int64_t st, float* o) {
+T_AVX2 inline void pv_256(const float* S, int64_t L, int np, const float* const* vp, const int64_t* n, int64_t st,
+                          int64_t col, float* o) {
   __m256 acc[8];
   #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(o + 8 * c);
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 p = _mm256_broadcast_ss(S + i * L);
-    #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i * st + 8 * c), acc[c]);
-  }
+  for (int q = 0; q < np; S += n[q] * L, ++q)
+    for (int64_t i = 0; i < n[q]; ++i) {
+      const __m256 p = _mm256_broadcast_ss(S + i * L);
+      const float* v = vp[q] + i * st + col;
+      #pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
   #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
 }
@@ -267,22 +274,26 @@ void tile_softmax(int p, float* S, int64_t L, int64_t n, int64_t key0, const int
   }
 }
 
-void tile_values(int p, const float* S, int64_t L, int64_t rows, int64_t n, const float* vp, int64_t st, int64_t hd,
-                 float* const* out) {
+void tile_values(int p, const float* S, int64_t L, int64_t rows, int np, const float* const* vp, const int64_t* n,
+                 int64_t st, int64_t hd, float* const* out) {
   int64_t r = 0;
-  if (p == PATH_AVX512 && hd == 64) {
-    for (; r + 4 <= rows; r += 4) pv_512<4, 4>(S + r, L, n, vp, st, out + r);
-    for (; r < rows; ++r) pv_512<1, 4>(S + r, L, n, vp, st, out + r);
+  if (p == PATH_AVX512 && hd == 64) {  // 6 lanes a pass: 24 sums, 4 values and a p in the 32 registers
+    for (; r + 6 <= rows; r += 6) pv_512<6, 4>(S + r, L, np, vp, n, st, out + r);
+    for (; r + 4 <= rows; r += 4) pv_512<4, 4>(S + r, L, np, vp, n, st, out + r);
+    for (; r < rows; ++r) pv_512<1, 4>(S + r, L, np, vp, n, st, out + r);
   } else if (p == PATH_AVX512 && hd == 128) {
-    for (; r + 2 <= rows; r += 2) pv_512<2, 8>(S + r, L, n, vp, st, out + r);
-    for (; r < rows; ++r) pv_512<1, 8>(S + r, L, n, vp, st, out + r);
+    for (; r + 2 <= rows; r += 2) pv_512<2, 8>(S + r, L, np, vp, n, st, out + r);
+    for (; r < rows; ++r) pv_512<1, 8>(S + r, L, np, vp, n, st, out + r);
   } else if (p >= PATH_AVX2 && hd % 64 == 0) {
     for (; r < rows; ++r)
-      for (int64_t c = 0; c < hd; c += 64) pv_256(S + r, L, n, vp + c, st, out[r] + c);
+      for (int64_t c = 0; c < hd; c += 64) pv_256(S + r, L, np, vp, n, st, c, out[r] + c);
   }
-  for (; r < rows; ++r)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < hd; ++c) out[r][c] = std::fma(S[i * L + r], vp[i * st + c], out[r][c]);
+  for (; r < rows; ++r) {
+    const float* s = S + r;
+    for (int q = 0; q < np; s += n[q] * L, ++q)
+      for (int64_t i = 0; i < n[q]; ++i)
+        for (int64_t c = 0; c < hd; ++c) out[r][c] = std::fma(s[i * L], vp[q][i * st + c], out[r][c]);
+  }
 }
 
 }  // namespace wq

@@ -14,8 +14,10 @@ void tile_scores(int path, const float* qt, int64_t L, int64_t hd, const float* 
 // (0 elsewhere); m_r their largest score (-inf where none), l_r = sum p
 void tile_softmax(int path, float* S, int64_t L, int64_t n, int64_t key0, const int32_t* lo, const int32_t* hi, float cap,
                   float* m, float* l);
-// out[r] (hd floats) += sum_i S[i * L + r] v_i for rows r < rows, over the n values of a page (v_i at vp + i * st)
-void tile_values(int path, const float* S, int64_t L, int64_t rows, int64_t n, const float* vp, int64_t st, int64_t hd,
-                 float* const* out);
+// out[r] (hd floats) += sum_i S[i * L + r] v_i for rows r < rows, over the values of np pages in key order (page q's
+// n[q] rows at vp[q], st apart; S's key rows run on across the pages), each lane's sums held in registers throughout
+constexpr int VALUE_PAGES = 4;  // pages a call takes: 64 keys of 16-slot pages, a head's 16 KB of values at hd 64
+void tile_values(int path, const float* S, int64_t L, int64_t rows, int np, const float* const* vp, const int64_t* n,
+                 int64_t st, int64_t hd, float* const* out);
 
 }  // namespace wq

@@ -652,11 +652,17 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     }
     tile_softmax(p, sc.data(), L, width, base, first.data(), last.data(), cap, mt.data(), lt.data());
     for (int64_t j = 0; j < n_rows; ++j) m[j] = mt[j], l[j] = lt[j];
-    for (int64_t pos0 = base; pos0 < e; pos0 += ps) {
-      const int64_t n = std::min(ps, e - pos0);
-      const float* vp = page_rows(vc, pages[pos0 / ps], hk, n, rows_buf, st);
-      ahead(vc, pos0);
-      tile_values(p, sc.data() + (pos0 - base) * L, L, n_rows, n, vp, st, hd, outs.data());
+    for (int64_t pos0 = base; pos0 < e; pos0 += VALUE_PAGES * ps) {  // VALUE_PAGES pages a call
+      static thread_local std::vector<float> value_bufs[VALUE_PAGES];
+      const float* vps[VALUE_PAGES];
+      int64_t ns[VALUE_PAGES];
+      int np = 0;
+      for (int64_t at = pos0; at < e && np < VALUE_PAGES; at += ps, ++np) {
+        ns[np] = std::min(ps, e - at);
+        vps[np] = page_rows(vc, pages[at / ps], hk, ns[np], value_bufs[np], st);
+      }
+      ahead(vc, pos0 + (np - 1) * ps);
+      tile_values(p, sc.data() + (pos0 - base) * L, L, n_rows, np, vps, ns, st, hd, outs.data());
     }
   };
   const auto pass = [&](const Unit& U, int64_t a, int64_t e, float* m, float* l, auto out) {
