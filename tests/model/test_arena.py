@@ -125,3 +125,13 @@ def test_an_empty_tensor_on_huge_pages_has_its_shape_and_dtype() -> None:
     t.fill_(1.5)
     assert t.sum().item() == 1.5 * 105
     assert empty_on_huge_pages((0, 4), torch.float32).shape == (0, 4)  # nothing to map: torch.empty's
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="the mapping is Linux's")
+def test_a_pool_larger_than_the_memory_is_an_error_naming_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)  # as the kernel answers a mapping past RAM and swap
+    with pytest.raises(RuntimeError, match=r"cannot map 4098 MiB of memory: Cannot allocate memory"):
+        empty_on_huge_pages((1024, 1024, 1024), torch.float32)

@@ -99,7 +99,10 @@ def _advised_area(size: int) -> tuple[torch.Tensor, int] | None:
     if advise is None or private is None or anonymous is None:
         return None
     size = _round(size, HUGE) + HUGE  # room to start on a 2 MiB boundary
-    area = mmap.mmap(-1, size, flags=private | anonymous)  # private: a shared anonymous mapping is shmem, no THP
+    try:  # private: a shared anonymous mapping is shmem, no THP
+        area = mmap.mmap(-1, size, flags=private | anonymous)
+    except OSError as e:  # what torch.empty raises where the memory is not there, with the size asked for
+        raise RuntimeError(f"cannot map {size / 2**20:.0f} MiB of memory: {e.strerror or e}") from e
     whole = torch.frombuffer(area, dtype=torch.uint8)  # holds the mapping alive as long as any view of it
     offset = -whole.data_ptr() % HUGE
     try:
