@@ -392,7 +392,7 @@ def test_a_model_packs_at_int8_and_unpacks_at_exact(kernels: Any, tiny_model_dir
 def test_flagged_rows_read_the_packed_matrices_as_the_exact_model_reads_the_file(kernels: Any, tiny_model_dir: Path,
                                                                                  qtype: str, rows: int) -> None:
     """A scored prompt's rows (Batch.exact) on a model packed for int8 gather each packed group back to the file's
-    rows before the float32 GEMM (8 rows: the FMA tiles; 40: AMX where the CPU has it): every logit within float32
+    rows before the float32 GEMM (AMX where the CPU has it, else the FMA tiles): every logit within float32
     rounding of the exact model's, which reads the file's bytes as they are."""
     from webchat.model.batch import make_batch
 

@@ -30,11 +30,12 @@ def feed(model: Any, spec: list[tuple[list[int], int, list[int], list[int]]], po
 @pytest.mark.parametrize("rows", [24, 12])
 def test_a_scored_prompt_runs_exact_beside_a_decode(kernels: Any, tiny_model_dir: Path, precision: str,
                                                     rows: int) -> None:
-    """In one batch: a decode at the model's precision and a prompt chunk flagged exact with every row's logits (24
-    rows: the AMX tiles where the CPU has them; 12: the FMA tiles, as beside other streams). The prompt's logits are
+    """In one batch: a decode at the model's precision and a prompt chunk flagged exact with every row's logits (24 or
+    12 rows: the AMX tiles where the CPU has them, else the FMA tiles). The prompt's logits are
     the exact model's (within float32 rounding: the head reads packed rows through the GEMM, the exact model's through
     its row kernels); the decode's bits are its own alone; the flag moves nothing past the prompt (a flagged decode
-    row is the model's precision)."""
+    row is the model's precision). Unflagged, the prompt's rows take the model's prompt precision: int8x2's are exact
+    where the AMX tiles are."""
     fast = load_model(tiny_model_dir, quantize="q4_1", precision=precision)
     exact = load_model(tiny_model_dir, quantize="q4_1", precision="exact")
     gen = torch.Generator().manual_seed(3)
@@ -57,7 +58,11 @@ def test_a_scored_prompt_runs_exact_beside_a_decode(kernels: Any, tiny_model_dir
     assert (scored - want).abs().max() <= 1e-4
     assert torch.equal(decode, alone)
     plain, _ = run(fast, None)
-    assert (plain - want).abs().max() > 1e-4  # unflagged, the prompt takes the model's precision
+    if fast.runner.prompt_precision == "exact":  # int8x2's prompt rows where the exact GEMM has AMX tiles
+        assert precision == "int8x2" and kernels.amx()
+        assert (plain - want).abs().max() <= 1e-4
+    else:  # unflagged, the prompt takes the model's precision
+        assert (plain - want).abs().max() > 1e-4
     _, flagged_decode = run(fast, [True, True])
     assert torch.equal(flagged_decode, alone)
 

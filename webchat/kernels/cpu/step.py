@@ -33,9 +33,11 @@ log = logging.getLogger("webchat.kernels.cpu.step")
 MAX_ROWS = 64  # tokens per forward up to which the C++ step runs it
 PREC = {"exact": 0, "int8": 1, "int8x2": 2}  # qstep.h's Prec
 KV_DTYPES = (torch.float32, torch.float16, torch.uint8)  # the pools it reads: f32, f16, q8_0 (webchat.model.kv_format)
-# a prompt's rows at each precision (docs/quant.md, "Precisions"): its own, so a prompt's rows take one kernel whatever
-# the chunk (exact rows for a prompt scored come from the batch's exact flags)
+# a prompt's rows at each precision (docs/quant.md, "Precisions"): one kernel whatever the chunk (exact rows for a
+# prompt scored come from the batch's exact flags); int8x2's are exact where the exact GEMM has AMX tiles
+# (qgemm_amx.cpp: there float32-accurate rows cost less than int8x2's), int8x2 elsewhere
 PROMPT_PRECISION = {"exact": "exact", "int8": "int8", "int8x2": "int8x2"}
+PROMPT_PRECISION_AMX = {**PROMPT_PRECISION, "int8x2": "exact"}
 F32 = 0  # ggml's type number for float32 rows
 NONE = torch.empty(0)
 
@@ -91,6 +93,8 @@ class CpuStep:
         self.final_softcap = a.final_softcap
         self.embedding = model.tok_embeddings
         self.layers = list(model.layers)
+        self.kernels = kernels
+        self.prompt_precision = "exact"  # what set_precision chose for a prompt's rows
         self.calls = 0
         self.int8 = False  # a precision other than exact: every batch runs here, whatever its size
 
@@ -101,8 +105,9 @@ class CpuStep:
 
     def set_precision(self, precision: str, pack: bool = True) -> None:
         """Decode, verify and recomputed rows at `precision` (webchat.model.weights.PRECISIONS), a prompt's rows at
-        PROMPT_PRECISION's for it; pack: as set_int8."""
-        self.step.set_precision(PREC[precision], PREC[PROMPT_PRECISION[precision]], pack)
+        PROMPT_PRECISION's for it (PROMPT_PRECISION_AMX's where the exact GEMM has AMX tiles); pack: as set_int8."""
+        self.prompt_precision = (PROMPT_PRECISION_AMX if self.kernels.amx() else PROMPT_PRECISION)[precision]
+        self.step.set_precision(PREC[precision], PREC[self.prompt_precision], pack)
         self.int8 = precision != "exact"
 
     def __call__(self, model: Transformer, batch: Batch, kv: PagedKV) -> torch.Tensor | None:

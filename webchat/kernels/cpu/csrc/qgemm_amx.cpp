@@ -1,12 +1,11 @@
 // The exact prompt GEMM on AMX tiles (docs/quant.md, "The exact prompt GEMM"): y (m, n) = x (m, k) @ W^T, W the
-// float32 values dequant_row gives, at float32 accuracy from bfloat16 tile products:
-//   y[r, n] = sum_c sum_{i + j <= 4} w_i[n, c] x_j[r, c]
-// where w = w1 + w2 + w3 and x = x1 + x2 + x3 exactly (each piece the next 8 significant bits as a bfloat16, by
-// truncation: what is left is exact in float32, and 24 bits make three pieces). Every product of two pieces is exact in
-// float32 and TDPBF16PS sums them in float32; the three pairs left out (w2 x3, w3 x2, w3 x3) are each at most 2^-24 of
-// |w x|, a float32 rounding's size. So a tile holds its outputs' float32 sums across the whole row: 6 TDPBF16PS per
-// 32 values of k (a weight tile's 3 pieces by an x tile's 3), nothing leaves the tile until the row is done, and the
-// format's scales, offsets and 16-value groups (Q6_K) are in the dequantized floats.
+// float32 values dequant_row gives, at float32 accuracy from bfloat16 tile products. A weight is its format's integer
+// times a scale per 32 values plus an offset, s w + o, exactly; so
+//   y[r, n] = sum_b s[n, b] (sum_{c in b} sum_{j + i <= 4} w_j[n, c] x_i[r, c]) + o[n, b] (sum_{c in b} x[r, c])
+// where x = x1 + x2 + x3 exactly (each piece the next 8 significant bits as a bfloat16, by truncation: 24 bits make
+// three) and w = w1 (+ w2 for Q6_K's scaled integers) exactly. Every product of two pieces is exact in float32 and
+// TDPBF16PS sums a block's in float32; the pairs left out are each at most 2^-24 of |w x|, a float32 rounding's size.
+// Each block's C tile is scaled into the row's float32 sums (3 TDPBF16PS a block of 32 values, 5 for Q6_K).
 //
 // Each output depends on its row of x and its row of W only (a tile element is its own sum; the zero padding of a short
 // tile adds exact zeros), so a prompt's rows are the same bits however it is chunked or batched. Where the CPU has
@@ -25,6 +24,7 @@
 
 #include "qcommon.h"
 #include "qint8.h"
+#include "qkblocks.h"
 
 namespace wq {
 
@@ -89,18 +89,22 @@ AMX_TARGET inline __m512i high_halves(__m512i a, __m512i b) {
 }
 
 // x's rows as B tiles: per tile of 16 x rows, block of 32 values and piece, 16 pairs of values by 16 rows (the pair
-// (2kk, 2kk + 1) of row c at dword kk * 16 + c); missing rows of the last tile are zeros
+// (2kk, 2kk + 1) of row c at dword kk * 16 + c), and each row's sum of the block (the offsets' products); missing rows
+// of the last tile are zeros
 struct XTiles {
   int64_t tiles = 0, nb = 0;
   std::vector<uint16_t> b;  // (tiles, nb, 3, 16 pairs, 16 rows, 2)
+  std::vector<float> sums;  // (tiles, nb, 16 rows)
   const uint16_t* at(int64_t t, int64_t blk, int p) const { return b.data() + ((t * nb + blk) * 3 + p) * 512; }
+  const float* sum(int64_t t, int64_t blk) const { return sums.data() + (t * nb + blk) * TM; }
 };
 
-AMX_TARGET void x_row(const float* x, int64_t c, int64_t nb, uint16_t* out) {
+AMX_TARGET void x_row(const float* x, int64_t c, int64_t nb, uint16_t* out, float* sums) {
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(TM));
   for (int64_t blk = 0; blk < nb; ++blk) {
     __m512 v[2] = {_mm512_loadu_ps(x + XB * blk), _mm512_loadu_ps(x + XB * blk + 16)};
+    sums[blk * TM + c] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
     __m512i p[3][2];
     pieces(v, p);
     for (int j = 0; j < 3; ++j)
@@ -111,6 +115,7 @@ AMX_TARGET void x_row(const float* x, int64_t c, int64_t nb, uint16_t* out) {
 void build_x(const float* x, int64_t m, int64_t k, XTiles& xt) {
   xt.tiles = (m + TM - 1) / TM, xt.nb = k / XB;
   xt.b.resize(xt.tiles * xt.nb * 3 * 512);
+  xt.sums.assign(xt.tiles * xt.nb * TM, 0.f);
   const int64_t c0 = m - (xt.tiles - 1) * TM;  // rows of the last tile
   if (c0 < TM)
     for (int64_t blk = 0; blk < xt.nb; ++blk)
@@ -120,127 +125,250 @@ void build_x(const float* x, int64_t m, int64_t k, XTiles& xt) {
       }
   at::parallel_for(0, m, std::max<int64_t>(1, 8192 / k), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      x_row(x + r * k, r % TM, xt.nb, xt.b.data() + (r / TM) * xt.nb * 3 * 512);
+      x_row(x + r * k, r % TM, xt.nb, xt.b.data() + (r / TM) * xt.nb * 3 * 512,
+            xt.sums.data() + (r / TM) * xt.nb * TM);
   });
 }
 
-// A weight block: rows [n0, n0 + nn) of a matrix dequantized (dequant_row: the exact path's floats) and cut into 3
-// pieces a block of 32 values, a tile's piece 16 rows x 32 bfloat16 (the A tiles); rows past nn are zeros
+// A weight block of 32 values as integers w and a scale and offset: value c is s w[c] + o exactly as dequant_row's
+// float (ggml's formulas: Q4_0 d (q - 8), Q4_1 d q + m, Q5_0 d (q - 16), Q5_1 d q + m, Q8_0 d q, Q4_K/Q5_K d sc q -
+// dmin m with the 6-bit sc and m of its 32 values; the products exact in float32). The integers fit 8 bits (one
+// bfloat16 piece each, exact); Q6_K's (q - 32) times its 16-value groups' int8 scales take 13 bits (two pieces).
+AMX_TARGET inline __m256i nibbles(__m128i b) {  // 16 bytes' low nibbles, then their high nibbles
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+}
+
+// the block's 32 integers as one bfloat16 piece in order (exact: each at most 8 significant bits)
+AMX_TARGET inline __m512i bf16_of_bytes(__m256i v) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+  return high_halves(_mm512_castps_si512(lo), _mm512_castps_si512(hi));
+}
+
+// one row's blocks of a 32-value format: out (nb, pieces, 16 rows, 32) at the row's place, s and o (nb, 2, 16)
+AMX_TARGET void row_blocks32(int qtype, const uint8_t* row, int64_t nb, uint16_t* out, int64_t out_step, float* so,
+                             int64_t so_step) {
+  const int64_t bytes = block_bytes(qtype);
+  const bool offset = qtype == Q4_1 || qtype == Q5_1, five = qtype == Q5_0 || qtype == Q5_1;
+  const __m256i zero = _mm256_set1_epi8(static_cast<char>(offset ? 0 : five ? 16 : 8)), sixteen = _mm256_set1_epi8(16);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * bytes;
+    __m256i v;
+    if (qtype == Q8_0) {
+      v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    } else {
+      uint32_t qh = 0;
+      if (five) std::memcpy(&qh, p + (offset ? 4 : 2), 4);
+      v = nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (offset ? 4 : 2) + (five ? 4 : 0))));
+      if (five) v = _mm256_mask_add_epi8(v, qh, v, sixteen);
+      v = _mm256_sub_epi8(v, zero);
+    }
+    _mm512_storeu_si512(out + b * out_step, bf16_of_bytes(v));
+    so[b * so_step] = half_to_float(p), so[b * so_step + TM] = offset ? half_to_float(p + 2) : 0.f;
+  }
+}
+
+// one row's super-blocks of Q4_K or Q5_K: 8 blocks of 32 each
+template <int QT>
+AMX_TARGET void row_blocks_k45(const uint8_t* row, int64_t nb, uint16_t* out, int64_t out_step, float* so,
+                               int64_t so_step) {
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * kbytes<QT>();
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(blk + 4, sc, mn);
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    const uint8_t* q = blk + (QT == Q4_K ? 16 : 48);
+    const __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : __m256i{};
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+      __m256i v[2] = {_mm256_and_si256(bytes, m4), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4)};
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * c + h;
+        if (QT == Q5_K)
+          v[h] = _mm256_mask_add_epi8(v[h], _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << j))),
+                                      v[h], sixteen);
+        const int64_t b = 8 * sb + j;
+        _mm512_storeu_si512(out + b * out_step, bf16_of_bytes(v[h]));
+        so[b * so_step] = d * float(sc[j]), so[b * so_step + TM] = -dmin * float(mn[j]);
+      }
+    }
+  }
+}
+
+// one row's super-blocks of Q6_K: (q - 32) sc as two pieces, s = d
+AMX_TARGET void row_blocks_q6k(const uint8_t* row, int64_t nb, uint16_t* out, int64_t out_step, float* so,
+                               int64_t so_step) {
+  alignas(64) int w[QK_K];
+  int sc[16], mn[8];
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * kbytes<Q6_K>();
+    super_ints<Q6_K>(blk, w, sc, mn);
+    const float d = half_to_float(blk + 208);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = 8 * sb + j;
+      __m512 f[2];
+      for (int h = 0; h < 2; ++h)
+        f[h] = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_load_si512(w + 32 * j + 16 * h), _mm512_set1_epi32(sc[2 * j + h])));
+      __m512i p[3][2];
+      pieces(f, p);
+      _mm512_storeu_si512(out + b * out_step, high_halves(p[0][0], p[0][1]));
+      _mm512_storeu_si512(out + b * out_step + TM * XB, high_halves(p[1][0], p[1][1]));
+      so[b * so_step] = d, so[b * so_step + TM] = 0.f;
+    }
+  }
+}
+
+// A block of weight rows [n0, n0 + nn) as the A tiles: per tile of 16 rows and block of 32 values, the integers as
+// bfloat16 pieces and each row's s and o; rows past nn (to whole groups of G tiles) are zeros
 struct WBlock {
-  std::vector<float> f;         // (16 rows, k): one tile's rows at a time
-  std::vector<uint16_t> a;      // (tiles, nb, 3, 16 rows, 32)
-  std::vector<float> acc;       // (tiles, 2, 16, 16): the C tiles between k chunks
+  std::vector<uint16_t> a;      // (tiles, nb, pieces, 16 rows, 32)
+  std::vector<float> so;        // (tiles, nb, 2, 16): s then o of each row
   std::vector<uint8_t> gathered;
-  bool third = false;           // any third piece is not zero (Q4_0/Q5_0's d (q - off) never has one)
+  int pieces = 1;
+  bool offsets = false;         // any o is not zero (Q4_1, Q5_1, Q4_K, Q5_K)
 };
 
-AMX_TARGET void decode_block(const MatRef& mr, int64_t k, int64_t n0, int64_t nn, WBlock& w) {
-  const int64_t nb = k / XB, tiles = (nn + TM - 1) / TM;
-  w.f.resize(TM * k);
-  w.a.resize(tiles * nb * 3 * TM * XB);
-  __m512i any3 = _mm512_setzero_si512();
+AMX_TARGET void decode_block(const MatRef& mr, int64_t k, int64_t n0, int64_t nn, int64_t tiles, WBlock& w) {
+  const int64_t nb = k / XB;
+  w.pieces = mr.qtype == Q6_K ? 2 : 1;
+  w.offsets = mr.qtype == Q4_1 || mr.qtype == Q5_1 || mr.qtype == Q4_K || mr.qtype == Q5_K;
+  const int np = w.pieces;
+  w.a.resize(tiles * nb * np * TM * XB);
+  w.so.resize(tiles * nb * 2 * TM);
   for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int64_t rows = std::min<int64_t>(TM, nn - tile * TM), first = n0 + tile * TM;
+    const int64_t rows = std::clamp<int64_t>(nn - tile * TM, 0, TM), first = n0 + tile * TM;
     const uint8_t* bytes = mr.w + first * mr.row_bytes;
-    if (mr.packed) {  // packed 8 rows to a group for the int8 kernels: the tile's rows in ggml's layout first
+    if (mr.packed && rows > 0) {  // packed 8 rows to a group for the int8 kernels: the tile's rows in ggml's layout
       w.gathered.resize(TM * mr.row_bytes);
       for (int64_t g = 0; g < rows / 8; ++g)
         packed_group(mr.qtype, mr.w, mr.row_bytes, first / 8 + g, w.gathered.data() + g * 8 * mr.row_bytes);
       bytes = w.gathered.data();
     }
-    for (int64_t i = 0; i < rows; ++i) dequant_row(mr.qtype, bytes + i * mr.row_bytes, k, w.f.data() + i * k);
-    std::fill(w.f.begin() + rows * k, w.f.end(), 0.f);
-    uint16_t* at = w.a.data() + tile * nb * 3 * TM * XB;
-    for (int64_t blk = 0; blk < nb; ++blk)
-      for (int i = 0; i < TM; ++i) {
-        const float* f = w.f.data() + i * k + XB * blk;
-        __m512 v[2] = {_mm512_loadu_ps(f), _mm512_loadu_ps(f + 16)};
-        __m512i p[3][2];
-        pieces(v, p);
-        any3 = _mm512_or_si512(any3, _mm512_or_si512(p[2][0], p[2][1]));
-        for (int j = 0; j < 3; ++j)
-          _mm512_storeu_si512(at + ((blk * 3 + j) * TM + i) * XB, high_halves(p[j][0], p[j][1]));
+    uint16_t* at = w.a.data() + tile * nb * np * TM * XB;
+    float* so = w.so.data() + tile * nb * 2 * TM;
+    const int64_t step = np * TM * XB;
+    for (int i = 0; i < TM; ++i) {
+      const uint8_t* row = bytes + i * mr.row_bytes;
+      if (i >= rows) {
+        for (int64_t b = 0; b < nb; ++b) {
+          std::fill(at + b * step + i * XB, at + b * step + i * XB + XB, uint16_t(0));
+          if (np == 2) std::fill(at + b * step + (TM + i) * XB, at + b * step + (TM + i) * XB + XB, uint16_t(0));
+          so[b * 2 * TM + i] = so[b * 2 * TM + TM + i] = 0.f;
+        }
+      } else if (mr.qtype == Q4_K) {
+        row_blocks_k45<Q4_K>(row, nb, at + i * XB, step, so + i, 2 * TM);
+      } else if (mr.qtype == Q5_K) {
+        row_blocks_k45<Q5_K>(row, nb, at + i * XB, step, so + i, 2 * TM);
+      } else if (mr.qtype == Q6_K) {
+        row_blocks_q6k(row, nb, at + i * XB, step, so + i, 2 * TM);
+      } else {
+        row_blocks32(mr.qtype, row, nb, at + i * XB, step, so + i, 2 * TM);
       }
+    }
   }
-  w.third = _mm512_test_epi32_mask(any3, any3) != 0;
 }
 
-// C(CT) += the products of the loaded weight pieces (2, 3, 4) and x pieces (5, 6, 7) whose ranks add to at most 4
-// (the tile number a literal: GCC's tile intrinsics spell it into the assembly)
-#define WQ_PRODUCTS(CT, THIRD)  \
-  _tile_dpbf16ps(CT, 2, 5);     \
-  _tile_dpbf16ps(CT, 2, 6);     \
-  _tile_dpbf16ps(CT, 3, 5);     \
-  _tile_dpbf16ps(CT, 2, 7);     \
-  _tile_dpbf16ps(CT, 3, 6);     \
-  if (THIRD) _tile_dpbf16ps(CT, 4, 5)
-
-AMX_TARGET inline void load_x(const XTiles& xt, int64_t t, int64_t blk) {
-  _tile_loadd(5, xt.at(t, blk, 0), 64);
-  _tile_loadd(6, xt.at(t, blk, 1), 64);
-  _tile_loadd(7, xt.at(t, blk, 2), 64);
-}
-
-constexpr int64_t KC = 4;  // blocks of k a chunk: two x tiles' chunk (24 KB) stays in L1 while the weight tiles pass
-
-// y rows [16 t, 16 t + 16) x columns [n0, n0 + nn) from a C tile stored at c (c[i][r]: weight row i, x row r)
-void write_tile(const float* c, const MatRef& mr, int64_t m, int64_t t, int64_t n0, int64_t nn) {
+// y rows [16 t, 16 t + 16) x columns [n0, n0 + nn) from a tile's sums (acc + 16 i, lane r: weight row i, x row r)
+AMX_TARGET void write_tile(const float* acc, const MatRef& mr, int64_t m, int64_t t, int64_t n0, int64_t nn) {
   const int64_t rows = std::min<int64_t>(TM, m - t * TM);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* y = mr.y + (t * TM + r) * mr.n + n0;
-    for (int64_t i = 0; i < nn; ++i) y[i] = c[TM * i + r];
-  }
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int>(mr.n)));
+  float* y = mr.y + t * TM * mr.n + n0;
+  for (int64_t i = 0; i < nn; ++i) _mm512_mask_i32scatter_ps(y + i, live, at, _mm512_loadu_ps(acc + TM * i), 4);
 }
 
-// rows [n0, n0 + nn) of a matrix against every x tile: per pair of x tiles and chunk of KC blocks of k, each weight
-// tile in turn (its C tiles carried between chunks in w.acc), so the x chunk is read from L1 by every weight tile and
-// the weight tiles stream from L2 (the block's pieces: nn x k x 6 bytes)
-AMX_TARGET void block_rows(const MatRef& mr, int64_t m, int64_t k, int64_t n0, int64_t nn, const XTiles& xt,
-                           WBlock& w) {
-  const int64_t nb = k / XB, tiles = (nn + TM - 1) / TM;
-  decode_block(mr, k, n0, nn, w);
-  w.acc.resize(tiles * 2 * TM * TM);
-  configure();
-  for (int64_t t = 0; t < xt.tiles; t += 2) {  // two x tiles share each weight tile's loads
-    const bool two = t + 1 < xt.tiles;
-    for (int64_t b0 = 0; b0 < nb; b0 += KC) {
-      const int64_t b1 = std::min(nb, b0 + KC);
-      for (int64_t tile = 0; tile < tiles; ++tile) {
-        float* acc = w.acc.data() + tile * 2 * TM * TM;
-        if (b0 == 0) {
-          _tile_zero(0);
-          _tile_zero(1);
-        } else {
-          _tile_loadd(0, acc, 64);
-          _tile_loadd(1, acc + TM * TM, 64);
-        }
-        const uint16_t* at = w.a.data() + tile * nb * 3 * TM * XB;
-        for (int64_t blk = b0; blk < b1; ++blk) {
-          const uint16_t* a = at + blk * 3 * TM * XB;
-          _tile_loadd(2, a, 64);
-          _tile_loadd(3, a + TM * XB, 64);
-          _tile_loadd(4, a + 2 * TM * XB, 64);
-          load_x(xt, t, blk);
-          WQ_PRODUCTS(0, w.third);
-          if (two) {
-            load_x(xt, t + 1, blk);
-            WQ_PRODUCTS(1, w.third);
-          }
-        }
-        _tile_stored(0, acc, 64);
-        _tile_stored(1, acc + TM * TM, 64);
-      }
+// G C tiles' block sums (stored at c, c[j][i][r]) scaled into their sums: acc[j][i] += s_i c[j][i] (+ o_i xs, xs the
+// x rows' sums of the block)
+template <int G, bool OFFSETS>
+AMX_TARGET inline void scale_into(float* acc, const float* c, const float* so, int64_t so_tile, const float* xs) {
+  const __m512 sums = OFFSETS ? _mm512_loadu_ps(xs) : _mm512_setzero_ps();
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < TM; ++i) {
+      float* a = acc + (j * TM + i) * TM;
+      __m512 v = _mm512_fmadd_ps(_mm512_load_ps(c + (j * TM + i) * TM), _mm512_set1_ps(so[j * so_tile + i]),
+                                 _mm512_load_ps(a));
+      if (OFFSETS) v = _mm512_fmadd_ps(sums, _mm512_set1_ps(so[j * so_tile + TM + i]), v);
+      _mm512_store_ps(a, v);
     }
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const float* acc = w.acc.data() + tile * 2 * TM * TM;
-      const int64_t cols = std::min<int64_t>(TM, nn - tile * TM);
-      write_tile(acc, mr, m, t, n0 + tile * TM, cols);
-      if (two) write_tile(acc + TM * TM, mr, m, t + 1, n0 + tile * TM, cols);
-    }
+}
+
+// A block's products into C tile CT: the weight tile's pieces (4; Q6_K's second, 3) by the x pieces (5, 6, 7) whose
+// ranks add to at most 4 (the three left out are each at most 2^-24 of |w x|); tile numbers literals (GCC's tile
+// intrinsics spell them into the assembly)
+#define WQ_PRODUCTS(CT, A)           \
+  _tile_loadd(4, A, 64);             \
+  _tile_zero(CT);                    \
+  _tile_dpbf16ps(CT, 4, 5);          \
+  _tile_dpbf16ps(CT, 4, 6);          \
+  _tile_dpbf16ps(CT, 4, 7);          \
+  if (TWO) {                         \
+    _tile_loadd(3, A + TM * XB, 64); \
+    _tile_dpbf16ps(CT, 3, 5);        \
+    _tile_dpbf16ps(CT, 3, 6);        \
   }
+
+// rows [n0, n0 + nn) of a matrix against every x tile, G weight tiles at a time: per block of k the x tile's pieces
+// loaded once, each weight tile's products in its own C tile (G sums in flight), the C tiles stored and scaled into
+// the sums in memory (acc: G tiles of 16 x 16, in L1) while the next block's products run
+template <int G, bool TWO, bool OFFSETS>
+AMX_TARGET void tile_rows(const MatRef& mr, int64_t m, int64_t k, int64_t n0, int64_t nn, int64_t tiles,
+                          const XTiles& xt, const WBlock& w) {
+  static_assert(G == 2 || G == 4, "two or four C tiles");
+  const int64_t nb = k / XB, np = TWO ? 2 : 1, tile_step = nb * np * TM * XB, so_tile = nb * 2 * TM;
+  alignas(64) float c[2][G * TM * TM];
+  alignas(64) float acc[G * TM * TM];
+  for (int64_t t = 0; t < xt.tiles; ++t)
+    for (int64_t g = 0; g < tiles; g += G) {
+      std::memset(acc, 0, sizeof(acc));
+      const uint16_t* at = w.a.data() + g * tile_step;
+      const float* so = w.so.data() + g * so_tile;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const uint16_t* x = xt.at(t, blk, 0);
+        _tile_loadd(5, x, 64);
+        _tile_loadd(6, x + 512, 64);
+        _tile_loadd(7, x + 1024, 64);
+        const uint16_t* a = at + blk * np * TM * XB;
+        float* cb = c[blk & 1];
+        WQ_PRODUCTS(0, a);
+        WQ_PRODUCTS(1, a + tile_step);
+        if (G == 4) {
+          WQ_PRODUCTS(2, a + 2 * tile_step);
+          _tile_stored(0, cb, 64);
+          WQ_PRODUCTS(3, a + 3 * tile_step);
+          _tile_stored(1, cb + TM * TM, 64);
+          _tile_stored(2, cb + 2 * TM * TM, 64);
+          _tile_stored(3, cb + 3 * TM * TM, 64);
+        } else {
+          _tile_stored(0, cb, 64);
+          _tile_stored(1, cb + TM * TM, 64);
+        }
+        if (blk > 0) scale_into<G, OFFSETS>(acc, c[(blk - 1) & 1], so + (blk - 1) * 2 * TM, so_tile, xt.sum(t, blk - 1));
+      }
+      scale_into<G, OFFSETS>(acc, c[(nb - 1) & 1], so + (nb - 1) * 2 * TM, so_tile, xt.sum(t, nb - 1));
+      for (int j = 0; j < G && (g + j) * TM < nn; ++j)
+        write_tile(acc + j * TM * TM, mr, m, t, n0 + (g + j) * TM, std::min<int64_t>(TM, nn - (g + j) * TM));
+    }
 }
 
 #undef WQ_PRODUCTS
+
+AMX_TARGET void block_rows(const MatRef& mr, int64_t m, int64_t k, int64_t n0, int64_t nn, const XTiles& xt,
+                           WBlock& w) {
+  const int G = mr.qtype == Q6_K ? 2 : 4;  // Q6_K's second piece takes a tile: two C tiles then
+  const int64_t tiles = ((nn + TM - 1) / TM + G - 1) / G * G;
+  decode_block(mr, k, n0, nn, tiles, w);
+  configure();
+  if (w.pieces == 2)
+    tile_rows<2, true, false>(mr, m, k, n0, nn, tiles, xt, w);
+  else if (w.offsets)
+    tile_rows<4, false, true>(mr, m, k, n0, nn, tiles, xt, w);
+  else
+    tile_rows<4, false, false>(mr, m, k, n0, nn, tiles, xt, w);
+}
 
 }  // namespace
 
@@ -268,8 +396,12 @@ void qgemm_amx_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, i
   thread_local XTiles xt;  // the calling thread's; the workers read it
   build_x(x, m, k, xt);
   const XTiles& tiles = xt;
-  // blocks of weight rows whose pieces stay in L2 (at most ~512 KB, whole tiles, at most 8 tiles)
-  const int64_t nc = TM * std::clamp<int64_t>((512 << 10) / (TM * k * 6), 1, 8);
+  // blocks of weight rows whose tiles stay in L2 (at most ~512 KB, whole tiles, at most 8 tiles)
+  int64_t per_tile = 0;  // bytes of a weight tile's blocks, the largest of the call's formats
+  for (int i = 0; i < count; ++i) per_tile = std::max<int64_t>(per_tile, (k / XB) * ((mats[i].qtype == Q6_K ? 2 : 1) * 1024 + 128));
+  int64_t fit = std::clamp<int64_t>((512 << 10) / per_tile, 1, 8);
+  if (fit >= 4) fit = fit / 4 * 4;  // whole groups of block_rows' four C tiles
+  const int64_t nc = TM * fit;
   std::vector<std::pair<int, int64_t>> jobs;  // (matrix, first row)
   for (int i = 0; i < count; ++i)
     for (int64_t n0 = 0; n0 < mats[i].n; n0 += nc) jobs.emplace_back(i, n0);

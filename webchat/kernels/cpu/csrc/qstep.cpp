@@ -409,14 +409,11 @@ void StepModel::linears(Mats mys, const float* x, const Plan& plan) {
 
 // A run's rows at float32: the prompt GEMM for a prompt's rows and wherever a matrix is packed (qgemm.cpp reads the
 // packed rows), the row kernels otherwise. A model at exact (--exact) takes the GEMM's FMA tiles, bit for bit as before
-// AMX; flagged rows of a quantizing model (a prompt scored, every row's logits) its AMX tiles where the CPU has them,
-// for chunks of more than AMX_MIN_ROWS rows: AMX splits every weight into three bfloat16 pieces once a call (~100 ms
-// for the default model on one core, whatever the rows), which costs more than it saves on the short chunks a prompt
-// takes beside other streams (one core, AMX against the FMA tiles: 8 rows 101 / 58 ms, 16 rows 105 / 80, 32 rows
-// 105 / 135). Both sum in float32 to within its rounding of the exact sum, so a prompt's scores are the same to ~1e-7
-// however it is chunked (bit for bit among chunks on the same side of AMX_MIN_ROWS).
-constexpr int64_t AMX_MIN_ROWS = 16;
-
+// AMX; a quantizing model's float32 rows (a prompt scored, every row's logits, and an int8x2 prompt's rows where the
+// tiles exist: webchat/kernels/cpu/step.py) its AMX tiles where the CPU has them, whatever the chunk, so a prompt's
+// rows are the same bits however it is chunked. AMX cuts the weights into bfloat16 integers once a call (one core,
+// the default model's gate: 0.2 ms at any rows), so below 8 rows the FMA tiles would be faster (1 row 0.11 / 0.22 ms,
+// 8 rows 0.21 / 0.21, 16 rows 0.33 / 0.24 on the 2-vCPU Xeon); a prompt's chunks are at least 8 rows but its last.
 void StepModel::exact_rows(Mats mys, const float* x, const Rows& run, int64_t k) {
   MatRef refs[4];
   int count = 0;
@@ -427,7 +424,7 @@ void StepModel::exact_rows(Mats mys, const float* x, const Rows& run, int64_t k)
     packed |= w.packed;
   }
   const int64_t m = run.hi - run.lo;
-  if (run.prompt || packed) qgemm_multi(x + run.lo * k, m, k, refs, count, prec != EXACT && m > AMX_MIN_ROWS);
+  if (run.prompt || packed) qgemm_multi(x + run.lo * k, m, k, refs, count, prec != EXACT);
   else qmatmul_multi(x + run.lo * k, m, k, refs, count, xsum2_.data());
 }
 
