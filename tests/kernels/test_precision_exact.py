@@ -59,7 +59,7 @@ def test_a_scored_prompt_runs_exact_beside_a_decode(kernels: Any, tiny_model_dir
     assert torch.equal(decode, alone)
     plain, _ = run(fast, None)
     if fast.runner.prompt_precision == "exact":  # int8x2's prompt rows where the exact GEMM has AMX tiles
-        assert precision == "int8x2" and kernels.amx()
+        assert precision == "int8x2" and qkernels.amx_tiles(kernels)
         assert (plain - want).abs().max() <= 1e-4
     else:  # unflagged, the prompt takes the model's precision
         assert (plain - want).abs().max() > 1e-4
@@ -104,6 +104,18 @@ def test_amx_tiles_sum_float32_products(kernels: Any, amx: None, qtype: str) -> 
     for r in (0, 17, 39):
         alone = kernels.qmatmul(x[r : r + 1].contiguous(), blocks, qtype_number(qtype), k, None, True, amx=True)
         assert torch.equal(alone[0], got[r])
+
+
+def test_int8x2_prompt_rows_are_exact_only_where_the_tiles_run(kernels: Any, amx: None, tiny_model_dir: Path) -> None:
+    """The prompt's precision follows the path that runs: exact on AVX-512 with the tiles, int8x2 on a forced AVX2
+    path of the same CPU (its exact GEMM would be the FMA tiles, slower than int8x2's)."""
+    assert load_model(tiny_model_dir, quantize="q4_1", precision="int8x2").runner.prompt_precision == "exact"
+    kernels.set_path(qkernels.PATHS["avx2"])
+    try:
+        forced = load_model(tiny_model_dir, quantize="q4_1", precision="int8x2")
+    finally:
+        kernels.set_path(-1)
+    assert forced.runner.prompt_precision == "int8x2"
 
 
 def test_amx_is_refused_by_name_where_it_is_not(kernels: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -199,7 +199,13 @@ def running() -> dict[str, object] | None:
     if load.cache_info().currsize == 0:  # never loaded (or its build failed: nothing cached)
         return None
     mod = load()
-    return {"path": path_name(mod), "vnni": bool(mod.vnni()), "amx": bool(mod.amx()) and path_name(mod) == "avx512"}
+    return {"path": path_name(mod), "vnni": bool(mod.vnni()), "amx": amx_tiles(mod)}
+
+
+def amx_tiles(mod: QKernels) -> bool:
+    """Whether the exact GEMM takes AMX tiles now: granted (mod.amx()) and on the AVX-512 path (qgemm_amx.cpp's
+    amx_covers), not where a forced AVX2 path runs on the same CPU."""
+    return bool(mod.amx()) and path_name(mod) == "avx512"
 
 
 def path_name(mod: QKernels) -> str:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from webchat.gguf.blocks import K_QTYPES, QTYPES
-from webchat.kernels.cpu.build import QKernels
+from webchat.kernels.cpu.build import QKernels, amx_tiles
 from webchat.model.batch import Batch
 from webchat.model.config import BEYOND_LLAMA, ModelArgs
 from webchat.model.quant import QEmbedding, QLinear
@@ -106,7 +106,7 @@ class CpuStep:
     def set_precision(self, precision: str, pack: bool = True) -> None:
         """Decode, verify and recomputed rows at `precision` (webchat.model.weights.PRECISIONS), a prompt's rows at
         PROMPT_PRECISION's for it (PROMPT_PRECISION_AMX's where the exact GEMM has AMX tiles); pack: as set_int8."""
-        self.prompt_precision = (PROMPT_PRECISION_AMX if self.kernels.amx() else PROMPT_PRECISION)[precision]
+        self.prompt_precision = (PROMPT_PRECISION_AMX if amx_tiles(self.kernels) else PROMPT_PRECISION)[precision]
         self.step.set_precision(PREC[precision], PREC[self.prompt_precision], pack)
         self.int8 = precision != "exact"
 
