@@ -211,7 +211,8 @@ AMX_TARGET void row_blocks_q6k(const uint8_t* row, int64_t nb, uint16_t* out, in
       const int64_t b = 8 * sb + j;
       __m512 f[2];
       for (int h = 0; h < 2; ++h)
-        f[h] = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_load_si512(w + 32 * j + 16 * h), _mm512_set1_epi32(sc[2 * j + h])));
+        f[h] = _mm512_cvtepi32_ps(
+            _mm512_mullo_epi32(_mm512_load_si512(w + 32 * j + 16 * h), _mm512_set1_epi32(sc[2 * j + h])));
       __m512i p[3][2];
       pieces(f, p);
       _mm512_storeu_si512(out + b * out_step, high_halves(p[0][0], p[0][1]));
@@ -221,21 +222,21 @@ AMX_TARGET void row_blocks_q6k(const uint8_t* row, int64_t nb, uint16_t* out, in
   }
 }
 
+// bfloat16 pieces of a weight integer (Q6_K's scaled ones take 13 bits: two) and whether the format has offsets
+constexpr int weight_pieces(int qtype) { return qtype == Q6_K ? 2 : 1; }
+constexpr bool has_offsets(int qtype) { return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K; }
+
 // A block of weight rows [n0, n0 + nn) as the A tiles: per tile of 16 rows and block of 32 values, the integers as
 // bfloat16 pieces and each row's s and o; rows past nn (to whole groups of G tiles) are zeros
 struct WBlock {
   std::vector<uint16_t> a;      // (tiles, nb, pieces, 16 rows, 32)
   std::vector<float> so;        // (tiles, nb, 2, 16): s then o of each row
   std::vector<uint8_t> gathered;
-  int pieces = 1;
-  bool offsets = false;         // any o is not zero (Q4_1, Q5_1, Q4_K, Q5_K)
 };
 
 AMX_TARGET void decode_block(const MatRef& mr, int64_t k, int64_t n0, int64_t nn, int64_t tiles, WBlock& w) {
   const int64_t nb = k / XB;
-  w.pieces = mr.qtype == Q6_K ? 2 : 1;
-  w.offsets = mr.qtype == Q4_1 || mr.qtype == Q5_1 || mr.qtype == Q4_K || mr.qtype == Q5_K;
-  const int np = w.pieces;
+  const int np = weight_pieces(mr.qtype);
   w.a.resize(tiles * nb * np * TM * XB);
   w.so.resize(tiles * nb * 2 * TM);
   for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -346,7 +347,8 @@ AMX_TARGET void tile_rows(const MatRef& mr, int64_t m, int64_t k, int64_t n0, in
           _tile_stored(0, cb, 64);
           _tile_stored(1, cb + TM * TM, 64);
         }
-        if (blk > 0) scale_into<G, OFFSETS>(acc, c[(blk - 1) & 1], so + (blk - 1) * 2 * TM, so_tile, xt.sum(t, blk - 1));
+        if (blk > 0)
+          scale_into<G, OFFSETS>(acc, c[(blk - 1) & 1], so + (blk - 1) * 2 * TM, so_tile, xt.sum(t, blk - 1));
       }
       scale_into<G, OFFSETS>(acc, c[(nb - 1) & 1], so + (nb - 1) * 2 * TM, so_tile, xt.sum(t, nb - 1));
       for (int j = 0; j < G && (g + j) * TM < nn; ++j)
@@ -358,13 +360,14 @@ AMX_TARGET void tile_rows(const MatRef& mr, int64_t m, int64_t k, int64_t n0, in
 
 AMX_TARGET void block_rows(const MatRef& mr, int64_t m, int64_t k, int64_t n0, int64_t nn, const XTiles& xt,
                            WBlock& w) {
-  const int G = mr.qtype == Q6_K ? 2 : 4;  // Q6_K's second piece takes a tile: two C tiles then
+  const bool two = weight_pieces(mr.qtype) == 2;
+  const int G = two ? 2 : 4;  // a second weight piece takes a tile: two C tiles then
   const int64_t tiles = ((nn + TM - 1) / TM + G - 1) / G * G;
   decode_block(mr, k, n0, nn, tiles, w);
   configure();
-  if (w.pieces == 2)
+  if (two)
     tile_rows<2, true, false>(mr, m, k, n0, nn, tiles, xt, w);
-  else if (w.offsets)
+  else if (has_offsets(mr.qtype))
     tile_rows<4, false, true>(mr, m, k, n0, nn, tiles, xt, w);
   else
     tile_rows<4, false, false>(mr, m, k, n0, nn, tiles, xt, w);
@@ -398,7 +401,8 @@ void qgemm_amx_multi(const float* x, int64_t m, int64_t k, const MatRef* mats, i
   const XTiles& tiles = xt;
   // blocks of weight rows whose tiles stay in L2 (at most ~512 KB, whole tiles, at most 8 tiles)
   int64_t per_tile = 0;  // bytes of a weight tile's blocks, the largest of the call's formats
-  for (int i = 0; i < count; ++i) per_tile = std::max<int64_t>(per_tile, (k / XB) * ((mats[i].qtype == Q6_K ? 2 : 1) * 1024 + 128));
+  for (int i = 0; i < count; ++i)
+    per_tile = std::max<int64_t>(per_tile, (k / XB) * (weight_pieces(mats[i].qtype) * TM * XB * 2 + 2 * TM * 4));
   int64_t fit = std::clamp<int64_t>((512 << 10) / per_tile, 1, 8);
   if (fit >= 4) fit = fit / 4 * 4;  // whole groups of block_rows' four C tiles
   const int64_t nc = TM * fit;
