@@ -99,34 +99,66 @@ struct XTiles {
   const float* sum(int64_t t, int64_t blk) const { return sums.data() + (t * nb + blk) * TM; }
 };
 
-AMX_TARGET void x_row(const float* x, int64_t c, int64_t nb, uint16_t* out, float* sums) {
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(TM));
+// r (16 vectors of 16 dwords) turned: r[i][j] <- r[j][i]
+AMX_TARGET inline void turn16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4 g + e] holds, in its 128-bit lane q, column e + 4 q of rows 4 g .. 4 g + 3: turn those lanes 4 x 4
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// one tile's x rows (rows <= 16 of them; the rest zeros): per block each row's pieces as 16 pairs, turned so a row of
+// the tile is a pair of values of every x row
+AMX_TARGET void x_tile(const float* x, int64_t rows, int64_t k, int64_t nb, uint16_t* out, float* sums) {
   for (int64_t blk = 0; blk < nb; ++blk) {
-    __m512 v[2] = {_mm512_loadu_ps(x + XB * blk), _mm512_loadu_ps(x + XB * blk + 16)};
-    sums[blk * TM + c] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-    __m512i p[3][2];
-    pieces(v, p);
-    for (int j = 0; j < 3; ++j)
-      _mm512_i32scatter_epi32(out + (blk * 3 + j) * 512 + 2 * c, rows, high_halves(p[j][0], p[j][1]), 4);
+    __m512i r[3][16];
+    for (int64_t c = 0; c < TM; ++c) {
+      if (c >= rows) {
+        r[0][c] = r[1][c] = r[2][c] = _mm512_setzero_si512();
+        sums[blk * TM + c] = 0.f;
+        continue;
+      }
+      __m512 v[2] = {_mm512_loadu_ps(x + c * k + XB * blk), _mm512_loadu_ps(x + c * k + XB * blk + 16)};
+      sums[blk * TM + c] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+      __m512i p[3][2];
+      pieces(v, p);
+      for (int j = 0; j < 3; ++j) r[j][c] = high_halves(p[j][0], p[j][1]);
+    }
+    for (int j = 0; j < 3; ++j) {
+      turn16(r[j]);
+      for (int kk = 0; kk < 16; ++kk) _mm512_storeu_si512(out + (blk * 3 + j) * 512 + kk * 32, r[j][kk]);
+    }
   }
 }
 
 void build_x(const float* x, int64_t m, int64_t k, XTiles& xt) {
   xt.tiles = (m + TM - 1) / TM, xt.nb = k / XB;
   xt.b.resize(xt.tiles * xt.nb * 3 * 512);
-  xt.sums.assign(xt.tiles * xt.nb * TM, 0.f);
-  const int64_t c0 = m - (xt.tiles - 1) * TM;  // rows of the last tile
-  if (c0 < TM)
-    for (int64_t blk = 0; blk < xt.nb; ++blk)
-      for (int p = 0; p < 3; ++p) {
-        uint16_t* tile = xt.b.data() + (((xt.tiles - 1) * xt.nb + blk) * 3 + p) * 512;
-        for (int kk = 0; kk < 16; ++kk) std::fill(tile + kk * 32 + 2 * c0, tile + kk * 32 + 32, uint16_t(0));
-      }
-  at::parallel_for(0, m, std::max<int64_t>(1, 8192 / k), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      x_row(x + r * k, r % TM, xt.nb, xt.b.data() + (r / TM) * xt.nb * 3 * 512,
-            xt.sums.data() + (r / TM) * xt.nb * TM);
+  xt.sums.resize(xt.tiles * xt.nb * TM);
+  at::parallel_for(0, xt.tiles, std::max<int64_t>(1, 512 / k), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      x_tile(x + t * TM * k, std::min<int64_t>(TM, m - t * TM), k, xt.nb, xt.b.data() + t * xt.nb * 3 * 512,
+             xt.sums.data() + t * xt.nb * TM);
   });
 }
 
