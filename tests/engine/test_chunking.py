@@ -58,7 +58,13 @@ def test_the_chunk_follows_the_measured_cost_in_powers_of_two(tiny: tuple[Any, T
     assert engine._chunk_budget(0, False) == PREFILL_CHUNK  # 1,000 rows would fit in a second
     engine.step_cost[False] = StepCost()
     engine.step_cost[False].add(32, 32 * PREFILL_STEP_S / 35)  # deep in a long prompt on a loaded core
-    assert engine._chunk_budget(0, False) == 32  # 35 rows fit in a step alone: the power of two under it
+    assert engine._chunk_budget(0, False) == 32  # 35 rows fit in a step alone: the nearest power of two
+    engine.step_cost[False] = StepCost()
+    engine.step_cost[False].add(32, 32 * PREFILL_STEP_S / 125)  # 125 rows fit alone: 128, not the 64 under it
+    assert engine._chunk_budget(0, False) == 128
+    engine.step_cost[False] = StepCost()
+    engine.step_cost[False].add(32, 32 * MIXED_STEP_S / 31)  # 30 rows fit beside a stream: the 16 under it
+    assert engine._chunk_budget(1, False) == 16
     engine.step_cost[False] = StepCost()
     engine.step_cost[False].add(32, 32 * MIXED_STEP_S / 3)
     assert engine._chunk_budget(1, False) == MIN_CHUNK  # 3 rows fit beside a stream: never below the floor

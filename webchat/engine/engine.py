@@ -268,8 +268,14 @@ class Engine:
         fits = most if rows is None else rows - decoding
         if fits >= most:
             return most
-        # a power of two: a handful of row counts, distinct enough for StepCost's line to part fixed from per-row cost
-        return max(min(MIN_CHUNK, most), 1 << (max(1, fits).bit_length() - 1))
+        # a power of two: a handful of row counts, distinct enough for StepCost's line to part fixed from per-row cost;
+        # beside a stream the one under the fit (its gap between tokens stays under the aim), a prompt's step alone the
+        # nearest (within a factor of 1.41 of the aim: the floor would halve a deep prompt's chunks, each step's fixed
+        # cost then paid twice as often)
+        chunk = 1 << (max(1, fits).bit_length() - 1)
+        if not decoding and fits * fits >= 2 * chunk * chunk:
+            chunk *= 2
+        return max(min(MIN_CHUNK, most), min(chunk, most))
 
     @staticmethod
     def _spend(seq: Sequence) -> None:
