@@ -272,8 +272,9 @@ class Engine:
         # beside a stream the one under the fit (its gap between tokens stays under the aim), a prompt's step alone the
         # nearest (within a factor of 1.41 of the aim: the floor would halve a deep prompt's chunks, each step's fixed
         # cost then paid twice as often)
-        chunk = 1 << (max(1, fits).bit_length() - 1)
-        if not decoding and fits * fits >= 2 * chunk * chunk:
+        fit = max(1, fits)
+        chunk = 1 << (fit.bit_length() - 1)
+        if not decoding and fit * fit >= 2 * chunk * chunk:
             chunk *= 2
         return max(min(MIN_CHUNK, most), min(chunk, most))
 
