@@ -62,6 +62,9 @@ AMX_TARGET void configure() {
   if (t_configured) return;
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = TM;
+  // GCC 12 does not count LDTILECFG's read as a use of cfg: where this function was not inlined it dropped the stores
+  // above and the tiles faulted; the clobber keeps them whatever the compiler inlines
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
   t_configured = true;
 }
