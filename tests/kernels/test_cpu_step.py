@@ -181,6 +181,34 @@ def test_gemma_in_cpp_matches_the_pytorch_path(shapes_root: Path, kind: str, cod
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("kind", [None, "f16", "q8_0"])
+def test_a_cpu_pool_keeps_each_heads_slots_together_and_reads_as_a_slot_major_one(tiny_model_dir: Path,
+                                                                                  shapes_root: Path, kind: str | None,
+                                                                                  code_path: str) -> None:
+    """A CPU pool lays each kv head's slots one after another (a decode reads a head's keys as one run); the C++
+    forward reads it by its strides, so the same values laid slot-major give the same bits and the same writes."""
+    model = load_model(model_dir(shapes_root, tiny_model_dir, "hd64-gqa3"), quantize="q4_1", precision="exact")
+    model.kv_cache = kind
+    pool, tables = setup_sequences(model)
+    k = pool.k[0]
+    n_pages, page, n_kv, row = k.shape
+    assert k.stride() == (page * row, row, n_pages * page * row, 1)  # head-major: a head's slots contiguous
+    twin = clone(pool)
+    twin.k, twin.v = [t.contiguous() for t in pool.k], [t.contiguous() for t in pool.v]
+    assert twin.k[0].stride() == (page * n_kv * row, n_kv * row, row, 1)
+    spec = mixed_spec(tables)
+    head_major = model(make_batch(spec, PAGE, prompt_ends=PROMPT_ENDS), pool)
+    slot_major = model(make_batch(spec, PAGE, prompt_ends=PROMPT_ENDS), twin)
+    assert torch.equal(head_major, slot_major)
+    for ours, theirs in zip((*pool.k, *pool.v), (*twin.k, *twin.v), strict=True):
+        assert torch.equal(ours, theirs)
+    # a pool whose pages are not one stride of slots apart is refused, not misread
+    odd = clone(pool)
+    odd.k = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in pool.k]
+    with pytest.raises(RuntimeError, match="a page's slots one stride apart"):
+        model(make_batch(spec, PAGE, prompt_ends=PROMPT_ENDS), odd)
+
+
 @pytest.mark.parametrize("precision", ["exact", "int8"])
 @pytest.mark.parametrize("shape", ["hd64-gqa2", "hd32-gqa4-qwen2-bias"])
 def test_a_rows_logits_do_not_depend_on_the_batch(tiny_model_dir: Path, shapes_root: Path, shape: str,

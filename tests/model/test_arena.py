@@ -107,7 +107,9 @@ def test_a_cpu_kv_pool_is_made_on_huge_page_mappings_and_holds_what_is_written(d
     args = SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=64)
     pool = KVPool(args, 600, "cpu", dtype)  # type: ignore[arg-type]
     for whole, per_layer in ((pool._k, pool.k), (pool._v, pool.v)):
-        assert whole.shape == (3, 600, 16, 2, 64) and whole.dtype == dtype and whole.is_contiguous()
+        assert whole.shape == (3, 600, 16, 2, 64) and whole.dtype == dtype
+        # head-major in memory: (layers, n_kv, pages, page_size, row) contiguous, a head's slots one run
+        assert whole.permute(0, 3, 1, 2, 4).is_contiguous()
         assert whole.data_ptr() % HUGE == 0  # from a 2 MiB boundary, so its first region can be a huge page
         start, end, flags = mapping_of(whole.data_ptr())
         assert " hg" in flags, flags
@@ -115,6 +117,7 @@ def test_a_cpu_kv_pool_is_made_on_huge_page_mappings_and_holds_what_is_written(d
         assert not per_layer[1][0].any()  # the padding page is zeroed
         assert [t.data_ptr() for t in per_layer] == [whole[i].data_ptr() for i in range(3)]
     pool.k[2][599] = 7  # the last page of the last layer: inside the mapping, read back as written
+    assert pool.k[2][599, 15, 1].data_ptr() + 64 * pool.k[2].element_size() == pool._k.data_ptr() + pool._k.nbytes
     pool.v[1][5, 3, 1] = 9
     assert (pool._k[2, 599] == 7).all() and (pool._v[1, 5, 3, 1] == 9).all() and not pool._v[1, 5, 2].any()
 

@@ -20,7 +20,7 @@ Tensors shared between modules (tied embeddings) move once and stay shared.
 The values are the same bytes: only where they live changes. Without THP (`never`, or not Linux) the mapping is plain
 4 KiB pages and nothing is lost but the copy.
 
-    k = empty_on_huge_pages((layers, pages, 16, n_kv, hd), torch.float32)   # webchat.model.kv_cache.KVPool
+    k = empty_on_huge_pages((layers, n_kv, pages, 16, hd), torch.float32)   # webchat.model.kv_cache.KVPool
 
 The KV pool is the other thing a step reads across: a prompt's attention 6,000 tokens deep walks every layer's keys
 and values, 9 MB of the default model's on 2,200 pages of 4 KiB a layer, and under a hypervisor's nested paging each

@@ -1,6 +1,7 @@
 """The paged KV cache: one pool of fixed-size pages per layer, ref-counted, hashed so identical prefixes are shared.
 
-    pool.k[layer], pool.v[layer]: (num_pages, page_size, n_kv, hd), or a q8_0 row's bytes (webchat.model.kv_format);
+    pool.k[layer], pool.v[layer]: (num_pages, page_size, n_kv, hd), or a q8_0 row's bytes (webchat.model.kv_format),
+    on the CPU laid head-major (each head's slots together: strides, not the shape, say so);
     token p of a sequence lives in slot table.pages[p // page_size] * page_size + p % page_size
     (webchat.model.batch). Page 0 is never handed out.
 
@@ -41,11 +42,17 @@ def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype, kind: str | None = N
     return 2 * args.n_layers * args.n_kv_heads * row
 
 
+def _head_major(whole: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """(layers, pages, page_size, n_kv, row) in a huge-page mapping, each layer's heads one after another."""
+    layers, pages, page_size, n_kv, row = whole
+    return empty_on_huge_pages((layers, n_kv, pages, page_size, row), dtype).permute(0, 2, 3, 1, 4)
+
+
 class KVPool:
     """num_pages pages of page_size token slots per layer; page 0 is the padding page."""
 
     def __init__(self, args: ModelArgs, num_pages: int, device: torch.device | str, dtype: torch.dtype,
-                 page_size: int = PAGE_SIZE, kind: str | None = None) -> None:
+                 page_size: int = PAGE_SIZE, kind: str | None = None, head_major: bool | None = None) -> None:
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"a pool needs at least 2 pages of at least 1 slot, got {num_pages} of {page_size}")
         # kind (webchat.model.kv_format): rows stored as f32, f16 or q8_0 bytes; None: in `dtype` as computed
@@ -58,11 +65,22 @@ class KVPool:
         # released ones (those keep their k/v for prefix reuse, least recently used first), so over a server's life
         # RSS grows to the pool's size (--kv-pool), as llama-server holds its whole KV cache from the start. A slot is
         # always written before it is read, except the padding page 0 (masked rows read it), zeroed so it holds no NaN.
-        # On the CPU each in a huge-page-advised mapping of its own (webchat.model.arena: attention reads across it).
+        # On the CPU each in a huge-page-advised mapping of its own (webchat.model.arena: attention reads across it),
+        # and head_major (the default there; the CUDA kernels, emulated on the CPU too, take slot-major pools): each
+        # head's slots together, (layers, n_kv, pages, page_size, row) in memory seen as the shape above. A decode
+        # row's attention then reads a kv head's keys and values as one run from page to page; slot-major (a head's
+        # row, then the other heads') a decode step 7,472 tokens deep took 1.34x as long (Zen 4, docs/perf-history.md).
         whole = (args.n_layers, *shape)
         cpu = torch.device(device).type == "cpu"
-        self._k = empty_on_huge_pages(whole, dtype) if cpu else torch.empty(whole, device=device, dtype=dtype)
-        self._v = empty_on_huge_pages(whole, dtype) if cpu else torch.empty(whole, device=device, dtype=dtype)
+        if head_major is None:
+            head_major = cpu
+
+        def make() -> torch.Tensor:
+            if not cpu:
+                return torch.empty(whole, device=device, dtype=dtype)
+            return _head_major(whole, dtype) if head_major else empty_on_huge_pages(whole, dtype)
+
+        self._k, self._v = make(), make()
         self.k, self.v = list(self._k.unbind(0)), list(self._v.unbind(0))
         self._k[:, 0].zero_()
         self._v[:, 0].zero_()

@@ -170,10 +170,12 @@ class Transformer(nn.Module):
 
     def new_pool(self, n_tokens: int, page_size: int | None = None) -> KVPool:
         """A KV pool for n_tokens positions (plus the padding page) on the model's device, in its kv_cache format (or
-        its dtype)."""
+        its dtype); laid out as its ops read it (the CUDA kernels, emulated too: slot-major)."""
         ps = page_size or PAGE_SIZE
         self.ensure_rope(min(max(n_tokens, 1), self.args.max_seq_len))
-        return KVPool(self.args, -(-n_tokens // ps) + 1, self.device, self.dtype, ps, self.kv_cache)
+        cuda = getattr(self.ops, "name", "") == "cuda"
+        return KVPool(self.args, -(-n_tokens // ps) + 1, self.device, self.dtype, ps, self.kv_cache,
+                      head_major=False if cuda else None)
 
     def new_cache(self, max_seq_len: int | None = None) -> SeqCache:
         """One sequence's cache on a pool of its own: cache.feed(model, ids) runs the single-stream path."""

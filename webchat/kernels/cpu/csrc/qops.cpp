@@ -388,15 +388,21 @@ class Step {
     TORCH_CHECK(kind != KV_Q8_0 || m_.head_dim % 32 == 0, "a q8_0 KV pool needs heads of whole 32-value blocks, not ",
                 m_.head_dim);
     const int64_t row = kind == KV_Q8_0 ? m_.head_dim / 32 * 34 : m_.head_dim;
+    // a row's values contiguous, a page's slots one stride apart and the pages after one another (any order of the
+    // dims in memory with those: a CPU pool stores each head's slots together), every tensor alike
+    const auto strides = k[0].strides();
     std::vector<uint8_t*> kp, vp;
     for (int64_t i = 0; i < n_layers; ++i) {
       for (const torch::Tensor* t : {&k[i], &v[i]}) {
-        TORCH_CHECK(t->scalar_type() == dt && t->device().is_cpu() && t->is_contiguous(),
-                    "KV pool tensors must be contiguous CPU tensors of one dtype (", dt, "), got ", t->scalar_type());
+        TORCH_CHECK(t->scalar_type() == dt && t->device().is_cpu(),
+                    "KV pool tensors must be CPU tensors of one dtype (", dt, "), got ", t->scalar_type());
         TORCH_CHECK(t->dim() == 4 && t->size(0) == num_pages && t->size(1) == ps && t->size(2) == m_.n_kv &&
                         t->size(3) == row,
                     "KV pool tensors must be (", num_pages, ", ", ps, ", ", m_.n_kv, ", ", row, "), got ",
                     t->sizes());
+        TORCH_CHECK(t->strides() == strides && strides[3] == 1 && strides[0] == ps * strides[1],
+                    "KV pool tensors must hold a row's values together and a page's slots one stride apart, each "
+                    "like the first; got strides ", t->strides(), " and ", strides);
       }
       kp.push_back(static_cast<uint8_t*>(k[i].data_ptr()));
       vp.push_back(static_cast<uint8_t*>(v[i].data_ptr()));
@@ -414,7 +420,8 @@ class Step {
     }
     check_batch(bv, num_pages, ps, cos.size(0));
     torch::Tensor logits = torch::empty({bv.r, m_.head.n}, torch::dtype(torch::kFloat32));
-    PoolView pv{kp.data(), vp.data(), ps, kind};
+    const int64_t esize = static_cast<int64_t>(k[0].element_size());
+    PoolView pv{kp.data(), vp.data(), ps, kind, strides[1] * esize, strides[2] * esize};
     {
       py::gil_scoped_release nogil;
       m_.forward(bv, pv, cos.data_ptr<float>(), sin.data_ptr<float>(), local ? cos_l.data_ptr<float>() : nullptr,

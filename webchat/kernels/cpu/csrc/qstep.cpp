@@ -500,10 +500,12 @@ void fold(float& M, float& L, float* o, float m, float l, const float* os, int64
 }
 }  // namespace
 
-void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc, int64_t ps, KVKind kind,
+void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc, const PoolView& kv,
                        int64_t window) {
-  const int64_t g = n_heads / n_kv, hd = head_dim, qd = n_heads * hd, kvd = n_kv * hd;
-  const int64_t row_bytes = kv_row_bytes(kind, hd), slot_bytes = n_kv * row_bytes;
+  const int64_t g = n_heads / n_kv, hd = head_dim, qd = n_heads * hd, ps = kv.page_size;
+  const KVKind kind = kv.kind;
+  const int64_t slot_bytes = kv.slot_bytes, head_bytes = kv.head_bytes;
+  const int64_t rows_f32 = slot_bytes / int64_t(sizeof(float));  // a float32 pool's rows' stride in floats
   const float scale = attn_scale > 0.f ? attn_scale : 1.f / std::sqrt(float(hd)), cap = attn_softcap;
   const bool vec = path() >= PATH_AVX2;
   const int nv = vec && hd == 64 ? 8 : vec && hd == 128 ? 16 : 0;  // a register kernel, or the generic loops
@@ -604,8 +606,8 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
   // or q8_0 cache's n rows read into buf (once for every query row of the unit)
   auto page_rows = [&](const uint8_t* cache, int64_t page, int64_t hk, int64_t n, std::vector<float>& buf,
                        int64_t& stride) -> const float* {
-    const uint8_t* base = cache + page * ps * slot_bytes + hk * row_bytes;
-    if (kind == KV_F32) return stride = kvd, reinterpret_cast<const float*>(base);
+    const uint8_t* base = cache + page * ps * slot_bytes + hk * head_bytes;
+    if (kind == KV_F32) return stride = rows_f32, reinterpret_cast<const float*>(base);
     if (static_cast<int64_t>(buf.size()) < ps * hd) buf.resize(ps * hd);
     if (vec) load_rows_avx2(kind, base, slot_bytes, n, hd, buf.data());
     else load_rows_scalar(kind, base, slot_bytes, n, hd, buf.data());
@@ -635,11 +637,11 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     }
     if (static_cast<int64_t>(sc.size()) < width * L) sc.resize(width * L);
     const int32_t* pages = bv.block_tables + U.b * bv.width;
-    int64_t st = kvd;
+    int64_t st = rows_f32;
     const auto ahead = [&](const uint8_t* cache, int64_t pos0) {  // the next page's first rows, where the pool is f32
       if (kind == KV_F32 && pos0 + ps < e)
-        prefetch_rows(reinterpret_cast<const float*>(cache + pages[pos0 / ps + 1] * ps * slot_bytes + hk * row_bytes),
-                      kvd, std::min<int64_t>(8, e - pos0 - ps), hd);
+        prefetch_rows(reinterpret_cast<const float*>(cache + pages[pos0 / ps + 1] * ps * slot_bytes + hk * head_bytes),
+                      rows_f32, std::min<int64_t>(8, e - pos0 - ps), hd);
     };
     for (int64_t pos0 = base; pos0 < e; pos0 += ps) {
       const int64_t n = std::min(ps, e - pos0);
@@ -670,7 +672,7 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     if (static_cast<int64_t>(sc.size()) < n_rows * width) sc.resize(n_rows * width);
     const int32_t* pages = bv.block_tables + U.b * bv.width;
     const auto hi = [&](int64_t j) { return std::min(key_end(tok(U, j)), e); };  // the row's last key here, + 1
-    int64_t st = kvd;  // the stride of the page's rows as read
+    int64_t st = rows_f32;  // the stride of the page's rows as read
     for (int64_t pos0 = base; pos0 < e; pos0 += ps) {  // scores
       const float* kp = page_rows(kc, pages[pos0 / ps], hk, std::min(ps, e - pos0), rows_buf, st);
       for (int64_t j = 0; j < n_rows; ++j) {
@@ -780,7 +782,6 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
                         const float* cos_l, const float* sin_l, int64_t n_layers, float* logits) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t T = bv.t, d = dim, qd = n_heads * head_dim, kvd = n_kv * head_dim, half = head_dim / 2;
-  const int64_t row_bytes = kv_row_bytes(kv.kind, head_dim), slot_bytes = n_kv * row_bytes;
   const int64_t widest = std::max({d, qd, ffn});
   const int64_t rows = std::max(T, bv.r);
   x_.resize(T * d), y_.resize(rows * std::max(d, qd)), q_.resize(T * qd), k_.resize(T * kvd), v_.resize(T * kvd);
@@ -838,11 +839,12 @@ void StepModel::forward(const BatchView& bv, const PoolView& kv, const float* co
       rope_heads(q + t * qd, n_heads, head_dim, c, s);
       rope_heads(k + t * kvd, n_kv, head_dim, c, s);
       for (int64_t h = 0; h < n_kv; ++h) {  // into the pool as it stores a row
-        store_row(kv.kind, k + t * kvd + h * head_dim, head_dim, kv.k[i] + bv.slots[t] * slot_bytes + h * row_bytes);
-        store_row(kv.kind, v + t * kvd + h * head_dim, head_dim, kv.v[i] + bv.slots[t] * slot_bytes + h * row_bytes);
+        const int64_t at = bv.slots[t] * kv.slot_bytes + h * kv.head_bytes;
+        store_row(kv.kind, k + t * kvd + h * head_dim, head_dim, kv.k[i] + at);
+        store_row(kv.kind, v + t * kvd + h * head_dim, head_dim, kv.v[i] + at);
       }
     }
-    attend(bv, kv.k[i], kv.v[i], kv.page_size, kv.kind, L.window);
+    attend(bv, kv.k[i], kv.v[i], kv, L.window);
     quantize_for({{&L.wo, out}}, o, tokens_, qd);
     linears({{&L.wo, out}}, o, tokens_);
     if (L.attn_post_norm != nullptr)

@@ -65,12 +65,14 @@ enum Prec { EXACT = 0, INT8 = 1, INT8X2 = 2 };
 enum KVKind { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 2 };
 
 // webchat.model.kv_cache.KVPool: per layer k and v pages (num_pages, page_size, n_kv, row), a row a head's hd values
-// in `kind`
+// in `kind`; slot s of head h at s * slot_bytes + h * head_bytes (a CPU pool keeps each head's slots together:
+// slot_bytes is one row's, head_bytes the whole layer's slots)
 struct PoolView {
   uint8_t* const* k = nullptr;
   uint8_t* const* v = nullptr;
   int64_t page_size = 0;
   KVKind kind = KV_F32;
+  int64_t slot_bytes = 0, head_bytes = 0;
 };
 
 struct StepModel {
@@ -118,8 +120,7 @@ struct StepModel {
   void quantize_row(const Plan& plan, int64_t r, const float* x);            // row r of plan from x (if it has one)
   void quantize_for(Mats mys, const float* x, const Plan& plan, int64_t k);  // shape_for, then every row of x
   void add_biases(Mats mys, int64_t m);
-  void attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc, int64_t page_size, KVKind kind,
-              int64_t window);
+  void attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc, const PoolView& kv, int64_t window);
 };
 
 }  // namespace wq
