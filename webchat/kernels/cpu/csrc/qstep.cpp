@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -226,6 +227,96 @@ AVX512_FN static void accumulate_avx512(float* o, const float* w, const float* v
   }
   #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(ov[c], ow[c]));
+}
+
+// The two 16-lane kernels for G query heads of one kv head at once (q: G rows hd apart; s[h], o[h], w[h]: head h's):
+// each key's (or value's) vectors are loaded once for the G heads instead of once a head, so a page is read in one
+// pass. Each head's arithmetic is the one-head kernel's, in its order: the same bits.
+template <int NV, int G>
+AVX512_FN static void score_keys_group(const float* q, const float* kp, int64_t kvd, int64_t n, float scale,
+                                       float* const* s) {
+  constexpr int HD = 16 * NV;
+  const __m128 vscale = _mm_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* k0 = kp + i * kvd;
+    __m512 a[G][4];
+    #pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m512 kv0 = _mm512_loadu_ps(k0 + t * kvd);
+      #pragma GCC unroll 4
+      for (int h = 0; h < G; ++h) a[h][t] = _mm512_mul_ps(_mm512_loadu_ps(q + h * HD), kv0);
+    }
+    #pragma GCC unroll 16
+    for (int c = 1; c < NV; ++c)
+      #pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512 kvc = _mm512_loadu_ps(k0 + t * kvd + 16 * c);
+        #pragma GCC unroll 4
+        for (int h = 0; h < G; ++h) a[h][t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * HD + 16 * c), kvc, a[h][t]);
+      }
+    #pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(halves(a[h][0]), halves(a[h][1])),
+                                      _mm256_hadd_ps(halves(a[h][2]), halves(a[h][3])));
+      _mm_storeu_ps(s[h] + i, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1)), vscale));
+    }
+  }
+  for (; i < n; ++i) {
+    const float* k0 = kp + i * kvd;
+    #pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + h * HD), _mm512_loadu_ps(k0));
+      #pragma GCC unroll 16
+      for (int c = 1; c < NV; ++c)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * HD + 16 * c), _mm512_loadu_ps(k0 + 16 * c), a);
+      s[h][i] = hsum256(halves(a)) * scale;
+    }
+  }
+}
+
+template <int NV, int G>
+AVX512_FN static void accumulate_group(float* const* o, const float* const* w, const float* vp, int64_t kvd,
+                                       int64_t n) {
+  __m512 ov[G][NV], ow[G][NV];
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+    #pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) ov[h][c] = _mm512_loadu_ps(o[h] + 16 * c), ow[h][c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    #pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) {
+      const __m512 v0 = _mm512_loadu_ps(vp + i * kvd + 16 * c), v1 = _mm512_loadu_ps(vp + (i + 1) * kvd + 16 * c);
+      #pragma GCC unroll 4
+      for (int h = 0; h < G; ++h) {
+        ov[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][i]), v0, ov[h][c]);
+        ow[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][i + 1]), v1, ow[h][c]);
+      }
+    }
+  }
+  if (i < n) {
+    #pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) {
+      const __m512 v0 = _mm512_loadu_ps(vp + i * kvd + 16 * c);
+      #pragma GCC unroll 4
+      for (int h = 0; h < G; ++h) ov[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][i]), v0, ov[h][c]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+    #pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o[h] + 16 * c, _mm512_add_ps(ov[h][c], ow[h][c]));
+}
+
+// rows of one token, heads [0, heads) of the unit, G at a time (3 at hd 64, 2 at 128: what the registers hold)
+template <int NV, typename Score>
+static void by_groups(int64_t heads, Score&& run) {
+  constexpr int G = NV == 4 ? 3 : 2;
+  int64_t h = 0;
+  for (; h + G <= heads; h += G) run(h, std::integral_constant<int, G>{});
+  if (heads - h == 2) run(h, std::integral_constant<int, 2>{});
+  if (heads - h == 1) run(h, std::integral_constant<int, 1>{});
 }
 
 // ---------------------------------------------------------------- the KV cache's formats (webchat.model.kv_format)
@@ -673,9 +764,25 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     const int32_t* pages = bv.block_tables + U.b * bv.width;
     const auto hi = [&](int64_t j) { return std::min(key_end(tok(U, j)), e); };  // the row's last key here, + 1
     int64_t st = rows_f32;  // the stride of the page's rows as read
+    // the 16-lane kernels take a token's heads together, each key read once for them
+    const bool grouped = wide && (nv == 8 || nv == 16) && U.heads > 1;
     for (int64_t pos0 = base; pos0 < e; pos0 += ps) {  // scores
       const float* kp = page_rows(kc, pages[pos0 / ps], hk, std::min(ps, e - pos0), rows_buf, st);
-      for (int64_t j = 0; j < n_rows; ++j) {
+      for (int64_t r = 0; grouped && r < U.rows; ++r) {
+        const int64_t n = std::min(ps, hi(r) - pos0);  // row r: head h0's row of token r0 + r
+        const float* qr = q_.data() + (U.r0 + r) * qd + U.h0 * hd;
+        const auto group = [&](int64_t h, auto G) {
+          constexpr int g_ = decltype(G)::value;
+          float* ss[g_];
+          for (int x = 0; x < g_; ++x) ss[x] = sc.data() + ((h + x) * U.rows + r) * width + (pos0 - base);
+          if (nv == 8) score_keys_group<4, g_>(qr + h * hd, kp, st, n, scale, ss);
+          else score_keys_group<8, g_>(qr + h * hd, kp, st, n, scale, ss);
+        };
+        if (n <= 0) continue;
+        if (nv == 8) by_groups<4>(U.heads, group);
+        else by_groups<8>(U.heads, group);
+      }
+      for (int64_t j = 0; !grouped && j < n_rows; ++j) {
         const int64_t n = std::min(ps, hi(j) - pos0);
         const float* qj = q_.data() + tok(U, j) * qd + head(U, j) * hd;
         float* sj = sc.data() + j * width + (pos0 - base);
@@ -705,7 +812,23 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     }
     for (int64_t pos0 = base; pos0 < e; pos0 += ps) {  // out = sum p v
       const float* vp = page_rows(vc, pages[pos0 / ps], hk, std::min(ps, e - pos0), rows_buf, st);
-      for (int64_t j = 0; j < n_rows; ++j) {
+      for (int64_t r = 0; grouped && r < U.rows; ++r) {
+        const int64_t n = std::min(ps, hi(r) - pos0);
+        const auto group = [&](int64_t h, auto G) {
+          constexpr int g_ = decltype(G)::value;
+          float* os[g_];
+          const float* ws[g_];
+          for (int x = 0; x < g_; ++x) {
+            os[x] = out((h + x) * U.rows + r);
+            ws[x] = sc.data() + ((h + x) * U.rows + r) * width + (pos0 - base);
+          }
+          if (nv == 8) accumulate_group<4, g_>(os, ws, vp, st, n);
+          else accumulate_group<8, g_>(os, ws, vp, st, n);
+        };
+        if (nv == 8) by_groups<4>(U.heads, group);
+        else by_groups<8>(U.heads, group);
+      }
+      for (int64_t j = 0; !grouped && j < n_rows; ++j) {
         const int64_t n = std::min(ps, hi(j) - pos0);
         const float* w = sc.data() + j * width + (pos0 - base);
         float* oj = out(j);
