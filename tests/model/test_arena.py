@@ -101,15 +101,14 @@ def test_file_pages_another_tensor_still_reads_are_kept_with_their_changes(tmp_p
 
 @linux_thp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])  # the pool's f32, f16 and q8_0 forms
-def test_a_cpu_kv_pool_is_made_on_huge_page_mappings_and_holds_what_is_written(dtype: torch.dtype) -> None:
+def test_a_slot_major_kv_pool_is_made_on_huge_page_mappings_and_holds_what_is_written(dtype: torch.dtype) -> None:
+    """The slot-major pool (the CUDA kernels' layout, emulated on the CPU) on huge pages."""
     from types import SimpleNamespace
 
     args = SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=64)
-    pool = KVPool(args, 600, "cpu", dtype)  # type: ignore[arg-type]
+    pool = KVPool(args, 600, "cpu", dtype, head_major=False)  # type: ignore[arg-type]
     for whole, per_layer in ((pool._k, pool.k), (pool._v, pool.v)):
-        assert whole.shape == (3, 600, 16, 2, 64) and whole.dtype == dtype
-        # head-major in memory: (layers, n_kv, pages, page_size, row) contiguous, a head's slots one run
-        assert whole.permute(0, 3, 1, 2, 4).is_contiguous()
+        assert whole.shape == (3, 600, 16, 2, 64) and whole.dtype == dtype and whole.is_contiguous()
         assert whole.data_ptr() % HUGE == 0  # from a 2 MiB boundary, so its first region can be a huge page
         start, end, flags = mapping_of(whole.data_ptr())
         assert " hg" in flags, flags
@@ -117,9 +116,38 @@ def test_a_cpu_kv_pool_is_made_on_huge_page_mappings_and_holds_what_is_written(d
         assert not per_layer[1][0].any()  # the padding page is zeroed
         assert [t.data_ptr() for t in per_layer] == [whole[i].data_ptr() for i in range(3)]
     pool.k[2][599] = 7  # the last page of the last layer: inside the mapping, read back as written
-    assert pool.k[2][599, 15, 1].data_ptr() + 64 * pool.k[2].element_size() == pool._k.data_ptr() + pool._k.nbytes
     pool.v[1][5, 3, 1] = 9
     assert (pool._k[2, 599] == 7).all() and (pool._v[1, 5, 3, 1] == 9).all() and not pool._v[1, 5, 2].any()
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the process's resident size from /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_a_cpu_kv_pool_is_head_major_and_resident_as_it_is_written(dtype: torch.dtype) -> None:
+    """The CPU's own pool: each head's slots one run in memory, on small pages: its first token in every layer makes a
+    few 4 KiB pages resident, where a huge page a head's run would make 360 MiB of this (the default model's) shape."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64)
+    before = _rss_mib()
+    pool = KVPool(args, 1 + 8192 // 16, "cpu", dtype)  # type: ignore[arg-type]
+    for layer in range(30):
+        pool.k[layer][1, 0] = 1
+        pool.v[layer][1, 0] = 1
+    assert _rss_mib() - before < 48, "a fresh pool is resident as it is written, not a 2 MiB page a head"
+    for whole, per_layer in ((pool._k, pool.k), (pool._v, pool.v)):
+        row = whole.shape[-1]
+        assert whole.shape == (30, 513, 16, 3, row) and whole.dtype == dtype
+        assert whole.permute(0, 3, 1, 2, 4).is_contiguous()  # (layers, n_kv, pages, page_size, row) in memory
+        assert not per_layer[0][0].any()  # the padding page is zeroed
+    pool.k[29][512, 15, 2] = 7  # the last slot of the last head of the last layer: the tensor's last row
+    assert pool.k[29][512, 15, 2].data_ptr() + pool.k[29][512, 15, 2].nbytes == pool._k.data_ptr() + pool._k.nbytes
 
 
 def test_an_empty_tensor_on_huge_pages_has_its_shape_and_dtype() -> None:

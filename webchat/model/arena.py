@@ -20,12 +20,16 @@ Tensors shared between modules (tied embeddings) move once and stay shared.
 The values are the same bytes: only where they live changes. Without THP (`never`, or not Linux) the mapping is plain
 4 KiB pages and nothing is lost but the copy.
 
-    k = empty_on_huge_pages((layers, n_kv, pages, 16, hd), torch.float32)   # webchat.model.kv_cache.KVPool
+    k = empty_on_huge_pages((layers, pages, 16, n_kv, hd), torch.float32)   # a slot-major KVPool (CUDA's)
 
 The KV pool is the other thing a step reads across: a prompt's attention 6,000 tokens deep walks every layer's keys
 and values, 9 MB of the default model's on 2,200 pages of 4 KiB a layer, and under a hypervisor's nested paging each
-TLB miss is a walk of two page tables. Advised before anything is written, its 2 MiB regions become resident whole as
-they are first written (the default model's first token: 2 MiB for each layer's k and v), and it reads as 2 MiB pages.
+TLB miss is a walk of two page tables. A slot-major pool (the CUDA kernels', emulated on the CPU) is made here: advised
+before anything is written, its 2 MiB regions become resident whole as they are first written (the default model's
+first token: 2 MiB for each layer's k and v), and it reads as 2 MiB pages. The CPU's own pools are head-major, each
+head's slots one run read in order, and stay on 4 KiB pages (webchat.model.kv_cache._head_major: a huge page a head's
+run would make 360 MiB of the default model's pool resident at its first token; in order, the reads lose ~6% to the
+small pages).
 """
 
 from __future__ import annotations

@@ -43,9 +43,12 @@ def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype, kind: str | None = N
 
 
 def _head_major(whole: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """(layers, pages, page_size, n_kv, row) in a huge-page mapping, each layer's heads one after another."""
+    """(layers, pages, page_size, n_kv, row) laid (layers, n_kv, pages, page_size, row): each head's slots one run.
+    On 4 KiB pages, not huge ones: a head's run starts in a 2 MiB page of its own, so a pool's first token would make
+    one resident for every layer, head, k and v (the default model: 360 MiB; an 8B's 1 GiB pool: all of it), where on
+    4 KiB pages a pool is resident as it is written. The decode 7,472 deep ran 62-67 tok/s so, 67-71 on huge pages."""
     layers, pages, page_size, n_kv, row = whole
-    return empty_on_huge_pages((layers, n_kv, pages, page_size, row), dtype).permute(0, 2, 3, 1, 4)
+    return torch.empty((layers, n_kv, pages, page_size, row), dtype=dtype).permute(0, 2, 3, 1, 4)
 
 
 class KVPool:
@@ -65,11 +68,11 @@ class KVPool:
         # released ones (those keep their k/v for prefix reuse, least recently used first), so over a server's life
         # RSS grows to the pool's size (--kv-pool), as llama-server holds its whole KV cache from the start. A slot is
         # always written before it is read, except the padding page 0 (masked rows read it), zeroed so it holds no NaN.
-        # On the CPU each in a huge-page-advised mapping of its own (webchat.model.arena: attention reads across it),
-        # and head_major (the default there; the CUDA kernels, emulated on the CPU too, take slot-major pools): each
-        # head's slots together, (layers, n_kv, pages, page_size, row) in memory seen as the shape above. A decode
-        # row's attention then reads a kv head's keys and values as one run from page to page; slot-major (a head's
-        # row, then the other heads') a decode step 7,472 tokens deep took 1.34x as long (Zen 4, docs/perf-history.md).
+        # On the CPU head_major (the default there; the CUDA kernels, emulated on the CPU too, take slot-major pools,
+        # those in a huge-page-advised mapping, webchat.model.arena): each head's slots together, (layers, n_kv, pages,
+        # page_size, row) in memory seen as the shape above. A decode row's attention then reads a kv head's keys and
+        # values as one run from page to page; slot-major (a head's row, then the other heads') a decode step 7,472
+        # tokens deep took 1.34x as long (Zen 4, docs/perf-history.md).
         whole = (args.n_layers, *shape)
         cpu = torch.device(device).type == "cpu"
         if head_major is None:
