@@ -94,9 +94,9 @@ def _drop_file_pages(span: tuple[int, int], files: list[tuple[int, int]], needed
     _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
-def _advised_area(size: int) -> tuple[torch.Tensor, int] | None:
+def _advised_area(size: int, huge: bool = True) -> tuple[torch.Tensor, int] | None:
     """(bytes of a private anonymous mapping of size + 2 MiB, the offset of its first 2 MiB boundary), advised for huge
-    pages from there; None where the platform lacks such mappings or MADV_HUGEPAGE."""
+    pages from there (unless not huge: 4 KiB pages); None where the platform lacks such mappings or MADV_HUGEPAGE."""
     advise: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
     private: int | None = getattr(mmap, "MAP_PRIVATE", None)
     anonymous: int | None = getattr(mmap, "MAP_ANONYMOUS", None)
@@ -110,17 +110,19 @@ def _advised_area(size: int) -> tuple[torch.Tensor, int] | None:
     whole = torch.frombuffer(area, dtype=torch.uint8)  # holds the mapping alive as long as any view of it
     offset = -whole.data_ptr() % HUGE
     try:
-        area.madvise(advise, offset, size - offset)
+        if huge:
+            area.madvise(advise, offset, size - offset)
     except OSError:  # THP compiled out: plain pages still hold the bytes
         pass
     return whole, offset
 
 
-def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor from the start of its own huge-page-advised mapping (its pages resident only once
-    written: the mapping is zero-filled on demand); torch.empty where the platform has no such mapping."""
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
+    """An uninitialized CPU tensor from the start of its own huge-page-advised mapping (huge=False: one on 4 KiB pages;
+    its pages resident only once written: the mapping is zero-filled on demand); torch.empty where the platform has no
+    such mapping."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    got = _advised_area(nbytes) if nbytes > 0 else None
+    got = _advised_area(nbytes, huge) if nbytes > 0 else None
     if got is None:
         return torch.empty(shape, dtype=dtype)
     whole, offset = got
