@@ -326,8 +326,6 @@ static void by_groups(int64_t heads, Score&& run) {
 inline uint16_t to_half(float x) { return c10::Half(x).x; }
 inline float from_half(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-int64_t kv_row_bytes(KVKind kind, int64_t hd) { return kind == KV_Q8_0 ? hd / 32 * 34 : kind == KV_F16 ? 2 * hd : 4 * hd; }
-
 // H x of each 32 values of x (n a multiple of 32), unnormalised, then times `scale`: the butterflies (a + b, a - b)
 // of the pairs h = 1, 2, 4, 8, 16 apart in that order, as kv_format.hadamard makes them
 static void hadamard32(float* x, int64_t n, float scale) {
