@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 SOURCES = ("qmatmul.cpp", "qgemm.cpp", "qstep.cpp", "qops.cpp", "qkquant.cpp", "qsample.cpp", "qact.cpp", "qint8.cpp",
            "qint8k.cpp", "qgemm8.cpp", "qgemm8b.cpp", "qpack8.cpp", "qsuffix.cpp", "qgemm_amx.cpp", "vision.cpp",
-           "vgemm.cpp", "qattn.cpp")
+           "vgemm.cpp", "qattn.cpp", "qattn_rows.cpp")
 CSRC = Path(__file__).parent / "csrc"
 PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}  # WEBCHAT_QPATH forces one; default: the best this CPU runs
 # -O3 without -march: the AVX2 and AVX-512 functions carry their own target attributes and are picked at run time

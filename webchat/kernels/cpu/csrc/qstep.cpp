@@ -32,32 +32,6 @@ namespace wq {
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 
-AVX2_FN static float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float r = hsum256(acc);
-  for (; i < n; ++i) r += a[i] * b[i];
-  return r;
-}
-
-AVX2_FN static void axpy_avx2(float* y, float a, const float* x, int64_t n) {  // y += a * x
-  const __m256 va = _mm256_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
-static float dot_scalar(const float* a, const float* b, int64_t n) {
-  float r = 0.f;
-  for (int64_t i = 0; i < n; ++i) r += a[i] * b[i];
-  return r;
-}
-
-static void axpy_scalar(float* y, float a, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
 // x[i] = exp(x[i] - shift); returns the sum
 AVX2_FN static float exp_sum_avx2(float* x, int64_t n, float shift) {
   const __m256 vs = _mm256_set1_ps(shift);
@@ -115,208 +89,6 @@ static float exp_sum_scalar(float* x, int64_t n, float shift) {
   float r = 0.f;
   for (int64_t i = 0; i < n; ++i) r += (x[i] = std::exp(x[i] - shift));
   return r;
-}
-
-// Attention kernels for one query head, hd = 8 * NV. k/v of the n keys of a page sit kvd floats apart.
-// s[i] = scale * q . k_i, four keys at a time (four independent FMA chains, reduced together)
-template <int NV>
-AVX2_FN static void score_keys_avx2(const float* q, const float* kp, int64_t kvd, int64_t n, float scale, float* s) {
-  __m256 qv[NV];
-  #pragma GCC unroll 16
-  for (int c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
-  const __m128 vscale = _mm_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const float* k0 = kp + i * kvd;
-    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-    __m256 a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + kvd));
-    __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 2 * kvd));
-    __m256 a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + 3 * kvd));
-    #pragma GCC unroll 16
-    for (int c = 1; c < NV; ++c) {
-      a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
-      a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + kvd + 8 * c), a1);
-      a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 2 * kvd + 8 * c), a2);
-      a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 3 * kvd + 8 * c), a3);
-    }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    _mm_storeu_ps(s + i, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vscale));
-  }
-  for (; i < n; ++i) {
-    const float* k0 = kp + i * kvd;
-    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-    #pragma GCC unroll 16
-    for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a);
-    s[i] = hsum256(a) * scale;
-  }
-}
-
-// o += sum_i w[i] v_i, with o held in NV registers across the page
-template <int NV>
-AVX2_FN static void accumulate_avx2(float* o, const float* w, const float* vp, int64_t kvd, int64_t n) {
-  __m256 ov[NV];
-  #pragma GCC unroll 16
-  for (int c = 0; c < NV; ++c) ov[c] = _mm256_loadu_ps(o + 8 * c);
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 bw = _mm256_broadcast_ss(w + i);
-    #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) ov[c] = _mm256_fmadd_ps(bw, _mm256_loadu_ps(vp + i * kvd + 8 * c), ov[c]);
-  }
-  #pragma GCC unroll 16
-  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + 8 * c, ov[c]);
-}
-
-// The same two kernels at 16 lanes (hd = 16 * NV): scores four keys at a time, each key's zmm halves added before
-// the AVX2 reduction; o += w v over two interleaved sets of accumulators (even and odd keys, added at the end), so
-// the FMA chains are not one key's latency apart.
-#define AVX512_FN __attribute__((target("avx512f,avx2,fma,f16c")))
-AVX512_FN static inline __m256 halves(__m512 a) {  // the two 8-lane halves added
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
-template <int NV>
-AVX512_FN static void score_keys_avx512(const float* q, const float* kp, int64_t kvd, int64_t n, float scale, float* s) {
-  __m512 qv[NV];
-  #pragma GCC unroll 16
-  for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  const __m128 vscale = _mm_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const float* k0 = kp + i * kvd;
-    __m512 a0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0));
-    __m512 a1 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + kvd));
-    __m512 a2 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + 2 * kvd));
-    __m512 a3 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + 3 * kvd));
-    #pragma GCC unroll 16
-    for (int c = 1; c < NV; ++c) {
-      a0 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 16 * c), a0);
-      a1 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kvd + 16 * c), a1);
-      a2 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 2 * kvd + 16 * c), a2);
-      a3 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 3 * kvd + 16 * c), a3);
-    }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves(a0), halves(a1)), _mm256_hadd_ps(halves(a2), halves(a3)));
-    _mm_storeu_ps(s + i, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vscale));
-  }
-  for (; i < n; ++i) {
-    const float* k0 = kp + i * kvd;
-    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0));
-    #pragma GCC unroll 16
-    for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + 16 * c), a);
-    s[i] = hsum256(halves(a)) * scale;
-  }
-}
-
-template <int NV>
-AVX512_FN static void accumulate_avx512(float* o, const float* w, const float* vp, int64_t kvd, int64_t n) {
-  __m512 ov[NV], ow[NV];
-  #pragma GCC unroll 16
-  for (int c = 0; c < NV; ++c) ov[c] = _mm512_loadu_ps(o + 16 * c), ow[c] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    const __m512 b0 = _mm512_set1_ps(w[i]), b1 = _mm512_set1_ps(w[i + 1]);
-    #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) {
-      ov[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(vp + i * kvd + 16 * c), ov[c]);
-      ow[c] = _mm512_fmadd_ps(b1, _mm512_loadu_ps(vp + (i + 1) * kvd + 16 * c), ow[c]);
-    }
-  }
-  if (i < n) {
-    const __m512 b0 = _mm512_set1_ps(w[i]);
-    #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) ov[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(vp + i * kvd + 16 * c), ov[c]);
-  }
-  #pragma GCC unroll 16
-  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(ov[c], ow[c]));
-}
-
-// The two 16-lane kernels for G query heads of one kv head at once (q: G rows hd apart; s[h], o[h], w[h]: head h's):
-// each key's (or value's) vectors are loaded once for the G heads instead of once a head, so a page is read in one
-// pass. Each head's arithmetic is the one-head kernel's, in its order: the same bits.
-template <int NV, int G>
-AVX512_FN static void score_keys_group(const float* q, const float* kp, int64_t kvd, int64_t n, float scale,
-                                       float* const* s) {
-  constexpr int HD = 16 * NV;
-  const __m128 vscale = _mm_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const float* k0 = kp + i * kvd;
-    __m512 a[G][4];
-    #pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) {
-      const __m512 kv0 = _mm512_loadu_ps(k0 + t * kvd);
-      #pragma GCC unroll 4
-      for (int h = 0; h < G; ++h) a[h][t] = _mm512_mul_ps(_mm512_loadu_ps(q + h * HD), kv0);
-    }
-    #pragma GCC unroll 16
-    for (int c = 1; c < NV; ++c)
-      #pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        const __m512 kvc = _mm512_loadu_ps(k0 + t * kvd + 16 * c);
-        #pragma GCC unroll 4
-        for (int h = 0; h < G; ++h) a[h][t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * HD + 16 * c), kvc, a[h][t]);
-      }
-    #pragma GCC unroll 4
-    for (int h = 0; h < G; ++h) {
-      const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(halves(a[h][0]), halves(a[h][1])),
-                                      _mm256_hadd_ps(halves(a[h][2]), halves(a[h][3])));
-      _mm_storeu_ps(s[h] + i, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1)), vscale));
-    }
-  }
-  for (; i < n; ++i) {
-    const float* k0 = kp + i * kvd;
-    #pragma GCC unroll 4
-    for (int h = 0; h < G; ++h) {
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + h * HD), _mm512_loadu_ps(k0));
-      #pragma GCC unroll 16
-      for (int c = 1; c < NV; ++c)
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * HD + 16 * c), _mm512_loadu_ps(k0 + 16 * c), a);
-      s[h][i] = hsum256(halves(a)) * scale;
-    }
-  }
-}
-
-template <int NV, int G>
-AVX512_FN static void accumulate_group(float* const* o, const float* const* w, const float* vp, int64_t kvd,
-                                       int64_t n) {
-  __m512 ov[G][NV], ow[G][NV];
-  #pragma GCC unroll 4
-  for (int h = 0; h < G; ++h)
-    #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) ov[h][c] = _mm512_loadu_ps(o[h] + 16 * c), ow[h][c] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) {
-      const __m512 v0 = _mm512_loadu_ps(vp + i * kvd + 16 * c), v1 = _mm512_loadu_ps(vp + (i + 1) * kvd + 16 * c);
-      #pragma GCC unroll 4
-      for (int h = 0; h < G; ++h) {
-        ov[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][i]), v0, ov[h][c]);
-        ow[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][i + 1]), v1, ow[h][c]);
-      }
-    }
-  }
-  if (i < n) {
-    #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) {
-      const __m512 v0 = _mm512_loadu_ps(vp + i * kvd + 16 * c);
-      #pragma GCC unroll 4
-      for (int h = 0; h < G; ++h) ov[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][i]), v0, ov[h][c]);
-    }
-  }
-  #pragma GCC unroll 4
-  for (int h = 0; h < G; ++h)
-    #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o[h] + 16 * c, _mm512_add_ps(ov[h][c], ow[h][c]));
-}
-
-// rows of one token, heads [0, heads) of the unit, G at a time (3 at hd 64, 2 at 128: what the registers hold)
-template <int NV, typename Score>
-static void by_groups(int64_t heads, Score&& run) {
-  constexpr int G = NV == 4 ? 3 : 2;
-  int64_t h = 0;
-  for (; h + G <= heads; h += G) run(h, std::integral_constant<int, G>{});
-  if (heads - h == 2) run(h, std::integral_constant<int, 2>{});
-  if (heads - h == 1) run(h, std::integral_constant<int, 1>{});
 }
 
 // ---------------------------------------------------------------- the KV cache's formats (webchat.model.kv_format)
@@ -597,12 +369,10 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
   const int64_t rows_f32 = slot_bytes / int64_t(sizeof(float));  // a float32 pool's rows' stride in floats
   const float scale = attn_scale > 0.f ? attn_scale : 1.f / std::sqrt(float(hd)), cap = attn_softcap;
   const bool vec = path() >= PATH_AVX2;
-  const int nv = vec && hd == 64 ? 8 : vec && hd == 128 ? 16 : 0;  // a register kernel, or the generic loops
   const auto key_end = [&](int64_t t) { return bv.key_ends != nullptr ? bv.key_ends[t] : bv.positions[t] + 1; };
   const auto key_first = [&](int64_t t) {
     return window > 0 ? std::max<int64_t>(0, bv.positions[t] + 1 - window) : int64_t(0);
   };
-  const bool wide = path() == PATH_AVX512;                            // its 16-lane form
   // a q8_0 cache holds H k and H v (kv_format): q . k = (H q / 32) . (H k), and o = H (sum p H v) / 32, so each
   // query row and output row turns once here instead of every key and value row read
   const auto turn = [&](std::vector<float>& rows) {
@@ -757,40 +527,21 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     if (U.tiled) return tiles(U, a, e, m, l, out);
     static thread_local std::vector<float> sc, rows_buf;
     const int64_t n_rows = U.heads * U.rows, hk = U.h0 / g;
+    const int p = path();
     const int64_t base = std::max(a, key_first(U.r0) / ps * ps), width = std::max<int64_t>(0, e - base);
     if (static_cast<int64_t>(sc.size()) < n_rows * width) sc.resize(n_rows * width);
     const int32_t* pages = bv.block_tables + U.b * bv.width;
     const auto hi = [&](int64_t j) { return std::min(key_end(tok(U, j)), e); };  // the row's last key here, + 1
     int64_t st = rows_f32;  // the stride of the page's rows as read
-    // the 16-lane kernels take a token's heads together, each key read once for them
-    const bool grouped = wide && (nv == 8 || nv == 16) && U.heads > 1;
-    for (int64_t pos0 = base; pos0 < e; pos0 += ps) {  // scores
+    thread_local std::vector<float*> outs;  // a token's rows, one a head, for row_scores and row_values
+    thread_local std::vector<const float*> ws;
+    outs.resize(U.heads), ws.resize(U.heads);
+    for (int64_t pos0 = base; pos0 < e; pos0 += ps) {  // scores, a token's heads together (qattn_rows.cpp)
       const float* kp = page_rows(kc, pages[pos0 / ps], hk, std::min(ps, e - pos0), rows_buf, st);
-      for (int64_t r = 0; grouped && r < U.rows; ++r) {
-        const int64_t n = std::min(ps, hi(r) - pos0);  // row r: head h0's row of token r0 + r
-        const float* qr = q_.data() + (U.r0 + r) * qd + U.h0 * hd;
-        const auto group = [&](int64_t h, auto G) {
-          constexpr int g_ = decltype(G)::value;
-          float* ss[g_];
-          for (int x = 0; x < g_; ++x) ss[x] = sc.data() + ((h + x) * U.rows + r) * width + (pos0 - base);
-          if (nv == 8) score_keys_group<4, g_>(qr + h * hd, kp, st, n, scale, ss);
-          else score_keys_group<8, g_>(qr + h * hd, kp, st, n, scale, ss);
-        };
-        if (n <= 0) continue;
-        if (nv == 8) by_groups<4>(U.heads, group);
-        else by_groups<8>(U.heads, group);
-      }
-      for (int64_t j = 0; !grouped && j < n_rows; ++j) {
-        const int64_t n = std::min(ps, hi(j) - pos0);
-        const float* qj = q_.data() + tok(U, j) * qd + head(U, j) * hd;
-        float* sj = sc.data() + j * width + (pos0 - base);
-        if (wide && nv == 8) score_keys_avx512<4>(qj, kp, st, n, scale, sj);
-        else if (wide && nv == 16) score_keys_avx512<8>(qj, kp, st, n, scale, sj);
-        else if (nv == 8) score_keys_avx2<8>(qj, kp, st, n, scale, sj);
-        else if (nv == 16) score_keys_avx2<16>(qj, kp, st, n, scale, sj);
-        else
-          for (int64_t i = 0; i < n; ++i)
-            sj[i] = (vec ? dot_avx2(qj, kp + i * st, hd) : dot_scalar(qj, kp + i * st, hd)) * scale;
+      for (int64_t r = 0; r < U.rows; ++r) {  // row x * rows + r: head h0 + x's row of token r0 + r
+        for (int64_t x = 0; x < U.heads; ++x) outs[x] = sc.data() + (x * U.rows + r) * width + (pos0 - base);
+        row_scores(p, q_.data() + (U.r0 + r) * qd + U.h0 * hd, U.heads, hd, kp, st, std::min(ps, hi(r) - pos0), scale,
+                   outs.data());
       }
     }
     for (int64_t j = 0; j < n_rows; ++j) {  // softmax numerators over the row's keys here, their largest and sum
@@ -810,33 +561,10 @@ void StepModel::attend(const BatchView& bv, const uint8_t* kc, const uint8_t* vc
     }
     for (int64_t pos0 = base; pos0 < e; pos0 += ps) {  // out = sum p v
       const float* vp = page_rows(vc, pages[pos0 / ps], hk, std::min(ps, e - pos0), rows_buf, st);
-      for (int64_t r = 0; grouped && r < U.rows; ++r) {
-        const int64_t n = std::min(ps, hi(r) - pos0);
-        const auto group = [&](int64_t h, auto G) {
-          constexpr int g_ = decltype(G)::value;
-          float* os[g_];
-          const float* ws[g_];
-          for (int x = 0; x < g_; ++x) {
-            os[x] = out((h + x) * U.rows + r);
-            ws[x] = sc.data() + ((h + x) * U.rows + r) * width + (pos0 - base);
-          }
-          if (nv == 8) accumulate_group<4, g_>(os, ws, vp, st, n);
-          else accumulate_group<8, g_>(os, ws, vp, st, n);
-        };
-        if (nv == 8) by_groups<4>(U.heads, group);
-        else by_groups<8>(U.heads, group);
-      }
-      for (int64_t j = 0; !grouped && j < n_rows; ++j) {
-        const int64_t n = std::min(ps, hi(j) - pos0);
-        const float* w = sc.data() + j * width + (pos0 - base);
-        float* oj = out(j);
-        if (wide && nv == 8) accumulate_avx512<4>(oj, w, vp, st, n);
-        else if (wide && nv == 16) accumulate_avx512<8>(oj, w, vp, st, n);
-        else if (nv == 8) accumulate_avx2<8>(oj, w, vp, st, n);
-        else if (nv == 16) accumulate_avx2<16>(oj, w, vp, st, n);
-        else
-          for (int64_t i = 0; i < n; ++i)
-            vec ? axpy_avx2(oj, w[i], vp + i * st, hd) : axpy_scalar(oj, w[i], vp + i * st, hd);
+      for (int64_t r = 0; r < U.rows; ++r) {
+        for (int64_t x = 0; x < U.heads; ++x)
+          outs[x] = out(x * U.rows + r), ws[x] = sc.data() + (x * U.rows + r) * width + (pos0 - base);
+        row_values(p, outs.data(), ws.data(), U.heads, hd, vp, st, std::min(ps, hi(r) - pos0));
       }
     }
   };
