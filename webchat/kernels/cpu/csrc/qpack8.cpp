@@ -596,10 +596,11 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
                       : j.qtype == Q4_K ? Q4K : nullptr;
   TORCH_CHECK(fns != nullptr, "ggml type ", j.qtype, " has no packed kernel");
   int64_t g = g0;
-  // two groups a vector, the same bits: where the arithmetic is the bound. One or two x rows of Q4_0/Q4_1 (a decode
-  // step of one sequence, at int8 or int8x2) wait on memory, and there one group's stream a pass reads faster: on Zen 4
-  // the 1.1B Q4_0's one-row forward 22.3-23.5 -> 20.2-21.9 ms, the default model's (Q4_1, int8x2) 4.9-5.8 -> 3.5-3.7
-  const bool few = j.m <= 2 && j.qtype != Q8_0;
+  // two groups a vector, the same bits: where the arithmetic is the bound. One or two x rows (a decode step of one
+  // sequence, at int8 or int8x2) wait on memory, and there one group's stream a pass reads faster: on Zen 4 (one
+  // process, the two alternating) the 1.1B files' one-row forward Q4_0 23.0 -> 20.8 ms, Q4_1 21.9 -> 16.7, Q8_0 32.3
+  // -> 24.3, at two rows 1.06-1.07x, the default model's 5.1 -> 4.6; at four rows the pairs are faster (Q4_0 34 -> 31)
+  const bool few = j.m <= 2;
   if (j.qtype != Q4_K && vnni512(p) && !few) {
     static constexpr Group8 W40[4] = {blocks_wide<Q4_0, 1>, blocks_wide<Q4_0, 2>, blocks_wide<Q4_0, 3>,
                                       blocks_wide<Q4_0, 4>};
