@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
-#include <type_traits>
 #include <tuple>
 #include <utility>
 #include <vector>
