@@ -599,7 +599,8 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
   // two groups a vector, the same bits: where the arithmetic is the bound. One or two x rows (a decode step of one
   // sequence, at int8 or int8x2) wait on memory, and there one group's stream a pass reads faster: on Zen 4 (one
   // process, the two alternating) the 1.1B files' one-row forward Q4_0 23.0 -> 20.8 ms, Q4_1 21.9 -> 16.7, Q8_0 32.3
-  // -> 24.3, at two rows 1.06-1.07x, the default model's 5.1 -> 4.6; at four rows the pairs are faster (Q4_0 34 -> 31)
+  // -> 24.3, at two rows 1.06-1.07x, the default model's 5.1 -> 4.6; at four rows the pairs are faster (Q4_0: 34 ms
+  // a group a pass, 31 in pairs)
   const bool few = j.m <= 2;
   if (j.qtype != Q4_K && vnni512(p) && !few) {
     static constexpr Group8 W40[4] = {blocks_wide<Q4_0, 1>, blocks_wide<Q4_0, 2>, blocks_wide<Q4_0, 3>,
