@@ -183,12 +183,13 @@ void supers_row(const float* x, int64_t k, int8_t* q, float* dk, int16_t* p, int
 }
 
 // rows [row0, row0 + m) of a (x: the same rows as floats) against rows [n0, n1) of one matrix, by the row kernels
-void rows_of(const Act8& a, int64_t row0, int m, const float* x, const MatRef& mr, int64_t n0, int64_t n1, int p) {
+void rows_of(const Act8& a, int64_t row0, int m, const float* x, const MatRef& mr, int64_t n0, int64_t n1, int p,
+             const int32_t* q6t = nullptr) {
   if (mr.qtype == F32) {
     const Job j{x, a.k, nullptr, mr.w, mr.row_bytes, m, a.k, F32, mr.y, mr.n};
     return float_rows(j, n0, n1, p);
   }
-  const Job8 j{&a, static_cast<int>(row0), m, mr.w, mr.row_bytes, a.k, mr.qtype, mr.y, mr.n};
+  const Job8 j{&a, static_cast<int>(row0), m, mr.w, mr.row_bytes, a.k, mr.qtype, mr.y, mr.n, q6t};
   if (mr.packed) return packed8_rows(j, n0, n1, p);
   reads_supers(mr.qtype) ? supers8_rows(j, n0, n1, p) : blocks8_rows(j, n0, n1, p);
 }
@@ -298,7 +299,8 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
     const Panel8& panel = mine;
     const PanelB& panel_b = mine_b;
     bool panel_read = false;
-    for (int i = 0; i < count; ++i) panel_read |= reads_supers(mats[i].qtype) && !(mats[i].packed && tiles);
+    for (int i = 0; i < count; ++i)  // packed Q6_K's prompt rows take the panel's GEMM, each row gathered back
+      panel_read |= reads_supers(mats[i].qtype) && !(mats[i].qtype == Q4_K && mats[i].packed && tiles);
     if (p >= PATH_AVX2 && panel_read) mine.build(a, row0, m);
     if (p >= PATH_AVX2 && q8) mine_b.build(a, row0, m);
     at::parallel_for(0, (total + 15) / 16, 1, [&](int64_t b, int64_t e) {
@@ -310,7 +312,7 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
         if (lo < hi) {
           if (mr.qtype == Q8_0 && !mr.packed) {
             q8_gemm_rows(a, panel_b, row0, m, mr.w, mr.row_bytes, lo - base, hi - base, mr.y, mr.n, p);
-          } else if (mr.packed && tiles && reads_supers(mr.qtype)) {
+          } else if (mr.packed && tiles && mr.qtype == Q4_K) {
             const Job8 j{&a, static_cast<int>(row0), static_cast<int>(m), mr.w, mr.row_bytes, a.k, mr.qtype, mr.y,
                          mr.n};
             packed8_gemm(j, lo - base, hi - base, p);
@@ -331,6 +333,15 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
   // thread slowed by its memory or by another process does not hold the rest at the region's end (ggml's chunks, with
   // the static split's streams kept). Each row's numbers are the same whichever thread computes it.
   const int threads = at::get_num_threads();
+  thread_local std::vector<int32_t> q6t;  // packed Q6_K's group terms of the call's rows, made once for every chunk
+  const int32_t* terms = nullptr;         // the calling thread's, as the workers read them
+  bool six = false;
+  for (int i = 0; i < count; ++i) six |= mats[i].packed && mats[i].qtype == Q6_K;
+  if (six && p >= PATH_AVX2) {
+    q6t.resize(static_cast<size_t>(m) * k / 16);
+    q6k_group_terms(a, row0, m, vnni_kind() == 0, q6t.data());
+    terms = q6t.data();
+  }
   for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time stay in L2 while w streams
     const int mm = static_cast<int>(std::min<int64_t>(64, m - m0));
     const auto rows = [&](int64_t b, int64_t e) {
@@ -341,7 +352,8 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
         const int64_t hi = group_edge(mr, std::min(e, base + mr.n) - base) + base;
         if (lo < hi) {
           const MatRef part{mr.w, mr.n, mr.row_bytes, mr.qtype, mr.y + m0 * mr.n, mr.packed};
-          rows_of(a, row0 + m0, mm, x + m0 * k, part, lo - base, hi - base, p);
+          rows_of(a, row0 + m0, mm, x + m0 * k, part, lo - base, hi - base, p,
+                  terms != nullptr ? terms + m0 * k / 16 : nullptr);
         }
         base += mr.n;
       }

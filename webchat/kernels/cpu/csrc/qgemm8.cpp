@@ -62,11 +62,12 @@ void gemm_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* wm, int6
         super_ints<QT>(blk, w, sc, mn);
         const float dk = a.dk[xr * nsb + i];
         const float dd = half_to_float(blk + (QT == Q6_K ? 208 : 0)) * dk;
-        int32_t half = 0;  // packed: a half super-block's sum (q4k_scalar's order)
+        const bool halves = packed && QT == Q4_K;  // packed Q4_K: a half super-block's sums (q4k_scalar's order)
+        int32_t half = 0;
         for (int j = 0; j < 8; ++j) {
           int32_t isum = 0;
           for (int t = 0; t < 32; ++t) isum += sc[2 * j + t / 16] * p[j] * w[32 * j + t] * q[32 * j + t];
-          if (!packed) {
+          if (!halves) {
             acc = std::fma(static_cast<float>(isum), dd, acc);
             continue;
           }
@@ -457,7 +458,8 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
 void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
                 int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p, bool packed) {
   const bool vec = p >= PATH_AVX2;
-  TORCH_CHECK(!packed || qtype == Q4_K, "the prompt GEMM reads packed rows of Q4_K only, got ggml type ", qtype);
+  TORCH_CHECK(!packed || qtype == Q4_K || qtype == Q6_K, "the prompt GEMM reads packed rows of Q4_K and Q6_K only, ",
+              "got ggml type ", qtype);
   switch (qtype) {
     case Q4_K:
       return vec ? gemm_vector<Q4_K>(P, m, w, row_bytes, n0, n1, y, ldy, packed)
@@ -466,8 +468,8 @@ void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const u
       return vec ? gemm_vector<Q5_K>(P, m, w, row_bytes, n0, n1, y, ldy, false)
                  : gemm_scalar<Q5_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, false);
     case Q6_K:
-      return vec ? gemm_vector<Q6_K>(P, m, w, row_bytes, n0, n1, y, ldy, false)
-                 : gemm_scalar<Q6_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, false);
+      return vec ? gemm_vector<Q6_K>(P, m, w, row_bytes, n0, n1, y, ldy, packed)
+                 : gemm_scalar<Q6_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, packed);
     default: TORCH_CHECK(false, "the int8 prompt GEMM takes Q4_K, Q5_K and Q6_K, got ggml type ", qtype);
   }
 }

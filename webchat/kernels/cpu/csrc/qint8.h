@@ -73,11 +73,15 @@ struct Job8 {
   int qtype;
   float* y;  // row r of this job at y + r * ldy
   int64_t ldy;
+  const int32_t* q6t = nullptr;  // packed Q6_K on the vector paths: the job's x rows' group terms, k / 16 a row
 };
 
 void blocks8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qint8.cpp
 void supers8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qint8k.cpp
 void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p);  // qpack8.cpp
+// the group terms packed Q6_K's vector kernels take for rows [row0, row0 + m) of a (k / 16 a row into out), made once a
+// call before its threads split the weight rows (pairs: vpmaddubsw's int16 pairs, where vnni_kind() is 0)
+void q6k_group_terms(const Act8& a, int64_t row0, int64_t m, bool pairs, int32_t* out);
 // a prompt's rows against packed Q4_K where the CPU has VNNI: tiles of vpdpbusd (qpack8_gemm.inc) on the vector paths,
 // q4k_scalar on the scalar one; the bits of packed8_rows either way (n0, n1 multiples of 8). Without VNNI such rows
 // take gemm8_rows, which gathers each super-block back to ggml's order.

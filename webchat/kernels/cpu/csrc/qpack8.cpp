@@ -1,4 +1,4 @@
-// Weight rows packed 8 to a group for the int8 kernels (docs/quant.md, "Packed rows"): Q4_0, Q4_1 and Q4_K.
+// Weight rows packed 8 to a group for the int8 kernels (docs/quant.md, "Packed rows"): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
 //
 // The row kernels (qint8.cpp, qint8k.cpp) take one weight row at a time: every 32 weights pay a scale shuffle, a
 // vpmaddwd and a float step of their own, and every row a horizontal sum. Here 8 rows lie side by side, 4 bytes of
@@ -12,6 +12,9 @@
 //     8 rows' bytes qs[4c .. 4c + 3] (low nibbles: values 4c .. 4c + 3, high: 16 + 4c ..)
 //   Q4_K, per group and super-block: d (8 halves), dmin (8 halves), the 12 scale bytes as 3 words x 8 rows, then for
 //     chunk c = 0..3 and word t = 0..7 the 8 rows' qs[32c + 4t .. + 3] (low nibbles: sub-block 2c, high: 2c + 1)
+//   Q6_K, per group and super-block (1680 bytes): d (8 halves), the 16 scales a byte x 8 rows (group g's at 16 + 8g),
+//     then per half h (at 144 + 768h) 8 words x 8 rows of ql[64h ..], of qh[32h ..] and of ql[64h + 32 ..]: sub-blocks
+//     4h and 4h + 2 read the first and the second, 4h + 1 and 4h + 3 the second and the third
 // so a packed matrix is as large as the file's, and unpacking gives the file's bytes back (tests/test_int8.py).
 //
 // Arithmetic (every path in this order, the scalar one with std::fma; the integers exact):
@@ -21,6 +24,9 @@
 //   Q4_K, per super-block: for each half (sub-blocks 4h .. 4h + 3) I = sum_j sc_j p_j sum w q (int32: at most
 //     4 * 63 * 128 * 32 * 15 * 127 < 2^31), acc = fma(float(I), d_w * dk, acc); msum = sum_j mn_j pq_j,
 //     macc = fma(float(msum), dmin_w * dk, macc); y = acc - macc
+//   Q6_K, per sub-block v: I = p_v (sc_2v sum (q - 32) x + sc_2v+1 sum (q - 32) x) over its two groups of 16 (int32:
+//     at most 2 * 128 * 16 * 32 * 127 * 128 = 2,130,706,432), acc = fma(float(I), d_w * dk, acc); y = acc: the
+//     unpacked matrix's prompt GEMM order (qgemm8.cpp), so a prompt's rows, which gather packed rows back, agree
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -43,21 +49,28 @@ struct Field {  // a run of each row's unit: `bytes` from `offset`, packed `word
 };
 
 // a unit: the bytes of one row per block (32 values) or super-block (256)
-int unit_bytes(int qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 144; }
+int unit_bytes(int qtype) {
+  return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : qtype == Q6_K ? 210 : 144;
+}
 
-int fields(int qtype, Field f[4]) {
+int fields(int qtype, Field f[8]) {
   switch (qtype) {
     case Q4_0: f[0] = {0, 2, 2}, f[1] = {2, 16, 4}; return 2;
     case Q4_1: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 16, 4}; return 3;
     case Q8_0: f[0] = {0, 2, 2}, f[1] = {2, 32, 4}; return 2;
     case Q4_K: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 12, 4}, f[3] = {16, 128, 4}; return 4;
-    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0 and Q4_K have)");
+    case Q6_K:  // each half's ql[0..32), qh, ql[32..64): the order its sub-blocks first read them
+      f[0] = {208, 2, 2}, f[1] = {192, 16, 1};
+      for (int h = 0; h < 2; ++h) f[2 + 3 * h] = {64 * h, 32, 4}, f[3 + 3 * h] = {128 + 32 * h, 32, 4},
+                                  f[4 + 3 * h] = {64 * h + 32, 32, 4};
+      return 8;
+    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have)");
   }
 }
 
-// a word of 2 or 4 bytes (a constant size each, so the copy is one move, not a call to memmove)
+// a word of 1, 2 or 4 bytes (a constant size each, so the copy is one move, not a call to memmove)
 inline void copy_word(uint8_t* dst, const uint8_t* src, int word) {
-  word == 4 ? std::memcpy(dst, src, 4) : std::memcpy(dst, src, 2);
+  word == 4 ? std::memcpy(dst, src, 4) : word == 2 ? std::memcpy(dst, src, 2) : std::memcpy(dst, src, 1);
 }
 
 // one group's unit u: 8 rows of `ub` bytes at stride `stride` (rows) <-> 8 * ub packed bytes
@@ -74,7 +87,7 @@ void move_unit(const Field* f, int nf, uint8_t* rows, int64_t stride, uint8_t* p
 // the file's bytes of row r (0..7) of a packed group's unit u into out (ub bytes); without VNNI the prompt GEMM gathers
 // every super-block of packed Q4_K this way (qgemm8.cpp)
 void row_unit(int qtype, const uint8_t* packed_unit, int r, uint8_t* out) {
-  Field f[4];
+  Field f[8];
   const int nf = fields(qtype, f);
   int64_t pos = 0;
   for (int i = 0; i < nf; ++i)
@@ -149,6 +162,65 @@ void q4k_scalar(const Job8& j, int64_t g0, int64_t g1) {
       }
 }
 
+// Q6_K in gemm_scalar's unpacked order (one fma a sub-block)
+void q6k_scalar(const Job8& j, int64_t g0, int64_t g1) {
+  const int64_t nsb = j.k / QK_K;
+  const Act8& a = *j.a;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int n = 0; n < 8; ++n)
+      for (int r = 0; r < j.m; ++r) {
+        const int64_t xr = j.r0 + r;
+        float acc = 0.f;
+        for (int64_t i = 0; i < nsb; ++i) {
+          uint8_t blk[210];
+          row_unit(Q6_K, j.w + g * 8 * j.row_bytes + i * 8 * 210, n, blk);
+          int w[QK_K], sc[16], mn[8];
+          super_ints<Q6_K>(blk, w, sc, mn);
+          const int8_t* q = a.qs.data() + xr * j.k + i * QK_K;
+          const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
+          const float dd = half_to_float(blk + 208) * a.dk[xr * nsb + i];
+          for (int v = 0; v < 8; ++v) {
+            int32_t isum = 0;
+            for (int t = 0; t < 32; ++t) isum += sc[2 * v + t / 16] * p[v] * w[32 * v + t] * q[32 * v + t];
+            acc = std::fma(static_cast<float>(isum), dd, acc);
+          }
+        }
+        j.y[r * j.ldy + 8 * g + n] = acc;
+      }
+}
+
+}  // namespace
+
+// Each 16-value group's term of the x rows, for the packed Q6_K kernels, which take the weights unsigned (q, not
+// q - 32) and the 32 sum x back: with vpdpbusd the group sum's start, -32 sum x; without it (pairs) the vpmaddubsw
+// pairs' 32 (x_4t + x_4t+1) and 32 (x_4t+2 + x_4t+3) over the group's 4 words as an int16 pair, taken off the pairs'
+// int16 sums (which may wrap and come back exact: |sum (q - 32) x| <= 4 * 2 * 32 * 127)
+void q6k_group_terms(const Act8& a, int64_t row0, int64_t m, bool pairs, int32_t* out) {
+  const int64_t ng = a.k / 16;
+  for (int64_t r = 0; r < m; ++r) {
+    const int8_t* x = a.qs.data() + (row0 + r) * a.k;
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      int32_t lo = 0, hi = 0;
+      const int8_t* g = x + 16 * gi;
+      for (int t = 0; t < 16; t += 4) lo += g[t] + g[t + 1], hi += g[t + 2] + g[t + 3];
+      out[r * ng + gi] = pairs ? static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(32 * lo)) |
+                                                      (static_cast<uint32_t>(static_cast<uint16_t>(32 * hi)) << 16))
+                               : -32 * (lo + hi);
+    }
+  }
+}
+
+namespace {
+
+// Packed Q6_K's prefetches: 4 KB ahead (2-4 KB read fastest on Zen 4, 16 KB 0.9x at two and four rows), a sub-block's
+// share of the unit at a time, each where it stands: GCC's scheduler gathers plain prefetches of the unrolled
+// sub-blocks at the unit's top, where they queue more misses than a core keeps in flight (the 1.1B Q6_K's one-row
+// forward 31.7-36.0 ms so, 27.7 pinned)
+constexpr int64_t Q6_AHEAD = 4096;
+inline void prefetch_pinned(const uint8_t* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*p)); }
+
+constexpr int Q6_UNIT = 8 * 210, Q6_Q = 16 + 128;  // a packed super-block and its halves' first field (768 bytes each)
+
 // ---------------------------------------------------------------- AVX2
 #define P8_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -176,6 +248,22 @@ P8_AVX2 inline __m256i bcast4(const int8_t* p) {
 #undef P8_Q8W
 #undef P8_Q8SUM
 
+#define P6_NAME q6k_avx2
+#define P6_TARGET P8_AVX2
+#define P6_START(g) _mm256_setzero_si256()
+#define P6_DOT(s, q, x) _mm256_add_epi16(s, _mm256_maddubs_epi16(q, bcast4(x)))
+#define P6_END(s, g, sc)                                             \
+  _mm256_madd_epi16(_mm256_sub_epi16(s, _mm256_set1_epi32(g)),       \
+                    _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sc, 16)))
+#include "qpack8_q6k.inc"
+#undef P6_NAME
+#undef P6_TARGET
+#undef P6_START
+#undef P6_DOT
+#undef P6_END
+#define P6_START(g) _mm256_set1_epi32(g)
+#define P6_END(s, g, sc) _mm256_mullo_epi32(s, sc)
+
 #define P8_Q8W(w) _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)))  // w + 128, unsigned
 
 #define P8_NAME blocks_avxvnni
@@ -185,6 +273,13 @@ P8_AVX2 inline __m256i bcast4(const int8_t* p) {
   _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, bcast4(x0)), w1, bcast4(x1))
 #define P8_Q8SUM(a0, w0, a1, w1, x0, x1, c) _mm256_sub_epi32(P8_DOT2(a0, x0, a1, x1), _mm256_set1_epi32(c))
 #include "qpack8_blocks.inc"
+#define P6_NAME q6k_avxvnni
+#define P6_TARGET P8_TARGET
+#define P6_DOT(s, q, x) _mm256_dpbusd_avx_epi32(s, q, bcast4(x))
+#include "qpack8_q6k.inc"
+#undef P6_NAME
+#undef P6_TARGET
+#undef P6_DOT
 #undef P8_NAME
 #undef P8_Q8NAME
 #undef P8_TARGET
@@ -204,6 +299,15 @@ P8_TARGET inline __m256i dpbusd_word(__m256i acc, __m256i w, const int8_t* x) {
 #define P8_DOT2(w0, x0, w1, x1) dpbusd_word(dpbusd_word(_mm256_setzero_si256(), w0, x0), w1, x1)
 #define P8_Q8SUM(a0, w0, a1, w1, x0, x1, c) _mm256_sub_epi32(P8_DOT2(a0, x0, a1, x1), _mm256_set1_epi32(c))
 #include "qpack8_blocks.inc"
+#define P6_NAME q6k_avx512vnni
+#define P6_TARGET P8_TARGET
+#define P6_DOT(s, q, x) dpbusd_word(s, q, x)
+#include "qpack8_q6k.inc"
+#undef P6_NAME
+#undef P6_TARGET
+#undef P6_DOT
+#undef P6_START
+#undef P6_END
 #undef P8_NAME
 #undef P8_Q8NAME
 #undef P8_TARGET
@@ -509,11 +613,22 @@ inline void unpack_field(const uint8_t*& packed, uint8_t* rows, int64_t stride) 
 
 template <int QT>
 void unpack_group(const uint8_t* group, int64_t row_bytes, uint8_t* out) {
-  constexpr int ub = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34 : 144;  // unit_bytes
+  constexpr int ub = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34 : QT == Q6_K ? 210 : 144;  // unit_bytes
   for (int64_t u = 0; u < row_bytes / ub; ++u) {
     const uint8_t* packed = group + u * 8 * ub;
     uint8_t* rows = out + u * ub;
-    unpack_field<0, 2, 2>(packed, rows, row_bytes);  // the fields in fields()'s order
+    if constexpr (QT == Q6_K) {  // the fields in fields()'s order
+      unpack_field<208, 2, 2>(packed, rows, row_bytes);
+      unpack_field<192, 16, 1>(packed, rows, row_bytes);
+      unpack_field<0, 32, 4>(packed, rows, row_bytes);
+      unpack_field<128, 32, 4>(packed, rows, row_bytes);
+      unpack_field<32, 32, 4>(packed, rows, row_bytes);
+      unpack_field<64, 32, 4>(packed, rows, row_bytes);
+      unpack_field<160, 32, 4>(packed, rows, row_bytes);
+      unpack_field<96, 32, 4>(packed, rows, row_bytes);
+      continue;
+    }
+    unpack_field<0, 2, 2>(packed, rows, row_bytes);
     if constexpr (QT == Q4_0) unpack_field<2, 16, 4>(packed, rows, row_bytes);
     if constexpr (QT == Q8_0) unpack_field<2, 32, 4>(packed, rows, row_bytes);
     if constexpr (QT == Q4_1) {
@@ -535,18 +650,19 @@ void packed_group(int qtype, const uint8_t* w, int64_t row_bytes, int64_t g, uin
     case Q4_1: return unpack_group<Q4_1>(group, row_bytes, out);
     case Q8_0: return unpack_group<Q8_0>(group, row_bytes, out);
     case Q4_K: return unpack_group<Q4_K>(group, row_bytes, out);
-    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0 and Q4_K have)");
+    case Q6_K: return unpack_group<Q6_K>(group, row_bytes, out);
+    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have)");
   }
 }
 
 bool packs8(int qtype, int64_t n) {
-  return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K) && n > 0 && n % 8 == 0;
+  return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K) && n > 0 && n % 8 == 0;
 }
 
 void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack) {
-  TORCH_CHECK(packs8(qtype, n), "ggml type ", qtype, " with ", n, " rows has no packed form (Q4_0, Q4_1, Q8_0 and ",
-              "Q4_K with rows a multiple of 8 have)");
-  Field f[4];
+  TORCH_CHECK(packs8(qtype, n), "ggml type ", qtype, " with ", n, " rows has no packed form (Q4_0, Q4_1, Q8_0, ",
+              "Q4_K and Q6_K with rows a multiple of 8 have)");
+  Field f[8];
   const int nf = fields(qtype, f);
   const int ub = unit_bytes(qtype);
   TORCH_CHECK(row_bytes % ub == 0, "rows of ", row_bytes, " bytes are not whole units of ", ub);
@@ -572,8 +688,26 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
       case Q4_1: return blocks_scalar<Q4_1>(j, g0, g1);
       case Q8_0: return blocks_scalar<Q8_0>(j, g0, g1);
       case Q4_K: return q4k_scalar(j, g0, g1);
+      case Q6_K: return q6k_scalar(j, g0, g1);
       default: TORCH_CHECK(false, "ggml type ", j.qtype, " has no packed kernel");
     }
+  }
+  if (j.qtype == Q6_K) {  // [vnni_kind()]: vpmaddubsw's int16 pairs, AVX-VNNI, AVX-512 VNNI (256-bit)
+    using Group6 = void (*)(const Job8&, int, int64_t, const int32_t*);
+    static constexpr Group6 Q6K[3][4] = {{q6k_avx2<1>, q6k_avx2<2>, q6k_avx2<3>, q6k_avx2<4>},
+                                         {q6k_avxvnni<1>, q6k_avxvnni<2>, q6k_avxvnni<3>, q6k_avxvnni<4>},
+                                         {q6k_avx512vnni<1>, q6k_avx512vnni<2>, q6k_avx512vnni<3>, q6k_avx512vnni<4>}};
+    const int vk = vnni_kind();
+    const int32_t* terms = j.q6t;
+    thread_local std::vector<int32_t> mine;  // a caller that made none: this call's
+    if (terms == nullptr) {
+      mine.resize(static_cast<size_t>(j.m) * j.k / 16);
+      q6k_group_terms(*j.a, j.r0, j.m, vk == 0, mine.data());
+      terms = mine.data();
+    }
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r0 = 0; r0 < j.m; r0 += 4) Q6K[vk][(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, g, terms);
+    return;
   }
   // Q4_K rows from 5 up (verify rows, several decoding sequences) take the prompt's tiles where VNNI is: the same bits
   // (1.15x at 5 rows, 1.37x at 16 over the 1.1B Q4_K_M's packed matrices); up to 4 rows wait on memory, not arithmetic
