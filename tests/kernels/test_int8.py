@@ -157,12 +157,13 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Any, path:
         assert torch.equal(tail, alone[m:]), f"{path}: rows from {m}"
 
 
-PACKED = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"]
+PACKED = ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 # (M, N, K) with N whole groups of 8 rows: one group, a tail of blocks past a multiple of 8, long rows
 PACKED_SHAPES = {"q4_0": [(1, 8, 32), (3, 16, 96), (5, 40, 160), (9, 40, 1536), (17, 24, 2080)],
                  "q4_1": [(1, 8, 32), (3, 16, 96), (5, 40, 160), (9, 40, 1536), (17, 24, 2080)],
                  "q8_0": [(1, 8, 32), (3, 16, 96), (5, 40, 160), (9, 40, 1536), (17, 24, 2080)],
                  "q4_k": [(1, 8, 256), (3, 16, 512), (9, 40, 768), (17, 16, 2048)],
+                 "q5_k": [(1, 8, 256), (3, 16, 512), (9, 40, 768), (17, 16, 2048)],
                  "q6_k": [(1, 8, 256), (3, 16, 512), (9, 40, 768), (17, 16, 2048)]}
 
 
@@ -322,6 +323,32 @@ def test_packed_q6_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: 
     want = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
     check_close(want, x, wd, "q6_k")
     wp = packed(kernels, wq, "q6_k")
+    for gemm in (False, True):
+        assert torch.equal(kernels.qmatmul(x, wp, qt, k, gemm=gemm, int8=True, packed=True), want), (path, gemm)
+    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wp, qt, k, int8=True, packed=True) for i in range(m)])
+    assert torch.equal(alone, want), path
+    kernels.set_path(0)
+    kernels.set_vnni(0)
+    assert torch.equal(kernels.qmatmul(x, wp, qt, k, int8=True, packed=True), want), path
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 13])
+def test_packed_q5_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: int) -> None:
+    """Packed Q5_K (Q4_K's packed nibbles with qh's words beside them, a lane a weight row) sums in the unpacked
+    matrix's prompt GEMM order, one fma a sub-block and the mins' after, so decode rows, verify rows and a prompt's
+    rows (which gather the packed rows back) give its bits. At the bounds: every q 31, every scale and min 63, against
+    a super-block of x all at 127 with p = 128 (vpmaddubsw's four words of pairs: 4 * 2 * 31 * 127 = 31,496)."""
+    k, n = 512, 24
+    wq, _ = weights("q5_k", n, k, seed=m)
+    wq = wq.clone()
+    wq.view(n, k // 256, 176)[:2, 0, 4:] = 255  # scales and mins 63, qh and qs all ones: q = 31
+    wd = dequantize_k(wq, "q5_k").double()
+    qt = qtype_number("q5_k")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+    x[:, :256] = torch.linspace(1.0, 2.0, m)[:, None]  # one value a row over the super-block: q = 127, p = 128
+    want = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
+    check_close(want, x, wd, "q5_k")
+    wp = packed(kernels, wq, "q5_k")
     for gemm in (False, True):
         assert torch.equal(kernels.qmatmul(x, wp, qt, k, gemm=gemm, int8=True, packed=True), want), (path, gemm)
     alone = torch.cat([kernels.qmatmul(x[i : i + 1], wp, qt, k, int8=True, packed=True) for i in range(m)])

@@ -86,7 +86,7 @@ def test_both_rows_through_the_kernels_on_every_path(kernels: Any, qtype: str, g
         check_pair(got, x, wd, qtype)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
 def test_packed_rows_give_the_files_rows_bits(kernels: Any, qtype: str) -> None:
     m, n, k = 5, 24, 512
     blocks, _ = weights(qtype, n, k, seed=3)

@@ -293,14 +293,31 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
   const bool tiles = vnni();  // packed Q4_K takes packed8_gemm's tiles, which read no panel
   bool q8 = false;            // Q8_0 takes its GEMM on every path; packed Q8_0 its row kernels (the same order)
   for (int i = 0; i < count; ++i) q8 |= mats[i].qtype == Q8_0 && !mats[i].packed;
-  if (prompt && (kquant || q8)) {  // the GEMM: every row of the call at once, weight rows over the threads
+  // a short prompt's rows against packed Q5_K and Q6_K take their row kernels: the same bits (their order is the
+  // unpacked GEMM's), where the GEMM gathers every weight row back first (the 1.1B's 5632 x 2048 Q6_K at 16 rows:
+  // 1.01 ms so, 2.13 gathered; the row kernels 1.56x the unpacked GEMM at 32 rows, 1.03x at 48, Q5_K's 1.07x, 0.84x)
+  const bool gemm = prompt && (kquant || q8), few = m <= 32;
+  const auto rows_kernels = [few](const MatRef& mr) {
+    return mr.packed && (mr.qtype == Q5_K || mr.qtype == Q6_K) && few;
+  };
+  thread_local std::vector<int32_t> q6t;  // packed Q6_K's group terms of the call's rows, made once for every chunk
+  const int32_t* terms = nullptr;         // the calling thread's, as the workers read them
+  bool six = false;
+  for (int i = 0; i < count; ++i) six |= mats[i].packed && mats[i].qtype == Q6_K;
+  if (six && p >= PATH_AVX2 && (!gemm || few)) {
+    q6t.resize(static_cast<size_t>(m) * k / 16);
+    q6k_group_terms(a, row0, m, vnni_kind() == 0, q6t.data());
+    terms = q6t.data();
+  }
+  if (gemm) {  // the GEMM: every row of the call at once, weight rows over the threads
     thread_local Panel8 mine;  // the calling thread's; the workers read it through `panel`
     thread_local PanelB mine_b;
     const Panel8& panel = mine;
     const PanelB& panel_b = mine_b;
     bool panel_read = false;
-    for (int i = 0; i < count; ++i)  // packed Q6_K's prompt rows take the panel's GEMM, each row gathered back
-      panel_read |= reads_supers(mats[i].qtype) && !(mats[i].qtype == Q4_K && mats[i].packed && tiles);
+    for (int i = 0; i < count; ++i)  // packed Q5_K's and Q6_K's longer prompts take the panel's GEMM, rows gathered
+      panel_read |= reads_supers(mats[i].qtype) && !(mats[i].qtype == Q4_K && mats[i].packed && tiles) &&
+                    !rows_kernels(mats[i]);
     if (p >= PATH_AVX2 && panel_read) mine.build(a, row0, m);
     if (p >= PATH_AVX2 && q8) mine_b.build(a, row0, m);
     at::parallel_for(0, (total + 15) / 16, 1, [&](int64_t b, int64_t e) {
@@ -316,6 +333,8 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
             const Job8 j{&a, static_cast<int>(row0), static_cast<int>(m), mr.w, mr.row_bytes, a.k, mr.qtype, mr.y,
                          mr.n};
             packed8_gemm(j, lo - base, hi - base, p);
+          } else if (rows_kernels(mr)) {
+            rows_of(a, row0, static_cast<int>(m), x, mr, lo - base, hi - base, p, terms);
           } else if (reads_supers(mr.qtype)) {
             gemm8_rows(a, panel, row0, m, mr.w, mr.row_bytes, mr.qtype, lo - base, hi - base, mr.y, mr.n, p,
                        mr.packed);
@@ -333,15 +352,6 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
   // thread slowed by its memory or by another process does not hold the rest at the region's end (ggml's chunks, with
   // the static split's streams kept). Each row's numbers are the same whichever thread computes it.
   const int threads = at::get_num_threads();
-  thread_local std::vector<int32_t> q6t;  // packed Q6_K's group terms of the call's rows, made once for every chunk
-  const int32_t* terms = nullptr;         // the calling thread's, as the workers read them
-  bool six = false;
-  for (int i = 0; i < count; ++i) six |= mats[i].packed && mats[i].qtype == Q6_K;
-  if (six && p >= PATH_AVX2) {
-    q6t.resize(static_cast<size_t>(m) * k / 16);
-    q6k_group_terms(a, row0, m, vnni_kind() == 0, q6t.data());
-    terms = q6t.data();
-  }
   for (int64_t m0 = 0; m0 < m; m0 += 64) {  // 64 activation rows at a time stay in L2 while w streams
     const int mm = static_cast<int>(std::min<int64_t>(64, m - m0));
     const auto rows = [&](int64_t b, int64_t e) {

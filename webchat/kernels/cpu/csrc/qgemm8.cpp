@@ -77,13 +77,13 @@ void gemm_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* wm, int6
         if (QT != Q6_K) {
           int32_t msum = 0;
           for (int j = 0; j < 8; ++j) msum += mn[j] * a.pq[(xr * nsb + i) * 8 + j];
-          if (packed)
+          if (halves)
             macc = std::fma(static_cast<float>(msum), half_to_float(blk + 2) * dk, macc);
           else
             acc = std::fma(-static_cast<float>(msum), half_to_float(blk + 2) * dk, acc);
         }
       }
-      y[r * ldy + n] = packed ? acc - macc : acc;
+      y[r * ldy + n] = packed && QT == Q4_K ? acc - macc : acc;
     }
 }
 
@@ -458,15 +458,15 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
 void gemm8_rows(const Act8& a, const Panel8& P, int64_t row0, int64_t m, const uint8_t* w, int64_t row_bytes,
                 int qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, int p, bool packed) {
   const bool vec = p >= PATH_AVX2;
-  TORCH_CHECK(!packed || qtype == Q4_K || qtype == Q6_K, "the prompt GEMM reads packed rows of Q4_K and Q6_K only, ",
-              "got ggml type ", qtype);
+  TORCH_CHECK(!packed || is_kquant(qtype), "the prompt GEMM reads packed rows of the K-quants only, got ggml type ",
+              qtype);
   switch (qtype) {
     case Q4_K:
       return vec ? gemm_vector<Q4_K>(P, m, w, row_bytes, n0, n1, y, ldy, packed)
                  : gemm_scalar<Q4_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, packed);
     case Q5_K:
-      return vec ? gemm_vector<Q5_K>(P, m, w, row_bytes, n0, n1, y, ldy, false)
-                 : gemm_scalar<Q5_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, false);
+      return vec ? gemm_vector<Q5_K>(P, m, w, row_bytes, n0, n1, y, ldy, packed)
+                 : gemm_scalar<Q5_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, packed);
     case Q6_K:
       return vec ? gemm_vector<Q6_K>(P, m, w, row_bytes, n0, n1, y, ldy, packed)
                  : gemm_scalar<Q6_K>(a, row0, m, w, row_bytes, n0, n1, y, ldy, packed);

@@ -1,4 +1,5 @@
-// Weight rows packed 8 to a group for the int8 kernels (docs/quant.md, "Packed rows"): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
+// Weight rows packed 8 to a group for the int8 kernels (docs/quant.md, "Packed rows"): Q4_0, Q4_1, Q8_0 and the
+// K-quants Q4_K, Q5_K, Q6_K.
 //
 // The row kernels (qint8.cpp, qint8k.cpp) take one weight row at a time: every 32 weights pay a scale shuffle, a
 // vpmaddwd and a float step of their own, and every row a horizontal sum. Here 8 rows lie side by side, 4 bytes of
@@ -12,6 +13,8 @@
 //     8 rows' bytes qs[4c .. 4c + 3] (low nibbles: values 4c .. 4c + 3, high: 16 + 4c ..)
 //   Q4_K, per group and super-block: d (8 halves), dmin (8 halves), the 12 scale bytes as 3 words x 8 rows, then for
 //     chunk c = 0..3 and word t = 0..7 the 8 rows' qs[32c + 4t .. + 3] (low nibbles: sub-block 2c, high: 2c + 1)
+//   Q5_K, per group and super-block (1408 bytes): Q4_K's d, dmin and scale words, qh as 8 words x 8 rows (at 128),
+//     then its qs as Q4_K's (at 384)
 //   Q6_K, per group and super-block (1680 bytes): d (8 halves), the 16 scales a byte x 8 rows (group g's at 16 + 8g),
 //     then per half h (at 144 + 768h) 8 words x 8 rows of ql[64h ..], of qh[32h ..] and of ql[64h + 32 ..]: sub-blocks
 //     4h and 4h + 2 read the first and the second, 4h + 1 and 4h + 3 the second and the third
@@ -24,6 +27,8 @@
 //   Q4_K, per super-block: for each half (sub-blocks 4h .. 4h + 3) I = sum_j sc_j p_j sum w q (int32: at most
 //     4 * 63 * 128 * 32 * 15 * 127 < 2^31), acc = fma(float(I), d_w * dk, acc); msum = sum_j mn_j pq_j,
 //     macc = fma(float(msum), dmin_w * dk, macc); y = acc - macc
+//   Q5_K, per sub-block j: I = sc_j p_j sum w q (at most 63 * 128 * 32 * 31 * 127), acc = fma(float(I), d_w * dk, acc);
+//     then acc = fma(-float(msum), dmin_w * dk, acc); y = acc: the unpacked matrix's prompt GEMM order (qgemm8.cpp)
 //   Q6_K, per sub-block v: I = p_v (sc_2v sum (q - 32) x + sc_2v+1 sum (q - 32) x) over its two groups of 16 (int32:
 //     at most 2 * 128 * 16 * 32 * 127 * 128 = 2,130,706,432), acc = fma(float(I), d_w * dk, acc); y = acc: the
 //     unpacked matrix's prompt GEMM order (qgemm8.cpp), so a prompt's rows, which gather packed rows back, agree
@@ -50,7 +55,7 @@ struct Field {  // a run of each row's unit: `bytes` from `offset`, packed `word
 
 // a unit: the bytes of one row per block (32 values) or super-block (256)
 int unit_bytes(int qtype) {
-  return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : qtype == Q6_K ? 210 : 144;
+  return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : qtype == Q5_K ? 176 : qtype == Q6_K ? 210 : 144;
 }
 
 int fields(int qtype, Field f[8]) {
@@ -59,12 +64,13 @@ int fields(int qtype, Field f[8]) {
     case Q4_1: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 16, 4}; return 3;
     case Q8_0: f[0] = {0, 2, 2}, f[1] = {2, 32, 4}; return 2;
     case Q4_K: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 12, 4}, f[3] = {16, 128, 4}; return 4;
+    case Q5_K: f[0] = {0, 2, 2}, f[1] = {2, 2, 2}, f[2] = {4, 12, 4}, f[3] = {16, 32, 4}, f[4] = {48, 128, 4}; return 5;
     case Q6_K:  // each half's ql[0..32), qh, ql[32..64): the order its sub-blocks first read them
       f[0] = {208, 2, 2}, f[1] = {192, 16, 1};
       for (int h = 0; h < 2; ++h) f[2 + 3 * h] = {64 * h, 32, 4}, f[3 + 3 * h] = {128 + 32 * h, 32, 4},
                                   f[4 + 3 * h] = {64 * h + 32, 32, 4};
       return 8;
-    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have)");
+    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K have)");
   }
 }
 
@@ -162,6 +168,36 @@ void q4k_scalar(const Job8& j, int64_t g0, int64_t g1) {
       }
 }
 
+// Q5_K in gemm_scalar's unpacked order (one fma a sub-block, then the mins')
+void q5k_scalar(const Job8& j, int64_t g0, int64_t g1) {
+  const int64_t nsb = j.k / QK_K;
+  const Act8& a = *j.a;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int n = 0; n < 8; ++n)
+      for (int r = 0; r < j.m; ++r) {
+        const int64_t xr = j.r0 + r;
+        float acc = 0.f;
+        for (int64_t i = 0; i < nsb; ++i) {
+          uint8_t blk[176];
+          row_unit(Q5_K, j.w + g * 8 * j.row_bytes + i * 8 * 176, n, blk);
+          int w[QK_K], sc[16], mn[8];
+          super_ints<Q5_K>(blk, w, sc, mn);
+          const int8_t* q = a.qs.data() + xr * j.k + i * QK_K;
+          const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
+          const float dk = a.dk[xr * nsb + i];
+          for (int v = 0; v < 8; ++v) {
+            int32_t isum = 0;
+            for (int t = 0; t < 32; ++t) isum += sc[2 * v] * p[v] * w[32 * v + t] * q[32 * v + t];
+            acc = std::fma(static_cast<float>(isum), half_to_float(blk) * dk, acc);
+          }
+          int32_t msum = 0;
+          for (int v = 0; v < 8; ++v) msum += mn[v] * a.pq[(xr * nsb + i) * 8 + v];
+          acc = std::fma(-static_cast<float>(msum), half_to_float(blk + 2) * dk, acc);
+        }
+        j.y[r * j.ldy + 8 * g + n] = acc;
+      }
+}
+
 // Q6_K in gemm_scalar's unpacked order (one fma a sub-block)
 void q6k_scalar(const Job8& j, int64_t g0, int64_t g1) {
   const int64_t nsb = j.k / QK_K;
@@ -219,6 +255,8 @@ namespace {
 constexpr int64_t Q6_AHEAD = 4096;
 inline void prefetch_pinned(const uint8_t* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*p)); }
 
+constexpr int64_t Q5_AHEAD = 4096;  // Q5_K's likewise, a quarter of the unit a chunk of two sub-blocks
+constexpr int Q5_UNIT = 8 * 176, Q5_QH = 128, Q5_QS = 384;
 constexpr int Q6_UNIT = 8 * 210, Q6_Q = 16 + 128;  // a packed super-block and its halves' first field (768 bytes each)
 
 // ---------------------------------------------------------------- AVX2
@@ -444,6 +482,40 @@ P8_AVX2 inline void scales_mins8(const uint8_t* u, __m256i sc[2], __m256i mn[2])
                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
 }
 
+#define P5_NAME q5k_avx2
+#define P5_TARGET P8_AVX2
+#define P5_WORDS 4
+#define P5_DOT(s, w, x) _mm256_add_epi16(s, _mm256_maddubs_epi16(w, bcast4(x)))
+#define P5_SCALE(sp) (sp)
+#define P5_END(s, sp) _mm256_madd_epi16(s, sp)
+#include "qpack8_q5k.inc"
+#undef P5_NAME
+#undef P5_TARGET
+#undef P5_WORDS
+#undef P5_DOT
+#undef P5_SCALE
+#undef P5_END
+#define P5_WORDS 8
+#define P5_SCALE(sp) _mm256_srli_epi32(sp, 16)
+#define P5_END(s, sp) _mm256_mullo_epi32(s, sp)
+#define P5_NAME q5k_avxvnni
+#define P5_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define P5_DOT(s, w, x) _mm256_dpbusd_avx_epi32(s, w, bcast4(x))
+#include "qpack8_q5k.inc"
+#undef P5_NAME
+#undef P5_TARGET
+#undef P5_DOT
+#define P5_NAME q5k_avx512vnni
+#define P5_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define P5_DOT(s, w, x) dpbusd_word(s, w, x)
+#include "qpack8_q5k.inc"
+#undef P5_NAME
+#undef P5_TARGET
+#undef P5_DOT
+#undef P5_WORDS
+#undef P5_SCALE
+#undef P5_END
+
 #define PG_NAME gemm_avx512vnni
 #define PG_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define PG_DPBUSD _mm256_dpbusd_epi32
@@ -613,7 +685,7 @@ inline void unpack_field(const uint8_t*& packed, uint8_t* rows, int64_t stride) 
 
 template <int QT>
 void unpack_group(const uint8_t* group, int64_t row_bytes, uint8_t* out) {
-  constexpr int ub = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34 : QT == Q6_K ? 210 : 144;  // unit_bytes
+  constexpr int ub = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34 : QT == Q5_K ? 176 : QT == Q6_K ? 210 : 144;
   for (int64_t u = 0; u < row_bytes / ub; ++u) {
     const uint8_t* packed = group + u * 8 * ub;
     uint8_t* rows = out + u * ub;
@@ -640,6 +712,12 @@ void unpack_group(const uint8_t* group, int64_t row_bytes, uint8_t* out) {
       unpack_field<4, 12, 4>(packed, rows, row_bytes);
       unpack_field<16, 128, 4>(packed, rows, row_bytes);
     }
+    if constexpr (QT == Q5_K) {
+      unpack_field<2, 2, 2>(packed, rows, row_bytes);
+      unpack_field<4, 12, 4>(packed, rows, row_bytes);
+      unpack_field<16, 32, 4>(packed, rows, row_bytes);
+      unpack_field<48, 128, 4>(packed, rows, row_bytes);
+    }
   }
 }
 
@@ -650,18 +728,19 @@ void packed_group(int qtype, const uint8_t* w, int64_t row_bytes, int64_t g, uin
     case Q4_1: return unpack_group<Q4_1>(group, row_bytes, out);
     case Q8_0: return unpack_group<Q8_0>(group, row_bytes, out);
     case Q4_K: return unpack_group<Q4_K>(group, row_bytes, out);
+    case Q5_K: return unpack_group<Q5_K>(group, row_bytes, out);
     case Q6_K: return unpack_group<Q6_K>(group, row_bytes, out);
-    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have)");
+    default: TORCH_CHECK(false, "ggml type ", qtype, " has no packed form (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K have)");
   }
 }
 
 bool packs8(int qtype, int64_t n) {
-  return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K) && n > 0 && n % 8 == 0;
+  return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || is_kquant(qtype)) && n > 0 && n % 8 == 0;
 }
 
 void repack8(uint8_t* w, int64_t n, int64_t row_bytes, int qtype, bool pack) {
   TORCH_CHECK(packs8(qtype, n), "ggml type ", qtype, " with ", n, " rows has no packed form (Q4_0, Q4_1, Q8_0, ",
-              "Q4_K and Q6_K with rows a multiple of 8 have)");
+              "Q4_K, Q5_K and Q6_K with rows a multiple of 8 have)");
   Field f[8];
   const int nf = fields(qtype, f);
   const int ub = unit_bytes(qtype);
@@ -688,9 +767,18 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
       case Q4_1: return blocks_scalar<Q4_1>(j, g0, g1);
       case Q8_0: return blocks_scalar<Q8_0>(j, g0, g1);
       case Q4_K: return q4k_scalar(j, g0, g1);
+      case Q5_K: return q5k_scalar(j, g0, g1);
       case Q6_K: return q6k_scalar(j, g0, g1);
       default: TORCH_CHECK(false, "ggml type ", j.qtype, " has no packed kernel");
     }
+  }
+  if (j.qtype == Q5_K) {  // [vnni_kind()]: vpmaddubsw's int16 pairs, AVX-VNNI, AVX-512 VNNI (256-bit)
+    static constexpr Group8 Q5K[3][4] = {{q5k_avx2<1>, q5k_avx2<2>, q5k_avx2<3>, q5k_avx2<4>},
+                                         {q5k_avxvnni<1>, q5k_avxvnni<2>, q5k_avxvnni<3>, q5k_avxvnni<4>},
+                                         {q5k_avx512vnni<1>, q5k_avx512vnni<2>, q5k_avx512vnni<3>, q5k_avx512vnni<4>}};
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r0 = 0; r0 < j.m; r0 += 4) Q5K[vnni_kind()][(j.m - r0 < 4 ? j.m - r0 : 4) - 1](j, r0, g);
+    return;
   }
   if (j.qtype == Q6_K) {  // [vnni_kind()]: vpmaddubsw's int16 pairs, AVX-VNNI, AVX-512 VNNI (256-bit)
     using Group6 = void (*)(const Job8&, int, int64_t, const int32_t*);
