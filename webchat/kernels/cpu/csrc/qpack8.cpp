@@ -664,61 +664,74 @@ P8_AVX2 void q4k_avx2(const Job8& j, int r0, int64_t g) {
 using Group8 = void (*)(const Job8&, int, int64_t);
 using Tile8 = void (*)(const Job8&, int, const uint8_t*, int64_t, float*, bool);
 
+// a field of each row's unit back from a packed unit: B bytes from offset O, W bytes a word (constants, so every copy
+// is one fixed-size move and the loops unroll), for rows [r0, r1) of its 8 (rows at `stride` apart from `rows`): the
+// exact prompt GEMM gathers whole groups each call, the int8 prompt GEMM one row's super-block at a time
+template <int O, int B, int W>
+inline void unpack_field(const uint8_t*& packed, uint8_t* rows, int64_t stride, int r0, int r1) {
+  for (int w = 0; w < B; w += W, packed += 8 * W)
+    for (int r = r0; r < r1; ++r) std::memcpy(rows + (r - r0) * stride + O + w, packed + r * W, W);
+}
+
+template <int QT>
+constexpr int unit_of() {
+  return QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34 : QT == Q5_K ? 176 : QT == Q6_K ? 210 : 144;
+}
+
+// rows [r0, r1) of one packed unit back into ggml's layout, fields() in its order
+template <int QT>
+void unpack_unit(const uint8_t* packed, uint8_t* rows, int64_t stride, int r0, int r1) {
+  if constexpr (QT == Q6_K) {
+    unpack_field<208, 2, 2>(packed, rows, stride, r0, r1);
+    unpack_field<192, 16, 1>(packed, rows, stride, r0, r1);
+    unpack_field<0, 32, 4>(packed, rows, stride, r0, r1);
+    unpack_field<128, 32, 4>(packed, rows, stride, r0, r1);
+    unpack_field<32, 32, 4>(packed, rows, stride, r0, r1);
+    unpack_field<64, 32, 4>(packed, rows, stride, r0, r1);
+    unpack_field<160, 32, 4>(packed, rows, stride, r0, r1);
+    unpack_field<96, 32, 4>(packed, rows, stride, r0, r1);
+    return;
+  }
+  unpack_field<0, 2, 2>(packed, rows, stride, r0, r1);
+  if constexpr (QT == Q4_0) unpack_field<2, 16, 4>(packed, rows, stride, r0, r1);
+  if constexpr (QT == Q8_0) unpack_field<2, 32, 4>(packed, rows, stride, r0, r1);
+  if constexpr (QT == Q4_1) {
+    unpack_field<2, 2, 2>(packed, rows, stride, r0, r1);
+    unpack_field<4, 16, 4>(packed, rows, stride, r0, r1);
+  }
+  if constexpr (QT == Q4_K || QT == Q5_K) {
+    unpack_field<2, 2, 2>(packed, rows, stride, r0, r1);
+    unpack_field<4, 12, 4>(packed, rows, stride, r0, r1);
+  }
+  if constexpr (QT == Q4_K) unpack_field<16, 128, 4>(packed, rows, stride, r0, r1);
+  if constexpr (QT == Q5_K) {
+    unpack_field<16, 32, 4>(packed, rows, stride, r0, r1);
+    unpack_field<48, 128, 4>(packed, rows, stride, r0, r1);
+  }
+}
+
+template <int QT>
+void unpack_group(const uint8_t* group, int64_t row_bytes, uint8_t* out) {
+  constexpr int ub = unit_of<QT>();
+  for (int64_t u = 0; u < row_bytes / ub; ++u) unpack_unit<QT>(group + u * 8 * ub, out + u * ub, row_bytes, 0, 8);
+}
+
 }  // namespace
 
 void packed_row_unit(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t u, uint8_t* out) {
-  row_unit(qtype, w + (n / 8) * 8 * row_bytes + u * 8 * unit_bytes(qtype), static_cast<int>(n % 8), out);
+  const uint8_t* unit = w + (n / 8) * 8 * row_bytes + u * 8 * unit_bytes(qtype);
+  const int r = static_cast<int>(n % 8);
+  switch (qtype) {
+    case Q4_K: return unpack_unit<Q4_K>(unit, out, 0, r, r + 1);
+    case Q5_K: return unpack_unit<Q5_K>(unit, out, 0, r, r + 1);
+    case Q6_K: return unpack_unit<Q6_K>(unit, out, 0, r, r + 1);
+    default: return row_unit(qtype, unit, r, out);
+  }
 }
 
 void packed_row(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n, uint8_t* out) {
   const int ub = unit_bytes(qtype);
   for (int64_t u = 0; u < row_bytes / ub; ++u) packed_row_unit(qtype, w, row_bytes, n, u, out + u * ub);
-}
-
-// a field of each row's unit back from a packed unit: B bytes from offset O, W bytes a word (constants, so every copy
-// is one fixed-size move and the loops unroll: the exact prompt GEMM gathers every packed row this way each call)
-template <int O, int B, int W>
-inline void unpack_field(const uint8_t*& packed, uint8_t* rows, int64_t stride) {
-  for (int w = 0; w < B; w += W)
-    for (int r = 0; r < 8; ++r, packed += W) std::memcpy(rows + r * stride + O + w, packed, W);
-}
-
-template <int QT>
-void unpack_group(const uint8_t* group, int64_t row_bytes, uint8_t* out) {
-  constexpr int ub = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34 : QT == Q5_K ? 176 : QT == Q6_K ? 210 : 144;
-  for (int64_t u = 0; u < row_bytes / ub; ++u) {
-    const uint8_t* packed = group + u * 8 * ub;
-    uint8_t* rows = out + u * ub;
-    if constexpr (QT == Q6_K) {  // the fields in fields()'s order
-      unpack_field<208, 2, 2>(packed, rows, row_bytes);
-      unpack_field<192, 16, 1>(packed, rows, row_bytes);
-      unpack_field<0, 32, 4>(packed, rows, row_bytes);
-      unpack_field<128, 32, 4>(packed, rows, row_bytes);
-      unpack_field<32, 32, 4>(packed, rows, row_bytes);
-      unpack_field<64, 32, 4>(packed, rows, row_bytes);
-      unpack_field<160, 32, 4>(packed, rows, row_bytes);
-      unpack_field<96, 32, 4>(packed, rows, row_bytes);
-      continue;
-    }
-    unpack_field<0, 2, 2>(packed, rows, row_bytes);
-    if constexpr (QT == Q4_0) unpack_field<2, 16, 4>(packed, rows, row_bytes);
-    if constexpr (QT == Q8_0) unpack_field<2, 32, 4>(packed, rows, row_bytes);
-    if constexpr (QT == Q4_1) {
-      unpack_field<2, 2, 2>(packed, rows, row_bytes);
-      unpack_field<4, 16, 4>(packed, rows, row_bytes);
-    }
-    if constexpr (QT == Q4_K) {
-      unpack_field<2, 2, 2>(packed, rows, row_bytes);
-      unpack_field<4, 12, 4>(packed, rows, row_bytes);
-      unpack_field<16, 128, 4>(packed, rows, row_bytes);
-    }
-    if constexpr (QT == Q5_K) {
-      unpack_field<2, 2, 2>(packed, rows, row_bytes);
-      unpack_field<4, 12, 4>(packed, rows, row_bytes);
-      unpack_field<16, 32, 4>(packed, rows, row_bytes);
-      unpack_field<48, 128, 4>(packed, rows, row_bytes);
-    }
-  }
 }
 
 void packed_group(int qtype, const uint8_t* w, int64_t row_bytes, int64_t g, uint8_t* out) {
