@@ -53,9 +53,9 @@ def default_precision(qtypes: Collection[str], path: str) -> str:
 def set_precision(model: Transformer, precision: str, kernels: BlockKernels | None, pack: bool = True) -> str:
     """Make the model's quantized matrices multiply at `precision` (the C++ forward and the PyTorch path alike);
     returns it. "int8" or "int8x2" on a model without quantized matrices or without the kernels is an error naming
-    why. With either, the matrices whose format has a packed form (Q4_0, Q4_1, Q8_0, Q4_K) are packed in place unless
-    `pack` is False (the bench's comparison); "exact" unpacks them. A tied head packs with the embedding's table, whose
-    lookup then gathers each row back (QEmbedding.packed)."""
+    why. With either, the matrices whose format has a packed form (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are packed in
+    place unless `pack` is False (the bench's comparison); "exact" unpacks them. A tied head packs with the
+    embedding's table, whose lookup then gathers each row back (QEmbedding.packed)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     linears = [m for m in model.modules() if isinstance(m, QLinear)]
