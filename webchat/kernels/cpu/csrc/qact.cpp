@@ -294,7 +294,7 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
   bool q8 = false;            // Q8_0 takes its GEMM on every path; packed Q8_0 its row kernels (the same order)
   for (int i = 0; i < count; ++i) q8 |= mats[i].qtype == Q8_0 && !mats[i].packed;
   // a short prompt's rows against packed Q5_K and Q6_K take their row kernels: the same bits (their order is the
-  // unpacked GEMM's), where the GEMM gathers every weight row back first (the 1.1B's 5632 x 2048 Q6_K at 16 rows:
+  // unpacked GEMM's), where the GEMM gathers every weight row back first (a 5632 x 2048 Q6_K at 16 rows, 2 threads:
   // 1.01 ms so, 2.13 gathered; the row kernels 1.56x the unpacked GEMM at 32 rows, 1.03x at 48, Q5_K's 1.07x, 0.84x)
   const bool gemm = prompt && (kquant || q8), few = m <= 32;
   const auto rows_kernels = [few](const MatRef& mr) {

@@ -17,7 +17,8 @@
 // (int8's layout of the file's Q4_K matrices, qpack8.cpp) take them in q4k_scalar's order instead: a half super-block's
 // sub-blocks add up in int32 before one fma, and the mins run a chain of their own, subtracted at the end. That is the
 // order of the packed row kernels and of the VNNI tiles (qpack8_gemm.inc), so a prompt's rows give the same bits on a
-// CPU with VNNI or without, and the same as its decode rows.
+// CPU with VNNI or without, and the same as its decode rows. Packed Q5_K and Q6_K rows, gathered back, keep
+// gemm_scalar's order, which their packed row kernels follow.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
