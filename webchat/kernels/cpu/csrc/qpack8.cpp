@@ -168,63 +168,6 @@ void q4k_scalar(const Job8& j, int64_t g0, int64_t g1) {
       }
 }
 
-// Q5_K in gemm_scalar's unpacked order (one fma a sub-block, then the mins')
-void q5k_scalar(const Job8& j, int64_t g0, int64_t g1) {
-  const int64_t nsb = j.k / QK_K;
-  const Act8& a = *j.a;
-  for (int64_t g = g0; g < g1; ++g)
-    for (int n = 0; n < 8; ++n)
-      for (int r = 0; r < j.m; ++r) {
-        const int64_t xr = j.r0 + r;
-        float acc = 0.f;
-        for (int64_t i = 0; i < nsb; ++i) {
-          uint8_t blk[176];
-          row_unit(Q5_K, j.w + g * 8 * j.row_bytes + i * 8 * 176, n, blk);
-          int w[QK_K], sc[16], mn[8];
-          super_ints<Q5_K>(blk, w, sc, mn);
-          const int8_t* q = a.qs.data() + xr * j.k + i * QK_K;
-          const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
-          const float dk = a.dk[xr * nsb + i];
-          for (int v = 0; v < 8; ++v) {
-            int32_t isum = 0;
-            for (int t = 0; t < 32; ++t) isum += sc[2 * v] * p[v] * w[32 * v + t] * q[32 * v + t];
-            acc = std::fma(static_cast<float>(isum), half_to_float(blk) * dk, acc);
-          }
-          int32_t msum = 0;
-          for (int v = 0; v < 8; ++v) msum += mn[v] * a.pq[(xr * nsb + i) * 8 + v];
-          acc = std::fma(-static_cast<float>(msum), half_to_float(blk + 2) * dk, acc);
-        }
-        j.y[r * j.ldy + 8 * g + n] = acc;
-      }
-}
-
-// Q6_K in gemm_scalar's unpacked order (one fma a sub-block)
-void q6k_scalar(const Job8& j, int64_t g0, int64_t g1) {
-  const int64_t nsb = j.k / QK_K;
-  const Act8& a = *j.a;
-  for (int64_t g = g0; g < g1; ++g)
-    for (int n = 0; n < 8; ++n)
-      for (int r = 0; r < j.m; ++r) {
-        const int64_t xr = j.r0 + r;
-        float acc = 0.f;
-        for (int64_t i = 0; i < nsb; ++i) {
-          uint8_t blk[210];
-          row_unit(Q6_K, j.w + g * 8 * j.row_bytes + i * 8 * 210, n, blk);
-          int w[QK_K], sc[16], mn[8];
-          super_ints<Q6_K>(blk, w, sc, mn);
-          const int8_t* q = a.qs.data() + xr * j.k + i * QK_K;
-          const int16_t* p = a.p.data() + (xr * nsb + i) * 8;
-          const float dd = half_to_float(blk + 208) * a.dk[xr * nsb + i];
-          for (int v = 0; v < 8; ++v) {
-            int32_t isum = 0;
-            for (int t = 0; t < 32; ++t) isum += sc[2 * v + t / 16] * p[v] * w[32 * v + t] * q[32 * v + t];
-            acc = std::fma(static_cast<float>(isum), dd, acc);
-          }
-        }
-        j.y[r * j.ldy + 8 * g + n] = acc;
-      }
-}
-
 }  // namespace
 
 // Each 16-value group's term of the x rows, for the packed Q6_K kernels, which take the weights unsigned (q, not
@@ -780,8 +723,11 @@ void packed8_rows(const Job8& j, int64_t n0, int64_t n1, int p) {
       case Q4_1: return blocks_scalar<Q4_1>(j, g0, g1);
       case Q8_0: return blocks_scalar<Q8_0>(j, g0, g1);
       case Q4_K: return q4k_scalar(j, g0, g1);
-      case Q5_K: return q5k_scalar(j, g0, g1);
-      case Q6_K: return q6k_scalar(j, g0, g1);
+      case Q5_K:
+      case Q6_K: {  // their order is the unpacked prompt GEMM's: its scalar loop reads packed rows, gathered back
+        static const Panel8 none;  // the scalar path reads no panel
+        return gemm8_rows(*j.a, none, j.r0, j.m, j.w, j.row_bytes, j.qtype, n0, n1, j.y, j.ldy, p, true);
+      }
       default: TORCH_CHECK(false, "ggml type ", j.qtype, " has no packed kernel");
     }
   }
