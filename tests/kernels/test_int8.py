@@ -304,25 +304,18 @@ def test_packed_q8_0_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: 
     assert torch.equal(alone, want), path
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 13])
-def test_packed_q6_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: int) -> None:
-    """Packed Q6_K (a lane a weight row; q unsigned, 32 sum x taken back per group of 16: vpdpbusd's start, or the
-    vpmaddubsw pairs' int16 sums) sums in the unpacked matrix's prompt GEMM order, one fma a sub-block, so decode rows,
-    verify rows and a prompt's rows (which gather the packed rows back) give its bits. At the int32 bound: scales of
-    -128 and q of 0 (w = -32) against a super-block of x all at 127 with p = 128 (2,130,706,432 a sub-block)."""
-    k, n = 512, 24
-    wq, wd = weights("q6_k", n, k, seed=m)
-    wq = wq.clone()
-    blocks = wq.view(n, k // 256, 210)
-    blocks[:2, 0, :192] = 0  # every q 0: w = -32
-    blocks[:2, 0, 192:208] = 128  # every scale -128
-    wd = dequantize_k(wq, "q6_k").double()
-    qt = qtype_number("q6_k")
+def check_packed_gives_the_prompt_gemm_bits(kernels: Any, path: str, wq: torch.Tensor, qtype: str, m: int) -> None:
+    """The (n, k) blocks wq packed: decode rows, verify rows and a prompt's rows give the unpacked matrix's prompt GEMM
+    bits (close to float64 on the activations as quantized), each row alone too, and the scalar path's without VNNI;
+    x's first super-block one value a row (q = 127, p = 128: the bounds the callers set up against)."""
+    k = wq.shape[1] // K_QTYPES[qtype][1] * 256
+    wd = dequantize_k(wq, qtype).double()
+    qt = qtype_number(qtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
-    x[:, :256] = torch.linspace(1.0, 2.0, m)[:, None]  # one value a row over the super-block: q = 127, p = 128
+    x[:, :256] = torch.linspace(1.0, 2.0, m)[:, None]
     want = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
-    check_close(want, x, wd, "q6_k")
-    wp = packed(kernels, wq, "q6_k")
+    check_close(want, x, wd, qtype)
+    wp = packed(kernels, wq, qtype)
     for gemm in (False, True):
         assert torch.equal(kernels.qmatmul(x, wp, qt, k, gemm=gemm, int8=True, packed=True), want), (path, gemm)
     alone = torch.cat([kernels.qmatmul(x[i : i + 1], wp, qt, k, int8=True, packed=True) for i in range(m)])
@@ -330,6 +323,21 @@ def test_packed_q6_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: 
     kernels.set_path(0)
     kernels.set_vnni(0)
     assert torch.equal(kernels.qmatmul(x, wp, qt, k, int8=True, packed=True), want), path
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 13])
+def test_packed_q6_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: int) -> None:
+    """Packed Q6_K (a lane a weight row; q unsigned, 32 sum x taken back per group of 16: vpdpbusd's start, or the
+    vpmaddubsw pairs' int16 sums) sums in the unpacked matrix's prompt GEMM order, one fma a sub-block, so decode rows,
+    verify rows and a prompt's rows (which gather the packed rows back) give its bits. At the int32 bound: scales of
+    -128 and q of 0 (w = -32) against a super-block of x all at 127 with p = 128 (2,130,706,432 a sub-block)."""
+    k, n = 512, 24
+    wq, _ = weights("q6_k", n, k, seed=m)
+    wq = wq.clone()
+    blocks = wq.view(n, k // 256, 210)
+    blocks[:2, 0, :192] = 0  # every q 0: w = -32
+    blocks[:2, 0, 192:208] = 128  # every scale -128
+    check_packed_gives_the_prompt_gemm_bits(kernels, path, wq, "q6_k", m)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 13])
@@ -342,20 +350,7 @@ def test_packed_q5_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: 
     wq, _ = weights("q5_k", n, k, seed=m)
     wq = wq.clone()
     wq.view(n, k // 256, 176)[:2, 0, 4:] = 255  # scales and mins 63, qh and qs all ones: q = 31
-    wd = dequantize_k(wq, "q5_k").double()
-    qt = qtype_number("q5_k")
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
-    x[:, :256] = torch.linspace(1.0, 2.0, m)[:, None]  # one value a row over the super-block: q = 127, p = 128
-    want = kernels.qmatmul(x, wq, qt, k, gemm=True, int8=True)
-    check_close(want, x, wd, "q5_k")
-    wp = packed(kernels, wq, "q5_k")
-    for gemm in (False, True):
-        assert torch.equal(kernels.qmatmul(x, wp, qt, k, gemm=gemm, int8=True, packed=True), want), (path, gemm)
-    alone = torch.cat([kernels.qmatmul(x[i : i + 1], wp, qt, k, int8=True, packed=True) for i in range(m)])
-    assert torch.equal(alone, want), path
-    kernels.set_path(0)
-    kernels.set_vnni(0)
-    assert torch.equal(kernels.qmatmul(x, wp, qt, k, int8=True, packed=True), want), path
+    check_packed_gives_the_prompt_gemm_bits(kernels, path, wq, "q5_k", m)
 
 
 def test_packing_moves_bytes_and_gives_them_back(kernels: Any) -> None:
