@@ -307,7 +307,8 @@ def test_packed_q8_0_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: 
 def check_packed_gives_the_prompt_gemm_bits(kernels: Any, path: str, wq: torch.Tensor, qtype: str, m: int) -> None:
     """The (n, k) blocks wq packed: decode rows, verify rows and a prompt's rows give the unpacked matrix's prompt GEMM
     bits (close to float64 on the activations as quantized), each row alone too, and the scalar path's without VNNI;
-    x's first super-block one value a row (q = 127, p = 128: the bounds the callers set up against)."""
+    x's first super-block one value a row (q = 127, p = 128: the bounds the callers set up against). Past 32 rows a
+    prompt's rows take the GEMM, which decodes the packed units itself."""
     k = wq.shape[1] // K_QTYPES[qtype][1] * 256
     wd = dequantize_k(wq, qtype).double()
     qt = qtype_number(qtype)
@@ -325,7 +326,7 @@ def check_packed_gives_the_prompt_gemm_bits(kernels: Any, path: str, wq: torch.T
     assert torch.equal(kernels.qmatmul(x, wp, qt, k, int8=True, packed=True), want), path
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 13])
+@pytest.mark.parametrize("m", [1, 2, 4, 13, 40])
 def test_packed_q6_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: int) -> None:
     """Packed Q6_K (a lane a weight row; q unsigned, 32 sum x taken back per group of 16: vpdpbusd's start, or the
     vpmaddubsw pairs' int16 sums) sums in the unpacked matrix's prompt GEMM order, one fma a sub-block, so decode rows,
@@ -340,7 +341,7 @@ def test_packed_q6_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: 
     check_packed_gives_the_prompt_gemm_bits(kernels, path, wq, "q6_k", m)
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 13])
+@pytest.mark.parametrize("m", [1, 2, 4, 13, 40])
 def test_packed_q5_k_rows_give_the_prompt_gemm_bits(kernels: Any, path: str, m: int) -> None:
     """Packed Q5_K (Q4_K's packed nibbles with qh's words beside them, a lane a weight row) sums in the unpacked
     matrix's prompt GEMM order, one fma a sub-block and the mins' after, so decode rows, verify rows and a prompt's

@@ -158,16 +158,25 @@ G8_AVX2 void decode(const uint8_t* blk, Decoded* o) {
   decode_meta(blk, o);
 }
 
-// packed Q4_K (qpack8.cpp): rows r0..r0 + 3 of a group's super-block i, decoded straight from its interleaved unit.
-// Their nibbles go to wp as the unit holds them, a word's 4 rows side by side (wp[j][t]: 4 bytes of each row), so no
-// row is gathered back into ggml's layout first; scales, mins, d and dmin into dec as decode() gives them.
-G8_AVX2 void decode_packed4(const uint8_t* unit, int r0, int8_t (*wp)[8][16], Decoded* dec) {
-  const __m128i m4 = _mm_set1_epi8(15);
+// packed Q4_K and Q5_K (qpack8.cpp): rows r0..r0 + 3 of a group's super-block i, decoded straight from its interleaved
+// unit. Their values go to wp as the unit holds them, a word's 4 rows side by side (wp[j][t]: 4 bytes of each row), so
+// no row is gathered back into ggml's layout first; scales, mins, d and dmin into dec as decode() gives them. Q5_K's
+// unit has Q4_K's header, qh's words at 128 and the nibbles at 384; each value's fifth bit merges in as decode()'s.
+template <int QT>
+G8_AVX2 void decode_packed_k(const uint8_t* unit, int r0, int8_t (*wp)[8][16], Decoded* dec) {
+  const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+  const uint8_t* qs = unit + (QT == Q4_K ? 128 : 384);
   for (int c = 0; c < 4; ++c)
     for (int t = 0; t < 8; ++t) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 128 + (8 * c + t) * 32 + 4 * r0));
-      _mm_store_si128(reinterpret_cast<__m128i*>(wp[2 * c][t]), _mm_and_si128(v, m4));
-      _mm_store_si128(reinterpret_cast<__m128i*>(wp[2 * c + 1][t]), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (8 * c + t) * 32 + 4 * r0));
+      __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+      if (QT == Q5_K) {  // qh's word t: bit 2c of each byte for the low nibbles, 2c + 1 for the high
+        const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 128 + t * 32 + 4 * r0));
+        lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 2 * c), one), 4));
+        hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 2 * c + 1), one), 4));
+      }
+      _mm_store_si128(reinterpret_cast<__m128i*>(wp[2 * c][t]), lo);
+      _mm_store_si128(reinterpret_cast<__m128i*>(wp[2 * c + 1][t]), hi);
     }
   for (int n = 0; n < 4; ++n) {
     const int r = r0 + n;
@@ -178,24 +187,56 @@ G8_AVX2 void decode_packed4(const uint8_t* unit, int r0, int8_t (*wp)[8][16], De
   }
 }
 
+// packed Q6_K (qpack8.cpp): rows r0..r0 + 3 of a group's super-block i, decoded straight from its unit: word t of
+// sub-block v (values 32v + 4t .. + 3, unsigned q) of the 4 rows side by side in wp[v][t], as decode_packed_k leaves
+// Q4_K's nibbles; scales and d into dec as decode() gives them. The high bits merge as the packed row kernels do.
+G8_AVX2 void decode_packed6(const uint8_t* unit, int r0, int8_t (*wp)[8][16], Decoded* dec) {
+  const __m128i m4 = _mm_set1_epi8(15), m30 = _mm_set1_epi8(0x30);
+  for (int v = 0; v < 8; ++v) {
+    const int h = v / 4, c = v % 4;
+    const uint8_t* qh = unit + 144 + 768 * h + 256;  // each half: ql[64h ..], qh[32h ..], ql[64h + 32 ..]
+    const uint8_t* ql = c % 2 == 0 ? qh - 256 : qh + 256;
+    for (int t = 0; t < 8; ++t) {
+      const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32 * t + 4 * r0));
+      const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 32 * t + 4 * r0));
+      const __m128i lo = c < 2 ? _mm_and_si128(l, m4) : _mm_and_si128(_mm_srli_epi16(l, 4), m4);
+      const __m128i hi = c == 0 ? _mm_slli_epi16(hb, 4) : c == 1 ? _mm_slli_epi16(hb, 2)
+                         : c == 2 ? hb : _mm_srli_epi16(hb, 2);
+      _mm_store_si128(reinterpret_cast<__m128i*>(wp[v][t]), _mm_or_si128(lo, _mm_and_si128(hi, m30)));
+    }
+  }
+  for (int n = 0; n < 4; ++n) {
+    const int r = r0 + n;
+    for (int g = 0; g < 16; ++g) {
+      dec[n].sci[g] = static_cast<int8_t>(unit[16 + 8 * g + r]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dec[n].sc[g]), _mm256_set1_epi16(static_cast<int16_t>(dec[n].sci[g])));
+    }
+    _mm256_store_ps(dec[n].d, _mm256_set1_ps(half_f16c(unit + 2 * r)));
+    dec[n].dmin = 0.f;
+  }
+}
+
 // Q4_K / Q5_K / Q6_K: NR weight rows from n0 against every group of the panel. Per super-block the NR rows are
 // decoded once (Decoded) and each group's x words, loaded once, meet all NR rows; the groups' accumulators wait in
 // acc (groups x NR vectors) between super-blocks.
-// PK: packed Q4_K, 4 rows of one group (decode_packed4; their nibbles in wp, not in dec[n].w).
+// PK: packed rows, 4 of one group (decode_packed_k, decode_packed6: their words in wp, not in dec[n]).
 template <int QT, int NR, bool PK = false>
 G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, float* y,
                        int64_t ldy, float* acc, bool packed) {
-  static_assert(!PK || (QT == Q4_K && NR == 4), "packed rows are read 4 of a group's 8 at a time, Q4_K only");
+  static_assert(!PK || NR == 4, "packed rows are read 4 of a group's 8 at a time");
+  constexpr bool HALVES = PK && QT == Q4_K;  // packed Q4_K: q4k_scalar's order (half super-blocks, the mins apart)
   constexpr int64_t BB = kbytes<QT>();
   constexpr int STEPS = QT == Q4_K ? 8 : 4;  // words a sub-block's int16 sums take before they must widen
   const int64_t nsb = P.nsb, groups = P.groups;
-  std::fill(acc, acc + groups * NR * 8 * (PK ? 2 : 1), 0.f);
-  float* const macc = acc + groups * NR * 8;  // PK: the mins' chains (q4k_scalar's order: acc - macc at the end)
+  std::fill(acc, acc + groups * NR * 8 * (HALVES ? 2 : 1), 0.f);
+  float* const macc = acc + groups * NR * 8;  // HALVES: the mins' chains (q4k_scalar's order: acc - macc at the end)
   Decoded dec[NR];
   alignas(32) int8_t wp[PK ? 8 : 1][8][16];
   for (int64_t i = 0; i < nsb; ++i) {
     if (PK) {
-      decode_packed4(wm + (n0 / 8) * 8 * row_bytes + i * 8 * BB, static_cast<int>(n0 % 8), wp, dec);
+      const uint8_t* unit = wm + (n0 / 8) * 8 * row_bytes + i * 8 * BB;
+      if constexpr (QT == Q6_K) decode_packed6(unit, static_cast<int>(n0 % 8), wp, dec);
+      else decode_packed_k<QT>(unit, static_cast<int>(n0 % 8), wp, dec);
     } else {
       for (int n = 0; n < NR; ++n) {
         uint8_t tmp[BB];
@@ -213,27 +254,25 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
       __m256i isum[NR];
       for (int j = 0; j < 8; ++j) {
         const __m256i pw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * 16));
-        if (!PK || j % 4 == 0)  // PK: a half super-block's sums add up in int32 first (at most 2^31 - 1, as the tiles)
+        if (!HALVES || j % 4 == 0)  // HALVES: a half super-block's sums add up in int32 first (at most 2^31 - 1, as the tiles)
           for (int n = 0; n < NR; ++n) isum[n] = _mm256_setzero_si256();
         for (int t0 = 0; t0 < 8; t0 += STEPS) {
-          __m256i s16[NR];
-          for (int n = 0; n < NR; ++n) s16[n] = _mm256_setzero_si256();
+          __m256i s16[NR];  // Q6_K: each starts at the pairs' -32 (x_2i + x_2i+1) over the group (the panel's x32)
+          const __m256i s0 = QT == Q6_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                              P.x32.data() + (pb * 16 + 2 * j + t0 / 4) * 16))
+                                        : _mm256_setzero_si256();
+          for (int n = 0; n < NR; ++n) s16[n] = s0;
 #pragma GCC unroll 8
           for (int t = t0; t < t0 + STEPS; ++t) {  // unrolled whole; the empty asm keeps each sum one chain, where
                                                      // GCC rebuilt them as a tree and spilled the products
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * 256 + 32 * t));
             for (int n = 0; n < NR; ++n) {
-              const int8_t* wt = QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) + 32 * j + 4 * t
-                                 : PK       ? &wp[PK ? j : 0][t][4 * n]
-                                            : dec[n].w + 32 * j + 4 * t;
+              const int8_t* wt = PK         ? &wp[PK ? j : 0][t][4 * n]
+                                 : QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) + 32 * j + 4 * t
+                                              : dec[n].w + 32 * j + 4 * t;
               s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(bcast4(wt), xv));
               __asm__("" : "+x"(s16[n]));
             }
-          }
-          if (QT == Q6_K) {  // less 32 (x_2i + x_2i+1) over the group: each pair (q - 32) x, the int16 sums exact
-            const __m256i x32 =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.x32.data() + (pb * 16 + 2 * j + t0 / 4) * 16));
-            for (int n = 0; n < NR; ++n) s16[n] = _mm256_sub_epi16(s16[n], x32);
           }
           for (int n = 0; n < NR; ++n) {  // times the half's scale and each row's power of two (int16 pairs)
             const int16_t* s = dec[n].sc[QT == Q6_K ? 2 * j + t0 / 4 : 2 * j];
@@ -241,7 +280,7 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
             isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(s16[n], sp));
           }
         }
-        if (!PK || j % 4 == 3)
+        if (!HALVES || j % 4 == 3)
           for (int n = 0; n < NR; ++n) a[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n]), dd[n], a[n]);
       }
       if (QT != Q6_K) {  // sum_j mn_j pq_j, pq_j = p_j sum_j q: (mn_j p_j) <= 63 * 128 and sum_j q fit int16, so two
@@ -257,7 +296,7 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
                 ms, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sq + 16 * u)), mp));
           }
           const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(dec[n].dmin), dk);
-          if (PK) {
+          if (HALVES) {
             float* mo = macc + (g * NR + n) * 8;
             _mm256_storeu_ps(mo, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), dm, _mm256_loadu_ps(mo)));
           } else {
@@ -272,11 +311,18 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
     for (int n = 0; n < NR; ++n) {
       const float* out = acc + (g * NR + n) * 8;
       const float* mo = macc + (g * NR + n) * 8;
-      for (int r = 0; r < 8 && 8 * g + r < m; ++r) y[(8 * g + r) * ldy + n0 + n] = PK ? out[r] - mo[r] : out[r];
+      for (int r = 0; r < 8 && 8 * g + r < m; ++r) y[(8 * g + r) * ldy + n0 + n] = HALVES ? out[r] - mo[r] : out[r];
     }
 }
 
 // ---------------------------------------------------------------- VNNI: tiles of vpdpbusd (qgemm8_vnni.inc)
+// weight row n's word t of sub-block j (4 unsigned bytes): in its Decoded, or (PK) in decode_packed6's wp
+template <int QT, bool PK>
+inline const int8_t* word_at(const Decoded* dec, const int8_t* wp, int n, int j, int t) {
+  if (PK) return wp + (8 * j + t) * 16 + 4 * n;
+  return (QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) : dec[n].w) + 32 * j + 4 * t;
+}
+
 #define G8V_NAME tile_avx512vnni
 #define G8V_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define G8V_DPBUSD _mm256_dpbusd_epi32
@@ -298,8 +344,8 @@ Q512_TARGET inline __m512 pair_ps(const float* lo, const float* hi) { return _mm
 // The AVX-512 path's tile: groups g0 and g0 + 1 of the panel side by side in 512-bit vectors (16 x rows) by NR weight
 // rows, each lane's steps those of qgemm8_vnni.inc's tiles (so its bits): one vpdpbusd where those take two
 
-template <int QT, int NR>
-Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, int64_t i, int64_t g0, float* acc) {
+template <int QT, int NR, bool PK>
+Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, const int8_t* wp, int64_t i, int64_t g0, float* acc) {
   constexpr int GROUPS = QT == Q6_K ? 2 : 1, WORDS = 8 / GROUPS;  // scale groups a sub-block, words a group
   const int64_t nsb = P.nsb, pb = g0 * nsb + i, pb1 = pb + nsb;  // the two groups' panel blocks
   const __m512 dk = pair_ps(P.dk.data() + pb * 8, P.dk.data() + pb1 * 8);
@@ -313,26 +359,24 @@ Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, int64_t i, int64_
     __m512i isum[NR];
     for (int n = 0; n < NR; ++n) isum[n] = _mm512_setzero_si512();
     for (int h = 0; h < GROUPS; ++h) {
-      __m512i s[NR];
-      for (int n = 0; n < NR; ++n) s[n] = _mm512_setzero_si512();
+      __m512i s[NR];  // Q6_K: each sum starts at the group's -32 sum q (the panel's c6), so it ends at sum (q - 32) x
+      const __m512i s0 = QT == Q6_K ? pair256(P.c6.data() + pb * 128 + (2 * j + h) * 8,
+                                              P.c6.data() + pb1 * 128 + (2 * j + h) * 8)
+                                    : _mm512_setzero_si512();
+      for (int n = 0; n < NR; ++n) s[n] = s0;
 #pragma GCC unroll 8
       for (int t = WORDS * h; t < WORDS * (h + 1); ++t) {
         const int64_t off = (8 * j + t) * 32;
         const __m512i xv = pair256(P.q.data() + pb * 2048 + off, P.q.data() + pb1 * 2048 + off);
         for (int n = 0; n < NR; ++n) {
-          const int8_t* wn = QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) : dec[n].w;  // unsigned bytes
-          int32_t word;
-          std::memcpy(&word, wn + 32 * j + 4 * t, 4);
+          int32_t word;  // unsigned bytes
+          std::memcpy(&word, word_at<QT, PK>(dec, wp, n, j, t), 4);
           s[n] = _mm512_dpbusd_epi32(s[n], _mm512_set1_epi32(word), xv);
         }
       }
       const __m512i sh = pair256(P.sh.data() + pb * 64 + j * 8, P.sh.data() + pb1 * 64 + j * 8);
-      const __m512i c6 = QT == Q6_K ? pair256(P.c6.data() + pb * 128 + (2 * j + h) * 8,
-                                              P.c6.data() + pb1 * 128 + (2 * j + h) * 8)
-                                    : _mm512_setzero_si512();
       for (int n = 0; n < NR; ++n) {
-        __m512i v = _mm512_sllv_epi32(s[n], sh);  // times p_j
-        if (QT == Q6_K) v = _mm512_sub_epi32(v, c6);
+        const __m512i v = _mm512_sllv_epi32(s[n], sh);  // times p_j
         isum[n] = _mm512_add_epi32(isum[n], _mm512_mullo_epi32(v, _mm512_set1_epi32(dec[n].sci[2 * j + h])));
       }
     }
@@ -358,26 +402,36 @@ Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, int64_t i, int64_
 
 // NR weight rows from n0 against every group of the panel, GX groups a tile (AVX-512 VNNI: 4 by 2, 8 sums and their
 // 8 scaled sums and 8 float accumulators in 32 registers; AVX-VNNI: 2 by 2)
-template <int QT, int NR, bool WIDE>
+// PK: packed Q5_K or Q6_K, 4 rows of one group, decoded straight from its units
+template <int QT, int NR, bool WIDE, bool PK = false>
 void gemm_rows_vnni(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, float* y,
                     int64_t ldy, float* acc, bool packed) {
+  static_assert(!PK || (QT != Q4_K && NR == 4), "the tiles read packed Q5_K and Q6_K rows 4 of a group's 8 at a time");
   constexpr int GX = 2;
   const int64_t nsb = P.nsb, groups = P.groups;
   const bool zmm = WIDE && vnni512(path());  // pairs of groups in 512-bit tiles
   std::fill(acc, acc + groups * NR * 8, 0.f);
   Decoded dec[NR];
+  alignas(32) int8_t wp[PK ? 8 : 1][8][16];
+  const int8_t* w = &wp[0][0][0];
   for (int64_t i = 0; i < nsb; ++i) {
-    for (int n = 0; n < NR; ++n) {
-      uint8_t tmp[kbytes<QT>()];
-      decode<QT>(super_block<QT>(wm, row_bytes, n0 + n, i, packed, tmp), &dec[n]);
+    if constexpr (PK) {
+      const uint8_t* unit = wm + (n0 / 8) * 8 * row_bytes + i * 8 * kbytes<QT>();
+      if constexpr (QT == Q6_K) decode_packed6(unit, static_cast<int>(n0 % 8), wp, dec);
+      else decode_packed_k<QT>(unit, static_cast<int>(n0 % 8), wp, dec);
+    } else {
+      for (int n = 0; n < NR; ++n) {
+        uint8_t tmp[kbytes<QT>()];
+        decode<QT>(super_block<QT>(wm, row_bytes, n0 + n, i, packed, tmp), &dec[n]);
+      }
     }
     int64_t g = 0;
     if (zmm)
-      for (; g + 2 <= groups; g += 2) tile_zmm<QT, NR>(P, dec, i, g, acc);
+      for (; g + 2 <= groups; g += 2) tile_zmm<QT, NR, PK>(P, dec, w, i, g, acc);
     for (; g + GX <= groups; g += GX)
-      WIDE ? tile_avx512vnni<QT, NR, GX>(P, dec, i, g, acc) : tile_avxvnni<QT, NR, GX>(P, dec, i, g, acc);
+      WIDE ? tile_avx512vnni<QT, NR, GX, PK>(P, dec, w, i, g, acc) : tile_avxvnni<QT, NR, GX, PK>(P, dec, w, i, g, acc);
     for (; g < groups; ++g)
-      WIDE ? tile_avx512vnni<QT, NR, 1>(P, dec, i, g, acc) : tile_avxvnni<QT, NR, 1>(P, dec, i, g, acc);
+      WIDE ? tile_avx512vnni<QT, NR, 1, PK>(P, dec, w, i, g, acc) : tile_avxvnni<QT, NR, 1, PK>(P, dec, w, i, g, acc);
   }
   for (int64_t g = 0; g < groups; ++g)
     for (int n = 0; n < NR; ++n) {
@@ -399,9 +453,14 @@ void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_byte
   thread_local std::vector<float> acc;  // (groups, NR, 8); packed Q4_K: twice, its mins' chains after
   acc.resize(P.groups * nr * 8 * 2);
   int64_t n = n0;
-  if (QT == Q4_K && packed && vk == 0) {  // whole groups (packed8_rows' edges): half a group a pass
+  // whole groups (packed8_rows' edges): half a group a pass, decoded from its units (packed Q4_K with VNNI takes
+  // packed8_gemm's tiles instead, and AVX-VNNI's passes of 2 rows gather packed rows back)
+  if (packed && (vk == 0 || (QT != Q4_K && vk == 2))) {
     TORCH_CHECK(n0 % 8 == 0 && n1 % 8 == 0, "packed rows go 8 at a time, got [", n0, ", ", n1, ")");
-    for (; n < n1; n += 4) gemm_rows<Q4_K, 4, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
+    for (; n < n1; n += 4) {
+      if (vk == 0) gemm_rows<QT, 4, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
+      else if constexpr (QT != Q4_K) gemm_rows_vnni<QT, 4, true, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
+    }
     return;
   }
   for (; n + nr <= n1; n += nr) WIDE[vk](P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
@@ -438,19 +497,19 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
         }
         pq[pb * 64 + j * 8 + l] = pqj;
         sh[pb * 64 + j * 8 + l] = __builtin_ctz(static_cast<unsigned>(pj));  // p_j is a power of two
-        for (int h = 0; h < 2; ++h) {  // Q6_K's 16-value groups: 32 p_j sum q
+        for (int h = 0; h < 2; ++h) {  // Q6_K's 16-value groups: -32 sum q, where the tiles' sums start
           int32_t sum = 0;
           for (int t = 0; t < 16; ++t) sum += src[32 * j + 16 * h + t];
-          c6[pb * 128 + (2 * j + h) * 8 + l] = 32 * pj * sum;
+          c6[pb * 128 + (2 * j + h) * 8 + l] = -32 * sum;
         }
       }
       dk[pb * 8 + l] = a.dk[xr * nsb + i];
       if (tiles) continue;
-      for (int g16 = 0; g16 < 16; ++g16)  // Q6_K's groups of 16: the pairs' sums over its 4 words, times 32
+      for (int g16 = 0; g16 < 16; ++g16)  // Q6_K's groups of 16: the pairs' sums over its 4 words, times -32
         for (int h = 0; h < 2; ++h) {
           int32_t sum = 0;
           for (int t = 0; t < 4; ++t) sum += src[16 * g16 + 4 * t + 2 * h] + src[16 * g16 + 4 * t + 2 * h + 1];
-          x32[(pb * 16 + g16) * 16 + 2 * l + h] = static_cast<int16_t>(32 * sum);
+          x32[(pb * 16 + g16) * 16 + 2 * l + h] = static_cast<int16_t>(-32 * sum);
         }
     }
   }
