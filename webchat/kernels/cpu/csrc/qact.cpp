@@ -315,7 +315,7 @@ void qmatmul8_multi(const Act8& a, int64_t row0, int64_t m, const float* x, cons
     const Panel8& panel = mine;
     const PanelB& panel_b = mine_b;
     bool panel_read = false;
-    for (int i = 0; i < count; ++i)  // packed Q5_K's and Q6_K's longer prompts take the panel's GEMM, rows gathered
+    for (int i = 0; i < count; ++i)  // packed Q5_K's and Q6_K's longer prompts take the panel's GEMM
       panel_read |= reads_supers(mats[i].qtype) && !(mats[i].qtype == Q4_K && mats[i].packed && tiles) &&
                     !rows_kernels(mats[i]);
     if (p >= PATH_AVX2 && panel_read) mine.build(a, row0, m);

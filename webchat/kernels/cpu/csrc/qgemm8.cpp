@@ -17,8 +17,9 @@
 // (int8's layout of the file's Q4_K matrices, qpack8.cpp) take them in q4k_scalar's order instead: a half super-block's
 // sub-blocks add up in int32 before one fma, and the mins run a chain of their own, subtracted at the end. That is the
 // order of the packed row kernels and of the VNNI tiles (qpack8_gemm.inc), so a prompt's rows give the same bits on a
-// CPU with VNNI or without, and the same as its decode rows. Packed Q5_K and Q6_K rows, gathered back, keep
-// gemm_scalar's order, which their packed row kernels follow.
+// CPU with VNNI or without, and the same as its decode rows. Packed Q5_K and Q6_K rows, decoded from their units 4 of
+// a group at a time (AVX-VNNI's passes of 2 rows gather them back), keep gemm_scalar's order, which their packed row
+// kernels follow.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -346,7 +347,6 @@ Q512_TARGET inline __m512 pair_ps(const float* lo, const float* hi) { return _mm
 
 template <int QT, int NR, bool PK>
 Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, const int8_t* wp, int64_t i, int64_t g0, float* acc) {
-  constexpr int GROUPS = QT == Q6_K ? 2 : 1, WORDS = 8 / GROUPS;  // scale groups a sub-block, words a group
   const int64_t nsb = P.nsb, pb = g0 * nsb + i, pb1 = pb + nsb;  // the two groups' panel blocks
   const __m512 dk = pair_ps(P.dk.data() + pb * 8, P.dk.data() + pb1 * 8);
   __m512 a[NR], dd[NR];
@@ -356,31 +356,39 @@ Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, const int8_t* wp,
     dd[n] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(d))), dk);
   }
   for (int j = 0; j < 8; ++j) {
-    __m512i isum[NR];
-    for (int n = 0; n < NR; ++n) isum[n] = _mm512_setzero_si512();
-    for (int h = 0; h < GROUPS; ++h) {
-      __m512i s[NR];  // Q6_K: each sum starts at the group's -32 sum q (the panel's c6), so it ends at sum (q - 32) x
+    // two chains a row, side by side: Q6_K's two 16-value groups (each its own scale; each sum starts at the group's
+    // -32 sum q, the panel's c6, so it ends at sum (q - 32) x), or a sub-block's even and odd words (added before the
+    // scale); one chain a row had each vpdpbusd wait on the one before
+    __m512i s[2][NR];
+    for (int h = 0; h < 2; ++h) {
       const __m512i s0 = QT == Q6_K ? pair256(P.c6.data() + pb * 128 + (2 * j + h) * 8,
                                               P.c6.data() + pb1 * 128 + (2 * j + h) * 8)
                                     : _mm512_setzero_si512();
-      for (int n = 0; n < NR; ++n) s[n] = s0;
-#pragma GCC unroll 8
-      for (int t = WORDS * h; t < WORDS * (h + 1); ++t) {
+      for (int n = 0; n < NR; ++n) s[h][n] = s0;
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int t = QT == Q6_K ? 4 * h + u : 2 * u + h;
         const int64_t off = (8 * j + t) * 32;
         const __m512i xv = pair256(P.q.data() + pb * 2048 + off, P.q.data() + pb1 * 2048 + off);
         for (int n = 0; n < NR; ++n) {
           int32_t word;  // unsigned bytes
           std::memcpy(&word, word_at<QT, PK>(dec, wp, n, j, t), 4);
-          s[n] = _mm512_dpbusd_epi32(s[n], _mm512_set1_epi32(word), xv);
+          s[h][n] = _mm512_dpbusd_epi32(s[h][n], _mm512_set1_epi32(word), xv);
         }
       }
-      const __m512i sh = pair256(P.sh.data() + pb * 64 + j * 8, P.sh.data() + pb1 * 64 + j * 8);
-      for (int n = 0; n < NR; ++n) {
-        const __m512i v = _mm512_sllv_epi32(s[n], sh);  // times p_j
-        isum[n] = _mm512_add_epi32(isum[n], _mm512_mullo_epi32(v, _mm512_set1_epi32(dec[n].sci[2 * j + h])));
-      }
+    const __m512i sh = pair256(P.sh.data() + pb * 64 + j * 8, P.sh.data() + pb1 * 64 + j * 8);
+    for (int n = 0; n < NR; ++n) {  // times p_j (a shift) and the scale: gemm_scalar's integer
+      const __m512i sc0 = _mm512_set1_epi32(dec[n].sci[2 * j]);
+      const __m512i isum =
+          QT == Q6_K ? _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sllv_epi32(s[0][n], sh), sc0),
+                                        _mm512_mullo_epi32(_mm512_sllv_epi32(s[1][n], sh),
+                                                           _mm512_set1_epi32(dec[n].sci[2 * j + 1])))
+                     : _mm512_mullo_epi32(_mm512_sllv_epi32(_mm512_add_epi32(s[0][n], s[1][n]), sh), sc0);
+      a[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd[n], a[n]);
     }
-    for (int n = 0; n < NR; ++n) a[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n]), dd[n], a[n]);
   }
   if (QT != Q6_K) {
     const int32_t* pq = P.pq.data();

@@ -31,7 +31,7 @@
 //     then acc = fma(-float(msum), dmin_w * dk, acc); y = acc: the unpacked matrix's prompt GEMM order (qgemm8.cpp)
 //   Q6_K, per sub-block v: I = p_v (sc_2v sum (q - 32) x + sc_2v+1 sum (q - 32) x) over its two groups of 16 (int32:
 //     at most 2 * 128 * 16 * 32 * 127 * 128 = 2,130,706,432), acc = fma(float(I), d_w * dk, acc); y = acc: the
-//     unpacked matrix's prompt GEMM order (qgemm8.cpp), so a prompt's rows, which gather packed rows back, agree
+//     unpacked matrix's prompt GEMM order (qgemm8.cpp), so a prompt's rows, which decode the packed units, agree
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -90,8 +90,8 @@ void move_unit(const Field* f, int nf, uint8_t* rows, int64_t stride, uint8_t* p
       }
 }
 
-// the file's bytes of row r (0..7) of a packed group's unit u into out (ub bytes); without VNNI the prompt GEMM gathers
-// every super-block of packed Q4_K this way (qgemm8.cpp)
+// the file's bytes of row r (0..7) of a packed group's unit u into out (ub bytes), by walking fields(): the scalar
+// kernels' reference (packed_row_unit's constant-size copies give the K-quants' rows faster)
 void row_unit(int qtype, const uint8_t* packed_unit, int r, uint8_t* out) {
   Field f[8];
   const int nf = fields(qtype, f);
@@ -609,7 +609,8 @@ using Tile8 = void (*)(const Job8&, int, const uint8_t*, int64_t, float*, bool);
 
 // a field of each row's unit back from a packed unit: B bytes from offset O, W bytes a word (constants, so every copy
 // is one fixed-size move and the loops unroll), for rows [r0, r1) of its 8 (rows at `stride` apart from `rows`): the
-// exact prompt GEMM gathers whole groups each call, the int8 prompt GEMM one row's super-block at a time
+// exact prompt GEMM gathers whole groups each call, the int8 prompt GEMM's scalar path and AVX-VNNI's passes of 2 rows
+// one row's super-block at a time
 template <int O, int B, int W>
 inline void unpack_field(const uint8_t*& packed, uint8_t* rows, int64_t stride, int r0, int r1) {
   for (int w = 0; w < B; w += W, packed += 8 * W)
