@@ -210,7 +210,8 @@ G8_AVX2 void decode_packed6(const uint8_t* unit, int r0, int8_t (*wp)[8][16], De
     const int r = r0 + n;
     for (int g = 0; g < 16; ++g) {
       dec[n].sci[g] = static_cast<int8_t>(unit[16 + 8 * g + r]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(dec[n].sc[g]), _mm256_set1_epi16(static_cast<int16_t>(dec[n].sci[g])));
+      const __m256i sc = _mm256_set1_epi16(static_cast<int16_t>(dec[n].sci[g]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dec[n].sc[g]), sc);
     }
     _mm256_store_ps(dec[n].d, _mm256_set1_ps(half_f16c(unit + 2 * r)));
     dec[n].dmin = 0.f;
@@ -246,7 +247,7 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
     }
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t pb = g * nsb + i;
-      const int8_t* xq = P.q.data() + pb * 2048;
+      const int8_t* xq = P.words(g, i);
       const int16_t* xp = P.p.data() + pb * 128;
       const __m256 dk = _mm256_loadu_ps(P.dk.data() + pb * 8);
       __m256 a[NR], dd[NR];
@@ -255,18 +256,16 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
       __m256i isum[NR];
       for (int j = 0; j < 8; ++j) {
         const __m256i pw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * 16));
-        if (!HALVES || j % 4 == 0)  // HALVES: a half super-block's sums add up in int32 first (at most 2^31 - 1, as the tiles)
+        // HALVES: a half super-block's sums add up in int32 first (at most 2^31 - 1, as the tiles)
+        if (!HALVES || j % 4 == 0)
           for (int n = 0; n < NR; ++n) isum[n] = _mm256_setzero_si256();
         for (int t0 = 0; t0 < 8; t0 += STEPS) {
-          __m256i s16[NR];  // Q6_K: each starts at the pairs' -32 (x_2i + x_2i+1) over the group (the panel's x32)
-          const __m256i s0 = QT == Q6_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                              P.x32.data() + (pb * 16 + 2 * j + t0 / 4) * 16))
-                                        : _mm256_setzero_si256();
-          for (int n = 0; n < NR; ++n) s16[n] = s0;
+          __m256i s16[NR];
+          for (int n = 0; n < NR; ++n) s16[n] = _mm256_setzero_si256();
 #pragma GCC unroll 8
           for (int t = t0; t < t0 + STEPS; ++t) {  // unrolled whole; the empty asm keeps each sum one chain, where
                                                      // GCC rebuilt them as a tree and spilled the products
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * 256 + 32 * t));
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (8 * j + t) * P.ws));
             for (int n = 0; n < NR; ++n) {
               const int8_t* wt = PK         ? &wp[PK ? j : 0][t][4 * n]
                                  : QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) + 32 * j + 4 * t
@@ -274,6 +273,11 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
               s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(bcast4(wt), xv));
               __asm__("" : "+x"(s16[n]));
             }
+          }
+          if (QT == Q6_K) {  // plus the pairs' -32 (x_2i + x_2i+1) over the group (the panel's x32): each pair (q - 32) x
+            const __m256i x32 =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.x32.data() + (pb * 16 + 2 * j + t0 / 4) * 16));
+            for (int n = 0; n < NR; ++n) s16[n] = _mm256_add_epi16(s16[n], x32);
           }
           for (int n = 0; n < NR; ++n) {  // times the half's scale and each row's power of two (int16 pairs)
             const int16_t* s = dec[n].sc[QT == Q6_K ? 2 * j + t0 / 4 : 2 * j];
@@ -348,6 +352,7 @@ Q512_TARGET inline __m512 pair_ps(const float* lo, const float* hi) { return _mm
 template <int QT, int NR, bool PK>
 Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, const int8_t* wp, int64_t i, int64_t g0, float* acc) {
   const int64_t nsb = P.nsb, pb = g0 * nsb + i, pb1 = pb + nsb;  // the two groups' panel blocks
+  const int8_t* xq = P.words(g0, i);  // g0 even: its pair's words side by side (ws 64), a load a word
   const __m512 dk = pair_ps(P.dk.data() + pb * 8, P.dk.data() + pb1 * 8);
   __m512 a[NR], dd[NR];
   for (int n = 0; n < NR; ++n) {
@@ -371,8 +376,8 @@ Q512_TARGET void tile_zmm(const Panel8& P, const Decoded* dec, const int8_t* wp,
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const int t = QT == Q6_K ? 4 * h + u : 2 * u + h;
-        const int64_t off = (8 * j + t) * 32;
-        const __m512i xv = pair256(P.q.data() + pb * 2048 + off, P.q.data() + pb1 * 2048 + off);
+        const int64_t off = (8 * j + t) * 64;
+        const __m512i xv = _mm512_loadu_si512(xq + off);  // both groups' 8 x rows
         for (int n = 0; n < NR; ++n) {
           int32_t word;  // unsigned bytes
           std::memcpy(&word, word_at<QT, PK>(dec, wp, n, j, t), 4);
@@ -418,6 +423,7 @@ void gemm_rows_vnni(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_b
   constexpr int GX = 2;
   const int64_t nsb = P.nsb, groups = P.groups;
   const bool zmm = WIDE && vnni512(path());  // pairs of groups in 512-bit tiles
+  TORCH_CHECK(!zmm || P.ws == 64, "the 512-bit tiles read a panel built for them (two groups side by side)");
   std::fill(acc, acc + groups * NR * 8, 0.f);
   Decoded dec[NR];
   alignas(32) int8_t wp[PK ? 8 : 1][8][16];
@@ -463,11 +469,12 @@ void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_byte
   int64_t n = n0;
   // whole groups (packed8_rows' edges): half a group a pass, decoded from its units (packed Q4_K with VNNI takes
   // packed8_gemm's tiles instead, and AVX-VNNI's passes of 2 rows gather packed rows back)
-  if (packed && (vk == 0 || (QT != Q4_K && vk == 2))) {
+  if (packed && ((vk == 0 && QT != Q6_K) || (QT != Q4_K && vk == 2))) {
     TORCH_CHECK(n0 % 8 == 0 && n1 % 8 == 0, "packed rows go 8 at a time, got [", n0, ", ", n1, ")");
     for (; n < n1; n += 4) {
       if (vk == 0) gemm_rows<QT, 4, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
-      else if constexpr (QT != Q4_K) gemm_rows_vnni<QT, 4, true, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
+      else if constexpr (QT != Q4_K)
+        gemm_rows_vnni<QT, 4, true, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
     }
     return;
   }
@@ -481,7 +488,8 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
   TORCH_CHECK(a.supers, "the prompt GEMM reads the super-blocks form, which was not made");
   TORCH_CHECK(row0 >= 0 && row0 + m <= a.m, "rows [", row0, ", ", row0 + m, ") are outside the ", a.m, " quantized");
   groups = (m + 7) / 8, nsb = a.nsb;
-  q.assign(groups * nsb * 2048, 0), p.assign(groups * nsb * 128, 0);
+  ws = vnni512(path()) ? 64 : 32;  // where tile_zmm runs, two groups' words a 512-bit load
+  q.assign((ws == 64 ? (groups + 1) / 2 * 2 : groups) * nsb * 2048, 0), p.assign(groups * nsb * 128, 0);
   dk.assign(groups * nsb * 8, 0.f);
   const bool tiles = vnni();  // the VNNI tiles' fields, made only where they run; x32, pm and sq only where they do not
   pq.assign(tiles ? groups * nsb * 64 : 0, 0), sh.assign(tiles ? groups * nsb * 64 : 0, 0);
@@ -493,7 +501,7 @@ void Panel8::build(const Act8& a, int64_t row0, int64_t m) {
     for (int64_t i = 0; i < nsb; ++i) {
       const int64_t pb = g * nsb + i;
       const int8_t* src = a.qs.data() + xr * a.k + i * QK_K;
-      for (int w = 0; w < 64; ++w) std::memcpy(q.data() + pb * 2048 + w * 32 + 4 * l, src + 4 * w, 4);
+      for (int w = 0; w < 64; ++w) std::memcpy(q.data() + at(g, i) + w * ws + 4 * l, src + 4 * w, 4);
       for (int j = 0; j < 8; ++j) {
         const int pj = a.p[(xr * nsb + i) * 8 + j];
         const int32_t pqj = a.pq[(xr * nsb + i) * 8 + j];

@@ -101,19 +101,25 @@ Q512_TARGET inline __m512i pair256(const void* lo, const void* hi) {
 }
 
 // Rows of Act8's super-blocks form 8 to a group, 4 bytes of each row side by side, for the prompt GEMM (qgemm8.cpp):
-// per group and super-block, q (64 words x 8 rows x 4 bytes), p (8 sub-blocks x 8 rows x the power of two twice: an
-// int16 pair per row), dk (8 rows); for the VNNI tiles, made only where VNNI is, pq (8 sub-blocks x 8 rows), sh (8
-// sub-blocks x 8 rows: log2 p) and c6 (16 groups of 16 values x 8 rows: -32 sum q, where Q6_K's sums start); a last group's
-// missing rows are zeros
+// per group and super-block, q (64 words x 8 rows x 4 bytes; two groups side by side on AVX-512 VNNI), p (8 sub-blocks x 8 rows
+// x the power of two twice: an int16 pair per row), dk (8 rows); for the VNNI tiles, made only where VNNI is, pq (8
+// sub-blocks x 8 rows), sh (8 sub-blocks x 8 rows: log2 p) and c6 (16 groups of 16 values x 8 rows: -32 sum q, where
+// Q6_K's sums start); a last group's missing rows are zeros
 struct Panel8 {
   int64_t groups = 0, nsb = 0;
-  std::vector<int8_t> q;
+  std::vector<int8_t> q;  // where the 512-bit tiles run, groups 2u and 2u + 1 side by side (a word of 16 rows a load)
+  int64_t ws = 32;         // bytes from one word of a group to its next: 32, or 64 side by side
   std::vector<int16_t> p;
   std::vector<int32_t> pq, sh, c6;
   std::vector<int16_t> x32;  // without VNNI: per group of 16 values, -32 (x_2i + x_2i+1) summed over its 4 words
   std::vector<int16_t> pm, sq;  // without VNNI: per pair of sub-blocks, each row's p_j and sum_j q side by side
   std::vector<float> dk;
   void build(const Act8& a, int64_t row0, int64_t m);  // rows [row0, row0 + m) of a
+  // group g's super-block i in q: word w of its 8 rows (4 bytes each) at w * ws from there
+  int64_t at(int64_t g, int64_t i) const {
+    return ws == 32 ? (g * nsb + i) * 2048 : ((g / 2) * nsb + i) * 4096 + 32 * (g % 2);
+  }
+  const int8_t* words(int64_t g, int64_t i) const { return q.data() + at(g, i); }
 };
 
 // rows [row0, row0 + m) of a (the panel P built from them on the vector paths) against K-quant weight rows [n0, n1);
