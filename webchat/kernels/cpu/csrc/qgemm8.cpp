@@ -18,8 +18,8 @@
 // sub-blocks add up in int32 before one fma, and the mins run a chain of their own, subtracted at the end. That is the
 // order of the packed row kernels and of the VNNI tiles (qpack8_gemm.inc), so a prompt's rows give the same bits on a
 // CPU with VNNI or without, and the same as its decode rows. Packed Q5_K and Q6_K rows, decoded from their units 4 of
-// a group at a time (AVX-VNNI's passes of 2 rows gather them back), keep gemm_scalar's order, which their packed row
-// kernels follow.
+// a group at a time (AVX-VNNI's passes of 2 rows and Q6_K without VNNI gather them back), keep gemm_scalar's order,
+// which their packed row kernels follow.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -274,7 +274,7 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
               __asm__("" : "+x"(s16[n]));
             }
           }
-          if (QT == Q6_K) {  // plus the pairs' -32 (x_2i + x_2i+1) over the group (the panel's x32): each pair (q - 32) x
+          if (QT == Q6_K) {  // plus the pairs' -32 (x_2i + x_2i+1) over the group (x32): each pair (q - 32) x
             const __m256i x32 =
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.x32.data() + (pb * 16 + 2 * j + t0 / 4) * 16));
             for (int n = 0; n < NR; ++n) s16[n] = _mm256_add_epi16(s16[n], x32);
@@ -468,7 +468,8 @@ void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_byte
   acc.resize(P.groups * nr * 8 * 2);
   int64_t n = n0;
   // whole groups (packed8_rows' edges): half a group a pass, decoded from its units (packed Q4_K with VNNI takes
-  // packed8_gemm's tiles instead, and AVX-VNNI's passes of 2 rows gather packed rows back)
+  // packed8_gemm's tiles instead; AVX-VNNI's passes of 2 rows, and packed Q6_K without VNNI, whose direct decode was
+  // no faster there, gather the rows back)
   if (packed && ((vk == 0 && QT != Q6_K) || (QT != Q4_K && vk == 2))) {
     TORCH_CHECK(n0 % 8 == 0 && n1 % 8 == 0, "packed rows go 8 at a time, got [", n0, ", ", n1, ")");
     for (; n < n1; n += 4) {

@@ -101,10 +101,10 @@ Q512_TARGET inline __m512i pair256(const void* lo, const void* hi) {
 }
 
 // Rows of Act8's super-blocks form 8 to a group, 4 bytes of each row side by side, for the prompt GEMM (qgemm8.cpp):
-// per group and super-block, q (64 words x 8 rows x 4 bytes; two groups side by side on AVX-512 VNNI), p (8 sub-blocks x 8 rows
-// x the power of two twice: an int16 pair per row), dk (8 rows); for the VNNI tiles, made only where VNNI is, pq (8
-// sub-blocks x 8 rows), sh (8 sub-blocks x 8 rows: log2 p) and c6 (16 groups of 16 values x 8 rows: -32 sum q, where
-// Q6_K's sums start); a last group's missing rows are zeros
+// per group and super-block, q (64 words x 8 rows x 4 bytes; on AVX-512 VNNI two groups side by side), p (8 sub-blocks
+// x 8 rows x the power of two twice: an int16 pair per row), dk (8 rows); for the VNNI tiles, made only where VNNI is,
+// pq (8 sub-blocks x 8 rows), sh (8 sub-blocks x 8 rows: log2 p) and c6 (16 groups of 16 values x 8 rows: -32 sum q,
+// where Q6_K's sums start); a last group's missing rows are zeros
 struct Panel8 {
   int64_t groups = 0, nsb = 0;
   std::vector<int8_t> q;  // where the 512-bit tiles run, groups 2u and 2u + 1 side by side (a word of 16 rows a load)

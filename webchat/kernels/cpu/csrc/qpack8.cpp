@@ -609,8 +609,8 @@ using Tile8 = void (*)(const Job8&, int, const uint8_t*, int64_t, float*, bool);
 
 // a field of each row's unit back from a packed unit: B bytes from offset O, W bytes a word (constants, so every copy
 // is one fixed-size move and the loops unroll), for rows [r0, r1) of its 8 (rows at `stride` apart from `rows`): the
-// exact prompt GEMM gathers whole groups each call, the int8 prompt GEMM's scalar path and AVX-VNNI's passes of 2 rows
-// one row's super-block at a time
+// exact prompt GEMM gathers whole groups each call, the int8 prompt GEMM (its scalar path, AVX-VNNI's passes of 2
+// rows, Q6_K without VNNI) one row's super-block at a time
 template <int O, int B, int W>
 inline void unpack_field(const uint8_t*& packed, uint8_t* rows, int64_t stride, int r0, int r1) {
   for (int w = 0; w < B; w += W, packed += 8 * W)
