@@ -218,14 +218,31 @@ G8_AVX2 void decode_packed6(const uint8_t* unit, int r0, int8_t (*wp)[8][16], De
   }
 }
 
+// rows n0 .. n0 + 3 of packed QT's super-block i (n0 % 8: 0 or 4), decoded from its unit: words into wp, the rest dec
+template <int QT>
+G8_AVX2 void decode_packed(const uint8_t* wm, int64_t row_bytes, int64_t n0, int64_t i, int8_t (*wp)[8][16],
+                           Decoded* dec) {
+  const uint8_t* unit = wm + (n0 / 8) * 8 * row_bytes + i * 8 * kbytes<QT>();
+  if constexpr (QT == Q6_K) decode_packed6(unit, static_cast<int>(n0 % 8), wp, dec);
+  else decode_packed_k<QT>(unit, static_cast<int>(n0 % 8), wp, dec);
+}
+
+// weight row n's word t of sub-block j (4 unsigned bytes): in its Decoded, or (PK) in decode_packed's wp
+template <int QT, bool PK>
+inline const int8_t* word_at(const Decoded* dec, const int8_t* wp, int n, int j, int t) {
+  if (PK) return wp + (8 * j + t) * 16 + 4 * n;
+  return (QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) : dec[n].w) + 32 * j + 4 * t;
+}
+
 // Q4_K / Q5_K / Q6_K: NR weight rows from n0 against every group of the panel. Per super-block the NR rows are
 // decoded once (Decoded) and each group's x words, loaded once, meet all NR rows; the groups' accumulators wait in
 // acc (groups x NR vectors) between super-blocks.
-// PK: packed rows, 4 of one group (decode_packed_k, decode_packed6: their words in wp, not in dec[n]).
+// PK: packed Q4_K or Q5_K, 4 rows of one group (decode_packed: their words in wp, not in dec[n]; packed Q6_K here
+// gathers its rows back, gemm_vector).
 template <int QT, int NR, bool PK = false>
 G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_bytes, int64_t n0, float* y,
                        int64_t ldy, float* acc, bool packed) {
-  static_assert(!PK || NR == 4, "packed rows are read 4 of a group's 8 at a time");
+  static_assert(!PK || (QT != Q6_K && NR == 4), "packed Q4_K and Q5_K rows are read 4 of a group's 8 at a time");
   constexpr bool HALVES = PK && QT == Q4_K;  // packed Q4_K: q4k_scalar's order (half super-blocks, the mins apart)
   constexpr int64_t BB = kbytes<QT>();
   constexpr int STEPS = QT == Q4_K ? 8 : 4;  // words a sub-block's int16 sums take before they must widen
@@ -235,10 +252,8 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
   Decoded dec[NR];
   alignas(32) int8_t wp[PK ? 8 : 1][8][16];
   for (int64_t i = 0; i < nsb; ++i) {
-    if (PK) {
-      const uint8_t* unit = wm + (n0 / 8) * 8 * row_bytes + i * 8 * BB;
-      if constexpr (QT == Q6_K) decode_packed6(unit, static_cast<int>(n0 % 8), wp, dec);
-      else decode_packed_k<QT>(unit, static_cast<int>(n0 % 8), wp, dec);
+    if constexpr (PK) {
+      decode_packed<QT>(wm, row_bytes, n0, i, wp, dec);
     } else {
       for (int n = 0; n < NR; ++n) {
         uint8_t tmp[BB];
@@ -267,9 +282,7 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
                                                      // GCC rebuilt them as a tree and spilled the products
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (8 * j + t) * P.ws));
             for (int n = 0; n < NR; ++n) {
-              const int8_t* wt = PK         ? &wp[PK ? j : 0][t][4 * n]
-                                 : QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) + 32 * j + 4 * t
-                                              : dec[n].w + 32 * j + 4 * t;
+              const int8_t* wt = word_at<QT, PK>(dec, &wp[0][0][0], n, j, t);
               s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(bcast4(wt), xv));
               __asm__("" : "+x"(s16[n]));
             }
@@ -321,13 +334,6 @@ G8_AVX2 void gemm_rows(const Panel8& P, int64_t m, const uint8_t* wm, int64_t ro
 }
 
 // ---------------------------------------------------------------- VNNI: tiles of vpdpbusd (qgemm8_vnni.inc)
-// weight row n's word t of sub-block j (4 unsigned bytes): in its Decoded, or (PK) in decode_packed6's wp
-template <int QT, bool PK>
-inline const int8_t* word_at(const Decoded* dec, const int8_t* wp, int n, int j, int t) {
-  if (PK) return wp + (8 * j + t) * 16 + 4 * n;
-  return (QT == Q6_K ? reinterpret_cast<const int8_t*>(dec[n].u) : dec[n].w) + 32 * j + 4 * t;
-}
-
 #define G8V_NAME tile_avx512vnni
 #define G8V_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define G8V_DPBUSD _mm256_dpbusd_epi32
@@ -430,9 +436,7 @@ void gemm_rows_vnni(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_b
   const int8_t* w = &wp[0][0][0];
   for (int64_t i = 0; i < nsb; ++i) {
     if constexpr (PK) {
-      const uint8_t* unit = wm + (n0 / 8) * 8 * row_bytes + i * 8 * kbytes<QT>();
-      if constexpr (QT == Q6_K) decode_packed6(unit, static_cast<int>(n0 % 8), wp, dec);
-      else decode_packed_k<QT>(unit, static_cast<int>(n0 % 8), wp, dec);
+      decode_packed<QT>(wm, row_bytes, n0, i, wp, dec);
     } else {
       for (int n = 0; n < NR; ++n) {
         uint8_t tmp[kbytes<QT>()];
@@ -467,16 +471,17 @@ void gemm_vector(const Panel8& P, int64_t m, const uint8_t* wm, int64_t row_byte
   thread_local std::vector<float> acc;  // (groups, NR, 8); packed Q4_K: twice, its mins' chains after
   acc.resize(P.groups * nr * 8 * 2);
   int64_t n = n0;
-  // whole groups (packed8_rows' edges): half a group a pass, decoded from its units (packed Q4_K with VNNI takes
-  // packed8_gemm's tiles instead; AVX-VNNI's passes of 2 rows, and packed Q6_K without VNNI, whose direct decode was
-  // no faster there, gather the rows back)
-  if (packed && ((vk == 0 && QT != Q6_K) || (QT != Q4_K && vk == 2))) {
+  // whole groups (packed8_rows' edges): half a group a pass, decoded from its units, where such a pass exists (packed
+  // Q4_K with VNNI takes packed8_gemm's tiles instead; AVX-VNNI's passes of 2 rows, and packed Q6_K without VNNI,
+  // whose direct decode was no faster there, gather the rows back)
+  Rows unit_pass = nullptr;
+  if constexpr (QT != Q6_K)
+    if (vk == 0) unit_pass = gemm_rows<QT, 4, true>;
+  if constexpr (QT != Q4_K)
+    if (vk == 2) unit_pass = gemm_rows_vnni<QT, 4, true, true>;
+  if (packed && unit_pass != nullptr) {
     TORCH_CHECK(n0 % 8 == 0 && n1 % 8 == 0, "packed rows go 8 at a time, got [", n0, ", ", n1, ")");
-    for (; n < n1; n += 4) {
-      if (vk == 0) gemm_rows<QT, 4, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
-      else if constexpr (QT != Q4_K)
-        gemm_rows_vnni<QT, 4, true, true>(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
-    }
+    for (; n < n1; n += 4) unit_pass(P, m, wm, row_bytes, n, y, ldy, acc.data(), true);
     return;
   }
   for (; n + nr <= n1; n += nr) WIDE[vk](P, m, wm, row_bytes, n, y, ldy, acc.data(), packed);
