@@ -21,9 +21,10 @@
 // so a packed matrix is as large as the file's, and unpacking gives the file's bytes back (tests/test_int8.py).
 //
 // Arithmetic (every path in this order, the scalar one with std::fma; the integers exact):
-//   Q4_0 / Q4_1, per block b: for each 8-value group g of x (its scale d_x,g):
-//     acc = fma(float(sum_g q_w q_x), d_w * d_x,g, acc) with q_w the unsigned nibble; then macc = fma(m_w, s_x,b, macc)
-//     with m_w = Q4_1's m or Q4_0's -8 d_w (w = q - 8); y = acc + macc
+//   Q4_0 / Q4_1, per block b: I_g = sum_g q_w q_x over each 8-value group g of x (its scale d_x,g; q_w the unsigned
+//     nibble), t = float(I_0) * d_x,0, t = fma(float(I_g), d_x,g, t) for g = 1 .. 3, acc = fma(t, d_w, acc) (one
+//     multiply by d_w a block, where a multiply and an fma a group kept the vpdpbusd ports half busy); then
+//     macc = fma(m_w, s_x,b, macc) with m_w = Q4_1's m or Q4_0's -8 d_w (w = q - 8); y = acc + macc
 //   Q4_K, per super-block: for each half (sub-blocks 4h .. 4h + 3) I = sum_j sc_j p_j sum w q (int32: at most
 //     4 * 63 * 128 * 32 * 15 * 127 < 2^31), acc = fma(float(I), d_w * dk, acc); msum = sum_j mn_j pq_j,
 //     macc = fma(float(msum), dmin_w * dk, macc); y = acc - macc
@@ -118,15 +119,19 @@ void blocks_scalar(const Job8& j, int64_t g0, int64_t g1) {
           row_unit(QT, j.w + g * 8 * j.row_bytes + b * 8 * BB, n, blk);
           const float dw = half_to_float(blk);
           const uint8_t* qs = blk + (QT == Q4_1 ? 4 : 2);
+          float t = 0.f;  // Q4_0, Q4_1: the block's sum over its groups, then d_w once
           for (int gi = 0; gi < 4; ++gi) {
             int32_t isum = 0;
             for (int v = 8 * gi; v < 8 * gi + 8; ++v) {
               const int w = QT == Q8_0 ? static_cast<int8_t>(qs[v]) : v < 16 ? qs[v] & 15 : qs[v - 16] >> 4;
               isum += w * q[32 * b + v];
             }
-            acc = std::fma(static_cast<float>(isum), dw * d8[8 * b + 2 * gi], acc);
+            const float f = static_cast<float>(isum), dx = d8[8 * b + 2 * gi];
+            if (QT == Q8_0) acc = std::fma(f, dw * dx, acc);
+            else t = gi == 0 ? f * dx : std::fma(f, dx, t);
           }
           if (QT != Q8_0) {
+            acc = std::fma(t, dw, acc);
             const float mw = QT == Q4_1 ? half_to_float(blk + 2) : dw * -8.f;
             macc = std::fma(mw, j.a->s[xr * ldb + b], macc);
           }
@@ -344,11 +349,13 @@ Q512_TARGET void blocks_wide(const Job8& j, int r0, int64_t g) {
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* x = xq[r] + 32 * b;
-      for (int gi = 0; gi < 4; ++gi) {
+      const float* d = xd[r] + 8 * b;
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(P8W_DOT2(w[0], x, w[1], x + 4)), _mm512_set1_ps(d[0]));
+      for (int gi = 1; gi < 4; ++gi) {
         const __m512i sum = P8W_DOT2(w[2 * gi], x + 8 * gi, w[2 * gi + 1], x + 8 * gi + 4);
-        const __m512 f = _mm512_cvtepi32_ps(sum);
-        acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r][8 * b + 2 * gi])), acc[r]);
+        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d[2 * gi]), t);
       }
+      acc[r] = _mm512_fmadd_ps(t, dw, acc[r]);
       macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r][b]), macc[r]);
     }
   }
