@@ -1,7 +1,8 @@
 // A prompt's rows against Q8_0 with int8 activations as a GEMM (docs/quant.md, "qgemm8b.cpp"):
 //
-//   y[r, n] = one fma chain over blocks b and their 8-value groups c: acc = fma(float(I), d_w,b * d_x,c, acc),
-//   I = sum_{i in c} w_i q_i (exact int32)
+//   y[r, n] = one fma chain over blocks b: t = float(I_0) * d_x,0, t = fma(float(I_c), d_x,c, t) for its 8-value
+//   groups c = 1 .. 3, acc = fma(t, d_w,b, acc); I_c = sum_{i in c} w_i q_i (exact int32). (d_w once a block: a
+//   multiply and an fma a group kept the ports vpdpbusd runs on half busy, as in qpack8.cpp's Q4_0/Q4_1.)
 //
 // The row kernels (qint8_blocks.inc) keep a lane per 4 values and spend a conversion, a multiply and an fma on every
 // 4 values of every (x row, weight row) pair; here a lane is an x row (PanelB: 8 rows side by side, 4 bytes each), a
@@ -41,12 +42,14 @@ void q8_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* w, int64_t
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + n * row_bytes + b * Q8_BYTES;
-        const float dw = half_to_float(blk);
+        float t = 0.f;
         for (int c = 0; c < 4; ++c) {
           int32_t isum = 0;
           for (int i = 8 * c; i < 8 * c + 8; ++i) isum += static_cast<int8_t>(blk[2 + i]) * q[32 * b + i];
-          acc = std::fma(static_cast<float>(isum), dw * dx[8 * b + 2 * c], acc);
+          const float f = static_cast<float>(isum), d = dx[8 * b + 2 * c];
+          t = c == 0 ? f * d : std::fma(f, d, t);
         }
+        acc = std::fma(t, half_to_float(blk), acc);
       }
       y[r * ldy + n] = acc;
     }
@@ -65,8 +68,7 @@ void q8_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* w, int64_t
     for (int n = 0; n < NR; ++n)                                                                                      \
       for (int gx = 0; gx < GX; ++gx) acc[n][gx] = _mm256_setzero_ps();                                               \
     for (int64_t b = 0; b < nb; ++b) {                                                                                \
-      float dw[NR];                                                                                                   \
-      for (int n = 0; n < NR; ++n) dw[n] = half_to_float(w + (n0 + n) * row_bytes + b * Q8_BYTES);                  \
+      __m256 t[NR][GX];                                                                                               \
       for (int c = 0; c < 4; ++c) {                                                                                   \
         __m256i x0[GX], x1[GX], cx[GX];                                                                               \
         __m256 dx[GX];                                                                                                \
@@ -82,11 +84,15 @@ void q8_scalar(const Act8& a, int64_t row0, int64_t m, const uint8_t* w, int64_t
           int32_t v0, v1;                                                                                             \
           std::memcpy(&v0, wq, 4), std::memcpy(&v1, wq + 4, 4);                                                       \
           const __m256i w0 = _mm256_set1_epi32(v0), w1 = _mm256_set1_epi32(v1);                                      \
-          const __m256 dwv = _mm256_set1_ps(dw[n]);                                                                   \
-          for (int gx = 0; gx < GX; ++gx)                                                                             \
-            acc[n][gx] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(SUMS(w0, w1, x0[gx], x1[gx], cx[gx])),                    \
-                                         _mm256_mul_ps(dwv, dx[gx]), acc[n][gx]);                                     \
+          for (int gx = 0; gx < GX; ++gx) {                                                                           \
+            const __m256 f = _mm256_cvtepi32_ps(SUMS(w0, w1, x0[gx], x1[gx], cx[gx]));                                \
+            t[n][gx] = c == 0 ? _mm256_mul_ps(f, dx[gx]) : _mm256_fmadd_ps(f, dx[gx], t[n][gx]);                      \
+          }                                                                                                           \
         }                                                                                                             \
+      }                                                                                                               \
+      for (int n = 0; n < NR; ++n) {                                                                                  \
+        const __m256 dwv = _mm256_set1_ps(half_to_float(w + (n0 + n) * row_bytes + b * Q8_BYTES));                   \
+        for (int gx = 0; gx < GX; ++gx) acc[n][gx] = _mm256_fmadd_ps(t[n][gx], dwv, acc[n][gx]);                      \
       }                                                                                                               \
     }                                                                                                                 \
     for (int gx = 0; gx < GX; ++gx)                                                                                   \

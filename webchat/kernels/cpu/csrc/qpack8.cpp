@@ -119,7 +119,7 @@ void blocks_scalar(const Job8& j, int64_t g0, int64_t g1) {
           row_unit(QT, j.w + g * 8 * j.row_bytes + b * 8 * BB, n, blk);
           const float dw = half_to_float(blk);
           const uint8_t* qs = blk + (QT == Q4_1 ? 4 : 2);
-          float t = 0.f;  // Q4_0, Q4_1: the block's sum over its groups, then d_w once
+          float t = 0.f;  // the block's sum over its groups, then d_w once
           for (int gi = 0; gi < 4; ++gi) {
             int32_t isum = 0;
             for (int v = 8 * gi; v < 8 * gi + 8; ++v) {
@@ -127,11 +127,10 @@ void blocks_scalar(const Job8& j, int64_t g0, int64_t g1) {
               isum += w * q[32 * b + v];
             }
             const float f = static_cast<float>(isum), dx = d8[8 * b + 2 * gi];
-            if (QT == Q8_0) acc = std::fma(f, dw * dx, acc);
-            else t = gi == 0 ? f * dx : std::fma(f, dx, t);
+            t = gi == 0 ? f * dx : std::fma(f, dx, t);
           }
+          acc = std::fma(t, dw, acc);
           if (QT != Q8_0) {
-            acc = std::fma(t, dw, acc);
             const float mw = QT == Q4_1 ? half_to_float(blk + 2) : dw * -8.f;
             macc = std::fma(mw, j.a->s[xr * ldb + b], macc);
           }
@@ -382,16 +381,18 @@ Q512_TARGET void q8_wide(const Job8& j, int r0, int64_t g) {
     prefetch_span(u, UNIT);
     prefetch_span(u + ldg, UNIT);
     const __m512 dw = pair_halves(u, ldg);
+    __m512 t[R];
     for (int c = 0; c < 4; ++c) {  // the group of values 8c .. 8c + 7: words 2c and 2c + 1, w + 128 unsigned
       const __m512i a0 = _mm512_xor_si512(pair32(u + 16 + 64 * c, ldg), bias);
       const __m512i a1 = _mm512_xor_si512(pair32(u + 48 + 64 * c, ldg), bias);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq[r] + 32 * b + 8 * c;
         const __m512i sum = _mm512_sub_epi32(P8W_DOT2(a0, x, a1, x + 4), _mm512_set1_epi32(xc[r][4 * b + c]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r][8 * b + 2 * c])),
-                                 acc[r]);
+        const __m512 f = _mm512_cvtepi32_ps(sum), d = _mm512_set1_ps(xd[r][8 * b + 2 * c]);
+        t[r] = c == 0 ? _mm512_mul_ps(f, d) : _mm512_fmadd_ps(f, d, t[r]);
       }
     }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(t[r], dw, acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(j.y + (r0 + r) * j.ldy + 8 * g, acc[r]);
 }
