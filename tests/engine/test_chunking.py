@@ -12,7 +12,15 @@ from test_engine import GREEDY, prompts, run_alone, run_together  # tests/engine
 
 from webchat.engine import engine as engine_module
 from webchat.engine.chunking import StepCost
-from webchat.engine.engine import MIN_CHUNK, MIXED_CHUNK, MIXED_STEP_S, PREFILL_CHUNK, PREFILL_STEP_S, Engine
+from webchat.engine.engine import (
+    MIN_CHUNK,
+    MIXED_CHUNK,
+    MIXED_STEP_S,
+    PREFILL_CHUNK,
+    PREFILL_MIN,
+    PREFILL_STEP_S,
+    Engine,
+)
 from webchat.engine.generator import Generator
 from webchat.engine.sequence import GenerationRequest
 from webchat.kernels.backend import load_model
@@ -57,8 +65,9 @@ def test_the_chunk_follows_the_measured_cost_in_powers_of_two(tiny: tuple[Any, T
     assert engine._chunk_budget(1, False) == MIXED_CHUNK
     assert engine._chunk_budget(0, False) == PREFILL_CHUNK  # 1,000 rows would fit in a second
     engine.step_cost[False] = StepCost()
-    engine.step_cost[False].add(32, 32 * PREFILL_STEP_S / 35)  # deep in a long prompt on a loaded core
-    assert engine._chunk_budget(0, False) == 32  # 35 rows fit in a step alone: the nearest power of two
+    engine.step_cost[False].add(32, 32 * PREFILL_STEP_S / 35)  # a big model deep in a long prompt
+    assert engine._chunk_budget(0, False) == PREFILL_MIN  # 35 rows fit in a step alone: it keeps its floor, not 32
+    assert engine._chunk_budget(1, False) == 16  # beside a stream the time bound holds: 21 rows fit, the 16 under them
     engine.step_cost[False] = StepCost()
     engine.step_cost[False].add(32, 32 * PREFILL_STEP_S / 125)  # 125 rows fit alone: 128, not the 64 under it
     assert engine._chunk_budget(0, False) == 128
@@ -70,7 +79,10 @@ def test_the_chunk_follows_the_measured_cost_in_powers_of_two(tiny: tuple[Any, T
     assert engine._chunk_budget(1, False) == MIN_CHUNK  # 3 rows fit beside a stream: never below the floor
     assert engine._chunk_budget(1, True) == MIXED_CHUNK  # a scored prompt's steps are timed apart
     engine.step_cost[True].add(16, 10.0)  # nothing fits at all: the floor, not a failure
-    assert engine._chunk_budget(1, True) == MIN_CHUNK and engine._chunk_budget(0, True) == MIN_CHUNK
+    assert engine._chunk_budget(1, True) == MIN_CHUNK and engine._chunk_budget(0, True) == PREFILL_MIN
+    small = Engine(model, tok, max_seq_len=256, prefill_chunk=16)  # a chunk set under the floor bounds it
+    small.step_cost[False].add(32, 10.0)
+    assert small._chunk_budget(0, False) == 16
 
 
 def test_a_prompt_chunked_to_the_floor_beside_a_stream_gives_the_same_tokens(tiny: tuple[Any, Tokenizer],
