@@ -44,7 +44,6 @@ penalised or favoured.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -431,9 +430,8 @@ def main() -> None:
         if args.against is not None:
             against = args.against.resolve()
             convert_first(gguf, against)
-            makers[f"webchat@{commit_of(against)}"] = functools.partial(  # this checkout's serve arguments too
-                lambda port, g, a, src, s: webchat_server(port, g, *a, src=src, stops=s), g=gguf, a=serve_args,
-                src=against, s=stop_token_ids(gguf))
+            makers[f"webchat@{commit_of(against)}"] = webchat_makers(gguf, against, "default", False,
+                                                                     serve_args=serve_args)["webchat"]
         if binary is not None:
             makers["llama-server"] = peer_maker(binary, gguf, ctx, parallel)
         gbps = None
